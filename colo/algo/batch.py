@@ -1,0 +1,153 @@
+"""Rollout samples -> trainer batches (docs/contract.md), split over the FSDP ranks.
+
+A sample (from RolloutEngine.generate) is
+    {"prompt_index": int, "prompt_ids": [P], "response_ids": [R], "logprobs": [R], "finish_reason": str}
+with logprobs[j] = log p(response_ids[j] | prompt_ids + response_ids[:j]) under vLLM's sampler.
+
+Row b of the batch is prompt_ids + response_ids, right-padded to T:
+
+    position    0 .. P-1        P .. P+R-1             P+R .. T-1
+    input_ids   prompt          response               pad_id
+    attn_mask   1               1                      0
+    loss_mask   0               1                      0
+    rollout_lp  0               logprobs[0 .. R-1]     0
+
+so rollout_logprobs[b, t] = log p(input_ids[b, t] | input_ids[b, :t]), the same alignment as the
+trainer's recomputed log-probs (logits at t-1 score token t).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+
+def build_batch(
+    samples: Sequence[dict],
+    advantages: torch.Tensor | Sequence[float],
+    pad_id: int = 0,
+    pad_to_multiple: int = 1,
+) -> dict[str, torch.Tensor]:
+    """One batch of CPU tensors from `samples` and their advantages (N,).
+
+    Keys: input_ids (B, T) long, attention_mask (B, T) long, loss_mask (B, T) float32,
+    advantages (B,) float32, rollout_logprobs (B, T) float32, sample_index (B,) long (the
+    sample's "sample_index" key when present, else its position in `samples`; -1 marks padding rows).
+    """
+    adv = torch.as_tensor(advantages, dtype=torch.float32).flatten()  # (N,)
+    if adv.numel() != len(samples):
+        raise ValueError(f"{len(samples)} samples but {adv.numel()} advantages")
+    if not samples:
+        raise ValueError("cannot build an empty batch")
+    lengths = [len(s["prompt_ids"]) + len(s["response_ids"]) for s in samples]
+    T = max(lengths)
+    T = -(-T // pad_to_multiple) * pad_to_multiple
+    B = len(samples)
+    input_ids = torch.full((B, T), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros((B, T), dtype=torch.long)
+    loss_mask = torch.zeros((B, T), dtype=torch.float32)
+    rollout_lp = torch.zeros((B, T), dtype=torch.float32)
+    for b, s in enumerate(samples):
+        p, r = list(s["prompt_ids"]), list(s["response_ids"])
+        lp = s["logprobs"]
+        if len(lp) != len(r):
+            raise ValueError(f"sample {b}: {len(r)} response tokens but {len(lp)} logprobs")
+        P, L = len(p), len(p) + len(r)
+        if P == 0:
+            # no position can predict the first token; a response starting at 0 would be unscorable
+            raise ValueError(f"sample {b}: empty prompt")
+        input_ids[b, :L] = torch.tensor(p + r, dtype=torch.long)
+        attention_mask[b, :L] = 1
+        loss_mask[b, P:L] = 1.0
+        if r:
+            rollout_lp[b, P:L] = torch.tensor([float(x) for x in lp], dtype=torch.float32)
+    index = torch.tensor([int(s.get("sample_index", i)) for i, s in enumerate(samples)])
+    return {
+        "input_ids": input_ids,  # (B, T)
+        "attention_mask": attention_mask,  # (B, T)
+        "loss_mask": loss_mask,  # (B, T)
+        "advantages": adv,  # (B,)
+        "rollout_logprobs": rollout_lp,  # (B, T)
+        "sample_index": index,  # (B,)
+    }
+
+
+def balance(lengths: Sequence[int], world_size: int) -> list[list[int]]:
+    """Split sample indices into `world_size` groups with equal counts (differing by at most one)
+    and token totals as even as a greedy longest-first pass gets them. Deterministic.
+
+    Equal counts first: every rank then runs the same number of micro-batches, so the FSDP
+    collectives line up; tokens second, because the slowest rank sets the step time.
+    """
+    n = len(lengths)
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    base, extra = divmod(n, world_size)  # `extra` ranks get one more; whichever fills up lightest
+    groups: list[list[int]] = [[] for _ in range(world_size)]
+    tokens = [0] * world_size
+    for i in sorted(range(n), key=lambda i: (-lengths[i], i)):
+        big = sum(len(g) > base for g in groups)
+        r = min((r for r in range(world_size)
+                 if len(groups[r]) < base or (len(groups[r]) == base and big < extra)),
+                key=lambda r: (tokens[r], r))
+        groups[r].append(i)
+        tokens[r] += lengths[i]
+    return [sorted(g) for g in groups]
+
+
+def shard_batch(batch: dict, world_size: int, pad_to_multiple: int = 1) -> list[dict]:
+    """Split a built batch (rollout or SFT) into one batch per trainer rank: shards[r] is rank r's.
+
+    Rows are assigned by `balance` on their attention-mask lengths; each shard is cut back to its
+    own longest row, not the global one, to save compute. Every (B, ...) tensor is split by rows,
+    every (B, T, ...) tensor also trimmed to the shard's T; other values are passed to all shards.
+
+    Every shard gets exactly ceil(B / world_size) rows. FSDP ranks must run forward and backward
+    in lockstep: a rank with no rows, or with one micro-batch fewer than its peers, leaves the others
+    hanging in all-gather / reduce-scatter. Short shards are therefore topped up with copies of the
+    batch's shortest row with loss_mask 0 and advantage 0 (sample_index -1): they join the
+    collectives, add exactly zero gradient, and count toward neither token nor sequence totals.
+    """
+    mask = batch["attention_mask"]  # (B, T)
+    B, T = mask.shape
+    if B == 0:
+        raise ValueError("cannot shard an empty batch")
+    lengths = [int(x) for x in mask.sum(dim=1).tolist()]  # (B,)
+    size = -(-B // world_size)
+    filler = min(range(B), key=lambda i: (lengths[i], i))
+    shards = []
+    for group in balance(lengths, world_size):
+        n_pad = size - len(group)
+        rows = torch.tensor(group + [filler] * n_pad, dtype=torch.long)
+        t_len = max(lengths[i] for i in rows.tolist())
+        t_len = min(T, -(-t_len // pad_to_multiple) * pad_to_multiple)
+        shard = {k: _take(v, rows, B, T, t_len) for k, v in batch.items()}
+        if n_pad:
+            pad = slice(len(group), size)
+            for key, value in (("loss_mask", 0), ("advantages", 0), ("sample_index", -1)):
+                if key in shard:
+                    shard[key][pad] = value
+        shards.append(shard)
+    return shards
+
+
+def _take(v: object, rows: torch.Tensor, B: int, T: int, t_len: int) -> object:
+    if not isinstance(v, torch.Tensor) or v.dim() == 0 or v.shape[0] != B:
+        return v
+    v = v.index_select(0, rows)  # a copy: the padding edits above never touch the global batch
+    if v.dim() >= 2 and v.shape[1] == T:
+        v = v[:, :t_len].contiguous()
+    return v
+
+
+def build_shards(
+    samples: Sequence[dict],
+    advantages: torch.Tensor | Sequence[float],
+    world_size: int,
+    pad_id: int = 0,
+    pad_to_multiple: int = 1,
+) -> list[dict[str, torch.Tensor]]:
+    """`shard_batch(build_batch(...))`: rollout samples straight to per-rank batches."""
+    return shard_batch(build_batch(samples, advantages, pad_id, pad_to_multiple), world_size,
+                       pad_to_multiple)

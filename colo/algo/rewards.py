@@ -1,0 +1,241 @@
+"""Reward functions: built-ins and user functions by "module:function", run batched.
+
+Every reward function has one batched signature
+
+    fn(responses: list[str], answers: list[str], prompts: list[str]) -> list[float]
+
+(same length as responses). A function may also declare a `finish_reasons: list[str]` keyword;
+it then receives vLLM's finish reasons ("stop" / "length"), which the text alone cannot show.
+
+Built-ins (names usable in `algo.rewards`):
+    exact_match  1.0 when the extracted answer equals the reference (whitespace-normalized)
+    numeric      1.0 when the last number in the response equals the reference's last number
+                 within NUMERIC_REL_TOL / NUMERIC_ABS_TOL
+    format       1.0 when the response stopped on its own (not truncated) with a non-empty answer
+
+`RewardRunner` resolves names once, at construction, so a typo fails before any GPU time is spent.
+    runner(responses, answers, prompts)          -> list[float]  weighted sum, in the caller's thread
+    runner.score(...)                            -> Scores       the sum and each function's values
+    runner.submit(...)                           -> Future[Scores], scored in a worker thread so a
+                                                    slow function (sandbox, HTTP judge) runs while the
+                                                    driver does other work; .result() re-raises
+A failing function raises `RewardError` naming the function and the sample.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import math
+import re
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+
+RewardFn = Callable[..., list[float]]
+
+NUMERIC_REL_TOL = 1e-6
+NUMERIC_ABS_TOL = 1e-6
+
+# 1,234.5 / -3 / .5 / 2e-3 ; thousands separators are dropped before float()
+_NUMBER = re.compile(r"[-+]?(?:\d{1,3}(?:,\d{3})+|\d+)?(?:\.\d+)?(?:[eE][-+]?\d+)?")
+_BOXED = re.compile(r"\\boxed\{([^{}]*)\}")
+_MARKER = re.compile(r"(?:####|[Aa]nswer\s*[:=]|[Aa]nswer is)\s*(.+)")
+
+
+class RewardError(RuntimeError):
+    """A reward function failed; names the function and, when it can be found, the sample."""
+
+    def __init__(self, message: str, fn_name: str, index: int | None = None,
+                 response: str | None = None) -> None:
+        super().__init__(message)
+        self.fn_name = fn_name
+        self.index = index
+        self.response = response
+
+
+def extract_answer(text: str) -> str:
+    """The final answer of a response: last \\boxed{...}, else text after the last "####" /
+    "Answer:" / "answer is", else the last non-empty line. Whitespace-normalized."""
+    boxed = _BOXED.findall(text)
+    if boxed:
+        ans = boxed[-1]
+    else:
+        marked = _MARKER.findall(text)
+        if marked:
+            ans = marked[-1]
+        else:
+            lines = [ln for ln in text.splitlines() if ln.strip()]
+            ans = lines[-1] if lines else ""
+    return _norm(ans)
+
+
+def _norm(text: str) -> str:
+    """Collapse whitespace and drop a sentence-final period ("12." == "12")."""
+    return " ".join(text.split()).rstrip(".")
+
+
+def last_number(text: str) -> float | None:
+    """The last number in `text`, or None."""
+    for m in reversed(list(_NUMBER.finditer(text))):
+        s = m.group(0)
+        if any(c.isdigit() for c in s):
+            try:
+                return float(s.replace(",", ""))
+            except ValueError:  # e.g. "1e" cut off by the regex alternatives
+                continue
+    return None
+
+
+def exact_match(responses: list[str], answers: list[str], prompts: list[str]) -> list[float]:
+    return [float(extract_answer(r) == _norm(a)) for r, a in zip(responses, answers)]
+
+
+def numeric(responses: list[str], answers: list[str], prompts: list[str]) -> list[float]:
+    out = []
+    for r, a in zip(responses, answers):
+        got, want = last_number(r), last_number(a)
+        ok = got is not None and want is not None and math.isclose(
+            got, want, rel_tol=NUMERIC_REL_TOL, abs_tol=NUMERIC_ABS_TOL)
+        out.append(float(ok))
+    return out
+
+
+def format(responses: list[str], answers: list[str], prompts: list[str],  # noqa: A001
+           finish_reasons: list[str] | None = None) -> list[float]:
+    reasons = finish_reasons or [None] * len(responses)
+    return [float(fr in (None, "stop") and extract_answer(r) != "")
+            for r, fr in zip(responses, reasons)]
+
+
+BUILTINS: dict[str, RewardFn] = {"exact_match": exact_match, "numeric": numeric, "format": format}
+
+
+def resolve(name: str) -> RewardFn:
+    """A built-in name or "package.module:function" -> the callable. Raises ValueError naming it."""
+    if ":" not in name:
+        if name not in BUILTINS:
+            raise ValueError(f"unknown reward function {name!r}: built-ins are {sorted(BUILTINS)}, "
+                             "user functions are given as 'module:function'")
+        return BUILTINS[name]
+    mod_name, _, attr = name.partition(":")
+    try:
+        mod = importlib.import_module(mod_name)
+    except Exception as e:  # ImportError, or the module itself failing at import time
+        raise ValueError(f"reward function {name!r}: cannot import module {mod_name!r}: "
+                         f"{type(e).__name__}: {e}") from e
+    fn = getattr(mod, attr, None)
+    if not callable(fn):
+        raise ValueError(f"reward function {name!r}: module {mod_name!r} has no callable {attr!r}")
+    return fn
+
+
+@dataclass
+class Scores:
+    total: list[float]  # (N,) weighted sum over functions
+    by_name: dict[str, list[float]]  # name -> (N,) unweighted, for per-function metrics
+
+
+class RewardRunner:
+    """Weighted sum of reward functions over a batch, in the caller's thread or a worker thread."""
+
+    def __init__(self, names: Sequence[str], weights: Sequence[float] | None = None,
+                 max_workers: int = 1) -> None:
+        if not names:
+            raise ValueError("at least one reward function is needed")
+        if weights is not None and len(weights) != len(names):
+            raise ValueError(f"{len(names)} reward functions but {len(weights)} weights")
+        self.names = list(names)
+        self.weights = [1.0] * len(names) if weights is None else [float(w) for w in weights]
+        self.fns = [resolve(n) for n in self.names]
+        self._takes_finish = [_accepts(fn, "finish_reasons") for fn in self.fns]
+        self._pool = ThreadPoolExecutor(max_workers, "colo-reward") if max_workers > 0 else None
+
+    def __call__(self, responses: list[str], answers: list[str], prompts: list[str],
+                 finish_reasons: list[str] | None = None) -> list[float]:
+        """(N,) weighted reward per sample."""
+        return self.score(responses, answers, prompts, finish_reasons).total
+
+    def score(self, responses: list[str], answers: list[str], prompts: list[str],
+              finish_reasons: list[str] | None = None) -> Scores:
+        n = len(responses)
+        if len(answers) != n or len(prompts) != n:
+            raise ValueError(f"{n} responses, {len(answers)} answers, {len(prompts)} prompts")
+        by_name: dict[str, list[float]] = {}
+        total = [0.0] * n
+        for name, fn, w, fin in zip(self.names, self.fns, self.weights, self._takes_finish):
+            kw = {"finish_reasons": finish_reasons} if fin and finish_reasons is not None else {}
+            vals = _run_one(name, fn, responses, answers, prompts, kw)
+            by_name[name] = vals
+            total = [t + w * v for t, v in zip(total, vals)]
+        return Scores(total, by_name)
+
+    def submit(self, responses: list[str], answers: list[str], prompts: list[str],
+               finish_reasons: list[str] | None = None) -> Future:
+        """Score off the caller's thread; `.result()` gives Scores or raises RewardError."""
+        if self._pool is None:
+            fut: Future = Future()
+            try:
+                fut.set_result(self.score(responses, answers, prompts, finish_reasons))
+            except Exception as e:
+                fut.set_exception(e)
+            return fut
+        return self._pool.submit(self.score, list(responses), list(answers), list(prompts),
+                                 None if finish_reasons is None else list(finish_reasons))
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
+
+
+def _accepts(fn: RewardFn, kw: str) -> bool:
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):  # builtins / C callables without a signature
+        return False
+    return kw in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
+
+
+def _run_one(name: str, fn: RewardFn, responses: list[str], answers: list[str],
+             prompts: list[str], kw: dict) -> list[float]:
+    try:
+        vals = fn(responses, answers, prompts, **kw)
+    except Exception as e:
+        raise _locate(name, fn, responses, answers, prompts, kw, e) from e
+    try:
+        vals = [float(v) for v in vals]
+    except (TypeError, ValueError) as e:
+        raise RewardError(f"reward function {name!r} returned non-numeric values: {e}", name) from e
+    if len(vals) != len(responses):
+        raise RewardError(f"reward function {name!r} returned {len(vals)} values for "
+                          f"{len(responses)} responses", name)
+    for i, v in enumerate(vals):
+        if not math.isfinite(v):
+            raise RewardError(f"reward function {name!r} returned {v} for sample {i}: "
+                              f"response={_short(responses[i])}", name, i, responses[i])
+    return vals
+
+
+def _locate(name: str, fn: RewardFn, responses: list[str], answers: list[str],
+            prompts: list[str], kw: dict, err: Exception) -> RewardError:
+    """Find the first sample that makes `fn` raise by calling it one sample at a time.
+
+    Reward functions are meant to be pure scorers, so re-running them is safe; a function that
+    fails on the batch but on no single sample is reported without an index.
+    """
+    for i in range(len(responses)):
+        one_kw = {k: v[i:i + 1] for k, v in kw.items()}
+        try:
+            fn(responses[i:i + 1], answers[i:i + 1], prompts[i:i + 1], **one_kw)
+        except Exception as e:
+            return RewardError(
+                f"reward function {name!r} raised {type(e).__name__}: {e} on sample {i}: "
+                f"response={_short(responses[i])} answer={_short(answers[i])}",
+                name, i, responses[i])
+    return RewardError(f"reward function {name!r} raised {type(err).__name__}: {err} on the batch "
+                       f"of {len(responses)} (no single sample reproduces it)", name)
+
+
+def _short(text: str, limit: int = 200) -> str:
+    return repr(text if len(text) <= limit else text[:limit] + "...")

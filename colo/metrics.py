@@ -1,0 +1,198 @@
+"""Run outputs: metrics.jsonl, TensorBoard scalars, a PNG plot at close, and a progress bar.
+
+    run_dir/metrics.jsonl   one JSON object per step: {"step": 3, "reward/mean": 0.4, ...}
+    run_dir/tb/             TensorBoard event files (tensorboard --logdir run_dir/tb)
+    run_dir/metrics.png     reward (and eval reward) per step; stacked per-phase timings timing/*_s
+
+The plot is drawn from metrics.jsonl, not from memory, so after a resume it still covers the whole
+run. On resume, pass `resume_step` or call `resume_from(step)` once the checkpoint's step is known:
+lines logged after that step by the interrupted run are dropped (the resumed run logs them again)
+and TensorBoard purges its events after that step too. Records with step -1 (warm-up) are kept.
+Non-finite floats are written as null so the file stays strict JSON (jq, pandas).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import numbers
+from pathlib import Path
+from typing import Any
+
+TIMING_PREFIX = "timing/"
+TOTAL_TIMING = "timing/step_s"
+# the step's timeline, bottom to top in the stacked plot; phases not listed go on top
+PHASE_ORDER = ("rollout", "reward", "sleep", "onload", "logprobs", "train", "offload", "sync", "wake")
+
+
+def _plain(v: Any) -> Any:
+    """Tensors / numpy scalars -> Python numbers; non-finite -> None; others unchanged."""
+    if hasattr(v, "item") and callable(v.item):
+        v = v.item()
+    if isinstance(v, bool):
+        return v
+    if isinstance(v, numbers.Integral):
+        return int(v)
+    if isinstance(v, numbers.Real):
+        v = float(v)
+        return v if math.isfinite(v) else None
+    return v
+
+
+def read_metrics(path: str | Path) -> list[dict]:
+    """All step records of a metrics.jsonl (skips a torn last line from a crash)."""
+    rows = []
+    p = Path(path)
+    if not p.exists():
+        return rows
+    for line in p.read_text().splitlines():
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return rows
+
+
+class MetricsWriter:
+    """Appends one record per step; call close() at the end to flush and draw the plot."""
+
+    def __init__(self, run_dir: str | Path, resume_step: int | None = None) -> None:
+        self.run_dir = Path(run_dir)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.jsonl_path = self.run_dir / "metrics.jsonl"
+        self.plot_path = self.run_dir / "metrics.png"
+        self._jsonl = self.jsonl_path.open("a")
+        self._tb = self._summary_writer(None)
+        if resume_step is not None:
+            self.resume_from(resume_step)
+
+    def _summary_writer(self, purge_step: int | None):
+        from torch.utils.tensorboard import SummaryWriter  # slow import (tensorboard): keep it here
+
+        return SummaryWriter(str(self.run_dir / "tb"), purge_step=purge_step)
+
+    def resume_from(self, step: int) -> None:
+        """Forget everything the interrupted run logged after `step` (the last checkpointed step)."""
+        self._jsonl.close()
+        keep = [r for r in read_metrics(self.jsonl_path) if r.get("step", -1) <= step]
+        self.jsonl_path.write_text("".join(json.dumps(r) + "\n" for r in keep))
+        self._jsonl = self.jsonl_path.open("a")
+        self._tb.close()
+        self._tb = self._summary_writer(step + 1)
+
+    def log(self, step: int, metrics: dict[str, Any]) -> dict[str, Any]:
+        """Write one step's record; returns it as written (plain Python values)."""
+        record = {"step": int(step)}
+        record.update({k: _plain(v) for k, v in metrics.items() if k != "step"})
+        self._jsonl.write(json.dumps(record) + "\n")
+        self._jsonl.flush()  # a crash loses at most the step being written
+        for k, v in record.items():
+            if k != "step" and isinstance(v, (int, float)):  # bools as 0/1
+                self._tb.add_scalar(k, float(v), step)
+        return record
+
+    def close(self) -> Path | None:
+        """Flush everything and write metrics.png; returns its path (None when nothing was logged)."""
+        if self._jsonl.closed:
+            return self.plot_path if self.plot_path.exists() else None
+        self._jsonl.close()
+        self._tb.flush()
+        self._tb.close()
+        rows = read_metrics(self.jsonl_path)
+        if not rows:
+            return None
+        plot_metrics(rows, self.plot_path)
+        return self.plot_path
+
+    def __enter__(self) -> MetricsWriter:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _series(rows: list[dict], key: str) -> tuple[list[int], list[float]]:
+    pts = [(r["step"], r[key]) for r in rows if isinstance(r.get(key), (int, float))]
+    return [p[0] for p in pts], [float(p[1]) for p in pts]
+
+
+def plot_metrics(rows: list[dict], path: str | Path) -> None:
+    """Top: reward/mean and every eval/*reward* key per step. Bottom: per-phase timings stacked."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # no display on cluster nodes; must precede pyplot import
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
+
+    keys = sorted({k for r in rows for k in r})
+    fig, (ax_r, ax_t) = plt.subplots(2, 1, figsize=(10, 7), sharex=True)
+    for key in ["reward/mean"] + [k for k in keys if k.startswith("eval/") and "reward" in k]:
+        xs, ys = _series(rows, key)
+        if xs:
+            ax_r.plot(xs, ys, marker="o" if key.startswith("eval/") else None, ms=4, label=key)
+    ax_r.set_ylabel("reward")
+    ax_r.grid(alpha=0.3)
+    if ax_r.lines:
+        ax_r.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8)
+
+    phases = [k for k in keys if k.startswith(TIMING_PREFIX) and k.endswith("_s") and k != TOTAL_TIMING]
+    rank = {f"{TIMING_PREFIX}{p}_s": i for i, p in enumerate(PHASE_ORDER)}
+    phases.sort(key=lambda k: (rank.get(k, len(rank)), k))
+    steps = [r["step"] for r in rows]
+    bottom = [0.0] * len(rows)
+    for k in phases:
+        vals = [float(r[k]) if isinstance(r.get(k), (int, float)) else 0.0 for r in rows]
+        ax_t.bar(steps, vals, bottom=bottom, width=0.8, label=k[len(TIMING_PREFIX):-2])
+        bottom = [b + v for b, v in zip(bottom, vals)]
+    xs, ys = _series(rows, TOTAL_TIMING)
+    if xs:
+        ax_t.plot(xs, ys, color="black", lw=1, label="step (total)")
+    ax_t.set_xlabel("step")
+    ax_t.set_ylabel("seconds")
+    ax_t.grid(alpha=0.3)
+    ax_t.xaxis.set_major_locator(MaxNLocator(integer=True))
+    if phases or xs:
+        handles, labels = ax_t.get_legend_handles_labels()  # top phase first, as stacked
+        ax_t.legend(handles[::-1], labels[::-1], loc="upper left", bbox_to_anchor=(1.01, 1.0),
+                    fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def format_progress(m: dict[str, Any]) -> dict[str, str]:
+    """Headline numbers of a step record, for the progress bar's postfix."""
+    out = {}
+    for label, key, fmt in (("reward", "reward/mean", "{:.3f}"), ("eval", None, "{:.3f}"),
+                            ("step_s", TOTAL_TIMING, "{:.1f}"), ("sync_s", "timing/sync_s", "{:.2f}")):
+        if key is None:  # the most specific eval reward present
+            key = next((k for k in ("eval/reward/mean", "eval/reward") if k in m), None)
+        v = m.get(key) if key else None
+        if isinstance(v, (int, float)) and not isinstance(v, bool):
+            out[label] = fmt.format(v)
+    return out
+
+
+class ProgressLine:
+    """tqdm bar over RL steps showing reward, last eval, step and sync time."""
+
+    def __init__(self, total_steps: int, initial_step: int = 0, disable: bool = False) -> None:
+        from tqdm import tqdm
+
+        self._bar = tqdm(total=total_steps, initial=initial_step, desc="step", unit="step",
+                         dynamic_ncols=True, disable=disable)
+        self._last_eval: str | None = None
+
+    def update(self, record: dict[str, Any]) -> str:
+        """Advance one step; returns the postfix string shown (also handy for plain logs)."""
+        post = format_progress(record)
+        if "eval" in post:
+            self._last_eval = post["eval"]
+        elif self._last_eval is not None:  # eval runs every few steps; keep showing the last one
+            post["eval"] = self._last_eval
+        self._bar.set_postfix(post, refresh=False)
+        self._bar.update(1)
+        return ", ".join(f"{k}={v}" for k, v in post.items())
+
+    def close(self) -> None:
+        self._bar.close()

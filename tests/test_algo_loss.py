@@ -1,0 +1,211 @@
+import math
+
+import pytest
+import torch
+
+from colo.algo.loss import gather_logprobs, policy_loss, token_entropy
+
+
+def _ref_loss(logp, old, adv, mask, clip_low, clip_high, agg, tis=None, kl=None):
+    """Plain-Python loops: the reference the vectorized loss must match."""
+    B, T = logp.shape
+    per_seq, n_tok, total = [], 0, 0.0
+    for b in range(B):
+        s, n = 0.0, 0
+        for t in range(T):
+            if not mask[b][t]:
+                continue
+            a = float(adv[b]) if adv.dim() == 1 else float(adv[b][t])
+            ratio = torch.exp(logp[b, t] - old[b][t])
+            clipped = min(max(ratio.item(), 1 - clip_low), 1 + clip_high)
+            # the clipped branch is a constant: once it wins, the token has no gradient
+            term = -a * clipped + 0 * ratio if -a * clipped > -a * ratio.item() else -a * ratio
+            if tis is not None:
+                term = term * tis[b][t]
+            if kl is not None:
+                coef, ref = kl
+                d = ref[b][t] - logp[b, t]
+                term = term + coef * (torch.exp(d) - d - 1)
+            s, n = s + term, n + 1
+        total = total + s
+        n_tok += n
+        if n:
+            per_seq.append(s if agg == "seq-mean-token-sum" else s / n)
+    if agg == "token-mean":
+        return total / n_tok
+    return sum(per_seq) / len(per_seq)
+
+
+def test_hand_computed_clipped_and_unclipped_with_gradient():
+    # four tokens, clip_low = clip_high = 0.2, one sequence, token-mean:
+    #  t0 ratio 1.5, A=+1 -> clipped at 1.2, loss -1.2, grad 0
+    #  t1 ratio 0.9, A=+1 -> unclipped, loss -0.9, dloss/dlogp = -0.9
+    #  t2 ratio 0.5, A=-1 -> clipped at 0.8, loss +0.8, grad 0
+    #  t3 ratio 0.5, A=+1 -> unclipped (pessimistic side), loss -0.5, grad -0.5
+    old = torch.zeros(1, 5)
+    logp = torch.log(torch.tensor([[1.0, 1.5, 0.9, 0.5, 0.5]])).requires_grad_()
+    adv = torch.tensor([[0.0, 1.0, 1.0, -1.0, 1.0]])
+    mask = torch.tensor([[0, 1, 1, 1, 1]])
+    loss, m = policy_loss(logp, old, adv, mask, clip_low=0.2, clip_high=0.2, loss_agg="token-mean")
+    assert loss.item() == pytest.approx((-1.2 - 0.9 + 0.8 - 0.5) / 4)
+    loss.backward()
+    torch.testing.assert_close(logp.grad, torch.tensor([[0.0, 0.0, -0.9, 0.0, -0.5]]) / 4)
+    assert m["clip_frac"].item() == pytest.approx(0.5)
+    assert m["pg_loss"].item() == pytest.approx(loss.item())
+    assert m["tis_mean"].item() == 1.0
+    # approx_kl: k3 of old vs new, (r - 1) - log r averaged over masked tokens
+    want_kl = sum((r - 1 - math.log(r)) for r in (1.5, 0.9, 0.5, 0.5)) / 4
+    assert m["approx_kl"].item() == pytest.approx(want_kl, rel=1e-5)
+
+
+def test_asymmetric_clip():
+    # ratio 1.25 with A>0: clip_high 0.28 keeps it unclipped, clip_high 0.2 clips it
+    old = torch.zeros(1, 2)
+    logp = torch.log(torch.tensor([[1.0, 1.25]]))
+    mask = torch.tensor([[0, 1]])
+    adv = torch.tensor([1.0])
+    hi, m_hi = policy_loss(logp, old, adv, mask, clip_low=0.2, clip_high=0.28)
+    lo, m_lo = policy_loss(logp, old, adv, mask, clip_low=0.2, clip_high=0.2)
+    assert hi.item() == pytest.approx(-1.25) and m_hi["clip_frac"].item() == 0.0
+    assert lo.item() == pytest.approx(-1.2) and m_lo["clip_frac"].item() == 1.0
+    # ratio 0.75 with A<0: clip_low 0.2 clips at 0.8, clip_low 0.3 does not
+    logp = torch.log(torch.tensor([[1.0, 0.75]]))
+    a, _ = policy_loss(logp, old, -adv, mask, clip_low=0.2, clip_high=0.28)
+    b, _ = policy_loss(logp, old, -adv, mask, clip_low=0.3, clip_high=0.28)
+    assert a.item() == pytest.approx(0.8) and b.item() == pytest.approx(0.75)
+
+
+@pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"])
+@pytest.mark.parametrize("adv_dim", [1, 2])
+def test_matches_reference_loss_and_grad(agg, adv_dim):
+    g = torch.Generator().manual_seed(0)
+    B, T = 3, 6
+    old = -torch.rand(B, T, generator=g) * 2
+    logp0 = old + torch.randn(B, T, generator=g) * 0.3  # a mix of clipped and unclipped tokens
+    adv = torch.randn(B, generator=g) if adv_dim == 1 else torch.randn(B, T, generator=g)
+    mask = torch.tensor([[0, 0, 1, 1, 1, 0], [0, 1, 1, 1, 1, 1], [0, 0, 0, 1, 0, 0]])
+    rollout = old + torch.randn(B, T, generator=g) * 0.5
+    ref = old + torch.randn(B, T, generator=g) * 0.2
+    tis = torch.clamp(torch.exp(old - rollout), max=1.5)
+
+    logp = logp0.clone().requires_grad_()
+    loss, m = policy_loss(logp, old, adv, mask, clip_low=0.1, clip_high=0.15, loss_agg=agg,
+                          rollout_logprobs=rollout, tis_cap=1.5, ref_logprobs=ref, kl_coef=0.1)
+    loss.backward()
+    logp_r = logp0.clone().requires_grad_()
+    want = _ref_loss(logp_r, old, adv, mask, 0.1, 0.15, agg, tis=tis, kl=(0.1, ref))
+    want.backward()
+    torch.testing.assert_close(loss, want)
+    torch.testing.assert_close(logp.grad, logp_r.grad)
+    assert 0.0 < m["clip_frac"].item() < 1.0  # the case exercises both branches
+    assert "kl_ref" in m
+
+
+def test_tis_weight_is_capped_and_has_no_grad():
+    old = torch.tensor([[0.0, -1.0, -1.0]])
+    rollout = torch.tensor([[0.0, -1.0 - math.log(3.0), -1.0 + math.log(2.0)]])  # weights 3, 0.5
+    logp = old.clone().requires_grad_()
+    mask = torch.tensor([[0, 1, 1]])
+    adv = torch.tensor([1.0])
+    loss, m = policy_loss(logp, old, adv, mask, clip_low=0.2, clip_high=0.2,
+                          rollout_logprobs=rollout, tis_cap=2.0)
+    assert loss.item() == pytest.approx((-2.0 - 0.5) / 2)  # ratio 1, weights min(3, 2) and 0.5
+    assert m["tis_mean"].item() == pytest.approx(1.25)
+    loss.backward()
+    torch.testing.assert_close(logp.grad, torch.tensor([[0.0, -1.0, -0.25]]))
+    uncapped, m2 = policy_loss(old, old, adv, mask, clip_low=0.2, clip_high=0.2,
+                               rollout_logprobs=rollout, tis_cap=None)
+    assert uncapped.item() == pytest.approx((-3.0 - 0.5) / 2)
+    off, m3 = policy_loss(old, old, adv, mask, clip_low=0.2, clip_high=0.2,
+                          rollout_logprobs=rollout, tis_cap=0)  # config: 0 disables the correction
+    assert off.item() == pytest.approx(-1.0) and m3["tis_mean"].item() == 1.0
+    with pytest.raises(ValueError, match="tis_cap"):
+        policy_loss(old, old, adv, mask, clip_low=0.2, clip_high=0.2, rollout_logprobs=rollout,
+                    tis_cap=-1.0)
+
+
+def test_kl_off_costs_nothing_and_kl_on_matches_k3():
+    old = torch.tensor([[0.0, -1.0, -2.0]])
+    mask = torch.tensor([[0, 1, 1]])
+    adv = torch.tensor([0.0])  # isolate the KL term
+    poison = torch.full_like(old, float("nan"))  # any read of ref with kl off would show as nan
+    base, m = policy_loss(old, old, adv, mask, clip_low=0.2, clip_high=0.2)
+    off, m_off = policy_loss(old, old, adv, mask, clip_low=0.2, clip_high=0.2,
+                             ref_logprobs=poison, kl_coef=0.0)
+    assert torch.equal(base, off) and "kl_ref" not in m_off
+    ref = torch.tensor([[0.0, -1.5, -1.0]])
+    logp = old.clone().requires_grad_()
+    on, m_on = policy_loss(logp, old, adv, mask, clip_low=0.2, clip_high=0.2,
+                           ref_logprobs=ref, kl_coef=0.5)
+    d = torch.tensor([-0.5, 1.0])
+    assert on.item() == pytest.approx(0.5 * (torch.exp(d) - d - 1).mean().item())
+    on.backward()  # d/dlogp of exp(d) - d - 1 with d = ref - logp is 1 - exp(d)
+    torch.testing.assert_close(logp.grad[0, 1:], 0.5 * (1 - torch.exp(d)) / 2)
+    with pytest.raises(ValueError, match="ref_logprobs"):
+        policy_loss(old, old, adv, mask, clip_low=0.2, clip_high=0.2, kl_coef=0.1)
+
+
+def test_masked_positions_never_produce_nan():
+    # off-mask values like the rollout's 0 at prompt positions vs a trainer's -1000 must not overflow
+    logp = torch.tensor([[-1000.0, -1.0, 0.0]], requires_grad=True)
+    old = torch.tensor([[500.0, -1.0, 0.0]])
+    rollout = torch.tensor([[-900.0, -1.0, 0.0]])
+    mask = torch.tensor([[0, 1, 0]])
+    loss, m = policy_loss(logp, old, torch.tensor([1.0]), mask, clip_low=0.2, clip_high=0.2,
+                          rollout_logprobs=rollout, tis_cap=2.0, ref_logprobs=rollout, kl_coef=0.1)
+    loss.backward()
+    assert torch.isfinite(loss) and torch.isfinite(logp.grad).all()
+    assert all(torch.isfinite(v) for v in m.values())
+
+
+@pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"])
+def test_global_counts_make_split_gradients_equal_one_process(agg):
+    """Two 'ranks' each holding half the rows, scaled by global counts, sum to the full gradient."""
+    g = torch.Generator().manual_seed(1)
+    B, T = 4, 5
+    old = -torch.rand(B, T, generator=g)
+    logp0 = old + torch.randn(B, T, generator=g) * 0.3
+    adv = torch.randn(B, generator=g)
+    mask = torch.tensor([[0, 1, 1, 1, 1], [0, 0, 1, 0, 0], [0, 1, 1, 0, 0], [0, 0, 0, 0, 0]])
+    kw = dict(clip_low=0.2, clip_high=0.2, loss_agg=agg)
+    full = logp0.clone().requires_grad_()
+    policy_loss(full, old, adv, mask, **kw)[0].backward()
+    tokens, seqs = mask.sum(), (mask.sum(1) > 0).sum()
+    parts = logp0.clone().requires_grad_()
+    for rows in (slice(0, 1), slice(1, 4)):
+        policy_loss(parts[rows], old[rows], adv[rows], mask[rows], token_count=tokens,
+                    seq_count=seqs, **kw)[0].backward()
+    torch.testing.assert_close(parts.grad, full.grad)
+
+
+def test_all_masked_rows_keep_graph():
+    logp = torch.zeros(1, 3, requires_grad=True)
+    loss, _ = policy_loss(logp, torch.zeros(1, 3), torch.tensor([0.0]), torch.zeros(1, 3),
+                          clip_low=0.2, clip_high=0.2, loss_agg="seq-mean-token-mean")
+    loss.backward()  # a padding-only rank must still be able to backprop
+    assert loss.item() == 0.0 and torch.equal(logp.grad, torch.zeros(1, 3))
+
+
+def test_rejects_unknown_agg():
+    x = torch.zeros(1, 2)
+    with pytest.raises(ValueError, match="loss_agg"):
+        policy_loss(x, x, torch.zeros(1), x, clip_low=0.2, clip_high=0.2, loss_agg="mean")
+
+
+def test_token_entropy_and_gather_logprobs():
+    V = 8
+    logits = torch.zeros(2, 3, V)
+    logits[1, 2] = torch.tensor([100.0] + [0.0] * (V - 1))  # near one-hot
+    ent = token_entropy(logits.to(torch.bfloat16))
+    assert ent.shape == (2, 3) and ent.dtype == torch.float32
+    torch.testing.assert_close(ent[0], torch.full((3,), math.log(V)))
+    assert ent[1, 2].item() < 1e-6
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(2, 4, V, generator=g)
+    ids = torch.randint(0, V, (2, 4), generator=g)
+    lp = gather_logprobs(logits, ids)
+    want = torch.log_softmax(logits, -1)
+    assert lp[0, 0] == 0 and lp[1, 0] == 0
+    for b in range(2):
+        for t in range(1, 4):  # value at t scores ids[t] with the logits of position t - 1
+            assert lp[b, t].item() == pytest.approx(want[b, t - 1, ids[b, t]].item(), abs=1e-5)

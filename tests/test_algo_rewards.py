@@ -1,0 +1,126 @@
+import textwrap
+
+import pytest
+
+from colo.algo.rewards import (RewardError, RewardRunner, exact_match, extract_answer, format,
+                               last_number, numeric, resolve)
+
+USER_MODULE = textwrap.dedent('''
+    import threading
+
+    def length_bonus(responses, answers, prompts):
+        return [len(r) / 10 for r in responses]
+
+    def picky(responses, answers, prompts):
+        # raises on one specific sample, like a parser meeting unexpected text
+        return [1.0 / (0 if r == "boom" else 1) for r in responses]
+
+    def wrong_len(responses, answers, prompts):
+        return [1.0]
+
+    def nan_on_second(responses, answers, prompts):
+        return [float("nan") if i == 1 else 0.0 for i in range(len(responses))]
+
+    def batch_only_failure(responses, answers, prompts):
+        if len(responses) > 1:
+            raise RuntimeError("batch too big")
+        return [0.0]
+
+    def where(responses, answers, prompts):
+        return [float(threading.current_thread() is threading.main_thread())] * len(responses)
+''')
+
+
+@pytest.fixture
+def user_mod(tmp_path, monkeypatch):
+    (tmp_path / "colo_test_user_rewards.py").write_text(USER_MODULE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    return "colo_test_user_rewards"
+
+
+def test_extract_and_last_number():
+    assert extract_answer("work\nwork\n  19  \n") == "19"
+    assert extract_answer("so \\boxed{x + 1} and \\boxed{42}.") == "42"
+    assert extract_answer("blah #### 7") == "7"
+    assert extract_answer("The answer is 12.") == "12"
+    assert extract_answer("   \n") == ""
+    assert last_number("3 apples and -1,234.5 pears") == -1234.5
+    assert last_number("x = 2e-3") == 0.002
+    assert last_number("none here") is None
+
+
+def test_exact_match_on_task_completions():
+    # colo.algo.tasks completions: " 7" for raw prompts, "7" inside a chat template
+    assert exact_match([" 7", "7", " 7 7", " cba", "abc"], ["7", "7", "7", "cba", "cba"],
+                       [""] * 5) == [1.0, 1.0, 0.0, 1.0, 0.0]
+
+
+def test_builtins():
+    resp = ["19", "Answer: 20", "it is 19.0000001", "nineteen", "19\n", ""]
+    ans = ["19"] * 6
+    prompts = ["12+7="] * 6
+    assert exact_match(resp, ans, prompts) == [1.0, 0.0, 0.0, 0.0, 1.0, 0.0]
+    assert numeric(resp, ans, prompts) == [1.0, 0.0, 1.0, 0.0, 1.0, 0.0]
+    assert numeric(["1,000"], ["#### 1000"], [""]) == [1.0]
+    assert format(resp, ans, prompts) == [1.0, 1.0, 1.0, 1.0, 1.0, 0.0]
+    # a response cut off by max_tokens is not cleanly formatted, whatever its text
+    fr = ["stop", "length", "stop", "stop", "stop", "stop"]
+    assert format(resp, ans, prompts, finish_reasons=fr) == [1.0, 0.0, 1.0, 1.0, 1.0, 0.0]
+
+
+def test_runner_weights_user_fn_and_finish_reasons(user_mod):
+    runner = RewardRunner(["numeric", f"{user_mod}:length_bonus", "format"], weights=[1.0, 0.5, 2.0])
+    args = (["7", "8 and then some"], ["7", "7"], ["3+4=", "3+4="])
+    s = runner.score(*args, finish_reasons=["stop", "length"])
+    assert s.by_name["numeric"] == [1.0, 0.0]
+    assert s.by_name[f"{user_mod}:length_bonus"] == [0.1, 1.5]
+    assert s.by_name["format"] == [1.0, 0.0]
+    assert s.total == pytest.approx([1.0 + 0.05 + 2.0, 0.75])
+    # plain call: the weighted totals only; without finish reasons "format" judges text alone
+    assert runner(*args) == pytest.approx([1.0 + 0.05 + 2.0, 0.75 + 2.0])
+    runner.close()
+
+
+def test_resolution_errors_name_the_function(user_mod):
+    with pytest.raises(ValueError, match="'exactmatch'.*built-ins"):
+        RewardRunner(["exactmatch"])
+    with pytest.raises(ValueError, match="no_such_mod_xyz:f.*cannot import"):
+        RewardRunner(["no_such_mod_xyz:f"])
+    with pytest.raises(ValueError, match=f"{user_mod}:missing.*no callable 'missing'"):
+        RewardRunner([f"{user_mod}:missing"])
+    with pytest.raises(ValueError, match="weights"):
+        RewardRunner(["numeric"], weights=[1.0, 2.0])
+    assert resolve("numeric") is numeric
+
+
+def test_raising_reward_names_function_and_sample(user_mod):
+    runner = RewardRunner(["numeric", f"{user_mod}:picky"])
+    with pytest.raises(RewardError) as ei:
+        runner(["1", "2", "boom", "4"], ["1"] * 4, ["p"] * 4)
+    err = ei.value
+    assert err.fn_name == f"{user_mod}:picky" and err.index == 2 and err.response == "boom"
+    assert "picky" in str(err) and "sample 2" in str(err) and "'boom'" in str(err)
+    assert isinstance(err.__cause__, ZeroDivisionError)
+
+
+def test_bad_outputs_are_reward_errors(user_mod):
+    with pytest.raises(RewardError, match="wrong_len.*returned 1 values for 2"):
+        RewardRunner([f"{user_mod}:wrong_len"])(["a", "b"], ["a", "b"], ["", ""])
+    with pytest.raises(RewardError, match="nan_on_second.*nan for sample 1") as ei:
+        RewardRunner([f"{user_mod}:nan_on_second"])(["a", "b"], ["a", "b"], ["", ""])
+    assert ei.value.index == 1
+    with pytest.raises(RewardError, match="batch_only_failure.*no single sample") as ei:
+        RewardRunner([f"{user_mod}:batch_only_failure"])(["a", "b"], ["a", "b"], ["", ""])
+    assert ei.value.index is None
+
+
+def test_submit_runs_off_thread_and_raises_on_result(user_mod):
+    runner = RewardRunner([f"{user_mod}:where"], max_workers=1)
+    assert runner.submit(["a"], ["a"], [""]).result(timeout=10).total == [0.0]  # worker thread
+    picky = RewardRunner([f"{user_mod}:picky"], max_workers=1)
+    with pytest.raises(RewardError, match="sample 0"):
+        picky.submit(["boom"], ["x"], [""]).result(timeout=10)
+    picky.close()
+    inline = RewardRunner([f"{user_mod}:where"], max_workers=0)
+    assert inline.submit(["a"], ["a"], [""]).result().total == [1.0]  # caller's thread
+    runner.close()
