@@ -1,0 +1,1 @@
+"""RL algorithm pieces: advantages, policy loss, rewards, prompt data and synthetic tasks."""

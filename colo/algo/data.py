@@ -1,0 +1,142 @@
+"""Prompt data: JSONL/Parquet rows -> tokenized prompt batches, shuffled per epoch, resumable.
+
+    ds = PromptDataset("arith_train.jsonl", "prompt", "answer", tokenizer, chat_template=False, seed=0)
+    batch = ds.next_batch(8)     # [{"prompt_ids": [int], "prompt_text": str, "answer": str}] * 8
+    state = ds.state_dict()      # {"epoch", "pos", "seed", "num_rows"}: store it in the checkpoint
+    ds.load_state_dict(state)    # the next next_batch() continues exactly where the saved one left off
+
+Order: epoch e visits every row once in a permutation drawn from Random(f"{seed}:{e}"), so the
+order depends only on (seed, epoch), not on batch sizes or on how often the run was resumed. A batch
+that reaches the end of an epoch continues into the next one (no short or dropped batches).
+
+Rows are validated when the file is read, so a bad row fails at start-up with the file, row number
+and missing field, not hours later when a shuffle happens to reach it.
+"""
+from __future__ import annotations
+
+import json
+import os
+import random
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+
+def read_rows(path: str | os.PathLike, required: Sequence[str]) -> list[dict[str, Any]]:
+    """All rows of a .jsonl/.json-lines or .parquet file; every row must have every `required` field."""
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"data file not found: {path}")
+    if path.suffix == ".parquet":
+        import pyarrow.parquet as pq
+
+        rows = pq.read_table(path).to_pylist()
+        where = [f"row {i}" for i in range(len(rows))]
+    elif path.suffix in (".jsonl", ".json", ".ndjson"):
+        rows, where = [], []
+        with open(path) as f:
+            for lineno, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise ValueError(f"{path}: row {len(rows)} (line {lineno}): invalid JSON: {e}") from None
+                if not isinstance(row, dict):
+                    raise ValueError(f"{path}: row {len(rows)} (line {lineno}): expected a JSON object, "
+                                     f"got {type(row).__name__}")
+                rows.append(row)
+                where.append(f"row {len(rows) - 1} (line {lineno})")
+    else:
+        raise ValueError(f"{path}: unsupported data format {path.suffix!r}; use .jsonl or .parquet")
+    for row, at in zip(rows, where):
+        for key in required:
+            if row.get(key) is None:  # Parquet fills absent values with None: treat as missing too
+                raise ValueError(f"{path}: {at}: missing field {key!r} (row has fields {sorted(row)})")
+    if not rows:
+        raise ValueError(f"{path}: no rows")
+    return rows
+
+
+class PromptDataset:
+    """Prompts and reference answers from one file, tokenized on demand (see module docstring)."""
+
+    def __init__(self, path: str | os.PathLike, prompt_key: str = "prompt", answer_key: str = "answer",
+                 tokenizer: Any = None, chat_template: bool = False, seed: int = 0,
+                 shuffle: bool = True) -> None:
+        """`tokenizer`: a transformers tokenizer or a path to load one from (AutoTokenizer)."""
+        if tokenizer is None:
+            raise ValueError("PromptDataset needs a tokenizer (object or path)")
+        if isinstance(tokenizer, (str, os.PathLike)):
+            from transformers import AutoTokenizer
+
+            tokenizer = AutoTokenizer.from_pretrained(tokenizer)
+        if chat_template and not getattr(tokenizer, "chat_template", None):
+            raise ValueError(f"chat_template=True but tokenizer {tokenizer.name_or_path!r} has no chat template")
+        self.path = Path(path)
+        rows = read_rows(self.path, [prompt_key, answer_key])
+        self.prompts = [str(r[prompt_key]) for r in rows]
+        self.answers = [str(r[answer_key]) for r in rows]
+        self.tokenizer = tokenizer
+        self.chat_template = chat_template
+        self.seed = seed
+        self.shuffle = shuffle
+        self.epoch = 0
+        self.pos = 0  # rows of the current epoch already handed out
+        self._order_epoch = -1
+        self._order: list[int] = []
+
+    def __len__(self) -> int:
+        return len(self.prompts)
+
+    def prompt_text(self, i: int) -> str:
+        """Row i's prompt as the model sees it (chat template applied when enabled)."""
+        if not self.chat_template:
+            return self.prompts[i]
+        return self.tokenizer.apply_chat_template(
+            [{"role": "user", "content": self.prompts[i]}], add_generation_prompt=True, tokenize=False)
+
+    def item(self, i: int) -> dict[str, Any]:
+        text = self.prompt_text(i)
+        # A rendered chat template already carries any BOS; a raw prompt gets the tokenizer's specials.
+        ids = self.tokenizer(text, add_special_tokens=not self.chat_template)["input_ids"]
+        return {"prompt_ids": list(ids), "prompt_text": text, "answer": self.answers[i]}
+
+    def _epoch_order(self, epoch: int) -> list[int]:
+        if self._order_epoch != epoch:
+            order = list(range(len(self)))
+            if self.shuffle:
+                random.Random(f"{self.seed}:{epoch}").shuffle(order)
+            self._order, self._order_epoch = order, epoch
+        return self._order
+
+    def next_batch(self, k: int) -> list[dict[str, Any]]:
+        """The next k prompts in shuffled order, crossing into the next epoch when one runs out."""
+        if k <= 0:
+            raise ValueError(f"batch size must be positive, got {k}")
+        out = []
+        while len(out) < k:
+            order = self._epoch_order(self.epoch)
+            take = min(k - len(out), len(order) - self.pos)
+            out.extend(self.item(i) for i in order[self.pos:self.pos + take])
+            self.pos += take
+            if self.pos == len(order):
+                self.epoch, self.pos = self.epoch + 1, 0
+        return out
+
+    def sequential(self, k: int) -> Iterator[list[dict[str, Any]]]:
+        """File-order batches over every row once (eval); does not move the training position."""
+        for start in range(0, len(self), k):
+            yield [self.item(i) for i in range(start, min(start + k, len(self)))]
+
+    def state_dict(self) -> dict[str, int]:
+        return {"epoch": self.epoch, "pos": self.pos, "seed": self.seed, "num_rows": len(self)}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        # A changed file or seed would silently resume at a different place: refuse instead.
+        if state["num_rows"] != len(self) or state["seed"] != self.seed:
+            raise ValueError(f"{self.path}: saved data position is for {state['num_rows']} rows / seed "
+                             f"{state['seed']}, but the dataset has {len(self)} rows / seed {self.seed}")
+        if not 0 <= state["pos"] < len(self):
+            raise ValueError(f"{self.path}: saved position {state['pos']} out of range [0, {len(self)})")
+        self.epoch, self.pos = int(state["epoch"]), int(state["pos"])

@@ -1,0 +1,1 @@
+"""Tiny model and tokenizer generators for tests, demos and dry runs (see colo.models.tiny)."""

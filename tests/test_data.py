@@ -1,0 +1,120 @@
+"""colo.algo.tasks (synthetic task files) and colo.algo.data (PromptDataset)."""
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from colo.algo.data import PromptDataset, read_rows
+from colo.algo.tasks import completion, generate, make_task, sft_examples
+from colo.algo.rewards import extract_answer
+
+
+@pytest.fixture(scope="module")
+def tok():
+    from colo.models.tokenizer import build_tokenizer
+
+    return build_tokenizer(512)
+
+
+def test_arith_files_deterministic_and_correct(tmp_path: Path) -> None:
+    tr, ev = make_task("arith", tmp_path / "a", n_train=300, n_eval=50, seed=7)
+    tr2, ev2 = make_task("arith", tmp_path / "b", n_train=300, n_eval=50, seed=7)
+    assert tr.read_bytes() == tr2.read_bytes() and ev.read_bytes() == ev2.read_bytes()
+    tr3, _ = make_task("arith", tmp_path / "c", n_train=300, n_eval=50, seed=8)
+    assert tr3.read_bytes() != tr.read_bytes()
+    rows = [json.loads(l) for l in tr.read_text().splitlines()]
+    assert len(rows) == 300 and len(ev.read_text().splitlines()) == 50
+    for r in rows:
+        m = re.fullmatch(r"Question: (\d)([+-])(\d)=\? Answer:", r["prompt"])
+        assert m, r
+        a, op, b = int(m[1]), m[2], int(m[3])
+        assert int(r["answer"]) == (a + b if op == "+" else a - b)
+        assert 0 <= int(r["answer"]) <= 18
+    assert {r["prompt"][11] for r in rows} == {"+", "-"}  # both operations occur
+    assert sft_examples(tr) == [(r["prompt"], r["answer"]) for r in rows]
+
+
+def test_reverse_eval_is_held_out() -> None:
+    train, evals = generate("reverse", 2000, 300, seed=0)
+    assert all(a == p.split()[2][::-1] for p, a in train + evals)
+    assert not {p for p, _ in train} & {p for p, _ in evals}
+    with pytest.raises(ValueError, match="unknown task"):
+        generate("nope", 1, 1, 0)
+
+
+def test_completion_scores_with_exact_match(tok) -> None:
+    # The warm-up target text, decoded back, must extract to the reference answer.
+    for chat in (False, True):
+        text = completion("17", chat)
+        assert tok.decode(tok(text, add_special_tokens=False)["input_ids"]) == text
+        assert extract_answer(text) == "17"
+
+
+def _write_parquet(path: Path, rows: list[dict]) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.Table.from_pylist(rows), path)
+
+
+def test_jsonl_and_parquet_same_items(tmp_path: Path, tok) -> None:
+    tr, _ = make_task("arith", tmp_path, n_train=20, n_eval=2, seed=0)
+    rows = [json.loads(l) for l in tr.read_text().splitlines()]
+    _write_parquet(tmp_path / "t.parquet", rows)
+    a = PromptDataset(tr, "prompt", "answer", tok, chat_template=False, seed=3)
+    b = PromptDataset(tmp_path / "t.parquet", "prompt", "answer", tok, chat_template=False, seed=3)
+    ba, bb = a.next_batch(7), b.next_batch(7)
+    assert ba == bb
+    for item in ba:
+        assert tok.decode(item["prompt_ids"]) == item["prompt_text"]
+        assert item["prompt_text"].startswith("Question: ") and item["answer"].isdigit()
+    c = PromptDataset(tr, "prompt", "answer", tok, chat_template=True, seed=3)
+    item = c.next_batch(1)[0]
+    assert item["prompt_text"].startswith("<|im_start|>user\nQuestion: ")
+    assert item["prompt_text"].endswith("<|im_start|>assistant\n")
+    assert item["prompt_ids"][0] == tok.convert_tokens_to_ids("<|im_start|>")
+
+
+def test_missing_field_names_file_row_and_field(tmp_path: Path, tok) -> None:
+    p = tmp_path / "bad.jsonl"
+    p.write_text('{"prompt": "a", "answer": "1"}\n\n{"prompt": "b", "answer": "2"}\n{"prompt": "c"}\n')
+    with pytest.raises(ValueError, match=r"bad\.jsonl: row 2 \(line 4\): missing field 'answer'"):
+        PromptDataset(p, "prompt", "answer", tok, chat_template=False)
+    q = tmp_path / "bad.parquet"
+    _write_parquet(q, [{"prompt": "a", "answer": "1"}, {"prompt": "b", "answer": None}])
+    with pytest.raises(ValueError, match=r"bad\.parquet: row 1: missing field 'answer'"):
+        PromptDataset(q, "prompt", "answer", tok, chat_template=False)
+    with pytest.raises(ValueError, match=r"row 0: missing field 'question'"):
+        read_rows(q, ["question"])
+    p.write_text('{"prompt": "a", "answer": "1"}\n{"prompt": "b", \n')
+    with pytest.raises(ValueError, match=r"row 1 \(line 2\): invalid JSON"):
+        read_rows(p, ["prompt"])
+    with pytest.raises(FileNotFoundError, match="nothere.jsonl"):
+        read_rows(tmp_path / "nothere.jsonl", ["prompt"])
+
+
+def test_epochs_are_permutations_and_resume_is_exact(tmp_path: Path, tok) -> None:
+    p = tmp_path / "d.jsonl"
+    p.write_text("".join(json.dumps({"prompt": f"p{i}", "answer": str(i)}) + "\n" for i in range(10)))
+    ds = PromptDataset(p, "prompt", "answer", tok, chat_template=False, seed=1)
+    first = [x["answer"] for x in ds.next_batch(4)]
+    state = ds.state_dict()
+    rest = [x["answer"] for b in (3, 6, 9) for x in ds.next_batch(b)]  # crosses into epochs 1 and 2
+    seq = first + rest
+    assert sorted(seq[:10], key=int) == [str(i) for i in range(10)]  # epoch 0: every row once
+    assert sorted(seq[10:20], key=int) == [str(i) for i in range(10)]  # epoch 1: every row once
+    assert seq[:10] != seq[10:20]  # reshuffled per epoch
+    assert ds.state_dict() == {"epoch": 2, "pos": 2, "seed": 1, "num_rows": 10}
+
+    resumed = PromptDataset(p, "prompt", "answer", tok, chat_template=False, seed=1)
+    resumed.load_state_dict(json.loads(json.dumps(state)))  # survives a JSON round trip
+    assert [x["answer"] for x in resumed.next_batch(18)] == rest  # batch sizes do not change the order
+
+    other = PromptDataset(p, "prompt", "answer", tok, chat_template=False, seed=2)
+    assert [x["answer"] for x in other.next_batch(10)] != seq[:10]
+    with pytest.raises(ValueError, match="seed"):
+        other.load_state_dict(state)
+    assert [x["answer"] for b in other.sequential(4) for x in b] == [str(i) for i in range(10)]
