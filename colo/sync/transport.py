@@ -1,0 +1,182 @@
+"""Reusable byte buffers shared between a trainer process and its colocated vLLM worker.
+
+One interface, two transports:
+- CPU: POSIX shared memory (`multiprocessing.shared_memory`); the handle is the segment name.
+- CUDA: CUDA IPC via `torch.multiprocessing.reductions.reduce_tensor`; its arguments hold classes, a
+  dtype and the sender's device index, which vLLM's RPC refuses to serialize (measured, see
+  shared/gpu/README.md). We send names instead and rebuild them on the receiver, replacing the device
+  index by the receiver's own (the two processes may see the same GPU under different indices, so the
+  handle carries the device UUID and the receiver checks it).
+
+Handles are plain dicts (contract.md): {"kind": "shm", "name", "nbytes", "buffer_id"} or
+{"kind": "cuda_ipc", "buffer_id", "nbytes", "device_uuid", "args"}.
+"""
+from __future__ import annotations
+
+import _posixshmem
+import atexit
+import mmap
+import os
+import secrets
+import weakref
+from multiprocessing import shared_memory
+
+import torch
+
+ALIGN = 256  # byte alignment of every piece in a buffer (covers any dtype, and CUDA's 256-byte rule)
+
+
+def align_up(n: int, a: int = ALIGN) -> int:
+    return (n + a - 1) // a * a
+
+
+def device_uuid(device: torch.device) -> str | None:
+    if device.type != "cuda":
+        return None
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return str(torch.cuda.get_device_properties(index).uuid)
+
+
+class SenderBuffers:
+    """`count` uint8 buffers of `nbytes` each, allocated once and reused by every sync.
+
+    The sender owns the segments: it unlinks them on close() and at interpreter exit, so a crashed
+    receiver cannot leak /dev/shm space, and a crashed sender leaks at most `count` segments.
+    """
+
+    def __init__(self, nbytes: int, count: int, device: torch.device | str) -> None:
+        self.nbytes, self.count, self.device = int(nbytes), int(count), torch.device(device)
+        self.tensors: list[torch.Tensor] = []  # each (nbytes,) uint8
+        self._shm: list[shared_memory.SharedMemory] = []
+        self._handles: list[dict] = []
+        if self.device.type == "cpu":
+            tag = secrets.token_hex(4)
+            for i in range(self.count):
+                seg = shared_memory.SharedMemory(name=f"colo_{tag}_{i}", create=True, size=self.nbytes)
+                self._shm.append(seg)
+                self.tensors.append(torch.frombuffer(seg.buf, dtype=torch.uint8, count=self.nbytes))
+                self._handles.append({"kind": "shm", "name": seg.name, "nbytes": self.nbytes, "buffer_id": i})
+            self._finalizer = weakref.finalize(self, _unlink_all, list(self._shm), list(self.tensors))
+            atexit.register(self._finalizer)
+        elif self.device.type == "cuda":
+            uuid = device_uuid(self.device)
+            for i in range(self.count):
+                buf = torch.empty(self.nbytes, dtype=torch.uint8, device=self.device)
+                self.tensors.append(buf)
+                self._handles.append({"kind": "cuda_ipc", "buffer_id": i, "nbytes": self.nbytes,
+                                      "device_uuid": uuid, "args": _cuda_ipc_args(buf)})
+        else:
+            raise ValueError(f"no buffer transport for device {self.device}")
+
+    def handles(self) -> list[dict]:
+        return [dict(h) for h in self._handles]
+
+    def close(self) -> None:
+        self.tensors = []
+        if self._shm:
+            self._finalizer()
+            self._shm = []
+
+
+def _unlink_all(segs: list[shared_memory.SharedMemory], tensors: list[torch.Tensor]) -> None:
+    tensors.clear()  # frombuffer tensors export the mmap; drop them before close() or it raises BufferError
+    for seg in segs:
+        try:
+            seg.close()
+        except BufferError:  # a tensor view still alive somewhere: leave the mapping, still unlink the name
+            pass
+        try:
+            seg.unlink()
+        except FileNotFoundError:
+            pass
+
+
+def _cuda_ipc_args(buf: torch.Tensor) -> list:
+    """reduce_tensor's argument tuple with classes and dtype replaced by names (plain data)."""
+    from torch.multiprocessing.reductions import reduce_tensor
+
+    _rebuild, args = reduce_tensor(buf)
+    args = list(args)
+    # (tensor_cls, size, stride, offset, storage_cls, dtype, device, handle, size_bytes, offset_bytes,
+    #  requires_grad, ref_counter_handle, ref_counter_offset, event_handle, event_sync_required)
+    args[0], args[1], args[2] = None, list(args[1]), list(args[2])
+    args[4], args[5] = None, str(args[5]).removeprefix("torch.")
+    return args
+
+
+def open_buffer(handle: dict, device: torch.device | str) -> torch.Tensor:
+    """Open a sender's buffer in this process; returns a (nbytes,) uint8 tensor aliasing it."""
+    t, seg = _open(handle, torch.device(device))
+    if seg is not None:
+        _KEEP_ALIVE.append(seg)  # the mapping must outlive the returned tensor
+    return t
+
+
+def _open(handle: dict, device: torch.device) -> tuple[torch.Tensor, mmap.mmap | None]:
+    if handle["kind"] == "shm":
+        # Attach without multiprocessing.shared_memory: Python 3.11 registers attached segments with the
+        # resource tracker, which then unlinks them (and warns about "leaks") when this process exits,
+        # or, when sender and receiver share a tracker, makes the sender's own unlink fail. The sender
+        # owns the segment; the receiver only maps it.
+        fd = _posixshmem.shm_open("/" + handle["name"].lstrip("/"), os.O_RDWR, mode=0o600)
+        try:
+            mm = mmap.mmap(fd, int(handle["nbytes"]))
+        finally:
+            os.close(fd)
+        return torch.frombuffer(mm, dtype=torch.uint8, count=int(handle["nbytes"])), mm
+    if handle["kind"] == "cuda_ipc":
+        from torch.multiprocessing.reductions import rebuild_cuda_tensor
+
+        if device.type != "cuda":
+            raise ValueError("a cuda_ipc handle needs a CUDA receiver device")
+        mine = device_uuid(device)
+        if handle.get("device_uuid") and mine != handle["device_uuid"]:
+            raise ValueError(f"cuda_ipc buffer lives on {handle['device_uuid']}, receiver is on {mine}: "
+                             "trainer and engine are not colocated on one GPU")
+        args = list(handle["args"])
+        args[0], args[1], args[2] = torch.Tensor, torch.Size(args[1]), tuple(args[2])
+        args[4], args[5] = torch.storage.UntypedStorage, getattr(torch, args[5])
+        args[6] = device.index if device.index is not None else torch.cuda.current_device()
+        return rebuild_cuda_tensor(*args), None
+    raise ValueError(f"unknown buffer kind {handle['kind']!r}")
+
+
+_KEEP_ALIVE: list[mmap.mmap] = []  # mappings that could not be closed (a view survived)
+
+
+def _handle_key(handle: dict) -> tuple:
+    ident = handle.get("name") if handle["kind"] == "shm" else bytes(handle["args"][7])
+    return (handle["kind"], ident, int(handle["buffer_id"]))
+
+
+class ReceiverBuffers:
+    """Opens each sender buffer once and caches it; `set_active` picks the handles of this sync."""
+
+    def __init__(self, device: torch.device | str) -> None:
+        self.device = torch.device(device)
+        self._cache: dict[tuple, torch.Tensor] = {}
+        self._segs: dict[tuple, mmap.mmap] = {}
+        self._active: dict[int, torch.Tensor] = {}
+        self.opened = 0  # how many opens happened (tests check that reuse does not reopen)
+
+    def set_active(self, handles: list[dict]) -> None:
+        keys = [_handle_key(h) for h in handles]
+        self._active = {}
+        for key in [k for k in self._cache if k not in keys]:  # buffers of an earlier sender (or baseline)
+            del self._cache[key]
+            seg = self._segs.pop(key, None)
+            if seg is not None:
+                try:
+                    seg.close()
+                except BufferError:
+                    _KEEP_ALIVE.append(seg)
+        for h, key in zip(handles, keys):
+            if key not in self._cache:
+                self._cache[key], seg = _open(h, self.device)
+                if seg is not None:
+                    self._segs[key] = seg
+                self.opened += 1
+            self._active[int(h["buffer_id"])] = self._cache[key]
+
+    def get(self, buffer_id: int) -> torch.Tensor:
+        return self._active[int(buffer_id)]
