@@ -1,0 +1,158 @@
+"""Build the policy and shard it with FSDP2: per MoE expert block, per decoder layer, then root.
+
+    HF checkpoint ─ rank 0: from_pretrained (fp32, CPU) ──────────────┐ broadcast, each rank keeps
+    config ─ every rank: from_config on meta ─ parallelize ─ to_empty ─┴ its dim-0 shard (DTensor)
+                                                                  └ dummy: random-init local shards
+
+Invariants the weight sync (colo.sync.source) relies on:
+- every parameter is a DTensor sharded `Shard(0)` over one 1-D mesh of all ranks;
+- each MoE layer's `layer.mlp.experts` is its own FSDP unit, so its fused `gate_up_proj` (E, 2I, H)
+  and `down_proj` (E, H, I) shards on rank r are exactly experts [r*ceil(E/W), ...) in torch.chunk
+  order, and can be read without an all-gather.
+
+Why meta + broadcast rather than from_pretrained on every rank: a fp32 copy of Qwen3-30B-A3B is
+120 GB; eight ranks each holding one would not fit a 560 GiB host. Only rank 0 holds it here.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+def build_model(model_path: str, *, dummy: bool, device: torch.device | str) -> nn.Module:
+    """The unsharded HF causal LM: fp32 on CPU from `model_path`, or on meta from its config.
+
+    `dummy=True` returns a meta-device model (no memory); materialize it after `parallelize` with
+    `materialize(model, device, seed=...)`. `device` is where FSDP will keep the shards; loading
+    always happens on CPU first because fully_shard moves each rank's shard there itself.
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if not dummy:
+        # no device_map: it needs `accelerate`; without one, from_pretrained loads on CPU
+        return AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    config = AutoConfig.from_pretrained(model_path)
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+
+
+def decoder_layers(model: nn.Module) -> nn.ModuleList:
+    """The decoder blocks of an HF causal LM (`model.model.layers` for Qwen/Llama/Mixtral)."""
+    layers = getattr(getattr(model, "model", None), "layers", None)
+    if not isinstance(layers, nn.ModuleList):
+        raise TypeError(f"{type(model).__name__} has no model.layers ModuleList; colo shards "
+                        "HF decoder-only LMs layer by layer")
+    return layers
+
+
+def parallelize(
+    model: nn.Module,
+    mesh: DeviceMesh,
+    param_dtype: torch.dtype = torch.bfloat16,
+    reduce_dtype: torch.dtype = torch.float32,
+    gradient_checkpointing: bool = False,
+) -> nn.Module:
+    """fully_shard each `mlp.experts`, each decoder layer, then the root (torchtitan's order)."""
+    if gradient_checkpointing:
+        # non-reentrant: the reentrant variant reruns forward outside autograd and breaks FSDP2's
+        # post-backward hooks.
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    layers = decoder_layers(model)
+    for i, layer in enumerate(layers):
+        # the last block's params are needed again right away by backward: keep them gathered
+        keep = i == len(layers) - 1
+        experts = getattr(getattr(layer, "mlp", None), "experts", None)
+        if experts is not None and any(True for _ in experts.parameters(recurse=False)):
+            fully_shard(experts, mesh=mesh, mp_policy=mp, reshard_after_forward=not keep)
+        fully_shard(layer, mesh=mesh, mp_policy=mp, reshard_after_forward=not keep)
+    fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=False)
+    return model
+
+
+@torch.no_grad()
+def materialize(model: nn.Module, device: torch.device, *, seed: int) -> None:
+    """Allocate the local shards of a meta-built, sharded model and random-init them.
+
+    Deterministic for (seed, rank, world size): each rank draws its own shards from a generator
+    seeded with seed and rank, so no rank ever holds or draws a full tensor. Norm weights are 1 and
+    biases 0, like HF's init; std is the config's initializer_range.
+    """
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    model.to_empty(device=device)
+    std = float(getattr(model.config, "initializer_range", 0.02))
+    gen = torch.Generator(device=device).manual_seed(seed * 1_000_003 + rank)
+    for name, p in model.named_parameters():
+        local = p.to_local() if isinstance(p, DTensor) else p.data
+        if name.endswith("norm.weight"):
+            local.fill_(1.0)
+        elif name.endswith(".bias"):
+            local.zero_()
+        else:
+            local.normal_(0.0, std, generator=gen)
+    rebuild_buffers(model)
+
+
+@torch.no_grad()
+def rebuild_buffers(model: nn.Module) -> None:
+    """Recompute non-persistent buffers (RoPE inv_freq) that to_empty left as garbage.
+
+    They are not in any state dict, so neither a checkpoint load nor a weight broadcast restores
+    them; a silent garbage inv_freq gives finite but wrong logits. Any other buffer is refused.
+    """
+    done: set[str] = set()
+    for mname, m in model.named_modules():
+        if "RotaryEmbedding" in type(m).__name__ and hasattr(m, "inv_freq"):
+            with torch.device("cpu"):
+                fresh = type(m)(m.config)
+            for bname, buf in fresh.named_buffers(recurse=False):
+                old = m._buffers[bname]
+                # replace (not copy_ into) so a buffer still on meta becomes real too
+                m._buffers[bname] = buf.to("cpu" if old.is_meta else old.device)
+                done.add(f"{mname}.{bname}" if mname else bname)
+    left = [n for n, _ in model.named_buffers() if n not in done]
+    if left:
+        raise NotImplementedError(f"colo cannot re-create these buffers after meta init: {left}")
+
+
+def build_sharded(
+    model_path: str,
+    *,
+    dummy: bool,
+    mesh: DeviceMesh,
+    device: torch.device,
+    param_dtype: torch.dtype = torch.bfloat16,
+    seed: int = 0,
+    gradient_checkpointing: bool = False,
+) -> nn.Module:
+    """The whole build: meta model on every rank, sharded, then weights from rank 0 or random."""
+    model = build_model(model_path, dummy=True, device=device)
+    parallelize(model, mesh, param_dtype=param_dtype, gradient_checkpointing=gradient_checkpointing)
+    if dummy:
+        materialize(model, device, seed=seed)
+        return model
+    model.to_empty(device=device)
+    full = build_model(model_path, dummy=False, device=device).state_dict() \
+        if dist.get_rank() == 0 else {}
+    # broadcast_from_rank0 sends one tensor at a time, so peak extra memory is one full tensor
+    set_model_state_dict(model, full, options=StateDictOptions(
+        full_state_dict=True, broadcast_from_rank0=True, strict=True))
+    del full
+    rebuild_buffers(model)
+    return model
+
+
+def expert_shard_range(num_experts: int, world_size: int, rank: int) -> tuple[int, int]:
+    """Experts [start, stop) that FSDP2's dim-0 shard holds on `rank` (torch.chunk semantics:
+    ceil(E/W) per rank, the last ranks short or empty when W does not divide E)."""
+    per = -(-num_experts // world_size)
+    start = min(rank * per, num_experts)
+    return start, min(start + per, num_experts)

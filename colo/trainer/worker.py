@@ -1,0 +1,301 @@
+"""TrainWorker: one FSDP2 rank of the policy, a Ray actor colocated with one vLLM engine.
+
+    setup ─ [sft_step] ─ onload ─ train_step ─ sync_weights ─ offload ─ … ─ save_checkpoint
+    (every method is collective: the driver calls it on all ranks at once)
+
+Collective hazard: FSDP2 all-gathers per layer in forward and reduce-scatters in backward, so every
+rank must run the *same number* of forward/backward passes. Ranks can hold different row counts,
+so micro-batch counts are agreed with an all-reduce MAX and a rank that runs out pads with a
+zero-loss-mask copy of one of its rows (zero gradient, same collectives).
+
+Loss scaling: policy_loss divides by the GLOBAL token (or sequence) count of the mini-batch, summed
+over ranks and micro-batches; FSDP's reduce-scatter averages over ranks, so each micro loss is
+scaled by world size. The summed gradient then equals that of one process seeing the whole mini-batch.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from types import SimpleNamespace
+from typing import Any
+
+import ray
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule
+
+from colo.algo.loss import gather_logprobs, policy_loss, token_entropy
+from colo.sync.transport import device_uuid
+from colo.trainer import checkpoint
+from colo.trainer.fsdp import DTYPES, build_sharded, expert_shard_range
+from colo.trainer.offload import Offloader, state_bytes
+
+
+def _namespace(d: Any) -> Any:
+    return SimpleNamespace(**{k: _namespace(v) for k, v in d.items()}) if isinstance(d, dict) else d
+
+
+def load_cfg(cfg: dict) -> Any:
+    """colo.config.from_dict when it exists, else attribute access over the plain dict."""
+    try:
+        from colo.config import from_dict
+    except ImportError:
+        return _namespace(cfg)
+    return from_dict(cfg)
+
+
+def _rows(batch: dict, idx: torch.Tensor, dummy: bool) -> dict[str, torch.Tensor]:
+    """Rows `idx` of every (B, ...) tensor; `dummy` zeroes the loss mask (collectives only)."""
+    out = {k: v[idx] for k, v in batch.items() if torch.is_tensor(v) and v.dim() >= 1}
+    if dummy:
+        out["loss_mask"] = torch.zeros_like(out["loss_mask"])
+    return out
+
+
+class Trainer:
+    """The plain class; `TrainWorker` below is its Ray actor. Tests and benchmarks use either."""
+
+    def __init__(self, cfg: dict, rank: int, world_size: int, master_addr: str, master_port: int):
+        self.cfg_dict = cfg
+        self.cfg = load_cfg(cfg)
+        self.rank, self.world_size = rank, world_size
+        self.init_method = f"tcp://{master_addr}:{master_port}"
+        self.model = self.ref_model = self.optimizer = None
+        self.offloaded = False
+        self._sync_state: dict = {}
+
+    # ---- setup -------------------------------------------------------------------------------
+    def setup(self) -> dict:
+        t0 = time.perf_counter()
+        c = self.cfg
+        want = str(getattr(c.placement, "device", "auto"))
+        if want == "cuda" and not torch.cuda.is_available():
+            raise RuntimeError("placement.device is cuda but this TrainWorker sees no GPU")
+        if want == "cpu" or not torch.cuda.is_available():
+            # Ray hands CPU actors fake GPU ids through CUDA_VISIBLE_DEVICES; hide them so nothing
+            # below tries CUDA. Two cores are shared with vLLM: one thread each.
+            os.environ["CUDA_VISIBLE_DEVICES"] = ""
+            torch.set_num_threads(1)
+            self.device, backend = torch.device("cpu"), "gloo"
+        else:
+            # Ray narrows CUDA_VISIBLE_DEVICES to this actor's GPU: it is always index 0 here
+            self.device, backend = torch.device("cuda", 0), "nccl"
+            torch.cuda.set_device(self.device)
+        dist.init_process_group(backend, init_method=self.init_method, rank=self.rank,
+                                world_size=self.world_size)
+        from torch.distributed.device_mesh import init_device_mesh
+
+        self.mesh = init_device_mesh(self.device.type, (self.world_size,))
+        seed = int(c.trainer.seed)
+        torch.manual_seed(seed)
+        self.param_dtype = DTYPES[str(c.model.dtype)]
+        build = dict(dummy=bool(c.model.dummy_weights), mesh=self.mesh, device=self.device,
+                     param_dtype=self.param_dtype, seed=seed)
+        self.model = build_sharded(
+            str(c.model.path), gradient_checkpointing=bool(
+                getattr(c.trainer, "gradient_checkpointing", False)), **build)
+        if float(c.algo.kl_coef) > 0:
+            # frozen copy of the initial policy; never built when the KL term is off
+            self.ref_model = build_sharded(str(c.model.path), **build).requires_grad_(False)
+        self._offloader = Offloader(self.device)
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=float(c.trainer.lr),
+                                           weight_decay=float(c.trainer.weight_decay))
+        num_experts = int(getattr(self.model.config, "num_experts", 0) or 0)
+        return {"rank": self.rank, "world_size": self.world_size, "device": str(self.device),
+                "device_uuid": device_uuid(self.device),  # the id the colocated engine reports
+                "params": sum(p.numel() for p in self.model.parameters()),
+                **state_bytes([self.model], None),
+                "experts": expert_shard_range(num_experts, self.world_size, self.rank)
+                if num_experts else None,
+                "seconds": time.perf_counter() - t0}
+
+    # ---- forward pieces ----------------------------------------------------------------------
+    def _check_ready(self) -> None:
+        if self.model is None:
+            raise RuntimeError("TrainWorker.setup() was not called")
+        if self.offloaded:
+            raise RuntimeError("TrainWorker is offloaded: call onload() before using the model")
+
+    def _forward(self, model: torch.nn.Module, mb: dict) -> torch.Tensor:
+        ids = mb["input_ids"].to(self.device)  # (b, T)
+        am = mb["attention_mask"].to(self.device)  # (b, T)
+        # positions count real tokens, so left padding (if a caller uses it) matches vLLM's
+        pos = (am.long().cumsum(-1) - 1).clamp(min=0)  # (b, T)
+        return model(input_ids=ids, attention_mask=am, position_ids=pos, use_cache=False).logits
+
+    def _agree(self, values: list[int | float], op: dist.ReduceOp) -> list[float]:
+        t = torch.tensor(values, dtype=torch.float64, device=self.device)
+        dist.all_reduce(t, op=op)
+        return t.tolist()
+
+    def _micro_plan(self, idx: torch.Tensor) -> list[tuple[torch.Tensor, bool]]:
+        """Micro-batches of `idx` rows; the count is agreed over ranks (pads with dummies)."""
+        mbs = max(1, int(self.cfg.trainer.micro_batch_size))
+        chunks = list(idx.split(mbs)) if idx.numel() else []
+        n = int(self._agree([len(chunks)], dist.ReduceOp.MAX)[0])
+        filler = idx[:1] if idx.numel() else torch.zeros(1, dtype=torch.long)
+        return [(c, False) for c in chunks] + [(filler, True)] * (n - len(chunks))
+
+    @torch.no_grad()
+    def _logprobs(self, model: torch.nn.Module, batch: dict) -> torch.Tensor:
+        out = torch.zeros(batch["input_ids"].shape, dtype=torch.float32)  # (B, T)
+        for idx, dummy in self._micro_plan(torch.arange(batch["input_ids"].shape[0])):
+            lp = gather_logprobs(self._forward(model, _rows(batch, idx, dummy)),
+                                 batch["input_ids"][idx].to(self.device))
+            if not dummy:
+                out[idx] = lp.float().cpu()
+        # forward-only passes leave the root and last layer gathered (reshard_after_forward=False,
+        # meant for a backward that never comes); the sync reads params and expects DTensor shards
+        for m in model.modules():
+            if isinstance(m, FSDPModule):
+                m.reshard()
+        return out
+
+    def compute_logprobs(self, batch: dict) -> torch.Tensor:
+        """(B, T) float32 on CPU; out[:, t] = log p(input_ids[t] | input_ids[:t]), out[:, 0] = 0."""
+        self._check_ready()
+        return self._logprobs(self.model, batch)
+
+    # ---- updates -----------------------------------------------------------------------------
+    def _optim_step(self) -> float:
+        clip = float(self.cfg.trainer.grad_clip)
+        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(),
+                                              clip if clip > 0 else float("inf"))
+        norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return float(norm)
+
+    def sft_step(self, batch: dict) -> dict:
+        """One AdamW step of token-mean cross-entropy on loss_mask tokens (the whole batch)."""
+        self._check_ready()
+        rows = torch.arange(batch["input_ids"].shape[0])
+        tokens = self._agree([float(batch["loss_mask"].sum())], dist.ReduceOp.SUM)[0]
+        loss_sum = 0.0
+        for idx, dummy in self._micro_plan(rows):
+            mb = _rows(batch, idx, dummy)
+            lp = gather_logprobs(self._forward(self.model, mb), mb["input_ids"].to(self.device))
+            mask = mb["loss_mask"].to(self.device, torch.float32)  # (b, T)
+            loss = -(lp * mask).sum() / max(tokens, 1.0)
+            (loss * self.world_size).backward()
+            loss_sum += float(loss.detach())
+        grad_norm = self._optim_step()
+        loss = self._agree([loss_sum], dist.ReduceOp.SUM)[0]
+        return {"sft_loss": loss, "grad_norm": grad_norm, "tokens": tokens}
+
+    def _ppo_micro(self, mb: dict, old: torch.Tensor, ref: torch.Tensor | None,
+                   token_count: float, seq_count: float) -> dict[str, torch.Tensor]:
+        """Forward + backward of one micro-batch; returns detached, token-weighted metric sums."""
+        a = self.cfg.algo
+        mask = mb["loss_mask"].to(self.device)  # (b, T)
+        logits = self._forward(self.model, mb)  # (b, T, V)
+        lp = gather_logprobs(logits, mb["input_ids"].to(self.device))  # (b, T)
+        rollout = mb.get("rollout_logprobs")
+        loss, met = policy_loss(
+            lp, old.to(self.device), mb["advantages"].to(self.device), mask,
+            clip_low=float(a.clip_low), clip_high=float(a.clip_high), loss_agg=str(a.loss_agg),
+            rollout_logprobs=None if rollout is None else rollout.to(self.device),
+            tis_cap=None if a.tis_cap is None else float(a.tis_cap),
+            ref_logprobs=None if ref is None else ref.to(self.device), kl_coef=float(a.kl_coef),
+            token_count=token_count, seq_count=seq_count)
+        (loss * self.world_size).backward()
+        n = mask.float().sum()
+        with torch.no_grad():
+            out = {k: v.detach().float() * n for k, v in met.items()}  # local means -> sums
+            out["entropy"] = (token_entropy(logits.detach()) * mask).sum()
+        out["loss"], out["tokens"] = loss.detach().float(), n
+        return out
+
+    def train_step(self, batch: dict) -> dict:
+        """PPO-clip: recompute old log-probs, then epochs x mini-batches of AdamW steps.
+
+        Returns global metrics (identical on every rank): loss (mean over updates), grad_norm
+        (mean, and /max), entropy, clip_frac, approx_kl, tis_mean, pg_loss, [kl_ref] as global token
+        means, and logprob_diff/mean = |trainer - vLLM| log-prob on sampled tokens, pre-update.
+        """
+        self._check_ready()
+        t, a = self.cfg.trainer, self.cfg.algo
+        B = batch["input_ids"].shape[0]
+        mask = batch["loss_mask"].float()  # (B, T)
+        old = self._logprobs(self.model, batch)  # (B, T) the policy before this step
+        ref = batch.get("ref_logprobs")
+        if float(a.kl_coef) > 0 and ref is None:
+            ref = self._logprobs(self.ref_model, batch)
+        minis = list(torch.arange(B).tensor_split(max(1, int(t.mini_batches))))
+        M = len(minis)
+        # one all-reduce for every mini-batch's global token and sequence counts
+        counts = self._agree([float(mask[m].sum()) for m in minis]
+                             + [float((mask[m].sum(1) > 0).sum()) for m in minis],
+                             dist.ReduceOp.SUM)
+        sums: dict[str, torch.Tensor] = {}
+        norms: list[float] = []
+        for _ in range(max(1, int(t.epochs))):
+            for m, rows in enumerate(minis):
+                for idx, dummy in self._micro_plan(rows):
+                    got = self._ppo_micro(_rows(batch, idx, dummy), old[idx],
+                                          None if ref is None else ref[idx],
+                                          max(counts[m], 1.0), max(counts[M + m], 1.0))
+                    for k, v in got.items():
+                        sums[k] = sums.get(k, 0.0) + v
+                norms.append(self._optim_step())
+        if "rollout_logprobs" in batch:
+            sums["logprob_diff"] = ((old - batch["rollout_logprobs"].float()).abs() * mask).sum()
+            sums["diff_tokens"] = mask.sum()
+        keys = sorted(sums)
+        tot = dict(zip(keys, self._agree([float(sums[k]) for k in keys], dist.ReduceOp.SUM)))
+        updates = max(1, int(t.epochs)) * M
+        tokens = max(tot.pop("tokens"), 1.0)
+        out = {"loss": tot.pop("loss") / updates, "grad_norm": sum(norms) / len(norms),
+               "grad_norm/max": max(norms), "updates": updates}
+        if "logprob_diff" in tot:
+            out["logprob_diff/mean"] = tot.pop("logprob_diff") / max(tot.pop("diff_tokens"), 1.0)
+        out.update({k: v / tokens for k, v in tot.items()})
+        return out
+
+    # ---- memory, sync, checkpoints -----------------------------------------------------------
+    def _models(self) -> list[torch.nn.Module]:
+        return [m for m in (self.model, self.ref_model) if m is not None]
+
+    def offload(self) -> dict:
+        out = self._offloader.offload(self._models(), self.optimizer)
+        self.offloaded = True
+        return out
+
+    def onload(self) -> dict:
+        out = self._offloader.onload(self._models(), self.optimizer)
+        self.offloaded = False
+        return out
+
+    def sync_weights(self, engine: Any) -> dict:
+        self._check_ready()
+        from colo.sync.sender import push_weights  # lazy: the sync path imports vLLM-side helpers
+
+        return push_weights(self.model, engine, self.cfg.sync, self._sync_state)
+
+    def save_checkpoint(self, path: str, extra: dict) -> None:
+        checkpoint.save(path, self.model, self.optimizer, extra)
+
+    def load_checkpoint(self, path: str) -> dict:
+        return checkpoint.load(path, self.model, self.optimizer)
+
+    def export_hf(self, path: str) -> None:
+        was_offloaded = self.offloaded
+        if was_offloaded:  # the gather is a device collective (NCCL cannot all-gather host memory)
+            self.onload()
+        checkpoint.export_hf(path, self.model, str(self.cfg.model.path),
+                             DTYPES[str(self.cfg.model.dtype)])
+        if was_offloaded:
+            self.offload()
+
+    def local_shard(self, name: str) -> torch.Tensor:
+        """This rank's shard of parameter `name` as a CPU tensor (tests, debugging)."""
+        p = self.model.get_parameter(name)
+        return (p.to_local() if hasattr(p, "to_local") else p).detach().cpu().clone()
+
+    def shutdown(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+TrainWorker = ray.remote(Trainer)
