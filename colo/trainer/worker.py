@@ -117,12 +117,20 @@ class Trainer:
         if self.offloaded:
             raise RuntimeError("TrainWorker is offloaded: call onload() before using the model")
 
-    def _forward(self, model: torch.nn.Module, mb: dict) -> torch.Tensor:
+    def _forward(self, model: torch.nn.Module, mb: dict, temperature: float = 1.0) -> torch.Tensor:
         ids = mb["input_ids"].to(self.device)  # (b, T)
         am = mb["attention_mask"].to(self.device)  # (b, T)
         # positions count real tokens, so left padding (if a caller uses it) matches vLLM's
         pos = (am.long().cumsum(-1) - 1).clamp(min=0)  # (b, T)
-        return model(input_ids=ids, attention_mask=am, position_ids=pos, use_cache=False).logits
+        logits = model(input_ids=ids, attention_mask=am, position_ids=pos, use_cache=False).logits
+        return logits if temperature == 1.0 else logits / temperature  # (b, T, V)
+
+    @property
+    def _policy_temperature(self) -> float:
+        """vLLM reports log-probs after temperature scaling, so the RL log-probs (old, new, ref) use the
+        same temperature; otherwise the TIS weight and logprob_diff compare different distributions."""
+        t = float(self.cfg.rollout.temperature)
+        return t if t > 0 else 1.0
 
     def _agree(self, values: list[int | float], op: dist.ReduceOp) -> list[float]:
         t = torch.tensor(values, dtype=torch.float64, device=self.device)
@@ -141,7 +149,7 @@ class Trainer:
     def _logprobs(self, model: torch.nn.Module, batch: dict) -> torch.Tensor:
         out = torch.zeros(batch["input_ids"].shape, dtype=torch.float32)  # (B, T)
         for idx, dummy in self._micro_plan(torch.arange(batch["input_ids"].shape[0])):
-            lp = gather_logprobs(self._forward(model, _rows(batch, idx, dummy)),
+            lp = gather_logprobs(self._forward(model, _rows(batch, idx, dummy), self._policy_temperature),
                                  batch["input_ids"][idx].to(self.device))
             if not dummy:
                 out[idx] = lp.float().cpu()
@@ -189,7 +197,7 @@ class Trainer:
         """Forward + backward of one micro-batch; returns detached, token-weighted metric sums."""
         a = self.cfg.algo
         mask = mb["loss_mask"].to(self.device)  # (b, T)
-        logits = self._forward(self.model, mb)  # (b, T, V)
+        logits = self._forward(self.model, mb, self._policy_temperature)  # (b, T, V)
         lp = gather_logprobs(logits, mb["input_ids"].to(self.device))  # (b, T)
         rollout = mb.get("rollout_logprobs")
         loss, met = policy_loss(

@@ -1,0 +1,600 @@
+"""colo's one typed config tree: defaults < YAML file < COLO_* environment < `key=value` CLI overrides.
+
+    cfg = load_config("configs/tiny-cpu.yaml", ["trainer.lr=1e-6"], os.environ)
+    validate(cfg)                     # raises ConfigError("<problem>; fix: <what to do>")
+    cfg = resolve(cfg)                # concrete device, run dir, model/data paths (may download)
+
+The tree is nested dataclasses read by OmegaConf (structured configs): OmegaConf types and merges the
+layers and parses dotted overrides; this module adds sources to its errors, did-you-mean hints and the
+checks OmegaConf cannot know (fractions, files, GPUs, experts). Every field has its documentation as
+the string under it; docs/config.md is the user-facing reference (a test keeps both in step).
+
+This is the only module that reads environment variables (`COLO_*`, `RAY_ADDRESS`). It imports no
+torch/Ray/vLLM at module level, so `python -m colo.launch --help` and config errors stay fast.
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import glob
+import json
+import os
+import re
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional, Union
+
+import yaml
+from omegaconf import OmegaConf
+from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
+
+AUTO = "auto:"  # model.path / data.path prefix: "generate this locally into the run dir"
+ENV_SHORTCUTS = {"COLO_TRAIN_GPU_FRACTION": "placement.train_gpu_fraction",
+                 "COLO_VLLM_GPU_FRACTION": "placement.vllm_gpu_fraction",
+                 "COLO_NUM_GPUS": "placement.num_gpus"}
+CHOICES = {  # must match the consumers: colo.algo.loss.LOSS_AGGS, colo.sync, colo.rollout
+    "model.dtype": ("bfloat16", "float16", "float32"),
+    "placement.device": ("auto", "cpu", "cuda"),
+    "rollout.sleep_level": ("auto", 1, 2),
+    "algo.loss_agg": ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean"),
+    "sync.mode": ("direct", "load_weights"),
+}
+DATA_SUFFIXES = (".jsonl", ".json", ".ndjson", ".parquet")  # .json is JSON lines (colo.algo.data)
+
+
+class ConfigError(Exception):
+    """A config problem, as one line naming the problem and the fix. colo.launch exits 2 on it."""
+
+
+@dataclass
+class ModelConfig:
+    path: str = "auto:tiny"
+    """Local HF checkpoint dir, Hub repo id ("Qwen/Qwen3-30B-A3B"; HF_HUB_OFFLINE honoured), or
+    "auto:<preset>" (tiny | qwen3-30b-a3b | qwen3-30b-a3b-L12), generated into <run.dir>/model."""
+    dtype: str = "bfloat16"
+    """Parameter dtype of the trainer's compute copy and of vLLM: bfloat16 | float16 | float32."""
+    dummy_weights: bool = False
+    """Random weights (trainer: meta-device init, vLLM: load_format="dummy") for benchmarks and big
+    dry runs; needed by presets that ship no weights."""
+
+
+@dataclass
+class PlacementConfig:
+    num_gpus: int = 2
+    """GPUs used, one placement group, one trainer rank and one vLLM rank per GPU. On CPU these are
+    Ray logical GPUs (at most 4 x os.cpu_count()). Env: COLO_NUM_GPUS."""
+    train_gpu_fraction: float = 0.4
+    """Share of each GPU the trainer actor asks Ray for. Env: COLO_TRAIN_GPU_FRACTION."""
+    vllm_gpu_fraction: float = 0.4
+    """Share of each GPU for the vLLM engine; also vLLM's gpu_memory_utilization on GPU. The two
+    fractions must sum to <= 1.0. Env: COLO_VLLM_GPU_FRACTION."""
+    cpus_per_bundle: int = 2
+    """CPUs reserved in each GPU's placement-group bundle (trainer + engine actor)."""
+    device: str = "auto"
+    """cpu | cuda | auto (cuda when torch sees a GPU). On cpu, engines are independent replicas with
+    expert-parallel size 1 (vLLM's MoE data-parallel group does not run on CPU)."""
+
+
+@dataclass
+class TrainerConfig:
+    lr: float = 1e-6
+    """AdamW learning rate."""
+    weight_decay: float = 0.0
+    """AdamW weight decay."""
+    grad_clip: float = 1.0
+    """Clip the global grad norm to this (0 disables)."""
+    micro_batch_size: int = 4
+    """Sequences per forward/backward on each rank (gradient accumulation over the rest)."""
+    mini_batches: int = 1
+    """Optimizer steps per RL step: each rank's batch is split into this many mini-batches."""
+    epochs: int = 1
+    """Passes over each RL step's batch."""
+    offload: bool = True
+    """Move sharded params, grads and optimizer state to CPU while vLLM generates."""
+    seed: int = 0
+    """Seed of the trainer's torch RNG (random init for dummy weights, dropout if any)."""
+    gradient_checkpointing: bool = False
+    """Recompute each decoder layer's activations in backward (less memory, ~30% more compute)."""
+
+
+@dataclass
+class RolloutConfig:
+    n: int = 8
+    """Samples per prompt (the GRPO group size)."""
+    max_tokens: int = 1024
+    """Longest response, in tokens."""
+    max_model_len: int = 2048
+    """vLLM max_model_len: prompt + response tokens."""
+    temperature: float = 1.0
+    """Sampling temperature."""
+    top_p: float = 1.0
+    """Nucleus sampling threshold."""
+    kv_cache_mb: int = 256
+    """CPU only: KV cache per engine, MiB (on GPU placement.vllm_gpu_fraction sets the budget)."""
+    enforce_eager: bool = False
+    """No CUDA graphs / torch.compile in vLLM (faster start, slower decode). Use true on CPU."""
+    sleep_level: Union[int, str] = "auto"
+    """vLLM sleep level while training: 1 keeps weights in host RAM, 2 drops them; auto: 2 (the sync
+    rewrites every weight anyway)."""
+
+
+@dataclass
+class AlgoConfig:
+    clip_low: float = 0.2
+    """PPO ratio clip below 1: ratio >= 1 - clip_low."""
+    clip_high: float = 0.28
+    """PPO ratio clip above 1: ratio <= 1 + clip_high (clip-higher, > clip_low keeps exploration)."""
+    kl_coef: float = 0.0
+    """Weight of the k3 KL penalty to the frozen initial policy; 0 builds no reference model."""
+    std_normalize: bool = True
+    """Divide group-relative advantages by the group's reward std."""
+    loss_agg: str = "token-mean"
+    """Loss aggregation: token-mean | seq-mean-token-sum | seq-mean-token-mean."""
+    tis_cap: float = 2.0
+    """Cap of the truncated importance weight trainer/vLLM probability; 0 disables the correction."""
+    rewards: list[str] = field(default_factory=lambda: ["exact_match"])
+    """Reward functions, summed: built-ins (exact_match, numeric, format) or "module:function"."""
+
+
+@dataclass
+class SyncConfig:
+    mode: str = "direct"
+    """direct: copy into vLLM's fused parameters; load_weights: vLLM's per-tensor loader (reference)."""
+    bucket_mb: int = 1024
+    """Size of each reusable transfer buffer, MiB."""
+    buffers: int = 2
+    """Transfer buffers in flight (2 overlaps packing with loading)."""
+    digest: bool = False
+    """Also compare per-tensor checksums on both sides after every sync (slower; for debugging)."""
+
+
+@dataclass
+class DataConfig:
+    path: str = "auto:arith"
+    """Training prompts: JSONL/Parquet with prompt and answer fields, or "auto:<task>" (arith |
+    reverse), a synthetic task from colo.algo.tasks written to <run.dir>/data."""
+    eval_path: Optional[str] = None
+    """Held-out prompts for eval (same formats as path; auto:<task> = its eval split); null: no eval."""
+    prompt_key: str = "prompt"
+    """Field holding the prompt text."""
+    answer_key: str = "answer"
+    """Field holding the reference answer given to the reward functions."""
+    prompts_per_step: int = 16
+    """Prompts per RL step (each sampled rollout.n times)."""
+    chat_template: bool = True
+    """Wrap prompts in the tokenizer's chat template when it has one."""
+    eval_size: int = 64
+    """Eval prompts used from eval_path (the first ones, greedy, one sample each)."""
+
+
+@dataclass
+class LoopConfig:
+    steps: int = 100
+    """RL steps to run (the total, also when resuming)."""
+    eval_every: int = 10
+    """Evaluate every this many steps (0: never)."""
+    checkpoint_every: int = 50
+    """Checkpoint every this many steps (0: never)."""
+    sft_warmup_steps: int = 0
+    """Supervised steps on reference answers before RL (lets a random tiny model sometimes succeed)."""
+
+
+@dataclass
+class RunConfig:
+    dir: str = "runs/{time}"
+    """Output dir: metrics.jsonl, TensorBoard events, config.yaml, checkpoints, plot. "{time}" becomes
+    YYYYmmdd-HHMMSS; with resume it selects the newest existing match."""
+    seed: int = 0
+    """Seed for data order, sampling and the generated model/data."""
+    resume: bool = False
+    """Continue from the newest checkpoint in run.dir (also: --resume)."""
+
+
+@dataclass
+class ColoConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    placement: PlacementConfig = field(default_factory=PlacementConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    algo: AlgoConfig = field(default_factory=AlgoConfig)
+    sync: SyncConfig = field(default_factory=SyncConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    loop: LoopConfig = field(default_factory=LoopConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+
+
+def all_keys() -> list[str]:
+    """Every dotted leaf key, in declaration order."""
+    return [f"{s.name}.{f.name}" for s in dataclasses.fields(ColoConfig)
+            for f in dataclasses.fields(s.default_factory)]  # type: ignore[misc]
+
+
+# ---------------------------------------------------------------------------------------- loading
+
+
+def load_config(config_path: str | None, overrides: list[str],
+                env: Mapping[str, str] | None = None) -> ColoConfig:
+    """Merge defaults < YAML file < COLO_* env vars < CLI `key=value` overrides; raises ConfigError."""
+    env = os.environ if env is None else env
+    layers: list[tuple[str, Any, str]] = []  # (source, values, key when it is one key)
+    if config_path:
+        layers.append((f"config file {config_path}", _read_yaml(config_path), ""))
+    for name, key, value in env_overrides(env):
+        layers.append((f"environment variable {name}", OmegaConf.from_dotlist([f"{key}={value}"]), key))
+    for item in overrides:
+        if "=" not in item or item.startswith("="):
+            raise ConfigError(f"override {item!r} is not key=value; fix: write e.g. trainer.lr=1e-6")
+        layers.append((f"command line {item!r}", OmegaConf.from_dotlist([item]), item.split("=")[0]))
+    merged = OmegaConf.structured(ColoConfig)
+    for source, layer, key in layers:
+        merged = _merge(merged, layer, source, key)
+    try:
+        return OmegaConf.to_object(merged)  # type: ignore[return-value]
+    except OmegaConfBaseException as e:  # e.g. a bad ${interpolation}
+        raise ConfigError(f"{_first_line(e)}; fix: check ${{...}} references in the config") from e
+
+
+def env_overrides(env: Mapping[str, str]) -> list[tuple[str, str, str]]:
+    """(variable, dotted key, value) for COLO_* variables: the shortcuts, and COLO_<SECTION>__<FIELD>."""
+    out = []
+    for name in sorted(env):
+        if not name.startswith("COLO_"):
+            continue
+        if name in ENV_SHORTCUTS:
+            out.append((name, ENV_SHORTCUTS[name], env[name]))
+        elif "__" in name:
+            section, _, leaf = name[len("COLO_"):].lower().partition("__")
+            out.append((name, f"{section}.{leaf}", env[name]))
+        else:  # a typo here would otherwise be silently ignored
+            known = list(ENV_SHORTCUTS) + [f"COLO_{k.replace('.', '__').upper()}" for k in all_keys()]
+            raise ConfigError(f"unknown environment variable {name}{_did_you_mean(name, known)}; "
+                              "fix: use COLO_<SECTION>__<FIELD> (e.g. COLO_TRAINER__LR) or unset it")
+    return out
+
+
+def from_dict(d: Mapping[str, Any]) -> ColoConfig:
+    """Rebuild a ColoConfig from to_dict()/dataclasses.asdict() output (e.g. inside a Ray actor)."""
+    merged = _merge(OmegaConf.structured(ColoConfig), OmegaConf.create(dict(d)), "dict")
+    return OmegaConf.to_object(merged)  # type: ignore[return-value]
+
+
+def to_dict(cfg: ColoConfig) -> dict[str, Any]:
+    """Plain nested dict (what actors receive)."""
+    return dataclasses.asdict(cfg)
+
+
+def to_yaml(cfg: ColoConfig) -> str:  # noqa: D103
+    return OmegaConf.to_yaml(OmegaConf.structured(cfg))
+
+
+def save_resolved(cfg: ColoConfig, run_dir: str | os.PathLike) -> Path:
+    """Write <run_dir>/config.yaml; `--config` on that file reproduces the run."""
+    path = Path(run_dir) / "config.yaml"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(to_yaml(cfg))
+    return path
+
+
+def _read_yaml(path: str) -> Any:
+    try:
+        text = Path(path).read_text()
+    except OSError as e:
+        raise ConfigError(f"cannot read config file {path}: {e.strerror}; "
+                          "fix: pass an existing --config (ready ones are in configs/)") from e
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+        raise ConfigError(f"malformed YAML in {path}{where}: {problem}; "
+                          "fix: use 'key: value' lines indented with spaces") from e
+    data = {} if data is None else data
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {path} holds a {type(data).__name__}, not a mapping; "
+                          "fix: write sections like 'trainer:' with 'lr: 1e-6' indented below")
+    return OmegaConf.create(data)
+
+
+def _merge(base: Any, layer: Any, source: str, key_hint: str = "") -> Any:
+    try:
+        return OmegaConf.merge(base, layer)
+    except ConfigKeyError as e:
+        key = str(getattr(e, "full_key", None) or "")
+        raise ConfigError(f"unknown config key {key!r} in {source}{_did_you_mean(key, all_keys())}; "
+                          "fix: use a key listed in docs/config.md") from e
+    except ValidationError as e:
+        key = str(getattr(e, "full_key", None) or key_hint)
+        want = _leaf_type(key)
+        fix = f"give {want}, e.g. {key}={_default(key)}" if want else "see docs/config.md"
+        raise ConfigError(f"wrong type for {key} in {source}: {_first_line(e)}; fix: {fix}") from e
+    except OmegaConfBaseException as e:
+        raise ConfigError(f"invalid config in {source}: {_first_line(e)}; "
+                          "fix: see docs/config.md") from e
+
+
+def _first_line(e: BaseException) -> str:
+    return (getattr(e, "msg", None) or str(e)).strip().splitlines()[0]
+
+
+def _did_you_mean(word: str, options: list[str]) -> str:
+    close = difflib.get_close_matches(word, options, n=1, cutoff=0.6)
+    if not close and "." in word:  # "trainer.lrate" -> compare within the section, then by leaf
+        leaf = word.rsplit(".", 1)[1]
+        close = [k for k in options if k.rsplit(".", 1)[-1] in
+                 difflib.get_close_matches(leaf, [o.rsplit(".", 1)[-1] for o in options], n=1)]
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def _leaf_type(key: str) -> str:
+    section, _, leaf = key.partition(".")
+    f = next((f for s in dataclasses.fields(ColoConfig) if s.name == section
+              for f in dataclasses.fields(s.default_factory) if f.name == leaf), None)  # type: ignore[arg-type]
+    names = {"int": "a whole number", "float": "a number", "bool": "true or false", "str": "a string",
+             "list[str]": "a list like [a,b]"}
+    return names.get(str(f.type), str(f.type)) if f else ""
+
+
+def _default(key: str) -> str:
+    section, _, leaf = key.partition(".")
+    value = getattr(getattr(ColoConfig(), section), leaf)
+    return str(value).lower() if isinstance(value, bool) else str(value)
+
+
+# ------------------------------------------------------------------------------------- validation
+
+
+def validate(cfg: ColoConfig, *, check_resources: bool = True) -> None:
+    """Raise ConfigError on the first problem. check_resources=False checks values only (no files,
+    no Hub, no GPU count), e.g. for a config meant for another machine."""
+    _check_values(cfg)
+    if not check_resources:
+        return
+    device = resolve_device(cfg)
+    model = model_config_json(cfg)  # the checkpoint's config.json as a dict
+    experts = model.get("num_experts") or model.get("num_local_experts") or model.get("n_routed_experts")
+    ep = expert_parallel_size(device, cfg.placement.num_gpus)
+    if experts and experts % ep:
+        divisors = [d for d in range(1, experts + 1) if experts % d == 0 and d <= 64]
+        raise ConfigError(f"the model has {experts} experts, not divisible by the expert-parallel size "
+                          f"{ep} (= placement.num_gpus on GPU); fix: placement.num_gpus to one of "
+                          f"{divisors}")
+    for key in ("data.path", "data.eval_path"):
+        _check_data(cfg, key)
+    _check_rewards(cfg)
+    _check_gpus(cfg, device)
+    _resolve_run_dir(cfg.run.dir, cfg.run.resume)  # raises on a taken or missing run dir
+
+
+def _check_values(cfg: ColoConfig) -> None:
+    def get(key: str) -> Any:  # "trainer.lr" -> cfg.trainer.lr
+        return getattr(getattr(cfg, key.partition(".")[0]), key.partition(".")[2])
+
+    for key, choices in CHOICES.items():
+        if get(key) not in choices:
+            raise ConfigError(f"{key}={get(key)!r} is not one of {list(choices)}; "
+                              f"fix: {key}={choices[0]}")
+    p = cfg.placement
+    for key in ("placement.train_gpu_fraction", "placement.vllm_gpu_fraction"):
+        if not 0.0 < get(key) <= 1.0:
+            raise ConfigError(f"{key}={get(key)} must be in (0, 1]; fix: e.g. {key}=0.4")
+    if p.train_gpu_fraction + p.vllm_gpu_fraction > 1.0 + 1e-9:
+        raise ConfigError(f"placement.train_gpu_fraction + placement.vllm_gpu_fraction = "
+                          f"{p.train_gpu_fraction} + {p.vllm_gpu_fraction} > 1.0: both share one GPU; "
+                          "fix: lower them, e.g. COLO_TRAIN_GPU_FRACTION=0.4 COLO_VLLM_GPU_FRACTION=0.4")
+    at_least = {key: 1 for key in (
+        "placement.num_gpus", "trainer.micro_batch_size", "trainer.mini_batches", "trainer.epochs",
+        "rollout.n", "rollout.max_tokens", "rollout.max_model_len", "rollout.kv_cache_mb",
+        "sync.bucket_mb", "sync.buffers", "data.prompts_per_step", "data.eval_size", "loop.steps")}
+    at_least |= {key: 0 for key in (
+        "placement.cpus_per_bundle", "trainer.weight_decay", "trainer.grad_clip", "rollout.temperature",
+        "algo.clip_low", "algo.clip_high", "algo.kl_coef", "algo.tis_cap", "loop.eval_every",
+        "loop.checkpoint_every", "loop.sft_warmup_steps")}
+    for key, low in at_least.items():
+        if get(key) < low:
+            raise ConfigError(f"{key}={get(key)} must be >= {low}; fix: e.g. {key}={_default(key)}")
+    for key, ok in (("trainer.lr", cfg.trainer.lr > 0), ("rollout.top_p", 0 < cfg.rollout.top_p <= 1)):
+        if not ok:
+            raise ConfigError(f"{key}={get(key)} is out of range; fix: e.g. {key}={_default(key)}")
+    if cfg.rollout.max_tokens >= cfg.rollout.max_model_len:
+        raise ConfigError(f"rollout.max_tokens={cfg.rollout.max_tokens} leaves no room for the prompt "
+                          f"in rollout.max_model_len={cfg.rollout.max_model_len}; fix: raise "
+                          "rollout.max_model_len or lower rollout.max_tokens")
+    for key, fix in (("algo.rewards", "[exact_match]"), ("run.dir", "runs/{time}")):
+        if not get(key) or not str(get(key)).strip():
+            raise ConfigError(f"{key} is empty; fix: {key}={fix}")
+    if cfg.model.path.startswith(AUTO):
+        from colo.models.tiny import PRESETS, WITH_WEIGHTS  # light: no torch at import
+
+        preset = cfg.model.path[len(AUTO):]
+        if preset not in PRESETS:
+            raise ConfigError(f"model.path={cfg.model.path}: no such preset"
+                              f"{_did_you_mean(preset, list(PRESETS))}; fix: one of "
+                              f"{[AUTO + k for k in PRESETS]}")
+        if preset not in WITH_WEIGHTS and not cfg.model.dummy_weights:
+            raise ConfigError(f"model.path={cfg.model.path} has a config but no weights; "
+                              "fix: model.dummy_weights=true (random weights)")
+
+
+def resolve_device(cfg: ColoConfig) -> str:
+    """"cpu" or "cuda"; "auto" asks torch (imported only here, and only for auto)."""
+    if cfg.placement.device != "auto":
+        return cfg.placement.device
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def expert_parallel_size(device: str, num_gpus: int) -> int:
+    """GPU: one vLLM DP+EP group over all GPUs. CPU: independent replicas, each with all experts."""
+    return num_gpus if device == "cuda" else 1
+
+
+def model_config_json(cfg: ColoConfig) -> dict[str, Any]:
+    """The model's config.json as a dict, from a preset, a local dir or the Hub (config.json only)."""
+    path = cfg.model.path
+    if path.startswith(AUTO):
+        from colo.models.tiny import PRESETS
+
+        return dict(PRESETS[path[len(AUTO):]])
+    local = Path(path).expanduser()
+    if local.is_dir():
+        if not (local / "config.json").is_file():
+            raise ConfigError(f"model.path={path} is not a Hugging Face checkpoint (no config.json); "
+                              "fix: point it at a dir written by save_pretrained, or use "
+                              "model.path=auto:tiny")
+        return _read_json(local / "config.json", "model.path")
+    if local.exists() or not _is_repo_id(path):
+        raise ConfigError(f"model.path={path} does not exist (not a dir, not a Hub repo id); fix: a "
+                          "local checkpoint dir, a repo id like Qwen/Qwen3-30B-A3B, or auto:tiny")
+    return _read_json(Path(hub_download(path, config_only=True)) / "config.json", "model.path")
+
+
+def hub_download(repo_id: str, *, config_only: bool) -> str:
+    """Local snapshot dir of a Hub repo (the HF cache; HF_HUB_OFFLINE=1 uses the cache only)."""
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError, RepositoryNotFoundError
+
+    patterns = ["config.json"] if config_only else None
+    try:
+        return snapshot_download(repo_id, allow_patterns=patterns)
+    except RepositoryNotFoundError as e:
+        raise ConfigError(f"model.path={repo_id}: no such repo on the Hugging Face Hub (or it is "
+                          "gated; log in with `hf auth login`); fix: check the repo id") from e
+    except (LocalEntryNotFoundError, HfHubHTTPError, OSError) as e:
+        offline = os.environ.get("HF_HUB_OFFLINE", "0").lower() not in ("", "0", "false")
+        why = "HF_HUB_OFFLINE is set" if offline else "the Hugging Face Hub cannot be reached"
+        raise ConfigError(
+            f"model.path={repo_id}: {why} and the model is not in the local HF cache; fix: download "
+            f"it where the Hub is reachable (`hf download {repo_id}`, then copy HF_HOME here), set "
+            "model.path to a local checkpoint dir, or run with random weights offline: "
+            f"model.path=auto:{repo_id.split('/')[-1].lower()} model.dummy_weights=true") from e
+
+
+def _is_repo_id(path: str) -> bool:
+    return bool(re.fullmatch(r"[A-Za-z0-9][\w.-]*/[\w.-]+", path)) and not path.startswith(".")
+
+
+def _read_json(path: Path, key: str) -> dict[str, Any]:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"{key}: cannot read {path}: {e}; fix: regenerate or re-download it") from e
+
+
+def _check_data(cfg: ColoConfig, key: str) -> None:
+    value = cfg.data.eval_path if key == "data.eval_path" else cfg.data.path
+    if value is None:
+        return
+    if value.startswith(AUTO):
+        from colo.algo.tasks import TASKS  # light: no torch at import
+
+        if value[len(AUTO):] not in TASKS:
+            raise ConfigError(f"{key}={value}: no such synthetic task"
+                              f"{_did_you_mean(value[len(AUTO):], list(TASKS))}; fix: one of "
+                              f"{[AUTO + t for t in TASKS]}")
+        return
+    path = Path(value).expanduser()
+    fix = (f"fix: point {key} at a JSONL or Parquet file with '{cfg.data.prompt_key}' and "
+           f"'{cfg.data.answer_key}' fields, or use {key}=auto:arith")
+    if not path.is_file():
+        raise ConfigError(f"{key}={value} does not exist or is not a file; {fix}")
+    if path.suffix not in DATA_SUFFIXES:
+        raise ConfigError(f"{key}={value}: unknown format {path.suffix!r}, not {DATA_SUFFIXES}; {fix}")
+    try:
+        if path.suffix == ".parquet":
+            import pyarrow.parquet as pq
+
+            fields = set(pq.read_schema(path).names)
+        else:
+            with open(path) as f:
+                first = next((line for line in f if line.strip()), "{}")
+            fields = set(json.loads(first))
+    except Exception as e:  # unreadable (permissions, not UTF-8, corrupt Parquet, bad JSON line)
+        raise ConfigError(f"{key}={value} is unreadable: {type(e).__name__}: "
+                          f"{str(e).splitlines()[0] if str(e) else ''}; {fix}") from e
+    missing = [k for k in (cfg.data.prompt_key, cfg.data.answer_key) if k not in fields]
+    if missing:
+        raise ConfigError(f"{key}={value}: the first row has no field {missing[0]!r} (has "
+                          f"{sorted(fields)}); fix: data.prompt_key=/data.answer_key= to name them")
+
+
+def _check_rewards(cfg: ColoConfig) -> None:
+    from colo.algo.rewards import resolve as resolve_reward  # imports user modules named here
+
+    for name in cfg.algo.rewards:
+        try:
+            resolve_reward(name)
+        except ValueError as e:
+            raise ConfigError(f"algo.rewards: {e}; fix: algo.rewards=[exact_match] or a "
+                              "module:function importable from here") from e
+
+
+def _check_gpus(cfg: ColoConfig, device: str) -> None:
+    n = cfg.placement.num_gpus
+    if device == "cpu":
+        limit = (os.cpu_count() or 1) * 4
+        if n > limit:
+            raise ConfigError(f"placement.num_gpus={n} is more than this CPU machine emulates ({limit} "
+                              f"Ray logical GPUs = 4 x {os.cpu_count()} CPUs); fix: placement.num_gpus=2")
+        return
+    if os.environ.get("RAY_ADDRESS"):
+        return  # joining a Ray cluster: colo.placement.create_placement checks its GPUs
+    import torch
+
+    have = torch.cuda.device_count()
+    if n > have:
+        fix = f"placement.num_gpus={have}" if have else "placement.device=cpu"
+        raise ConfigError(f"placement.num_gpus={n} but this machine has {have} CUDA GPU(s); fix: {fix}")
+
+
+# --------------------------------------------------------------------------------------- resolve
+
+
+def resolve(cfg: ColoConfig, *, download: bool = True) -> ColoConfig:
+    """A copy with concrete values: placement.device, run.dir ("{time}" filled in), and paths.
+
+    auto: model/data paths become where colo.launch.prepare_run generates them (<run.dir>/model,
+    <run.dir>/data/<task>_{train,eval}.jsonl); Hub ids become the local snapshot when download."""
+    out = from_dict(to_dict(cfg))
+    out.placement.device = resolve_device(cfg)
+    run_dir = Path(_resolve_run_dir(cfg.run.dir, cfg.run.resume)).resolve()  # actors may chdir
+    out.run.dir = str(run_dir)
+    if cfg.model.path.startswith(AUTO):
+        out.model.path = str(run_dir / "model")
+    elif Path(cfg.model.path).expanduser().is_dir():
+        out.model.path = str(Path(cfg.model.path).expanduser().resolve())
+    elif download:
+        out.model.path = hub_download(cfg.model.path, config_only=False)
+    for key, split in (("path", "train"), ("eval_path", "eval")):
+        value = getattr(cfg.data, key)
+        if value and value.startswith(AUTO):
+            setattr(out.data, key, str(run_dir / "data" / f"{value[len(AUTO):]}_{split}.jsonl"))
+        elif value:
+            setattr(out.data, key, str(Path(value).expanduser().resolve()))
+    return out
+
+
+def _resolve_run_dir(pattern: str, resume: bool) -> str:
+    """Fill in "{time}" (newest existing match when resuming); refuse to reuse or resume wrongly."""
+    if "{time}" in pattern:
+        if resume:
+            matches = sorted(p for p in glob.glob(pattern.replace("{time}", "*"))
+                             if os.path.isfile(os.path.join(p, "config.yaml")))
+            if not matches:
+                raise ConfigError(f"--resume: no earlier run matches run.dir={pattern}; fix: "
+                                  "run.dir=<the run's dir>")
+            return matches[-1]
+        stamp = time.strftime("%Y%m%d-%H%M%S")
+        runs = (pattern.replace("{time}", stamp + (f"-{i}" if i else "")) for i in range(1000))
+        return next(d for d in runs if not Path(d).exists())  # same-second runs get -1, -2, ...
+    has_run = (Path(pattern) / "config.yaml").is_file()
+    if resume and not has_run:
+        raise ConfigError(f"--resume: run.dir={pattern} holds no earlier run (no config.yaml); fix: "
+                          "drop --resume or point run.dir at the run to continue")
+    if has_run and not resume:
+        raise ConfigError(f"run.dir={pattern} already holds a run; fix: --resume to continue it, or "
+                          "another run.dir (e.g. run.dir=runs/{time})")
+    return pattern

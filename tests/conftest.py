@@ -1,0 +1,66 @@
+"""Shared test set-up: a clean COLO_* environment, GPU tests skipped without CUDA, a CLI runner.
+
+Markers (strict, declared in pyproject.toml): `gpu` (everything under tests/gpu/ gets it and is
+skipped when torch sees no CUDA device) and `slow`.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    gpu_dir = ROOT / "tests" / "gpu"
+    for item in items:
+        if gpu_dir in Path(item.fspath).parents:
+            item.add_marker(pytest.mark.gpu)
+    if not any(item.get_closest_marker("gpu") for item in items):
+        return  # importing torch just to skip nothing costs seconds
+    import torch
+
+    if not torch.cuda.is_available():
+        skip = pytest.mark.skip(reason="needs CUDA (torch.cuda.is_available() is False)")
+        for item in items:
+            if item.get_closest_marker("gpu"):
+                item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def _no_colo_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A COLO_* variable exported in the developer's shell must not change test results."""
+    for name in list(os.environ):
+        if name.startswith("COLO_"):
+            monkeypatch.delenv(name)
+
+
+@dataclass
+class CliResult:
+    returncode: int
+    stdout: str
+    stderr: str
+    seconds: float
+
+
+def clean_env(**extra: str) -> dict[str, str]:
+    """os.environ without COLO_*, with the repo importable, plus `extra`."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("COLO_")}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    env.update(extra)
+    return env
+
+
+def run_cli(*args: str, cwd: Path | str | None = None, env: dict[str, str] | None = None,
+            timeout: float = 120) -> CliResult:
+    """Run `python -m colo.launch ARGS` as a user would, timed."""
+    t0 = time.perf_counter()
+    p = subprocess.run([sys.executable, "-m", "colo.launch", *args], cwd=cwd or ROOT,
+                       env=env or clean_env(), capture_output=True, text=True, timeout=timeout)
+    return CliResult(p.returncode, p.stdout, p.stderr, time.perf_counter() - t0)

@@ -1,0 +1,112 @@
+"""`python -m colo.launch` as a user runs it: speed of --help and of config errors, exit code 2 with
+one line and no traceback, --dry-run output, and that an error writes nothing."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+from conftest import ROOT, clean_env, run_cli
+
+
+def assert_config_error(r, *needles: str) -> None:
+    assert r.returncode == 2, (r.returncode, r.stdout, r.stderr)
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("colo: error: "), r.stderr
+    assert "Traceback" not in r.stderr + r.stdout
+    for needle in needles:
+        assert needle in lines[0], lines[0]
+
+
+def test_help_is_fast() -> None:
+    r = run_cli("--help")
+    assert r.returncode == 0 and "--dry-run" in r.stdout and "key=value" in r.stdout
+    assert r.seconds < 3.0, f"--help took {r.seconds:.2f} s: something heavy is imported too early"
+
+
+def test_invalid_key_is_fast_one_line_exit_2(tmp_path: Path) -> None:
+    r = run_cli("trainer.lrr=1e-6", cwd=tmp_path)
+    assert_config_error(r, "trainer.lrr", "did you mean 'trainer.lr'")
+    assert r.seconds < 3.0, f"a config error took {r.seconds:.2f} s"
+    assert list(tmp_path.iterdir()) == []  # nothing written
+
+
+def test_debug_shows_traceback() -> None:
+    r = run_cli("--debug", "trainer.lrr=1")
+    assert r.returncode != 0 and "Traceback" in r.stderr and "ConfigError" in r.stderr
+
+
+def test_errors_through_cli(tmp_path: Path) -> None:
+    bad_yaml = tmp_path / "bad.yaml"
+    bad_yaml.write_text("trainer:\n  lr: 1e-6\n   epochs: 2\n")
+    assert_config_error(run_cli("--config", str(bad_yaml), cwd=tmp_path), "malformed YAML", "line 3")
+    env = clean_env(COLO_VLLM_GPU_FRACTION="0.7")
+    assert_config_error(run_cli("--dry-run", env=env, cwd=tmp_path), "> 1.0")
+    assert_config_error(run_cli("placement.train_gpu_fraction=0", cwd=tmp_path), "(0, 1]")
+    assert_config_error(run_cli("placement.num_gpus=many", cwd=tmp_path), "whole number")
+    assert_config_error(run_cli(f"data.path={tmp_path}/none.jsonl", cwd=tmp_path), "does not exist")
+    assert_config_error(run_cli("placement.num_gpus=999", cwd=tmp_path), "Ray logical GPUs")
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    assert_config_error(run_cli(f"model.path={ckpt}", cwd=tmp_path), "no config.json")
+    (ckpt / "config.json").write_text(json.dumps({"num_experts": 6}))
+    r = run_cli(f"model.path={ckpt}", "placement.device=cuda", "placement.num_gpus=4", cwd=tmp_path)
+    assert_config_error(r, "6 experts", "expert-parallel size 4")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.yaml", "ckpt"]  # no run dir
+
+
+def test_hub_model_offline_names_alternatives(tmp_path: Path) -> None:
+    env = clean_env(HF_HUB_OFFLINE="1", HF_HOME=str(tmp_path / "hf"))
+    r = run_cli("--config", "configs/qwen3-30b-a3b-4gpu.yaml", "--dry-run", env=env)
+    assert_config_error(r, "Qwen/Qwen3-30B-A3B", "HF_HUB_OFFLINE", "not in the local HF cache",
+                        "model.path=auto:qwen3-30b-a3b model.dummy_weights=true")
+
+
+def test_dry_run_prints_resolved_config_and_plan(tmp_path: Path) -> None:
+    env = clean_env(COLO_TRAIN_GPU_FRACTION="0.3", COLO_VLLM_GPU_FRACTION="0.5")
+    r = run_cli("--dry-run", "trainer.lr=0.01", f"run.dir={tmp_path}/runs/{{time}}", env=env,
+                cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    text, _, plan = r.stdout.partition("\nplacement plan:")
+    cfg = yaml.safe_load(text)
+    assert cfg["trainer"]["lr"] == 0.01 and cfg["placement"]["train_gpu_fraction"] == 0.3
+    assert cfg["placement"]["device"] == "cpu" and cfg["model"]["path"].endswith("/model")
+    assert str(tmp_path / "runs") in cfg["run"]["dir"] and "{time}" not in cfg["run"]["dir"]
+    rows = [line.split() for line in plan.splitlines() if line[:1].isdigit()]
+    assert [r_[:5] for r_ in rows] == [["0", "pg0/0", "0", "0", "0"], ["1", "pg1/0", "1", "1", "0"]]
+    assert all(r_[5:] == ["0.3", "0.5", "kv_cache=256MiB"] for r_ in rows)
+    assert "gpu  bundle  trainer_rank  dp_rank  ep_rank" in plan
+    assert list(tmp_path.iterdir()) == []  # a dry run writes nothing
+
+
+@pytest.mark.parametrize("n", [4, 8])
+def test_dry_run_shape_of_gpu_configs(n: int, tmp_path: Path) -> None:
+    """The 30B configs on a GPU host, rehearsed here through validate(check_resources=False) and the
+    plan (a dry run on this machine stops at the missing CUDA GPUs, tested above)."""
+    from colo.config import load_config, validate
+    from colo.placement import plan_placement
+
+    cfg = load_config(str(ROOT / "configs" / f"qwen3-30b-a3b-{n}gpu.yaml"), [], {})
+    validate(cfg, check_resources=False)
+    plan = plan_placement(cfg)
+    assert (plan.ep_size, plan.dp_size) == (n, n)
+    assert [row.ep_rank for row in plan.rows] == list(range(n))
+    assert plan.rows[0].vllm_memory == "gpu_memory_utilization=0.4"
+
+
+def test_prepare_run_generates_model_data_and_config(tmp_path: Path) -> None:
+    """What the real job does before colo.loop.run: resolve, generate auto: model and data into the
+    run dir, save config.yaml; the saved config validates and resumes."""
+    from colo.config import load_config, validate
+    from colo.launch import prepare_run
+
+    cfg = load_config(str(ROOT / "configs" / "tiny-cpu.yaml"), [f"run.dir={tmp_path}/r/{{time}}"], {})
+    validate(cfg)
+    r = prepare_run(cfg)
+    run = Path(r.run.dir)
+    assert (Path(r.model.path) / "config.json").is_file() and Path(r.model.path).parent == run
+    assert Path(r.data.path).is_file() and Path(r.data.eval_path).is_file()
+    saved = load_config(str(run / "config.yaml"), ["run.resume=true"], {})
+    validate(saved)
+    assert saved.model.path == r.model.path and saved.placement.device == "cpu"
