@@ -97,6 +97,8 @@ class TrainerConfig:
     """Seed of the trainer's torch RNG (random init for dummy weights, dropout if any)."""
     gradient_checkpointing: bool = False
     """Recompute each decoder layer's activations in backward (less memory, ~30% more compute)."""
+    sft_lr: float = 0.0
+    """Learning rate of the supervised warm-up (loop.sft_warmup_steps); 0: trainer.lr."""
 
 
 @dataclass

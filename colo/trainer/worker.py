@@ -166,7 +166,10 @@ class Trainer:
         return self._logprobs(self.model, batch)
 
     # ---- updates -----------------------------------------------------------------------------
-    def _optim_step(self) -> float:
+    def _optim_step(self, lr: float | None = None) -> float:
+        """Clip and step; `lr` overrides trainer.lr for this step only (the warm-up uses its own)."""
+        for g in self.optimizer.param_groups:
+            g["lr"] = float(self.cfg.trainer.lr) if lr is None else lr
         clip = float(self.cfg.trainer.grad_clip)
         norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(),
                                               clip if clip > 0 else float("inf"))
@@ -188,7 +191,8 @@ class Trainer:
             loss = -(lp * mask).sum() / max(tokens, 1.0)
             (loss * self.world_size).backward()
             loss_sum += float(loss.detach())
-        grad_norm = self._optim_step()
+        sft_lr = float(self.cfg.trainer.sft_lr)
+        grad_norm = self._optim_step(sft_lr if sft_lr > 0 else None)
         loss = self._agree([loss_sum], dist.ReduceOp.SUM)[0]
         return {"sft_loss": loss, "grad_norm": grad_norm, "tokens": tokens}
 
