@@ -1,0 +1,1 @@
+"""Benchmarks: `python -m colo.bench.sync` (weight sync against the straightforward path)."""

