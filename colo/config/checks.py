@@ -1,0 +1,219 @@
+"""Checks of a loaded config that OmegaConf cannot know: fractions, files, GPUs, experts, rewards.
+
+Each failure is one ConfigError line naming the problem and the fix, raised before anything is
+written or started. Part of the config package, so environment reads (`RAY_ADDRESS`,
+`HF_HUB_OFFLINE` via huggingface_hub) stay inside colo.config.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+from colo.config import (AUTO, CHOICES, DATA_SUFFIXES, ColoConfig, ConfigError, _default, _did_you_mean,
+                         _resolve_run_dir)
+
+def validate(cfg: ColoConfig, *, check_resources: bool = True) -> None:
+    """Raise ConfigError on the first problem. check_resources=False checks values only (no files,
+    no Hub, no GPU count), e.g. for a config meant for another machine."""
+    _check_values(cfg)
+    if not check_resources:
+        return
+    device = resolve_device(cfg)
+    model = model_config_json(cfg)  # the checkpoint's config.json as a dict
+    experts = model.get("num_experts") or model.get("num_local_experts") or model.get("n_routed_experts")
+    ep = expert_parallel_size(device, cfg.placement.num_gpus)
+    if experts and experts % ep:
+        divisors = [d for d in range(1, experts + 1) if experts % d == 0 and d <= 64]
+        raise ConfigError(f"the model has {experts} experts, not divisible by the expert-parallel size "
+                          f"{ep} (= placement.num_gpus on GPU); fix: placement.num_gpus to one of "
+                          f"{divisors}")
+    for key in ("data.path", "data.eval_path"):
+        _check_data(cfg, key)
+    _check_rewards(cfg)
+    _check_gpus(cfg, device)
+    _resolve_run_dir(cfg.run.dir, cfg.run.resume)  # raises on a taken or missing run dir
+
+
+def _check_values(cfg: ColoConfig) -> None:
+    def get(key: str) -> Any:  # "trainer.lr" -> cfg.trainer.lr
+        return getattr(getattr(cfg, key.partition(".")[0]), key.partition(".")[2])
+
+    for key, choices in CHOICES.items():
+        if get(key) not in choices:
+            raise ConfigError(f"{key}={get(key)!r} is not one of {list(choices)}; "
+                              f"fix: {key}={choices[0]}")
+    p = cfg.placement
+    for key in ("placement.train_gpu_fraction", "placement.vllm_gpu_fraction"):
+        if not 0.0 < get(key) <= 1.0:
+            raise ConfigError(f"{key}={get(key)} must be in (0, 1]; fix: e.g. {key}=0.4")
+    if p.train_gpu_fraction + p.vllm_gpu_fraction > 1.0 + 1e-9:
+        raise ConfigError(f"placement.train_gpu_fraction + placement.vllm_gpu_fraction = "
+                          f"{p.train_gpu_fraction} + {p.vllm_gpu_fraction} > 1.0: both share one GPU; "
+                          "fix: lower them, e.g. COLO_TRAIN_GPU_FRACTION=0.4 COLO_VLLM_GPU_FRACTION=0.4")
+    at_least = {key: 1 for key in (
+        "placement.num_gpus", "trainer.micro_batch_size", "trainer.mini_batches", "trainer.epochs",
+        "rollout.n", "rollout.max_tokens", "rollout.max_model_len", "rollout.kv_cache_mb",
+        "sync.bucket_mb", "sync.buffers", "data.prompts_per_step", "data.eval_size", "loop.steps")}
+    at_least |= {key: 0 for key in (
+        "placement.cpus_per_bundle", "trainer.weight_decay", "trainer.grad_clip", "rollout.temperature",
+        "algo.clip_low", "algo.clip_high", "algo.kl_coef", "algo.tis_cap", "loop.eval_every",
+        "loop.checkpoint_every", "loop.sft_warmup_steps")}
+    for key, low in at_least.items():
+        if get(key) < low:
+            raise ConfigError(f"{key}={get(key)} must be >= {low}; fix: e.g. {key}={_default(key)}")
+    for key, ok in (("trainer.lr", cfg.trainer.lr > 0), ("rollout.top_p", 0 < cfg.rollout.top_p <= 1)):
+        if not ok:
+            raise ConfigError(f"{key}={get(key)} is out of range; fix: e.g. {key}={_default(key)}")
+    if cfg.rollout.max_tokens >= cfg.rollout.max_model_len:
+        raise ConfigError(f"rollout.max_tokens={cfg.rollout.max_tokens} leaves no room for the prompt "
+                          f"in rollout.max_model_len={cfg.rollout.max_model_len}; fix: raise "
+                          "rollout.max_model_len or lower rollout.max_tokens")
+    for key, fix in (("algo.rewards", "[exact_match]"), ("run.dir", "runs/{time}")):
+        if not get(key) or not str(get(key)).strip():
+            raise ConfigError(f"{key} is empty; fix: {key}={fix}")
+    if cfg.model.path.startswith(AUTO):
+        from colo.models.tiny import PRESETS, WITH_WEIGHTS  # light: no torch at import
+
+        preset = cfg.model.path[len(AUTO):]
+        if preset not in PRESETS:
+            raise ConfigError(f"model.path={cfg.model.path}: no such preset"
+                              f"{_did_you_mean(preset, list(PRESETS))}; fix: one of "
+                              f"{[AUTO + k for k in PRESETS]}")
+        if preset not in WITH_WEIGHTS and not cfg.model.dummy_weights:
+            raise ConfigError(f"model.path={cfg.model.path} has a config but no weights; "
+                              "fix: model.dummy_weights=true (random weights)")
+
+
+def resolve_device(cfg: ColoConfig) -> str:
+    """"cpu" or "cuda"; "auto" asks torch (imported only here, and only for auto)."""
+    if cfg.placement.device != "auto":
+        return cfg.placement.device
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def expert_parallel_size(device: str, num_gpus: int) -> int:
+    """GPU: one vLLM DP+EP group over all GPUs. CPU: independent replicas, each with all experts."""
+    return num_gpus if device == "cuda" else 1
+
+
+def model_config_json(cfg: ColoConfig) -> dict[str, Any]:
+    """The model's config.json as a dict, from a preset, a local dir or the Hub (config.json only)."""
+    path = cfg.model.path
+    if path.startswith(AUTO):
+        from colo.models.tiny import PRESETS
+
+        return dict(PRESETS[path[len(AUTO):]])
+    local = Path(path).expanduser()
+    if local.is_dir():
+        if not (local / "config.json").is_file():
+            raise ConfigError(f"model.path={path} is not a Hugging Face checkpoint (no config.json); "
+                              "fix: point it at a dir written by save_pretrained, or use "
+                              "model.path=auto:tiny")
+        return _read_json(local / "config.json", "model.path")
+    if local.exists() or not _is_repo_id(path):
+        raise ConfigError(f"model.path={path} does not exist (not a dir, not a Hub repo id); fix: a "
+                          "local checkpoint dir, a repo id like Qwen/Qwen3-30B-A3B, or auto:tiny")
+    return _read_json(Path(hub_download(path, config_only=True)) / "config.json", "model.path")
+
+
+def hub_download(repo_id: str, *, config_only: bool) -> str:
+    """Local snapshot dir of a Hub repo (the HF cache; HF_HUB_OFFLINE=1 uses the cache only)."""
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError, RepositoryNotFoundError
+
+    patterns = ["config.json"] if config_only else None
+    try:
+        return snapshot_download(repo_id, allow_patterns=patterns)
+    except RepositoryNotFoundError as e:
+        raise ConfigError(f"model.path={repo_id}: no such repo on the Hugging Face Hub (or it is "
+                          "gated; log in with `hf auth login`); fix: check the repo id") from e
+    except (LocalEntryNotFoundError, HfHubHTTPError, OSError) as e:
+        offline = os.environ.get("HF_HUB_OFFLINE", "0").lower() not in ("", "0", "false")
+        why = "HF_HUB_OFFLINE is set" if offline else "the Hugging Face Hub cannot be reached"
+        raise ConfigError(
+            f"model.path={repo_id}: {why} and the model is not in the local HF cache; fix: download "
+            f"it where the Hub is reachable (`hf download {repo_id}`, then copy HF_HOME here), set "
+            "model.path to a local checkpoint dir, or run with random weights offline: "
+            f"model.path=auto:{repo_id.split('/')[-1].lower()} model.dummy_weights=true") from e
+
+
+def _is_repo_id(path: str) -> bool:
+    return bool(re.fullmatch(r"[A-Za-z0-9][\w.-]*/[\w.-]+", path)) and not path.startswith(".")
+
+
+def _read_json(path: Path, key: str) -> dict[str, Any]:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"{key}: cannot read {path}: {e}; fix: regenerate or re-download it") from e
+
+
+def _check_data(cfg: ColoConfig, key: str) -> None:
+    value = cfg.data.eval_path if key == "data.eval_path" else cfg.data.path
+    if value is None:
+        return
+    if value.startswith(AUTO):
+        from colo.algo.tasks import TASKS  # light: no torch at import
+
+        if value[len(AUTO):] not in TASKS:
+            raise ConfigError(f"{key}={value}: no such synthetic task"
+                              f"{_did_you_mean(value[len(AUTO):], list(TASKS))}; fix: one of "
+                              f"{[AUTO + t for t in TASKS]}")
+        return
+    path = Path(value).expanduser()
+    fix = (f"fix: point {key} at a JSONL or Parquet file with '{cfg.data.prompt_key}' and "
+           f"'{cfg.data.answer_key}' fields, or use {key}=auto:arith")
+    if not path.is_file():
+        raise ConfigError(f"{key}={value} does not exist or is not a file; {fix}")
+    if path.suffix not in DATA_SUFFIXES:
+        raise ConfigError(f"{key}={value}: unknown format {path.suffix!r}, not {DATA_SUFFIXES}; {fix}")
+    try:
+        if path.suffix == ".parquet":
+            import pyarrow.parquet as pq
+
+            fields = set(pq.read_schema(path).names)
+        else:
+            with open(path) as f:
+                first = next((line for line in f if line.strip()), "{}")
+            fields = set(json.loads(first))
+    except Exception as e:  # unreadable (permissions, not UTF-8, corrupt Parquet, bad JSON line)
+        raise ConfigError(f"{key}={value} is unreadable: {type(e).__name__}: "
+                          f"{str(e).splitlines()[0] if str(e) else ''}; {fix}") from e
+    missing = [k for k in (cfg.data.prompt_key, cfg.data.answer_key) if k not in fields]
+    if missing:
+        raise ConfigError(f"{key}={value}: the first row has no field {missing[0]!r} (has "
+                          f"{sorted(fields)}); fix: data.prompt_key=/data.answer_key= to name them")
+
+
+def _check_rewards(cfg: ColoConfig) -> None:
+    from colo.algo.rewards import resolve as resolve_reward  # imports user modules named here
+
+    for name in cfg.algo.rewards:
+        try:
+            resolve_reward(name)
+        except ValueError as e:
+            raise ConfigError(f"algo.rewards: {e}; fix: algo.rewards=[exact_match] or a "
+                              "module:function importable from here") from e
+
+
+def _check_gpus(cfg: ColoConfig, device: str) -> None:
+    n = cfg.placement.num_gpus
+    if device == "cpu":
+        limit = (os.cpu_count() or 1) * 4
+        if n > limit:
+            raise ConfigError(f"placement.num_gpus={n} is more than this CPU machine emulates ({limit} "
+                              f"Ray logical GPUs = 4 x {os.cpu_count()} CPUs); fix: placement.num_gpus=2")
+        return
+    if os.environ.get("RAY_ADDRESS"):
+        return  # joining a Ray cluster: colo.placement.create_placement checks its GPUs
+    import torch
+
+    have = torch.cuda.device_count()
+    if n > have:
+        fix = f"placement.num_gpus={have}" if have else "placement.device=cpu"
+        raise ConfigError(f"placement.num_gpus={n} but this machine has {have} CUDA GPU(s); fix: {fix}")
