@@ -142,7 +142,10 @@ def push_weights(model: nn.Module, engine: Any, sync_cfg: Any, state: dict, rais
               "load_s": timings["load"], "verify_s": verify_s, "tensors": res["tensors"], "bytes": res["bytes"],
               "loaded_tensors": loaded["tensors"], "loaded_bytes": loaded["bytes"], "buckets": len(plan.buckets),
               "expert_fast_path": state["expert_fast"], "expert_fast_reason": state["expert_fast_reason"],
-              "digest_checked": digest, "verified": not errors, "errors": errors}
+              "digest_checked": digest, "verified": not errors, "errors": errors,
+              # source-side byte counters (colo.sync.source): expert_gathered_bytes is 0 on the fast path
+              **{k: int(timings.get(k, 0)) for k in ("gathered_bytes", "local_bytes", "expert_gathered_bytes",
+                                                     "expert_local_bytes")}}
     if errors and raise_on_error:
         raise SyncError("weight sync verification failed:\n  " + "\n  ".join(errors[:50]))
     return report

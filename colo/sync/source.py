@@ -123,6 +123,7 @@ class ParamSource:
             out: dict[str, tuple[torch.Tensor, int]] = {}
             for n in u.names:
                 p = self.model.get_parameter(n)
+                moved = gathered  # bytes of this tensor came out of an all-gather
                 if isinstance(p, DTensor):
                     if local:
                         mesh = p.device_mesh
@@ -130,9 +131,15 @@ class ParamSource:
                         out[n] = (p.to_local(), start)
                     else:  # outside FSDP (or unshard did not swap it): the slow but correct way
                         out[n] = (p.full_tensor(), 0)
+                        moved = True
                         timings["full_tensor_fallbacks"] = timings.get("full_tensor_fallbacks", 0) + 1
                 else:
                     out[n] = (p.data, 0)
+                # Byte counters, so a test can prove the expert fast path gathered no expert bytes:
+                # *_gathered_bytes = full tensors materialized by a collective (own shard included).
+                nb = out[n][0].numel() * out[n][0].element_size()
+                key = ("expert_" if u.is_experts else "") + ("gathered_bytes" if moved else "local_bytes")
+                timings[key] = timings.get(key, 0) + nb
             timings["gather"] = timings.get("gather", 0.0) + time.perf_counter() - t0
             yield out
             if gathered:

@@ -1,0 +1,119 @@
+"""Shared pieces of the GPU tests: a GPU config, a test trainer actor, greedy generation, start/stop.
+
+Imported by tests/gpu/test_*.py (pytest puts this folder on sys.path: tests/ has no __init__.py).
+Importing it needs only torch and Ray, so collection works (and skips) on a CPU-only host.
+"""
+from __future__ import annotations
+
+import socket
+import time
+from typing import Any
+
+import ray
+import torch
+
+PROMPTS = [[5, 17, 42, 99, 7], [1, 2, 3], [200, 300, 11, 64, 8, 9]]  # ids < 512: valid for the tiny preset
+MAX_TOKENS = 8
+LOGPROB_ATOL = 0.05  # bf16 weights; two engines with the same bytes may still sum in a different order
+PERTURB_SCALE = 0.5  # x each shard's std: large enough that greedy tokens change (asserted, not assumed)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def gpu_config(model_dir: str, num_gpus: int, **extra: Any) -> Any:
+    """A validated ColoConfig for the tiny model on `num_gpus` real GPUs (eager vLLM: fast start)."""
+    from colo.config import load_config, validate
+
+    cfg = load_config(None, [], env={})  # defaults only: a COLO_* variable on the host must not leak in
+    cfg.model.path, cfg.model.dummy_weights = model_dir, False
+    cfg.placement.device, cfg.placement.num_gpus = "cuda", num_gpus
+    cfg.rollout.max_model_len, cfg.rollout.max_tokens, cfg.rollout.enforce_eager = 256, 16, True
+    cfg.rollout.temperature = 1.0  # the trainer's log-probs then compare with vLLM's greedy ones unscaled
+    for key, value in extra.items():
+        section, _, leaf = key.partition("__")
+        setattr(getattr(cfg, section), leaf, value)
+    validate(cfg, check_resources=False)
+    return cfg
+
+
+def _trainer_cls() -> Any:
+    from colo.trainer.worker import Trainer
+
+    class GpuTestTrainer(Trainer):
+        """TrainWorker plus what only the tests need: a visible weight change and a memory probe."""
+
+        @torch.no_grad()
+        def perturb(self, seed: int, scale: float) -> int:
+            """Add noise to this rank's shards (no collectives); returns elements touched."""
+            gen = torch.Generator(device=self.device).manual_seed(seed * 1_000_003 + self.rank)
+            n = 0
+            for _, p in self.model.named_parameters():
+                local = p.to_local() if hasattr(p, "to_local") else p.data
+                if local.numel() == 0:
+                    continue
+                std = local.float().std(correction=0).clamp_min(0.02)  # norms are all 1.0: std 0
+                noise = torch.randn(local.shape, generator=gen, device=local.device)
+                local.add_((noise * scale * std).to(local.dtype))
+                n += local.numel()
+            return n
+
+        def gpu_free(self) -> int:
+            """Free bytes on this GPU (device-wide: counts every process on it, vLLM's worker too)."""
+            torch.cuda.synchronize()
+            time.sleep(0.2)  # another process's cuMemUnmap/cudaFree is visible after it returns, but be safe
+            return int(torch.cuda.mem_get_info()[0])
+
+        def expert_local_bytes(self) -> int:
+            """Bytes of this rank's local shards of the fused expert params."""
+            return sum(p.to_local().numel() * p.to_local().element_size()
+                       for n, p in self.model.named_parameters()
+                       if n.endswith(("mlp.experts.gate_up_proj", "mlp.experts.down_proj")))
+
+    return ray.remote(GpuTestTrainer)
+
+
+def start_trainers(cfg: Any, pgs: list) -> tuple[list, list[dict]]:
+    from colo.config import to_dict
+    from colo.placement import scheduling
+
+    cls, d, port = _trainer_cls(), to_dict(cfg), free_port()
+    trainers = [cls.options(num_gpus=cfg.placement.train_gpu_fraction, num_cpus=1,
+                            scheduling_strategy=scheduling(pg)).remote(d, r, len(pgs), "127.0.0.1", port)
+                for r, pg in enumerate(pgs)]
+    return trainers, ray.get([t.setup.remote() for t in trainers])
+
+
+def start_engines(cfg: Any, pgs: list) -> tuple[list, list[dict]]:
+    """One DP group over `pgs`; the engine actor takes 0 GPUs (its vLLM worker holds the fraction)."""
+    from colo.config import to_dict
+    from colo.placement import scheduling
+    from colo.rollout.engine import RolloutEngine
+
+    d, port = to_dict(cfg), free_port()
+    engines = [RolloutEngine.options(num_gpus=0, num_cpus=0, scheduling_strategy=scheduling(pg))
+               .remote(d, r, len(pgs), port) for r, pg in enumerate(pgs)]
+    return engines, ray.get([e.ready.remote() for e in engines])
+
+
+def greedy(engines: list) -> list[list[tuple[list[int], list[float]]]]:
+    """Per engine, per prompt: (greedy tokens, their log-probs); all engines at once (a DP group steps
+    together)."""
+    outs = ray.get([e.generate.remote(PROMPTS, 1, MAX_TOKENS, 0.0, 1.0, 0) for e in engines])
+    return [[(s["response_ids"], s["logprobs"]) for s in out] for out in outs]
+
+
+def stop_engines(engines: list) -> None:
+    """Level-2 sleep of every engine at once, then the kills: if vLLM's engine-core process outlives its
+    actor, it then holds no weights or KV cache on the GPU. All at once, because the engines of one DP
+    group step together: measured on 2xH200 (vLLM 0.26), sleeping and killing DP rank 0 alone left rank 1
+    failing in its dummy-batch loop (gloo "Connection closed by peer") and its own sleep() hung."""
+    try:
+        ray.get([e.sleep.remote(2) for e in engines], timeout=120)
+    except Exception:  # noqa: BLE001 -- an engine may already be gone; the kills below still run
+        pass
+    for e in engines:
+        ray.kill(e)

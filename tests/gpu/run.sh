@@ -1,0 +1,71 @@
+#!/usr/bin/env bash
+# The one command a GPU host runs: colo's GPU tests, then the weight-sync benchmark, each step under its
+# own `timeout` so one hang cannot eat the others, logs written to $OUT (default /tmp/colo-gpu-out).
+#
+#   export PYTHONPATH=/tmp/site:$PWD VLLM_USE_FLASHINFER_SAMPLER=0     # offline bundle (shared/gpu/README.md)
+#   bash tests/gpu/run.sh [TOTAL_SECONDS=540]
+#
+# Steps: test_colocated.py (1 GPU), test_dpep.py (2 GPUs, skips with fewer), python -m colo.bench.sync
+# (--preset qwen3-30b-a3b-L12 over every GPU, up to 2; BENCH_ARGS replaces the arguments) in what is left.
+# Exit status: 0 when every step passed. A step that failed or timed out leaves Ray daemons and vLLM
+# workers behind (holding GPU memory); `ray stop --force` clears them before the next step (this host runs
+# nothing but this script).
+set -u
+cd "$(dirname "$0")/../.."
+OUT=${OUT:-/tmp/colo-gpu-out}
+mkdir -p "$OUT"
+TOTAL=${1:-540}
+export PYTHONUNBUFFERED=1
+PY=${PYTHON:-python3}  # hosts may lack a bare `python`
+start=$SECONDS
+status=0
+left() { echo $((TOTAL - (SECONDS - start))); }
+
+clean_after() {  # $1 = exit status of the step just run
+  if [ "$1" -ne 0 ]; then
+    "$PY" -m ray.scripts.scripts stop --force >/dev/null 2>&1 || true
+    status=1
+  fi
+  nvidia-smi --query-gpu=index,memory.used --format=csv,noheader | sed 's/^/[gpu-mem] /'
+}
+
+step() {  # step NAME MAX_SECONDS CMD...
+  local name=$1 max=$2; shift 2
+  local t=$(left); [ "$t" -lt "$max" ] && max=$t
+  if [ "$max" -lt 30 ]; then echo "[run.sh] $name: SKIPPED (only ${max}s left)"; status=1; return; fi
+  echo "[run.sh] $name: start (limit ${max}s, $(left)s left)"
+  local t0=$SECONDS
+  timeout -k 15 "$max" "$@" >"$OUT/$name.log" 2>&1
+  local rc=$?
+  echo "[run.sh] $name: rc=$rc in $((SECONDS - t0))s"
+  grep -a "^\[gpu\]" "$OUT/$name.log"; tail -n 12 "$OUT/$name.log"
+  clean_after $rc
+}
+
+{ nvidia-smi -L; "$PY" -c "import torch, vllm, ray; print('torch', torch.__version__, 'vllm', vllm.__version__, 'ray', ray.__version__)"; } 2>&1 | tee "$OUT/host.txt"
+ngpu=$(nvidia-smi -L | wc -l)
+
+step pytest-colocated 240 "$PY" -m pytest tests/gpu/test_colocated.py -x -q -s -p no:cacheprovider
+step pytest-dpep 240 "$PY" -m pytest tests/gpu/test_dpep.py -x -q -s -p no:cacheprovider
+
+ranks=$((ngpu < 2 ? ngpu : 2))
+args=${BENCH_ARGS:---preset qwen3-30b-a3b-L12 --ranks $ranks --reps 4 --device cuda --json}
+# stdout (the JSON line) and stderr apart: the last line of bench.json is the result
+t=$(left)
+if [ "$t" -ge 60 ]; then
+  echo "[run.sh] bench: python -m colo.bench.sync $args (limit ${t}s)"
+  t0=$SECONDS
+  # vLLM at 0.3: at the default 0.4 the baseline path OOMed on 2xH200 (L12 preset, 2026-11-23): trainer
+  # 67.6 GiB + engine process 72.1 GiB of 139.8 GiB when it allocated its fresh 1 GiB bucket buffer
+  COLO_VLLM_GPU_FRACTION=${COLO_VLLM_GPU_FRACTION:-0.3} \
+  timeout -k 15 "$t" "$PY" -m colo.bench.sync $args >"$OUT/bench.json" 2>"$OUT/bench.log"
+  rc=$?
+  echo "[run.sh] bench: rc=$rc in $((SECONDS - t0))s"
+  tail -n 15 "$OUT/bench.log"
+  tail -n 1 "$OUT/bench.json"
+  clean_after $rc
+else
+  echo "[run.sh] bench: SKIPPED (only ${t}s left)"; status=1
+fi
+echo "[run.sh] done in $((SECONDS - start))s, status $status"
+exit $status
