@@ -4,11 +4,15 @@ placement group r.
 Rank alignment is the invariant the whole weight path rests on (trainer rank r pushes over CUDA IPC /
 shared memory to the engine on the same GPU, and FSDP's expert shard r is engine r's expert slice), so it
 is checked here from what the actors report, not assumed from the order we created them in.
+
+Actors are named `colo-trainer-{r}` / `colo-engine-{r}` in the job's (anonymous, per-driver) Ray namespace,
+so `ray.get_actor` finds them from driver-side code (debugging, the failure tests' reward functions).
 """
 
 from __future__ import annotations
 
 import socket
+import time
 from dataclasses import dataclass
 
 import ray
@@ -42,7 +46,7 @@ def start_cluster(cfg: ColoConfig, plan: PlacementPlan) -> Cluster:
     world = len(pgs)
     master_port, dp_port = _free_port(), _free_port()
     trainers = [
-        TrainWorker.options(num_gpus=cfg.placement.train_gpu_fraction, num_cpus=1,
+        TrainWorker.options(num_gpus=cfg.placement.train_gpu_fraction, num_cpus=1, name=f"colo-trainer-{r}",
                             scheduling_strategy=scheduling(pg)).remote(cfg_dict, r, world, "127.0.0.1", master_port)
         for r, pg in enumerate(pgs)
     ]
@@ -51,12 +55,12 @@ def start_cluster(cfg: ColoConfig, plan: PlacementPlan) -> Cluster:
     # engines are independent replicas and hold Ray's logical GPU fraction themselves.
     engine_gpus = 0 if cfg.placement.device == "cuda" else cfg.placement.vllm_gpu_fraction
     engines = [
-        RolloutEngine.options(num_gpus=engine_gpus, num_cpus=0,
+        RolloutEngine.options(num_gpus=engine_gpus, num_cpus=0, name=f"colo-engine-{r}",
                               scheduling_strategy=scheduling(pg)).remote(cfg_dict, r, world, dp_port)
         for r, pg in enumerate(pgs)
     ]
-    setups = ray.get([t.setup.remote() for t in trainers])
-    readies = ray.get([e.ready.remote() for e in engines])
+    setups = gather([t.setup.remote() for t in trainers], [f"trainer rank {r}" for r in range(world)])
+    readies = gather([e.ready.remote() for e in engines], [f"engine DP rank {r}" for r in range(world)])
     for r, (s, e) in enumerate(zip(setups, readies)):
         if s.get("rank") != r or e.get("rank") != r:
             raise RuntimeError(f"rank misalignment at placement group {r}: trainer {s.get('rank')}, engine {e.get('rank')}")
@@ -64,3 +68,43 @@ def start_cluster(cfg: ColoConfig, plan: PlacementPlan) -> Cluster:
             raise RuntimeError(f"trainer rank {r} is on GPU {s.get('device_uuid')} but engine DP rank {r} is on "
                                f"{e.get('device_uuid')}: CUDA IPC needs them on the same GPU")
     return Cluster(trainers, engines, pgs)
+
+
+def gather(refs: list, who: list[str], timeout: float | None = None) -> list:
+    """ray.get of all refs that fails on the first failure, naming the actor that died.
+
+    Results are taken in completion order, not rank order: when rank 1 dies, rank 0 may be blocked in a
+    collective waiting for it (gloo's default timeout is 30 min), so ray.get(rank 0) first would hang."""
+    out, pending = {}, {ref: i for i, ref in enumerate(refs)}
+    deadline = None if timeout is None else time.monotonic() + timeout
+    while pending:
+        left = None if deadline is None else max(0.0, deadline - time.monotonic())
+        done, _ = ray.wait(list(pending), num_returns=1, timeout=left)
+        if not done:
+            late = ", ".join(who[i] for i in pending.values())
+            raise TimeoutError(f"{late} did not answer in {timeout:.0f} s")
+        i = pending.pop(done[0])
+        try:
+            out[i] = ray.get(done[0])
+        except ray.exceptions.RayActorError as e:
+            raise ActorDied(who[i]) from e
+    return [out[i] for i in range(len(refs))]
+
+
+class ActorDied(RuntimeError):
+    """An actor process is gone (crash, OOM kill, node loss); `name` says which, e.g. "engine DP rank 1"."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__(f"{name} died; see its log above")
+        self.name = name
+
+
+def on_trainers(c: Cluster, method: str, *args_per_rank, timeout: float | None = None) -> list:
+    """Call one method on every trainer; per-rank arguments are given as lists."""
+    refs = [getattr(t, method).remote(*(a[r] for a in args_per_rank)) for r, t in enumerate(c.trainers)]
+    return gather(refs, [f"trainer rank {r}" for r in range(len(refs))], timeout)
+
+
+def on_engines(c: Cluster, method: str, *args) -> list:
+    refs = [getattr(e, method).remote(*args) for e in c.engines]
+    return gather(refs, [f"engine DP rank {r}" for r in range(len(refs))])

@@ -15,7 +15,7 @@ import torch
 
 from colo.algo.data import PromptDataset
 from colo.algo.tasks import completion, sft_examples
-from colo.config import ColoConfig
+from colo.config import ColoConfig, ConfigError
 
 
 @dataclass
@@ -53,14 +53,20 @@ class RunInputs:
 
 
 def open_inputs(cfg: ColoConfig) -> RunInputs:
+    """Raises ConfigError (colo.launch: one line, exit 2) for a data file that is missing, malformed or has a
+    row without its prompt/answer field: before Ray or any engine starts, not when a shuffle reaches the row."""
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(cfg.model.path)
     chat = bool(cfg.data.chat_template and getattr(tok, "chat_template", None))
-    train = PromptDataset(cfg.data.path, cfg.data.prompt_key, cfg.data.answer_key, tok, chat, seed=cfg.run.seed)
-    evals: list[dict] = []
-    if cfg.data.eval_path:
-        ev = PromptDataset(cfg.data.eval_path, cfg.data.prompt_key, cfg.data.answer_key, tok, chat, shuffle=False)
-        evals = [ev.item(i) for i in range(min(len(ev), cfg.data.eval_size))]
-    pairs = sft_examples(cfg.data.path, cfg.data.prompt_key, cfg.data.answer_key) if cfg.loop.sft_warmup_steps else []
+    keys = (cfg.data.prompt_key, cfg.data.answer_key)
+    try:
+        train = PromptDataset(cfg.data.path, *keys, tok, chat, seed=cfg.run.seed)
+        evals: list[dict] = []
+        if cfg.data.eval_path:
+            ev = PromptDataset(cfg.data.eval_path, *keys, tok, chat, shuffle=False)
+            evals = [ev.item(i) for i in range(min(len(ev), cfg.data.eval_size))]
+        pairs = sft_examples(cfg.data.path, *keys) if cfg.loop.sft_warmup_steps else []
+    except (OSError, ValueError) as e:  # read_rows names the file, the row and the field
+        raise ConfigError(f"data: {e}") from e
     return RunInputs(Path(cfg.run.dir), tok, train, evals, pairs, chat, cfg.run.seed)

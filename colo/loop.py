@@ -14,12 +14,20 @@ Each GPU holds a trainer (FSDP2 rank r) and a vLLM engine (DP rank r). Per step:
 
 The order matters: the trainer needs the GPU memory vLLM frees in `sleep`, and the weights must be back
 in vLLM's memory before the push, while the KV cache is only re-allocated after the trainer has left.
+
+Resume is exact: a checkpoint holds model, AdamW and RNG state plus the data position, and rollout seeds
+depend only on (run.seed, step), so `--resume` reproduces an uninterrupted run (bit-identical on CPU,
+tests/test_loop.py). A raising reward function or a dead engine ends the run with status 1 after saving
+the last trained step; after a dead trainer only the periodic checkpoints remain.
 """
 
 from __future__ import annotations
 
+import sys
 import time
+import traceback
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 import ray
@@ -28,7 +36,7 @@ import torch
 from colo.algo.advantages import grpo_advantages
 from colo.algo.batch import build_batch, shard_batch
 from colo.algo.rewards import RewardError, RewardRunner
-from colo.cluster import Cluster, start_cluster
+from colo.cluster import ActorDied, Cluster, gather, on_engines, on_trainers, start_cluster
 from colo.config import ColoConfig
 from colo.metrics import MetricsWriter, ProgressLine
 from colo.placement import plan_placement
@@ -46,34 +54,6 @@ class Timer:
         t0 = time.perf_counter()
         yield
         self.seconds[f"timing/{phase}_s"] = time.perf_counter() - t0
-
-
-def gather(refs: list, who: list[str]) -> list:
-    """ray.get that names the actor that died instead of surfacing a bare RayActorError."""
-    out = []
-    for ref, name in zip(refs, who):
-        try:
-            out.append(ray.get(ref))
-        except ray.exceptions.RayActorError as e:
-            raise ActorDied(name) from e
-    return out
-
-
-class ActorDied(RuntimeError):
-    def __init__(self, name: str) -> None:
-        super().__init__(f"{name} died; see its log above")
-        self.name = name
-
-
-def on_trainers(c: Cluster, method: str, *args_per_rank) -> list:
-    """Call one method on every trainer; per-rank arguments are given as lists."""
-    refs = [getattr(t, method).remote(*(a[r] for a in args_per_rank)) for r, t in enumerate(c.trainers)]
-    return gather(refs, [f"trainer rank {r}" for r in range(len(refs))])
-
-
-def on_engines(c: Cluster, method: str, *args) -> list:
-    refs = [getattr(e, method).remote(*args) for e in c.engines]
-    return gather(refs, [f"engine DP rank {r}" for r in range(len(refs))])
 
 
 def generate(c: Cluster, prompts: list[dict], n: int, cfg: ColoConfig, *, greedy: bool, seed: int) -> list[dict]:
@@ -99,7 +79,16 @@ def score(rewards: RewardRunner, prompts: list[dict], samples: list[dict], token
     return torch.tensor(rewards(texts, answers, questions, finish), dtype=torch.float32)  # (N*G,)
 
 
-def rl_step(step: int, c: Cluster, cfg: ColoConfig, inputs: RunInputs, rewards: RewardRunner) -> dict:
+@dataclass
+class Position:
+    """What the trainers hold: the weights after RL step `step` (-1: warm-up only) and the data position
+    after that step's batch. A checkpoint records exactly this, so a resume redoes no step and skips none."""
+
+    step: int
+    data: dict
+
+
+def rl_step(step: int, c: Cluster, cfg: ColoConfig, inputs: RunInputs, rewards: RewardRunner, pos: Position) -> dict:
     t, n = Timer(), cfg.rollout.n
     with t("rollout"):
         prompts = inputs.train_data.next_batch(cfg.data.prompts_per_step)
@@ -113,6 +102,7 @@ def rl_step(step: int, c: Cluster, cfg: ColoConfig, inputs: RunInputs, rewards: 
         on_trainers(c, "onload")
         shards = shard_batch(build_batch(samples, adv, pad_id=inputs.tokenizer.pad_token_id), len(c.trainers))
         train = on_trainers(c, "train_step", shards)[0]  # metrics are already all-reduced over ranks
+        pos.step, pos.data = step, inputs.train_data.state_dict()  # a failure from here on saves this step
     with t("sync"):
         on_engines(c, "wake_up", ["weights"])
         reports = on_trainers(c, "sync_weights", c.engines)
@@ -160,10 +150,44 @@ def warm_up(c: Cluster, cfg: ColoConfig, inputs: RunInputs) -> dict:
     return {"sft/loss_first": losses[0], "sft/loss_last": losses[-1]} if losses else {}
 
 
-def save(c: Cluster, inputs: RunInputs, step: int) -> None:
-    extra = {"step": step, "data": inputs.train_data.state_dict()}
-    path = str(inputs.run_dir / "checkpoints" / f"step_{step:06d}")
-    on_trainers(c, "save_checkpoint", [path] * len(c.trainers), [extra] * len(c.trainers))
+def save(c: Cluster, inputs: RunInputs, pos: Position, timeout: float | None = None) -> Path:
+    path = inputs.run_dir / "checkpoints" / f"step_{pos.step:06d}"
+    if not (path / "extra.json").exists():  # a failure right after a periodic save: nothing new to write
+        extra = {"step": pos.step, "data": pos.data}
+        w = len(c.trainers)
+        on_trainers(c, "save_checkpoint", [str(path)] * w, [extra] * w, timeout=timeout)
+    return path
+
+
+def restore(c: Cluster, inputs: RunInputs, writer: MetricsWriter) -> Position | None:
+    """Load the newest checkpoint into the trainers and the data position; None when there is none."""
+    if not checkpoints(inputs.run_dir):
+        writer.resume_from(-2)  # an earlier attempt that never checkpointed: its records are redone
+        return None
+    last = str(checkpoints(inputs.run_dir)[-1])
+    extra = on_trainers(c, "load_checkpoint", [last] * len(c.trainers))[0]
+    inputs.train_data.load_state_dict(extra["data"])
+    writer.resume_from(extra["step"])  # drops records of steps after the checkpoint: they are redone
+    return Position(extra["step"], extra["data"])
+
+
+def fail(c: Cluster, inputs: RunInputs, pos: Position, e: Exception, keep_policy: bool) -> int:
+    """Report a run-ending failure, checkpointing the trainers when they still hold a whole policy; status 1."""
+    traceback.print_exc()
+    lines = [f"colo: error: {e}"]
+    if keep_policy and pos.step >= 0:
+        try:  # bounded: a rank stuck in a collective with a dead peer must not hang the exit
+            save(c, inputs, pos, timeout=SAVE_ON_FAILURE_S)
+        except Exception as err:  # noqa: BLE001 (report and exit; the periodic checkpoints remain)
+            lines.append(f"colo: could not checkpoint step {pos.step}: {type(err).__name__}: {err}")
+    if checkpoints(inputs.run_dir):
+        lines.append(f"colo: newest checkpoint {checkpoints(inputs.run_dir)[-1]}; "
+                     f"continue with: python -m colo.launch --resume run.dir={inputs.run_dir}")
+    print("\n".join(lines), file=sys.stderr, flush=True)
+    return 1
+
+
+SAVE_ON_FAILURE_S = 900.0  # a DCP save of a 30B model takes minutes; a hung collective takes forever
 
 
 def ray_init_kwargs(cfg: ColoConfig) -> dict:
@@ -175,51 +199,53 @@ def ray_init_kwargs(cfg: ColoConfig) -> dict:
 
 
 def checkpoints(run_dir: Path) -> list[Path]:
-    return sorted((run_dir / "checkpoints").glob("step_*"))
+    """Complete checkpoints, oldest first: rank 0 writes extra.json after the DCP shards, so a save that
+    was cut off (killed run) has none and is skipped."""
+    return sorted(p for p in (run_dir / "checkpoints").glob("step_*") if (p / "extra.json").exists())
 
 
-def run(cfg: ColoConfig) -> Path:
-    """Run a whole job on a resolved config (colo.launch.prepare_run); returns the run directory.
+def run(cfg: ColoConfig) -> int:
+    """Run a whole job on a resolved config (colo.launch.prepare_run); returns the exit status.
 
-    Exit paths leave a checkpoint when the trainers are still alive."""
+    A reward function that raises or an actor that dies ends the run with status 1 after a checkpoint of
+    the last completed step, when the trainers still hold one (not after a trainer died)."""
     inputs = open_inputs(cfg)
     ray.init(**ray_init_kwargs(cfg))
     cluster = start_cluster(cfg, plan_placement(cfg))
-    writer, progress = MetricsWriter(inputs.run_dir), ProgressLine(cfg.loop.steps)
-    rewards = RewardRunner(list(cfg.algo.rewards))
-    step = 0
+    writer, rewards, progress = MetricsWriter(inputs.run_dir), RewardRunner(list(cfg.algo.rewards)), None
+    pos = Position(-1, inputs.train_data.state_dict())
     try:
-        if cfg.run.resume and checkpoints(inputs.run_dir):
-            last = str(checkpoints(inputs.run_dir)[-1])
-            extra = on_trainers(cluster, "load_checkpoint", [last] * len(cluster.trainers))[0]
-            step = extra["step"] + 1
-            inputs.train_data.load_state_dict(extra["data"])
-            writer.resume_from(step)
-            progress = ProgressLine(cfg.loop.steps, initial_step=step)
+        restored = restore(cluster, inputs, writer) if cfg.run.resume else None
+        if restored:
+            pos = restored
             sync_all(cluster)
         else:
             warm = warm_up(cluster, cfg, inputs)
             warm.update(sync_all(cluster))
             writer.log(-1, {**warm, **evaluate(cluster, cfg, inputs, rewards)})
         on_trainers(cluster, "offload")
-        for step in range(step, cfg.loop.steps):
-            metrics = rl_step(step, cluster, cfg, inputs, rewards)
-            if cfg.loop.eval_every and (step + 1) % cfg.loop.eval_every == 0 or step + 1 == cfg.loop.steps:
+        progress = ProgressLine(cfg.loop.steps, initial_step=pos.step + 1)
+        for step in range(pos.step + 1, cfg.loop.steps):
+            metrics = rl_step(step, cluster, cfg, inputs, rewards, pos)
+            last = step + 1 == cfg.loop.steps  # evaluated and saved too: --resume can extend a finished run
+            if cfg.loop.eval_every and (step + 1) % cfg.loop.eval_every == 0 or last:
                 metrics.update(evaluate(cluster, cfg, inputs, rewards))
             writer.log(step, metrics)
             progress.update(metrics)
-            if cfg.loop.checkpoint_every and (step + 1) % cfg.loop.checkpoint_every == 0:
-                save(cluster, inputs, step)
+            if cfg.loop.checkpoint_every and (step + 1) % cfg.loop.checkpoint_every == 0 or last:
+                save(cluster, inputs, pos)
         on_trainers(cluster, "export_hf", [str(inputs.run_dir / "export")] * len(cluster.trainers))
-    except RewardError:
-        save(cluster, inputs, step - 1) if step > 0 else None
-        raise
-    except ActorDied as e:
-        if e.name.startswith("engine"):  # the trainers still hold the policy: keep it
-            save(cluster, inputs, step - 1) if step > 0 else None
-        raise
+    except RewardError as e:
+        return fail(cluster, inputs, pos, e, keep_policy=True)
+    except ActorDied as e:  # after an engine died the trainers still hold the policy: keep it
+        return fail(cluster, inputs, pos, e, keep_policy=e.name.startswith("engine"))
     finally:
         writer.close()
-        progress.close()
+        if progress:
+            progress.close()
+        rewards.close()
+        # best effort, bounded: unlink the trainers' shared-memory sync buffers (ray.shutdown kills actors
+        # without their atexit hooks, which would leave the segments in /dev/shm)
+        ray.wait([t.shutdown.remote() for t in cluster.trainers], num_returns=len(cluster.trainers), timeout=30)
         ray.shutdown()
-    return inputs.run_dir
+    return 0

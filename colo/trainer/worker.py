@@ -306,6 +306,12 @@ class Trainer:
         return (p.to_local() if hasattr(p, "to_local") else p).detach().cpu().clone()
 
     def shutdown(self) -> None:
+        """Free what outlives the process otherwise: the sync's shared-memory segments are named files in
+        /dev/shm, and ray.kill/ray.shutdown end actors without running atexit hooks."""
+        bufs = self._sync_state.pop("buffers", None)
+        if bufs is not None:
+            bufs.close()
+        self._sync_state.clear()
         if dist.is_initialized():
             dist.destroy_process_group()
 
