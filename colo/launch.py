@@ -87,6 +87,7 @@ def prepare_run(cfg: ColoConfig) -> ColoConfig:
     from colo import config
 
     resolved = config.resolve(cfg)  # may download a Hub model: still before anything is written
+    check_user_data(cfg, resolved)
     run_dir = Path(resolved.run.dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     if cfg.model.path.startswith(config.AUTO):
@@ -100,6 +101,21 @@ def prepare_run(cfg: ColoConfig) -> ColoConfig:
             make_task(value[len(config.AUTO):], run_dir / "data", seed=cfg.run.seed)
     config.save_resolved(resolved, run_dir)
     return resolved
+
+
+def check_user_data(cfg: ColoConfig, resolved: ColoConfig) -> None:
+    """Read every row of the user's data files before the run dir exists: validate() only looks at the
+    first row, and a bad row found after config.yaml is written would force --resume on the rerun."""
+    from colo import config
+    from colo.algo.data import read_rows
+
+    for key in ("path", "eval_path"):
+        value = getattr(cfg.data, key)
+        if value and not value.startswith(config.AUTO):
+            try:
+                read_rows(getattr(resolved.data, key), [cfg.data.prompt_key, cfg.data.answer_key])
+            except (OSError, ValueError) as e:  # read_rows names the file, the row and the field
+                raise config.ConfigError(f"data: {e}") from e
 
 
 if __name__ == "__main__":

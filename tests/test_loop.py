@@ -248,3 +248,4 @@ def test_dataset_row_missing_field_exits_2_early(tmp_path: Path, fmt: str) -> No
     assert error.startswith("colo: error: data: ") and str(data) in error, error
     assert "row 3" in error and "missing field 'answer'" in error, error
     assert r.seconds < 60, f"the data error came after {r.seconds:.0f} s: it must precede Ray/vLLM start-up"
+    assert not (tmp_path / "run").exists(), "a data error must leave no run dir behind (a rerun would need --resume)"
