@@ -88,6 +88,11 @@ def gather(refs: list, who: list[str], timeout: float | None = None) -> list:
             out[i] = ray.get(done[0])
         except ray.exceptions.RayActorError as e:
             raise ActorDied(who[i]) from e
+        except ray.exceptions.RayTaskError as e:
+            # a live trainer whose call into a dead actor failed: trainers only call their own engine (sync)
+            if isinstance(getattr(e, "cause", None), ray.exceptions.RayActorError) and who[i].startswith("trainer"):
+                raise ActorDied(f"engine DP rank {i} (seen by {who[i]} during the weight sync)") from e
+            raise
     return [out[i] for i in range(len(refs))]
 
 
