@@ -39,8 +39,8 @@ from colo.algo.rewards import RewardError, RewardRunner
 from colo.cluster import ActorDied, Cluster, gather, on_engines, on_trainers, start_cluster
 from colo.config import ColoConfig
 from colo.metrics import MetricsWriter, ProgressLine
-from colo.placement import plan_placement
 from colo.inputs import RunInputs, open_inputs
+from colo.placement import plan_placement
 
 
 class Timer:
@@ -136,6 +136,8 @@ def sync_all(c: Cluster) -> dict:
 
 def evaluate(c: Cluster, cfg: ColoConfig, inputs: RunInputs, rewards: RewardRunner) -> dict:
     prompts = inputs.eval_prompts
+    if not prompts:  # data.eval_path: null
+        return {}
     samples = generate(c, prompts, 1, cfg, greedy=True, seed=0)
     return {"eval/reward": score(rewards, prompts, samples, inputs.tokenizer).mean().item()}
 
