@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import socket
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import ray
 
@@ -28,23 +29,28 @@ class Cluster:
     trainers: list
     engines: list
     placement_groups: list
+    setup: dict = field(default_factory=dict)  # start-up seconds: trainer_setup_s, engine_start_s, cluster_s
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
-def start_cluster(cfg: ColoConfig, plan: PlacementPlan) -> Cluster:
-    """Create placement groups, then trainers and engines in them; returns once every actor is ready."""
+def start_cluster(cfg: ColoConfig, plan: PlacementPlan, trainer_cls: Any = None) -> Cluster:
+    """Create placement groups, then trainers and engines in them; returns once every actor is ready.
+
+    `trainer_cls`: a Ray actor class with TrainWorker's interface (the benchmark adds its baseline sync)."""
     from colo.rollout.engine import RolloutEngine
     from colo.trainer.worker import TrainWorker
 
+    TrainWorker = trainer_cls or TrainWorker  # noqa: N806
+    t0 = time.perf_counter()
     pgs = create_placement(plan)
     cfg_dict = to_dict(cfg)
     world = len(pgs)
-    master_port, dp_port = _free_port(), _free_port()
+    master_port, dp_port = free_port(), free_port()
     trainers = [
         TrainWorker.options(num_gpus=cfg.placement.train_gpu_fraction, num_cpus=1, name=f"colo-trainer-{r}",
                             scheduling_strategy=scheduling(pg)).remote(cfg_dict, r, world, "127.0.0.1", master_port)
@@ -60,6 +66,7 @@ def start_cluster(cfg: ColoConfig, plan: PlacementPlan) -> Cluster:
         for r, pg in enumerate(pgs)
     ]
     setups = gather([t.setup.remote() for t in trainers], [f"trainer rank {r}" for r in range(world)])
+    t_train = time.perf_counter() - t0
     readies = gather([e.ready.remote() for e in engines], [f"engine DP rank {r}" for r in range(world)])
     for r, (s, e) in enumerate(zip(setups, readies)):
         if s.get("rank") != r or e.get("rank") != r:
@@ -67,7 +74,9 @@ def start_cluster(cfg: ColoConfig, plan: PlacementPlan) -> Cluster:
         if cfg.placement.device == "cuda" and s.get("device_uuid") != e.get("device_uuid"):
             raise RuntimeError(f"trainer rank {r} is on GPU {s.get('device_uuid')} but engine DP rank {r} is on "
                                f"{e.get('device_uuid')}: CUDA IPC needs them on the same GPU")
-    return Cluster(trainers, engines, pgs)
+    setup = {"trainer_setup_s": t_train, "cluster_s": time.perf_counter() - t0,
+             "engine_start_s": max(float(e.get("start_s", 0.0)) for e in readies)}
+    return Cluster(trainers, engines, pgs, setup)
 
 
 def gather(refs: list, who: list[str], timeout: float | None = None) -> list:

@@ -224,7 +224,8 @@ def run(cfg: ColoConfig) -> int:
         else:
             warm = warm_up(cluster, cfg, inputs)
             warm.update(sync_all(cluster))
-            writer.log(-1, {**warm, **evaluate(cluster, cfg, inputs, rewards)})
+            setup = {f"setup/{k}": v for k, v in cluster.setup.items()}
+            writer.log(-1, {**warm, **setup, **evaluate(cluster, cfg, inputs, rewards)})
         on_trainers(cluster, "offload")
         progress = ProgressLine(cfg.loop.steps, initial_step=pos.step + 1)
         for step in range(pos.step + 1, cfg.loop.steps):

@@ -28,7 +28,6 @@ import json
 import os
 import platform
 import shutil
-import socket
 import statistics
 import sys
 import tempfile
@@ -75,9 +74,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def _trainer_actor() -> Any:
-    """TrainWorker plus what only the benchmark needs (built lazily: torch/Ray stay out of --help)."""
+    """TrainWorker plus the straightforward path to time (built lazily: torch/Ray stay out of --help)."""
     import ray
-    import torch
 
     from colo.trainer.worker import Trainer
 
@@ -88,69 +86,15 @@ def _trainer_actor() -> Any:
             self._check_ready()
             return push_weights_baseline(self.model, engine, self.cfg.sync)
 
-        def release_sync(self) -> None:
-            """Unlink the sync buffers' shared memory now: ray.kill / ray.shutdown end actors without
-            running atexit hooks, which leaked one /dev/shm segment per rank and run (measured)."""
-            bufs = self._sync_state.pop("buffers", None)
-            if bufs is not None:
-                bufs.close()
-            self._sync_state.clear()
-
-        @torch.no_grad()
-        def perturb(self, seed: int, scale: float) -> int:
-            """Add noise to this rank's shards (no collectives); returns elements touched."""
-            gen = torch.Generator(device=self.device).manual_seed(seed * 1_000_003 + self.rank)
-            n = 0
-            for _, p in self.model.named_parameters():
-                local = p.to_local() if hasattr(p, "to_local") else p.data
-                if local.numel() == 0:  # uneven expert split: an empty shard
-                    continue
-                std = local.float().std(correction=0).clamp_min(0.02)  # norms are all 1.0: std 0
-                noise = torch.randn(local.shape, generator=gen, device=local.device)
-                local.add_((noise * scale * std).to(local.dtype))
-                n += local.numel()
-            return n
-
     return ray.remote(BenchTrainer)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def start_pairs(cfg: Any, plan: Any) -> tuple[list, list, list, dict]:
-    """colo.cluster.start_cluster's placement with BenchTrainer in place of TrainWorker; (trainers,
-    engines, pgs, timings). Rank and (on CUDA) device alignment are checked from what actors report."""
-    import ray
+    """colo.cluster.start_cluster with BenchTrainer in place of TrainWorker; (trainers, engines, pgs, timings)."""
+    from colo.cluster import start_cluster
 
-    from colo.config import to_dict
-    from colo.placement import create_placement, scheduling
-    from colo.rollout.engine import RolloutEngine
-
-    t0 = time.perf_counter()
-    pgs = create_placement(plan)
-    d, world = to_dict(cfg), len(pgs)
-    port, dp_port = _free_port(), _free_port()
-    trainer_cls = _trainer_actor()
-    trainers = [trainer_cls.options(num_gpus=cfg.placement.train_gpu_fraction, num_cpus=1,
-                                    scheduling_strategy=scheduling(pg)).remote(d, r, world, "127.0.0.1", port)
-                for r, pg in enumerate(pgs)]
-    engine_gpus = 0 if cfg.placement.device == "cuda" else cfg.placement.vllm_gpu_fraction  # DESIGN.md
-    engines = [RolloutEngine.options(num_gpus=engine_gpus, num_cpus=0, scheduling_strategy=scheduling(pg))
-               .remote(d, r, world, dp_port) for r, pg in enumerate(pgs)]
-    setups = ray.get([t.setup.remote() for t in trainers])
-    t_train = time.perf_counter() - t0
-    readies = ray.get([e.ready.remote() for e in engines])
-    for r, (s, e) in enumerate(zip(setups, readies)):
-        if s["rank"] != r or e["rank"] != r:
-            raise RuntimeError(f"placement group {r}: trainer rank {s['rank']}, engine rank {e['rank']}")
-        if cfg.placement.device == "cuda" and s.get("device_uuid") != e["device_uuid"]:
-            raise RuntimeError(f"rank {r}: trainer on {s.get('device_uuid')}, engine on {e['device_uuid']}: "
-                               "CUDA IPC needs them on one GPU")
-    return trainers, engines, pgs, {"trainer_setup_s": t_train, "cluster_s": time.perf_counter() - t0,
-                                    "engine_start_s": max(e["start_s"] for e in readies)}
+    c = start_cluster(cfg, plan, trainer_cls=_trainer_actor())
+    return c.trainers, c.engines, c.placement_groups, c.setup
 
 
 # ------------------------------------------------------------------------------------------- timing
@@ -162,7 +106,7 @@ def release(trainers: list) -> None:
 
     for r, t in enumerate(trainers):
         try:
-            ray.get(t.release_sync.remote(), timeout=60)
+            ray.get(t.release_sync_buffers.remote(), timeout=60)
         except Exception as e:  # noqa: BLE001 -- a crashed actor: nothing more to do from here
             print(f"colo.bench.sync: trainer rank {r}: sync buffers not released: {e!r}", file=sys.stderr)
 
@@ -243,12 +187,13 @@ def check(cfg: Any, trainers: list, engines: list, pgs: list, workdir: Path, see
     Frees the cluster's trainers and engines before the fresh engine starts (GPU memory; CPU cores)."""
     import ray
 
+    from colo.cluster import free_port
     from colo.config import to_dict
     from colo.placement import scheduling
     from colo.rollout.engine import RolloutEngine
 
     before = greedy(engines)
-    ray.get([t.perturb.remote(seed + 1, PERTURB_SCALE) for t in trainers])
+    ray.get([t.perturb_weights.remote(seed + 1, PERTURB_SCALE) for t in trainers])
     rep = sync_round(trainers, engines, "sync_weights")
     synced = greedy(engines)
     changed = any(s[0] != b[0] for se, be in zip(synced, before) for s, b in zip(se, be))
@@ -272,7 +217,7 @@ def check(cfg: Any, trainers: list, engines: list, pgs: list, workdir: Path, see
         fresh_cfg["model"].update(path=str(export), dummy_weights=False)
         gpus = 0 if cfg.placement.device == "cuda" else cfg.placement.vllm_gpu_fraction
         fresh = RolloutEngine.options(num_gpus=gpus, num_cpus=0, scheduling_strategy=scheduling(pgs[0])).remote(
-            fresh_cfg, 0, 1, _free_port())
+            fresh_cfg, 0, 1, free_port())
         want = greedy([fresh])[0]
         ray.kill(fresh)
     finally:

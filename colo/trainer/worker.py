@@ -305,13 +305,32 @@ class Trainer:
         p = self.model.get_parameter(name)
         return (p.to_local() if hasattr(p, "to_local") else p).detach().cpu().clone()
 
-    def shutdown(self) -> None:
-        """Free what outlives the process otherwise: the sync's shared-memory segments are named files in
-        /dev/shm, and ray.kill/ray.shutdown end actors without running atexit hooks."""
+    @torch.no_grad()
+    def perturb_weights(self, seed: int, scale: float) -> int:
+        """Add noise to this rank's shards (no collectives); returns elements touched. The benchmark's --check
+        and the GPU tests use it so a sync that changes nothing cannot pass for one that works."""
+        gen = torch.Generator(device=self.device).manual_seed(seed * 1_000_003 + self.rank)
+        n = 0
+        for _, p in self.model.named_parameters():
+            local = p.to_local() if hasattr(p, "to_local") else p.data
+            if local.numel() == 0:  # uneven expert split: an empty shard
+                continue
+            std = local.float().std(correction=0).clamp_min(0.02)  # norms are all 1.0: std 0
+            noise = torch.randn(local.shape, generator=gen, device=local.device)
+            local.add_((noise * scale * std).to(local.dtype))
+            n += local.numel()
+        return n
+
+    def release_sync_buffers(self) -> None:
+        """Unlink the sync's shared-memory segments now: they are named files in /dev/shm, and
+        ray.kill/ray.shutdown end actors without running atexit hooks (measured: one leaked per rank and run)."""
         bufs = self._sync_state.pop("buffers", None)
         if bufs is not None:
             bufs.close()
         self._sync_state.clear()
+
+    def shutdown(self) -> None:
+        self.release_sync_buffers()
         if dist.is_initialized():
             dist.destroy_process_group()
 

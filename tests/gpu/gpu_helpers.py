@@ -5,23 +5,18 @@ Importing it needs only torch and Ray, so collection works (and skips) on a CPU-
 """
 from __future__ import annotations
 
-import socket
 import time
 from typing import Any
 
 import ray
 import torch
 
+from colo.cluster import free_port  # noqa: F401 (the tests import it from here)
+
 PROMPTS = [[5, 17, 42, 99, 7], [1, 2, 3], [200, 300, 11, 64, 8, 9]]  # ids < 512: valid for the tiny preset
 MAX_TOKENS = 8
 LOGPROB_ATOL = 0.05  # bf16 weights; two engines with the same bytes may still sum in a different order
 PERTURB_SCALE = 0.5  # x each shard's std: large enough that greedy tokens change (asserted, not assumed)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def gpu_config(model_dir: str, num_gpus: int, **extra: Any) -> Any:
@@ -44,22 +39,7 @@ def _trainer_cls() -> Any:
     from colo.trainer.worker import Trainer
 
     class GpuTestTrainer(Trainer):
-        """TrainWorker plus what only the tests need: a visible weight change and a memory probe."""
-
-        @torch.no_grad()
-        def perturb(self, seed: int, scale: float) -> int:
-            """Add noise to this rank's shards (no collectives); returns elements touched."""
-            gen = torch.Generator(device=self.device).manual_seed(seed * 1_000_003 + self.rank)
-            n = 0
-            for _, p in self.model.named_parameters():
-                local = p.to_local() if hasattr(p, "to_local") else p.data
-                if local.numel() == 0:
-                    continue
-                std = local.float().std(correction=0).clamp_min(0.02)  # norms are all 1.0: std 0
-                noise = torch.randn(local.shape, generator=gen, device=local.device)
-                local.add_((noise * scale * std).to(local.dtype))
-                n += local.numel()
-            return n
+        """TrainWorker plus what only the tests need: memory probes."""
 
         def gpu_free(self) -> int:
             """Free bytes on this GPU (device-wide: counts every process on it, vLLM's worker too)."""

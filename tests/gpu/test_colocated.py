@@ -62,7 +62,7 @@ def test_colocated_on_one_gpu(pair):
 def test_sync_over_cuda_ipc_changes_generation(pair):
     trainer, engine = pair["trainer"], pair["engine"]
     before = greedy([engine])[0]
-    assert ray.get(trainer.perturb.remote(1, PERTURB_SCALE)) > 0
+    assert ray.get(trainer.perturb_weights.remote(1, PERTURB_SCALE)) > 0
     rep = ray.get(trainer.sync_weights.remote(engine))
     print(f"\n[gpu] sync (first) {rep['seconds'] * 1e3:.1f} ms, {rep['bytes']} bytes, {rep['tensors']} pieces")
     assert rep["verified"], rep["errors"]

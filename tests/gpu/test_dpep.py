@@ -60,7 +60,7 @@ def test_ranks_share_gpus_and_experts_are_split_linearly(group):
 def test_expert_sync_gathers_no_expert_bytes(group):
     trainers, engines = group["trainers"], group["engines"]
     before = greedy(engines)
-    ray.get([t.perturb.remote(1, PERTURB_SCALE) for t in trainers])
+    ray.get([t.perturb_weights.remote(1, PERTURB_SCALE) for t in trainers])
     reps = ray.get([t.sync_weights.remote(e) for t, e in zip(trainers, engines)])
     described = ray.get([e.describe.remote() for e in engines])
     own = ray.get([t.expert_local_bytes.remote() for t in trainers])
