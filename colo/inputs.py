@@ -13,7 +13,8 @@ from typing import Any
 
 import torch
 
-from colo.algo.data import PromptDataset
+from colo.algo.batch import build_batch
+from colo.algo.data import PromptDataset, encode_prompt
 from colo.algo.tasks import completion, sft_examples
 from colo.config import ColoConfig, ConfigError
 
@@ -33,23 +34,13 @@ class RunInputs:
 
         Drawn with a seed of (run seed, step) so a resumed warm-up sees the same examples."""
         rng = random.Random(f"sft:{self.seed}:{step}")
-        pairs = [rng.choice(self.sft_pairs) for _ in range(k)]
-        tok, rows = self.tokenizer, []
-        for prompt, answer in pairs:
-            text = (tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
-                                            tokenize=False) if self.chat_template else prompt)
-            p = tok(text, add_special_tokens=not self.chat_template)["input_ids"]
+        tok, samples = self.tokenizer, []
+        for prompt, answer in (rng.choice(self.sft_pairs) for _ in range(k)):
+            _, p = encode_prompt(tok, prompt, self.chat_template)
             r = tok(completion(answer, self.chat_template), add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
-            rows.append((p, r))
-        T = max(len(p) + len(r) for p, r in rows)
-        ids = torch.full((k, T), tok.pad_token_id, dtype=torch.long)  # (B, T)
-        attn = torch.zeros((k, T), dtype=torch.long)  # (B, T)
-        mask = torch.zeros((k, T), dtype=torch.float32)  # (B, T) 1 on answer tokens
-        for b, (p, r) in enumerate(rows):
-            ids[b, : len(p) + len(r)] = torch.tensor(p + r)
-            attn[b, : len(p) + len(r)] = 1
-            mask[b, len(p): len(p) + len(r)] = 1.0
-        return {"input_ids": ids, "attention_mask": attn, "loss_mask": mask}
+            samples.append({"prompt_ids": p, "response_ids": r, "logprobs": [0.0] * len(r)})
+        batch = build_batch(samples, torch.zeros(k), pad_id=tok.pad_token_id)  # right-padded, loss on r
+        return {key: batch[key] for key in ("input_ids", "attention_mask", "loss_mask")}  # (B, T) each
 
 
 def open_inputs(cfg: ColoConfig) -> RunInputs:

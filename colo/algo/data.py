@@ -58,6 +58,18 @@ def read_rows(path: str | os.PathLike, required: Sequence[str]) -> list[dict[str
     return rows
 
 
+def encode_prompt(tokenizer: Any, prompt: str, chat_template: bool) -> tuple[str, list[int]]:
+    """(text the model sees, its token ids): the chat template applied when enabled. Rollout prompts and
+    the warm-up's supervised examples both go through here, so they are tokenized identically."""
+    if not chat_template:
+        text = prompt
+    else:
+        text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                             tokenize=False)
+    # A rendered chat template already carries any BOS; a raw prompt gets the tokenizer's specials.
+    return text, list(tokenizer(text, add_special_tokens=not chat_template)["input_ids"])
+
+
 class PromptDataset:
     """Prompts and reference answers from one file, tokenized on demand (see module docstring)."""
 
@@ -91,16 +103,11 @@ class PromptDataset:
 
     def prompt_text(self, i: int) -> str:
         """Row i's prompt as the model sees it (chat template applied when enabled)."""
-        if not self.chat_template:
-            return self.prompts[i]
-        return self.tokenizer.apply_chat_template(
-            [{"role": "user", "content": self.prompts[i]}], add_generation_prompt=True, tokenize=False)
+        return encode_prompt(self.tokenizer, self.prompts[i], self.chat_template)[0]
 
     def item(self, i: int) -> dict[str, Any]:
-        text = self.prompt_text(i)
-        # A rendered chat template already carries any BOS; a raw prompt gets the tokenizer's specials.
-        ids = self.tokenizer(text, add_special_tokens=not self.chat_template)["input_ids"]
-        return {"prompt_ids": list(ids), "prompt_text": text, "answer": self.answers[i]}
+        text, ids = encode_prompt(self.tokenizer, self.prompts[i], self.chat_template)
+        return {"prompt_ids": ids, "prompt_text": text, "answer": self.answers[i]}
 
     def _epoch_order(self, epoch: int) -> list[int]:
         if self._order_epoch != epoch:
