@@ -11,6 +11,7 @@ so `ray.get_actor` finds them from driver-side code (debugging, the failure test
 
 from __future__ import annotations
 
+import random
 import socket
 import time
 from dataclasses import dataclass, field
@@ -33,9 +34,31 @@ class Cluster:
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A free TCP port for a server that another process will open a moment later.
+
+    Taken from below the kernel's ephemeral range: a port handed out by bind(0) is an ephemeral one,
+    and in the gap before the server binds it, any outgoing connection (Ray, gloo, vLLM start dozens)
+    may be given the same number; CI hit exactly that (EADDRINUSE in init_process_group)."""
+    lo = _ephemeral_low()
+    for _ in range(200):
+        port = _RNG.randrange(max(1024, lo - 12000), lo) if lo > 2048 else 0
+        with socket.socket() as s:
+            try:
+                s.bind(("", port))
+            except OSError:
+                continue
+            return s.getsockname()[1]
+    raise RuntimeError(f"no free TCP port below the ephemeral range ({lo}) after 200 tries")
+
+
+_RNG = random.SystemRandom()  # independent of any seeding the job does: two runs must not pick alike
+
+
+def _ephemeral_low() -> int:
+    try:
+        return int(open("/proc/sys/net/ipv4/ip_local_port_range").read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux default
 
 
 def start_cluster(cfg: ColoConfig, plan: PlacementPlan, trainer_cls: Any = None) -> Cluster:
