@@ -1,6 +1,8 @@
-"""Where everything runs: one Ray placement group per GPU, a trainer rank and a vLLM rank in each.
+"""Where everything runs, for both placement modes.
 
-    plan = plan_placement(cfg)           # pure: rows of (GPU, trainer rank, DP rank, EP rank, shares)
+colocated: one Ray placement group per GPU, a trainer rank and a vLLM rank in each.
+
+    plan = plan_placement(cfg)           # pure: rows of (GPU, role, trainer/DP/TP/EP rank, shares)
     init_ray(plan)                       # CPU: a local Ray whose logical GPUs stand in for real ones
     pgs = create_placement(plan)         # one PG per GPU, bundle {"GPU": 1, "CPU": k}, ready, ordered
     TrainWorker.options(num_gpus=plan.train_gpu_fraction, scheduling_strategy=scheduling(pgs[r]))
@@ -10,6 +12,14 @@ pgs[r], so they share one device; pgs are ordered by (node, GPU id) so rank orde
 hardware. Why one PG per GPU and not one PG with N bundles: vLLM's Ray executor places its worker
 in "bundle 0" of the placement group it is handed (VLLM_RAY_BUNDLE_INDICES), so each engine needs a
 PG whose bundle 0 is its own GPU (DESIGN.md, measured in ../shared/gpu/dpep.py).
+
+disaggregated: trainer ranks and engines on different GPUs; weights go from trainer rank 0 to the
+engines by broadcast, so no trainer needs to share a device with an engine.
+
+    trainer_pgs, engine_pgs = create_disaggregated_placement(plan)
+    # trainer_pgs[r]: one bundle, trainer rank r takes the whole GPU
+    # engine_pgs[e]:  plan.tp_size bundles, STRICT_PACK (one node: TP traffic stays on NVLink);
+    #                 bundle t is the GPU of engine e's TP worker t
 
 On CPU the "GPUs" are Ray logical GPU resources (ray.init(num_gpus=N)); fractions and bundles behave
 exactly as on a GPU host, so this module is tested for real without one.
@@ -29,86 +39,142 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class PlacementRow:
-    gpu: int  # index of the GPU (and of its placement group) in rank order
-    bundle: str  # "pg<gpu>/0": the only bundle of that GPU's placement group
-    trainer_rank: int  # FSDP2 rank
-    dp_rank: int  # vLLM data-parallel rank: this engine's share of the prompts
-    ep_rank: int  # vLLM expert-parallel rank (0 on CPU: each engine holds all experts)
-    train_fraction: float  # Ray num_gpus of the TrainWorker
+    gpu: int  # index of the GPU in plan order (trainers first, then engine 0's TP GPUs, engine 1's, ...)
+    bundle: str  # colocated "pg<gpu>/0"; disaggregated "trainer-pg<r>/0" or "engine-pg<e>/<tp_rank>"
+    trainer_rank: int  # FSDP2 rank (-1: no trainer on this GPU)
+    dp_rank: int  # vLLM data-parallel rank = engine index: this engine's share of the prompts (-1: none)
+    ep_rank: int  # vLLM expert-parallel rank (0 where EP is 1: each engine holds all experts; -1: none)
+    train_fraction: float  # Ray num_gpus of the TrainWorker (disaggregated: 1.0, 0.0 on engine GPUs)
     vllm_fraction: float  # Ray num_gpus of the engine (on GPU: VLLM_RAY_PER_WORKER_GPUS)
-    vllm_memory: str  # "gpu_memory_utilization=0.4" (GPU) or "kv_cache=256MiB" (CPU)
+    vllm_memory: str  # "gpu_memory_utilization=0.4" (GPU) or "kv_cache=256MiB" (CPU); "-": no engine
+    role: str  # colocated "trainer+engine"; disaggregated "trainer" or "engine"
+    tp_rank: int  # rank within the engine's tensor-parallel group (-1: no engine on this GPU)
 
 
 @dataclass(frozen=True)
 class PlacementPlan:
     device: str  # "cpu" | "cuda" (never "auto")
-    num_gpus: int
+    num_gpus: int  # all GPUs, trainer and engine ones
     cpus_per_bundle: int
-    dp_size: int  # engines that share the prompts (= num_gpus)
-    ep_size: int  # num_gpus on GPU (one DP+EP group), 1 on CPU (independent replicas)
+    dp_size: int  # engines that share the prompts (= num_engines)
+    ep_size: int  # colocated: num_gpus on GPU (one DP+EP group), 1 on CPU; disaggregated: 1
     rows: tuple[PlacementRow, ...]
+    mode: str  # "colocated" | "disaggregated"
+    trainer_world: int  # FSDP ranks: num_gpus colocated, placement.trainer_gpus disaggregated
+    num_engines: int  # colocated: num_gpus; disaggregated: (num_gpus - trainer_world) // tp_size
+    tp_size: int  # GPUs per engine (colocated: 1)
 
     @property
     def train_gpu_fraction(self) -> float:
-        return self.rows[0].train_fraction
+        return next(r.train_fraction for r in self.rows if r.trainer_rank >= 0)
 
     @property
     def vllm_gpu_fraction(self) -> float:
-        return self.rows[0].vllm_fraction
+        return next(r.vllm_fraction for r in self.rows if r.dp_rank >= 0)
 
     def bundle(self) -> dict[str, float]:
         return {"GPU": 1, "CPU": self.cpus_per_bundle}
 
     def table(self) -> str:
         """The plan as an aligned text table, one row per GPU (for --dry-run and logs)."""
-        head = ("gpu", "bundle", "trainer_rank", "dp_rank", "ep_rank", "train_frac", "vllm_frac",
-                "vllm_memory")
-        body = [(str(r.gpu), r.bundle, str(r.trainer_rank), str(r.dp_rank), str(r.ep_rank),
-                 f"{r.train_fraction:g}", f"{r.vllm_fraction:g}", r.vllm_memory) for r in self.rows]
+        def rank(x: int) -> str:
+            return "-" if x < 0 else str(x)
+
+        head = ("gpu", "bundle", "role", "trainer_rank", "dp_rank", "tp_rank", "ep_rank", "train_frac",
+                "vllm_frac", "vllm_memory")
+        body = [(str(r.gpu), r.bundle, r.role, rank(r.trainer_rank), rank(r.dp_rank), rank(r.tp_rank),
+                 rank(r.ep_rank), f"{r.train_fraction:g}", f"{r.vllm_fraction:g}", r.vllm_memory)
+                for r in self.rows]
         widths = [max(len(x) for x in col) for col in zip(head, *body)]
         lines = ["  ".join(x.ljust(w) for x, w in zip(row, widths)).rstrip() for row in (head, *body)]
-        mode = ("one vLLM DP+EP group over all GPUs" if self.device == "cuda" else
-                "independent vLLM replicas (CPU: DP size 1 each, EP size 1)")
         plural = "s" if self.num_gpus != 1 else ""
         kind = f"CUDA GPU{plural}" if self.device == "cuda" else f"Ray logical GPU{plural} on CPU"
-        return (f"placement plan: {self.num_gpus} {kind}, bundle {self.bundle()} each, "
-                f"dp_size={self.dp_size} ep_size={self.ep_size}, {mode}\n" + "\n".join(lines))
+        if self.mode == "disaggregated":
+            t, e = self.trainer_world, self.num_engines
+            layout = (f"{t} trainer GPU{'s' if t != 1 else ''} (FSDP), {e} engine{'s' if e != 1 else ''} "
+                      f"x TP {self.tp_size}, weights broadcast from trainer rank 0")
+        else:
+            layout = (f"dp_size={self.dp_size} ep_size={self.ep_size}, " +
+                      ("one vLLM DP+EP group over all GPUs" if self.device == "cuda" else
+                       "independent vLLM replicas (CPU: DP size 1 each, EP size 1)"))
+        return (f"placement plan: {self.mode}, {self.num_gpus} {kind}, bundle {self.bundle()} each, "
+                f"{layout}\n" + "\n".join(lines))
 
 
 def plan_placement(cfg: ColoConfig) -> PlacementPlan:
-    """The placement as plain data; starts nothing (device "auto" may import torch to decide)."""
+    """The placement as plain data; starts nothing (device "auto" may import torch to decide).
+    Assumes a validated config (colo.config.validate checks how the GPUs split)."""
     p = cfg.placement
     device = resolve_device(cfg)
-    ep_size = expert_parallel_size(device, p.num_gpus)
+    ep_size = expert_parallel_size(device, p.num_gpus, p.mode)
     memory = (f"gpu_memory_utilization={p.vllm_gpu_fraction:g}" if device == "cuda"
               else f"kv_cache={cfg.rollout.kv_cache_mb}MiB")
-    rows = tuple(PlacementRow(gpu=r, bundle=f"pg{r}/0", trainer_rank=r, dp_rank=r,
-                              ep_rank=r if ep_size > 1 else 0, train_fraction=p.train_gpu_fraction,
-                              vllm_fraction=p.vllm_gpu_fraction, vllm_memory=memory)
-                 for r in range(p.num_gpus))
-    return PlacementPlan(device=device, num_gpus=p.num_gpus, cpus_per_bundle=p.cpus_per_bundle,
-                         dp_size=p.num_gpus, ep_size=ep_size, rows=rows)
+    common = dict(device=device, num_gpus=p.num_gpus, cpus_per_bundle=p.cpus_per_bundle, mode=p.mode)
+    if p.mode == "colocated":
+        rows = tuple(PlacementRow(gpu=r, bundle=f"pg{r}/0", trainer_rank=r, dp_rank=r,
+                                  ep_rank=r if ep_size > 1 else 0, train_fraction=p.train_gpu_fraction,
+                                  vllm_fraction=p.vllm_gpu_fraction, vllm_memory=memory,
+                                  role="trainer+engine", tp_rank=0)
+                     for r in range(p.num_gpus))
+        return PlacementPlan(**common, dp_size=p.num_gpus, ep_size=ep_size, rows=rows,
+                             trainer_world=p.num_gpus, num_engines=p.num_gpus, tp_size=1)
+    trainers, tp = p.trainer_gpus, cfg.rollout.tp_size
+    engines = (p.num_gpus - trainers) // tp
+    trainer_rows = [PlacementRow(gpu=r, bundle=f"trainer-pg{r}/0", trainer_rank=r, dp_rank=-1, ep_rank=-1,
+                                 train_fraction=1.0, vllm_fraction=0.0, vllm_memory="-", role="trainer",
+                                 tp_rank=-1)
+                    for r in range(trainers)]
+    engine_rows = [PlacementRow(gpu=trainers + e * tp + t, bundle=f"engine-pg{e}/{t}", trainer_rank=-1,
+                                dp_rank=e, ep_rank=0, train_fraction=0.0, vllm_fraction=1.0,
+                                vllm_memory=memory, role="engine", tp_rank=t)
+                   for e in range(engines) for t in range(tp)]
+    return PlacementPlan(**common, dp_size=engines, ep_size=1, rows=tuple(trainer_rows + engine_rows),
+                         trainer_world=trainers, num_engines=engines, tp_size=tp)
 
 
 def init_ray(plan: PlacementPlan, **kwargs: Any) -> None:
     """Start (or join) Ray. CPU: a local instance with plan.num_gpus logical GPUs and enough logical
-    CPUs for every bundle plus the driver's tasks. GPU: ray.init() as usual (RAY_ADDRESS honoured by
-    Ray itself). No-op when Ray is already initialized."""
+    CPUs for every bundle (one per GPU, in both modes) plus the driver's tasks. GPU: ray.init() as
+    usual (RAY_ADDRESS honoured by Ray itself). No-op when Ray is already initialized."""
     import ray
 
     if ray.is_initialized():
         return
     kwargs.setdefault("include_dashboard", False)
     if plan.device == "cpu":
-        need = plan.num_gpus * plan.cpus_per_bundle + 2
+        need = len(plan.rows) * plan.cpus_per_bundle + 2
         kwargs.setdefault("num_cpus", max(os.cpu_count() or 1, need))
         kwargs.setdefault("num_gpus", plan.num_gpus)
     ray.init(**kwargs)
 
 
 def create_placement(plan: PlacementPlan, timeout_s: float = 120.0) -> list[PlacementGroup]:
-    """One ready placement group per GPU, ordered by (node id, GPU id). Raises ConfigError when the
-    Ray cluster lacks the GPUs, RuntimeError when the groups do not become ready in time."""
+    """colocated: one ready placement group per GPU, ordered by (node id, GPU id). Raises ConfigError
+    when the Ray cluster lacks the GPUs, RuntimeError when the groups do not become ready in time."""
+    if plan.mode != "colocated":
+        raise ValueError(f"create_placement is for placement.mode=colocated, not {plan.mode}; "
+                         "use create_disaggregated_placement")
+    return _in_hardware_order(_ready_groups(plan, [[plan.bundle()]] * plan.num_gpus, timeout_s))
+
+
+def create_disaggregated_placement(plan: PlacementPlan, timeout_s: float = 120.0
+                                   ) -> tuple[list[PlacementGroup], list[PlacementGroup]]:
+    """disaggregated: (trainer groups, engine groups), all ready. Trainer group r is one bundle, one
+    GPU, ordered by (node id, GPU id) like create_placement. Engine group e holds plan.tp_size bundles
+    packed onto one node (STRICT_PACK: tensor parallelism needs the fast intra-node link), ordered by
+    its bundle 0. Same errors as create_placement."""
+    if plan.mode != "disaggregated":
+        raise ValueError(f"create_disaggregated_placement is for placement.mode=disaggregated, not "
+                         f"{plan.mode}; use create_placement")
+    specs = [[plan.bundle()]] * plan.trainer_world + [[plan.bundle()] * plan.tp_size] * plan.num_engines
+    pgs = _ready_groups(plan, specs, timeout_s)
+    return (_in_hardware_order(pgs[:plan.trainer_world]), _in_hardware_order(pgs[plan.trainer_world:]))
+
+
+def _ready_groups(plan: PlacementPlan, specs: list[list[dict[str, float]]],
+                  timeout_s: float) -> list[PlacementGroup]:
+    """One STRICT_PACK group per bundle list in specs, in that order, once all are ready; removes them
+    all and raises when they are not ready within timeout_s."""
     import ray
     from ray.util.placement_group import placement_group, remove_placement_group
 
@@ -116,20 +182,27 @@ def create_placement(plan: PlacementPlan, timeout_s: float = 120.0) -> list[Plac
     if have < plan.num_gpus:
         raise ConfigError(f"placement.num_gpus={plan.num_gpus} but the Ray cluster has {have:g} GPU(s); "
                           f"fix: placement.num_gpus={int(have)} or add GPU nodes to the cluster")
-    pgs = [placement_group([plan.bundle()], strategy="STRICT_PACK") for _ in range(plan.num_gpus)]
+    pgs = [placement_group(bundles, strategy="STRICT_PACK") for bundles in specs]
     ready, _ = ray.wait([pg.ready() for pg in pgs], num_returns=len(pgs), timeout=timeout_s)
     if len(ready) < len(pgs):
         for pg in pgs:
             remove_placement_group(pg)
-        raise RuntimeError(f"only {len(ready)}/{len(pgs)} placement groups of {plan.bundle()} were "
-                           f"ready after {timeout_s:g} s; free resources: {ray.available_resources()}")
+        shapes = sorted({f"{len(b)} x {b[0]}" for b in specs})
+        packed = " (a multi-bundle group must fit on one node)" if any(len(b) > 1 for b in specs) else ""
+        raise RuntimeError(f"only {len(ready)}/{len(pgs)} placement groups of {', '.join(shapes)} were "
+                           f"ready after {timeout_s:g} s{packed}; free resources: "
+                           f"{ray.available_resources()}")
+    return pgs
+
+
+def _in_hardware_order(pgs: list[PlacementGroup]) -> list[PlacementGroup]:
     where = locate(pgs)
     order = sorted(range(len(pgs)), key=lambda i: (where[i]["node_id"], where[i]["gpu_ids"]))
     return [pgs[i] for i in order]
 
 
 def locate(pgs: list[PlacementGroup]) -> list[dict[str, Any]]:
-    """{"node_id", "gpu_ids"} of each group's bundle, seen from a task running inside it (Ray pins a
+    """{"node_id", "gpu_ids"} of each group's bundle 0, seen from a task running inside it (Ray pins a
     bundle's GPU when the group is created, so every actor placed there sees the same ids)."""
     import ray
 

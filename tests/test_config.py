@@ -72,6 +72,14 @@ def test_issue_keys_exist_and_defaults() -> None:
     assert (cfg.sync.mode, cfg.sync.bucket_mb, cfg.sync.buffers, cfg.sync.digest) == ("direct", 1024, 2, False)
     assert (cfg.rollout.kv_cache_mb, cfg.rollout.sleep_level, cfg.model.dtype) == (256, "auto", "bfloat16")
     assert (cfg.algo.loss_agg, cfg.algo.rewards) == ("token-mean", ["exact_match"])
+    assert (p.mode, p.trainer_gpus, cfg.rollout.tp_size) == ("colocated", 0, 1)
+
+
+def test_placement_mode_env_shortcut() -> None:
+    cfg = load_config(None, ["placement.trainer_gpus=1"], {"COLO_PLACEMENT_MODE": "disaggregated"})
+    assert (cfg.placement.mode, cfg.placement.trainer_gpus) == ("disaggregated", 1)
+    assert load_config(None, ["placement.mode=colocated"], {"COLO_PLACEMENT_MODE": "disaggregated"}
+                       ).placement.mode == "colocated"  # CLI over env
 
 
 def test_every_field_documented_in_code_and_docs() -> None:
@@ -154,6 +162,60 @@ def test_bad_values(overrides: list[str], needle: str) -> None:
     assert needle in error_of(overrides, check_resources=False)
 
 
+DISAGG = ["placement.mode=disaggregated"]
+
+
+@pytest.mark.parametrize("overrides, needles", [
+    (["placement.mode=disagregated"], ["placement.mode='disagregated' is not one of",
+                                       "did you mean 'disaggregated'", "fix: placement.mode=disaggregated"]),
+    (["placement.mode=split"], ["['colocated', 'disaggregated']", "fix: placement.mode=colocated"]),
+    # colocated: one engine per GPU, sharing it with a trainer rank
+    (["rollout.tp_size=2"], ["rollout.tp_size=2", "fix: rollout.tp_size=1 or placement.mode=disaggregated"]),
+    (["placement.trainer_gpus=1"], ["placement.trainer_gpus=1", "fix: placement.trainer_gpus=0 or "
+                                    "placement.mode=disaggregated"]),
+    (["placement.trainer_gpus=-1"], ["placement.trainer_gpus=-1"]),
+    (["rollout.tp_size=0"], ["rollout.tp_size=0 must be >= 1"]),
+    # disaggregated: T trainer GPUs, the rest in engines of tp_size GPUs
+    (DISAGG + ["placement.num_gpus=1"], ["needs a trainer GPU and an engine GPU",
+                                        "fix: placement.num_gpus=2"]),
+    (DISAGG, ["placement.trainer_gpus=0 must be in [1, 1]", "fix: placement.trainer_gpus=1"]),
+    (DISAGG + ["placement.trainer_gpus=2"], ["placement.trainer_gpus=2 must be in [1, 1]"]),
+    (DISAGG + ["placement.num_gpus=8", "placement.trainer_gpus=9", "rollout.tp_size=2"],
+     ["must be in [1, 7]", "fix: placement.trainer_gpus=6"]),
+    (DISAGG + ["placement.num_gpus=8", "placement.trainer_gpus=5", "rollout.tp_size=2"],
+     ["the 3 engine GPUs", "rollout.tp_size=2", "fix: rollout.tp_size to one of [1, 3]"]),
+    (DISAGG + ["placement.trainer_gpus=1", "rollout.tp_size=0"], ["rollout.tp_size=0 must be >= 1"]),
+])
+def test_placement_mode_errors(overrides: list[str], needles: list[str]) -> None:
+    msg = error_of(overrides, check_resources=False)
+    for needle in needles:
+        assert needle in msg, msg
+
+
+def test_disaggregated_fractions_do_not_add_up() -> None:
+    """Trainers and engines sit on different GPUs: 0.5 + 0.85 is fine; each must still be in (0, 1]."""
+    ok = DISAGG + ["placement.trainer_gpus=1", "placement.train_gpu_fraction=0.5",
+                   "placement.vllm_gpu_fraction=0.85"]
+    validate(load_config(None, ok, {}), check_resources=False)
+    assert "> 1.0" in error_of([o for o in ok if o != DISAGG[0]], check_resources=False)  # colocated
+    assert "(0, 1]" in error_of(ok + ["placement.vllm_gpu_fraction=1.2"], check_resources=False)
+    validate(load_config(None, DISAGG + ["placement.num_gpus=8", "placement.trainer_gpus=4",
+                                         "rollout.tp_size=2", "placement.device=cuda"], {}),
+             check_resources=False)
+
+
+def test_tensor_parallel_on_cpu_needs_a_core_per_worker(tmp_path: Path) -> None:
+    """device=auto resolves to cpu here (no CUDA): the TP check runs after resolving too."""
+    tp = len(os.sched_getaffinity(0)) + 1  # one worker more than there are cores to bind
+    shape = DISAGG + [f"placement.num_gpus={tp + 1}", "placement.trainer_gpus=1", f"rollout.tp_size={tp}"]
+    validate(load_config(None, shape, {}), check_resources=False)  # auto: unknown device yet
+    msg = error_of(shape + [f"run.dir={tmp_path}/r"])
+    assert f"rollout.tp_size={tp} on CPU" in msg and f"fix: rollout.tp_size={tp - 1} or less" in msg, msg
+    assert "on CPU" in error_of(shape + ["placement.device=cpu"], check_resources=False)
+    two = DISAGG + ["placement.num_gpus=3", "placement.trainer_gpus=1", "rollout.tp_size=2"]
+    validate(load_config(None, cpu(*two, f"run.dir={tmp_path}/r"), {}))  # TP 2 on 2 cores runs
+
+
 def test_fractions_summing_to_one_are_fine() -> None:
     validate(load_config(None, ["placement.train_gpu_fraction=0.3", "placement.vllm_gpu_fraction=0.7"],
                          {}), check_resources=False)
@@ -173,6 +235,24 @@ def test_local_checkpoint_accepted_and_experts_checked(tmp_path: Path) -> None:
     validate(load_config(None, cpu(f"model.path={ckpt}", f"run.dir={tmp_path}/r"), {}))  # CPU: EP 1
     msg = error_of([f"model.path={ckpt}", "placement.device=cuda", "placement.num_gpus=4"])
     assert "6 experts" in msg and "expert-parallel size 4" in msg and "[1, 2, 3, 6]" in msg
+
+
+def test_attention_heads_and_experts_with_tensor_parallel(tmp_path: Path) -> None:
+    """disaggregated on GPU: heads must split over TP; experts need no EP split (engines are replicas)."""
+    ckpt = tmp_path / "ckpt"
+    write(ckpt / "config.json", json.dumps({"model_type": "qwen3_moe", "num_experts": 6,
+                                            "num_attention_heads": 6}))
+    shape = [f"model.path={ckpt}", "placement.device=cuda", "placement.mode=disaggregated",
+             "placement.num_gpus=5", "placement.trainer_gpus=1"]
+    msg = error_of(shape + ["rollout.tp_size=4"])
+    assert "6 attention heads" in msg and "rollout.tp_size=4" in msg and "one of [1, 2]" in msg
+    assert "4 engine GPUs" in msg
+    # tp 2 splits the heads, and 6 experts with 5 GPUs pass: the next check is the CUDA GPU count
+    assert "CUDA GPU" in error_of(shape + ["rollout.tp_size=2"])
+    # colocated on 5 GPUs is one DP+EP group of 5: the experts check fires there
+    assert "expert-parallel size 5" in error_of(shape[:2] + ["placement.num_gpus=5"])
+    assert C.expert_parallel_size("cuda", 4) == 4 and C.expert_parallel_size("cuda", 4, "disaggregated") == 1
+    assert C.expert_parallel_size("cpu", 4, "colocated") == 1
 
 
 def test_gpu_count() -> None:

@@ -3,6 +3,7 @@ one line and no traceback, --dry-run output, and that an error writes nothing.""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -73,11 +74,42 @@ def test_dry_run_prints_resolved_config_and_plan(tmp_path: Path) -> None:
     assert cfg["trainer"]["lr"] == 0.01 and cfg["placement"]["train_gpu_fraction"] == 0.3
     assert cfg["placement"]["device"] == "cpu" and cfg["model"]["path"].endswith("/model")
     assert str(tmp_path / "runs") in cfg["run"]["dir"] and "{time}" not in cfg["run"]["dir"]
+    assert plan.startswith(" colocated, 2 Ray logical GPUs on CPU")
     rows = [line.split() for line in plan.splitlines() if line[:1].isdigit()]
-    assert [r_[:5] for r_ in rows] == [["0", "pg0/0", "0", "0", "0"], ["1", "pg1/0", "1", "1", "0"]]
-    assert all(r_[5:] == ["0.3", "0.5", "kv_cache=256MiB"] for r_ in rows)
-    assert "gpu  bundle  trainer_rank  dp_rank  ep_rank" in plan
+    assert [r_[:7] for r_ in rows] == [["0", "pg0/0", "trainer+engine", "0", "0", "0", "0"],
+                                       ["1", "pg1/0", "trainer+engine", "1", "1", "0", "0"]]
+    assert all(r_[7:] == ["0.3", "0.5", "kv_cache=256MiB"] for r_ in rows)
+    assert "gpu  bundle  role            trainer_rank  dp_rank  tp_rank  ep_rank" in plan
     assert list(tmp_path.iterdir()) == []  # a dry run writes nothing
+
+
+def test_dry_run_disaggregated(tmp_path: Path) -> None:
+    r = run_cli("--dry-run", "placement.mode=disaggregated", "placement.num_gpus=2",
+                "placement.trainer_gpus=1", "placement.device=cpu", f"run.dir={tmp_path}/runs/{{time}}",
+                cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    text, _, plan = r.stdout.partition("\nplacement plan:")
+    cfg = yaml.safe_load(text)
+    assert cfg["placement"]["mode"] == "disaggregated" and cfg["placement"]["trainer_gpus"] == 1
+    assert plan.splitlines()[0] == (" disaggregated, 2 Ray logical GPUs on CPU, bundle {'GPU': 1, 'CPU': 2} "
+                                    "each, 1 trainer GPU (FSDP), 1 engine x TP 1, weights broadcast from "
+                                    "trainer rank 0")
+    rows = [line.split() for line in plan.splitlines() if line[:1].isdigit()]
+    assert rows == [["0", "trainer-pg0/0", "trainer", "0", "-", "-", "-", "1", "0", "-"],
+                    ["1", "engine-pg0/0", "engine", "-", "0", "0", "0", "0", "1", "kv_cache=256MiB"]]
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_placement_errors_through_cli(tmp_path: Path) -> None:
+    r = run_cli("--dry-run", "placement.mode=disaggregated", "placement.num_gpus=2", cwd=tmp_path)
+    assert_config_error(r, "placement.trainer_gpus=0 must be in [1, 1]", "fix: placement.trainer_gpus=1")
+    r = run_cli("rollout.tp_size=2", cwd=tmp_path, env=clean_env(COLO_PLACEMENT_MODE="disaggregated"))
+    assert_config_error(r, "fix: placement.trainer_gpus=")  # the env shortcut selected the mode
+    tp = len(os.sched_getaffinity(0)) + 1  # more TP workers than cores to bind them to
+    r = run_cli("placement.mode=disaggregated", f"placement.num_gpus={tp + 1}", "placement.trainer_gpus=1",
+                f"rollout.tp_size={tp}", cwd=tmp_path)  # tiny-cpu.yaml: device cpu
+    assert_config_error(r, f"rollout.tp_size={tp} on CPU", f"fix: rollout.tp_size={tp - 1} or less on CPU")
+    assert list(tmp_path.iterdir()) == []
 
 
 @pytest.mark.parametrize("n", [4, 8])

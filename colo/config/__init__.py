@@ -31,10 +31,12 @@ from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationE
 AUTO = "auto:"  # model.path / data.path prefix: "generate this locally into the run dir"
 ENV_SHORTCUTS = {"COLO_TRAIN_GPU_FRACTION": "placement.train_gpu_fraction",
                  "COLO_VLLM_GPU_FRACTION": "placement.vllm_gpu_fraction",
-                 "COLO_NUM_GPUS": "placement.num_gpus"}
+                 "COLO_NUM_GPUS": "placement.num_gpus",
+                 "COLO_PLACEMENT_MODE": "placement.mode"}
 CHOICES = {  # must match the consumers: colo.algo.loss.LOSS_AGGS, colo.sync, colo.rollout
     "model.dtype": ("bfloat16", "float16", "float32"),
     "placement.device": ("auto", "cpu", "cuda"),
+    "placement.mode": ("colocated", "disaggregated"),
     "rollout.sleep_level": ("auto", 1, 2),
     "algo.loss_agg": ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean"),
     "sync.mode": ("direct", "load_weights"),
@@ -60,16 +62,27 @@ class ModelConfig:
 
 @dataclass
 class PlacementConfig:
+    mode: str = "colocated"
+    """colocated: every GPU holds one trainer rank and one vLLM engine, which take turns (sleep/wake).
+    disaggregated: trainer ranks on placement.trainer_gpus GPUs, vLLM engines (rollout.tp_size GPUs
+    each) on the others; weights broadcast from trainer rank 0 over NCCL (gloo on CPU).
+    Env: COLO_PLACEMENT_MODE."""
     num_gpus: int = 2
-    """GPUs used, one placement group, one trainer rank and one vLLM rank per GPU. On CPU these are
-    Ray logical GPUs (at most 4 x os.cpu_count()). Env: COLO_NUM_GPUS."""
+    """GPUs used in total, in both modes. colocated: one placement group, one trainer rank and one vLLM
+    rank per GPU. On CPU these are Ray logical GPUs (at most 4 x os.cpu_count()). Env: COLO_NUM_GPUS."""
+    trainer_gpus: int = 0
+    """disaggregated: GPUs (= FSDP ranks) of the trainer, 1 .. num_gpus-1; the other num_gpus -
+    trainer_gpus GPUs hold the engines. colocated: unused, 0 (or num_gpus)."""
     train_gpu_fraction: float = 0.4
-    """Share of each GPU the trainer actor asks Ray for. Env: COLO_TRAIN_GPU_FRACTION."""
+    """colocated: share of each GPU the trainer actor asks Ray for (disaggregated: a trainer takes a
+    whole GPU). Env: COLO_TRAIN_GPU_FRACTION."""
     vllm_gpu_fraction: float = 0.4
-    """Share of each GPU for the vLLM engine; also vLLM's gpu_memory_utilization on GPU. The two
-    fractions must sum to <= 1.0. Env: COLO_VLLM_GPU_FRACTION."""
+    """vLLM's gpu_memory_utilization on GPU (disaggregated too, on its own GPU: set ~0.85 there).
+    colocated: also the engine's share of each GPU; the two fractions must sum to <= 1.0.
+    Env: COLO_VLLM_GPU_FRACTION."""
     cpus_per_bundle: int = 2
-    """CPUs reserved in each GPU's placement-group bundle (trainer + engine actor)."""
+    """CPUs reserved in each GPU's placement-group bundle (colocated: trainer + engine actor;
+    disaggregated: the GPU's trainer rank or engine worker)."""
     device: str = "auto"
     """cpu | cuda | auto (cuda when torch sees a GPU). On cpu, engines are independent replicas with
     expert-parallel size 1 (vLLM's MoE data-parallel group does not run on CPU)."""
@@ -113,6 +126,9 @@ class RolloutConfig:
     """Nucleus sampling threshold."""
     kv_cache_mb: int = 256
     """CPU only: KV cache per engine, MiB (on GPU placement.vllm_gpu_fraction sets the budget)."""
+    tp_size: int = 1
+    """vLLM tensor-parallel size: GPUs per engine. placement.mode=disaggregated on GPU only
+    (colocated engines and CPU engines have one worker: 1)."""
     enforce_eager: bool = False
     """No CUDA graphs / torch.compile in vLLM (faster start, slower decode). Use true on CPU."""
     sleep_level: Union[int, str] = "auto"

