@@ -34,8 +34,8 @@ class _Engine:
     def describe(self) -> dict:
         return self.llm.collective_rpc("colo_describe")[0]
 
-    def begin_sync(self, handles, expect):
-        return self.llm.collective_rpc("colo_begin_sync", args=(handles, expect))[0]
+    def begin_sync(self, handles, expect, digest=False):
+        return self.llm.collective_rpc("colo_begin_sync", args=(handles, expect, digest))[0]
 
     def load_bucket(self, buffer_id, pieces):
         return self.llm.collective_rpc("colo_load_bucket", args=(buffer_id, pieces))[0]

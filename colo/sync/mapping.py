@@ -139,15 +139,24 @@ def direct_segments(arch: Arch, trainer_shapes: dict[str, tuple[int, ...]], desc
     return segs
 
 
-def reference_weights(arch: Arch, name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
-    """Checkpoint-style (name, tensor) pairs for vLLM's load_weights; un-fuses experts per expert."""
+def reference_segments(arch: Arch, name: str, shape: tuple[int, ...]) -> list[tuple[str, int, tuple[int, ...]]]:
+    """(checkpoint name, element offset in `name`, shape) of each tensor vLLM's load_weights expects from
+    trainer param `name`: itself, or per expert for fused experts. Expert e's gate, up and down blocks are
+    each one contiguous run of the fused tensor, so every entry is a plain element range."""
     module, _, leaf = name.rpartition(".")
     fused = next((f for f in arch.fused_experts if module.endswith("." + arch.experts_module) and leaf == f[0]), None)
     if fused is None:
-        return [(name, tensor)]
-    out = []
+        return [(name, 0, tuple(shape))]
     parts = fused[2]
-    for e in range(tensor.shape[0]):
-        chunks = tensor[e].chunk(len(parts), dim=0) if len(parts) > 1 else (tensor[e],)
-        out.extend((f"{module}.{e}.{p}.weight", c) for p, c in zip(parts, chunks))
-    return out
+    rows = int(shape[1]) // len(parts)
+    part_shape = (rows, *map(int, shape[2:]))
+    part_numel = _numel(part_shape)
+    return [(f"{module}.{e}.{p}.weight", (e * len(parts) + i) * part_numel, part_shape)
+            for e in range(int(shape[0])) for i, p in enumerate(parts)]
+
+
+def reference_weights(arch: Arch, name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+    """Checkpoint-style (name, tensor) pairs for vLLM's load_weights; un-fuses experts per expert."""
+    flat = tensor.reshape(-1)
+    return [(n, flat[off: off + _numel(shape)].view(shape)) for n, off, shape in
+            reference_segments(arch, name, tuple(tensor.shape))]

@@ -16,7 +16,8 @@ import torch
 from colo.sync.mapping import Arch, Segment, direct_segments
 from colo.sync.transport import align_up
 
-WIRE_KEYS = ("dst", "dst_offset", "numel", "dtype", "buf_offset")
+WIRE_KEYS = ("dst", "dst_offset", "numel", "dtype", "buf_offset")  # direct: element runs of vLLM params
+REFERENCE_WIRE_KEYS = ("name", "shape", "dtype", "buf_offset")  # reference: whole checkpoint tensors
 
 
 def torch_dtype(name: str) -> torch.dtype:
@@ -37,18 +38,22 @@ class SyncPlan:
     expect: dict[str, int]  # every vLLM param the engine must receive -> numel
     src_names: list[str]  # trainer params read, in order
     bucket_used: list[int] = field(default_factory=list)  # bytes used per bucket
+    mode: str = "direct"  # "direct" (copy into vLLM params) | "reference" (vLLM's load_weights)
 
     def wire(self, k: int) -> list[dict]:
         """Bucket k's pieces as the receiver sees them (plain data, contract keys only)."""
-        return [{key: p[key] for key in WIRE_KEYS} for p in self.buckets[k]]
+        keys = WIRE_KEYS if self.mode == "direct" else REFERENCE_WIRE_KEYS
+        return [{key: p[key] for key in keys} for p in self.buckets[k]]
 
     @property
     def total_bytes(self) -> int:
         return sum(p["numel"] * torch_dtype(p["dtype"]).itemsize for b in self.buckets for p in b)
 
 
-def pack_segments(segs: list[Segment], dtypes: dict[str, str], bucket_bytes: int) -> tuple[list[list[dict]], list[int]]:
-    """Lay segments out in buckets of `bucket_bytes`; splits a segment where a bucket fills up."""
+def pack_segments(segs: list[Segment], dtypes: dict[str, str], bucket_bytes: int,
+                  whole: bool = False) -> tuple[list[list[dict]], list[int]]:
+    """Lay segments out in buckets of `bucket_bytes`; splits a segment where a bucket fills up, unless
+    `whole` (reference mode: vLLM's load_weights takes whole tensors), which starts a new bucket instead."""
     if bucket_bytes < 4096:
         raise ValueError(f"bucket of {bucket_bytes} bytes is too small")
     buckets: list[list[dict]] = [[]]
@@ -56,11 +61,14 @@ def pack_segments(segs: list[Segment], dtypes: dict[str, str], bucket_bytes: int
     for s in segs:
         dtype = dtypes[s.dst]
         esize = torch_dtype(dtype).itemsize
+        if whole and s.numel * esize > bucket_bytes:
+            raise ValueError(f"{s.dst}: {s.numel * esize} bytes does not fit a {bucket_bytes}-byte bucket "
+                             "whole; fix: raise sync.bucket_mb")
         done = 0
         while done < s.numel:
             off = align_up(used[-1])
             room = (bucket_bytes - off) // esize if off < bucket_bytes else 0
-            if room <= 0:
+            if room <= 0 or (whole and room < s.numel):
                 buckets.append([])
                 used.append(0)
                 continue
@@ -98,3 +106,24 @@ def build_plan(arch: Arch, trainer_shapes: dict[str, tuple[int, ...]], describe:
     buckets, used = pack_segments(segs, {n: p["dtype"] for n, p in params.items()}, bucket_bytes)
     src_names = list(dict.fromkeys(s.src for s in segs))
     return SyncPlan(bucket_bytes=bucket_bytes, buckets=buckets, expect=expect, src_names=src_names, bucket_used=used)
+
+
+def build_reference_plan(arch: Arch, trainer_shapes: dict[str, tuple[int, ...]], dtype: str,
+                         bucket_bytes: int) -> SyncPlan:
+    """Whole checkpoint-named tensors (experts un-fused) for vLLM's own weight loaders.
+
+    The plan for engines whose params are tensor-parallel shards: every TP worker receives the same full
+    tensors and vLLM's loaders cut each worker's slice (and fuse q/k/v, gate/up) as they do from disk."""
+    from colo.sync.mapping import reference_segments
+
+    segs, shapes = [], {}
+    for name, shape in trainer_shapes.items():
+        for ckpt, off, part_shape in reference_segments(arch, name, shape):
+            segs.append(Segment(name, off, ckpt, 0, _numel(part_shape)))
+            shapes[ckpt] = list(part_shape)
+    buckets, used = pack_segments(segs, {s.dst: dtype for s in segs}, bucket_bytes, whole=True)
+    for b in buckets:
+        for p in b:
+            p["name"], p["shape"] = p["dst"], shapes[p["dst"]]
+    return SyncPlan(bucket_bytes=bucket_bytes, buckets=buckets, expect={s.dst: s.numel for s in segs},
+                    src_names=list(trainer_shapes), bucket_used=used, mode="reference")

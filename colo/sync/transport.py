@@ -1,15 +1,17 @@
 """Reusable byte buffers shared between a trainer process and its colocated vLLM worker.
 
-One interface, two transports:
+One interface, three transports:
 - CPU: POSIX shared memory (`multiprocessing.shared_memory`); the handle is the segment name.
 - CUDA: CUDA IPC via `torch.multiprocessing.reductions.reduce_tensor`; its arguments hold classes, a
   dtype and the sender's device index, which vLLM's RPC refuses to serialize (measured, see
   shared/gpu/README.md). We send names instead and rebuild them on the receiver, replacing the device
   index by the receiver's own (the two processes may see the same GPU under different indices, so the
   handle carries the device UUID and the receiver checks it).
+- broadcast (disaggregated mode, colo.sync.broadcast): sender and receivers each own a plain buffer;
+  the receiver allocates its own once and fills it by a broadcast from trainer rank 0 before unpacking.
 
 Handles are plain dicts (contract.md): {"kind": "shm", "name", "nbytes", "buffer_id"} or
-{"kind": "cuda_ipc", "buffer_id", "nbytes", "device_uuid", "args"}.
+{"kind": "cuda_ipc", "buffer_id", "nbytes", "device_uuid", "args"} or {"kind": "broadcast", "buffer_id", "nbytes"}.
 """
 from __future__ import annotations
 
@@ -44,12 +46,15 @@ class SenderBuffers:
     receiver cannot leak /dev/shm space, and a crashed sender leaks at most `count` segments.
     """
 
-    def __init__(self, nbytes: int, count: int, device: torch.device | str) -> None:
+    def __init__(self, nbytes: int, count: int, device: torch.device | str, shared: bool = True) -> None:
         self.nbytes, self.count, self.device = int(nbytes), int(count), torch.device(device)
         self.tensors: list[torch.Tensor] = []  # each (nbytes,) uint8
         self._shm: list[shared_memory.SharedMemory] = []
         self._handles: list[dict] = []
-        if self.device.type == "cpu":
+        if not shared:  # broadcast: only this process touches them; receivers hold their own
+            self.tensors = [torch.empty(self.nbytes, dtype=torch.uint8, device=self.device) for _ in range(self.count)]
+            self._handles = [{"kind": "broadcast", "buffer_id": i, "nbytes": self.nbytes} for i in range(self.count)]
+        elif self.device.type == "cpu":
             tag = secrets.token_hex(4)
             for i in range(self.count):
                 seg = shared_memory.SharedMemory(name=f"colo_{tag}_{i}", create=True, size=self.nbytes)
@@ -113,6 +118,8 @@ def open_buffer(handle: dict, device: torch.device | str) -> torch.Tensor:
 
 
 def _open(handle: dict, device: torch.device) -> tuple[torch.Tensor, mmap.mmap | None]:
+    if handle["kind"] == "broadcast":  # our own buffer, filled by a broadcast before each unpack
+        return torch.empty(int(handle["nbytes"]), dtype=torch.uint8, device=device), None
     if handle["kind"] == "shm":
         # Attach without multiprocessing.shared_memory: Python 3.11 registers attached segments with the
         # resource tracker, which then unlinks them (and warns about "leaks") when this process exits,
@@ -145,7 +152,9 @@ _KEEP_ALIVE: list[mmap.mmap] = []  # mappings that could not be closed (a view s
 
 
 def _handle_key(handle: dict) -> tuple:
-    ident = handle.get("name") if handle["kind"] == "shm" else bytes(handle["args"][7])
+    kind = handle["kind"]
+    ident = (handle.get("name") if kind == "shm" else int(handle["nbytes"]) if kind == "broadcast"
+             else bytes(handle["args"][7]))
     return (handle["kind"], ident, int(handle["buffer_id"]))
 
 
@@ -157,11 +166,12 @@ class ReceiverBuffers:
         self._cache: dict[tuple, torch.Tensor] = {}
         self._segs: dict[tuple, mmap.mmap] = {}
         self._active: dict[int, torch.Tensor] = {}
+        self.kinds: dict[int, str] = {}  # buffer_id -> handle kind of this sync
         self.opened = 0  # how many opens happened (tests check that reuse does not reopen)
 
     def set_active(self, handles: list[dict]) -> None:
         keys = [_handle_key(h) for h in handles]
-        self._active = {}
+        self._active, self.kinds = {}, {}
         for key in [k for k in self._cache if k not in keys]:  # buffers of an earlier sender (or baseline)
             del self._cache[key]
             seg = self._segs.pop(key, None)
@@ -177,6 +187,7 @@ class ReceiverBuffers:
                     self._segs[key] = seg
                 self.opened += 1
             self._active[int(h["buffer_id"])] = self._cache[key]
+            self.kinds[int(h["buffer_id"])] = h["kind"]
 
     def get(self, buffer_id: int) -> torch.Tensor:
         return self._active[int(buffer_id)]
