@@ -1,5 +1,6 @@
-"""Start the Ray actors of a colocated job: per GPU r, TrainWorker rank r and RolloutEngine DP rank r in
-placement group r.
+"""Start the Ray actors of a job. Colocated: per GPU r, TrainWorker rank r and RolloutEngine DP rank r in
+placement group r. Disaggregated: trainer ranks on GPUs of their own, engines (TP over their own GPUs)
+on the others, joined by the weight-broadcast group of trainer rank 0 (colo.sync.broadcast).
 
 Rank alignment is the invariant the whole weight path rests on (trainer rank r pushes over CUDA IPC /
 shared memory to the engine on the same GPU, and FSDP's expert shard r is engine r's expert slice), so it
@@ -25,12 +26,18 @@ from colo.placement import PlacementPlan, create_placement, scheduling
 
 @dataclass
 class Cluster:
-    """The actors of one job, index r = rank r = placement group r."""
+    """The actors of one job. Colocated: index r = rank r = placement group r. Disaggregated: trainers[r]
+    is FSDP rank r, engines[e] is engine e, placement_groups holds the trainers' groups then the engines'."""
 
     trainers: list
     engines: list
     placement_groups: list
     setup: dict = field(default_factory=dict)  # start-up seconds: trainer_setup_s, engine_start_s, cluster_s
+    mode: str = "colocated"
+
+    @property
+    def colocated(self) -> bool:
+        return self.mode == "colocated"
 
 
 def free_port() -> int:
@@ -69,6 +76,8 @@ def start_cluster(cfg: ColoConfig, plan: PlacementPlan, trainer_cls: Any = None)
     from colo.trainer.worker import TrainWorker
 
     TrainWorker = trainer_cls or TrainWorker  # noqa: N806
+    if plan.mode == "disaggregated":
+        return _start_disaggregated(cfg, plan, TrainWorker, RolloutEngine)
     t0 = time.perf_counter()
     pgs = create_placement(plan)
     cfg_dict = to_dict(cfg)
@@ -100,6 +109,53 @@ def start_cluster(cfg: ColoConfig, plan: PlacementPlan, trainer_cls: Any = None)
     setup = {"trainer_setup_s": t_train, "cluster_s": time.perf_counter() - t0,
              "engine_start_s": max(float(e.get("start_s", 0.0)) for e in readies)}
     return Cluster(trainers, engines, pgs, setup)
+
+
+def _start_disaggregated(cfg: ColoConfig, plan: PlacementPlan, TrainWorker: Any, RolloutEngine: Any) -> Cluster:  # noqa: N803
+    """Trainers and engines in placement groups of their own; then the weight-broadcast group.
+
+    Trainers take a whole GPU each. On GPU an engine actor takes none: vLLM's Ray executor puts its TP
+    workers into the engine group's bundles (one GPU each). On CPU a TP-1 engine holds its logical GPU."""
+    from colo.placement import create_disaggregated_placement
+
+    t0 = time.perf_counter()
+    trainer_pgs, engine_pgs = create_disaggregated_placement(plan)
+    cfg_dict, world = to_dict(cfg), plan.trainer_world
+    master_port = free_port()
+    trainers = [TrainWorker.options(num_gpus=1, num_cpus=1, name=f"colo-trainer-{r}",
+                                    scheduling_strategy=scheduling(pg)).remote(cfg_dict, r, world, "127.0.0.1",
+                                                                               master_port)
+                for r, pg in enumerate(trainer_pgs)]
+    engine_gpus = 0 if cfg.placement.device == "cuda" else 1
+    engines = [RolloutEngine.options(num_gpus=engine_gpus, num_cpus=0, name=f"colo-engine-{e}",
+                                     scheduling_strategy=scheduling(pg)).remote(cfg_dict, e, plan.num_engines, 0)
+               for e, pg in enumerate(engine_pgs)]
+    setups = gather([t.setup.remote() for t in trainers], [f"trainer rank {r}" for r in range(world)])
+    t_train = time.perf_counter() - t0
+    readies = gather([e.ready.remote() for e in engines], [f"engine {e}" for e in range(len(engines))])
+    if [s.get("rank") for s in setups] != list(range(world)) or [e.get("rank") for e in readies] != \
+            list(range(len(engines))):
+        raise RuntimeError(f"rank misalignment: trainers report {[s.get('rank') for s in setups]}, "
+                           f"engines {[e.get('rank') for e in readies]}")
+    shared = {s.get("device_uuid") for s in setups} & {e.get("device_uuid") for e in readies} - {None}
+    if shared:
+        raise RuntimeError(f"disaggregated mode, but a trainer and an engine share GPU {sorted(shared)}")
+    t = time.perf_counter()
+    connect_weight_group(trainers[0], engines, plan.tp_size)
+    setup = {"trainer_setup_s": t_train, "cluster_s": time.perf_counter() - t0,
+             "engine_start_s": max(float(e.get("start_s", 0.0)) for e in readies),
+             "weight_group_s": time.perf_counter() - t}
+    return Cluster(trainers, engines, trainer_pgs + engine_pgs, setup, mode="disaggregated")
+
+
+def connect_weight_group(trainer0: Any, engines: list, tp_size: int) -> None:
+    """Trainer rank 0 (group rank 0) and every engine worker (rank 1 + e * tp + t) form one group; all of
+    them must join at once, so every call is issued before any is awaited."""
+    world = 1 + len(engines) * tp_size
+    address = ray.get(trainer0.open_weight_group.remote(world))
+    refs = [e.join_weight_group.remote(address, 1 + i * tp_size) for i, e in enumerate(engines)]
+    gather([trainer0.join_weight_group.remote(), *refs], ["trainer rank 0"] + [f"engine {i}" for i in range(len(engines))],
+           timeout=600)
 
 
 def gather(refs: list, who: list[str], timeout: float | None = None) -> list:

@@ -1,4 +1,4 @@
-"""The colocated RL loop: one step, phase by phase, on every GPU at once.
+"""The RL loop: one step, phase by phase, on every GPU at once.
 
     python -m colo.launch                                        # tiny CPU job, learns in minutes
     python -m colo.launch --config configs/qwen3-30b-a3b-4gpu.yaml
@@ -14,6 +14,11 @@ Each GPU holds a trainer (FSDP2 rank r) and a vLLM engine (DP rank r). Per step:
 
 The order matters: the trainer needs the GPU memory vLLM frees in `sleep`, and the weights must be back
 in vLLM's memory before the push, while the KV cache is only re-allocated after the trainer has left.
+
+Disaggregated mode (placement.mode) runs the same timeline with sleep, wake and offload left out (each
+side has GPUs of its own) and a broadcast from trainer rank 0 to every engine as the sync. While the
+trainers train, the engines idle with weights and KV cache in place: the loop stays on-policy (rollouts
+of step s come from the weights of step s-1), which is what makes the two modes give the same results.
 
 Resume is exact: a checkpoint holds model, AdamW and RNG state plus the data position, and rollout seeds
 depend only on (run.seed, step), so `--resume` reproduces an uninterrupted run (bit-identical on CPU,
@@ -97,21 +102,26 @@ def rl_step(step: int, c: Cluster, cfg: ColoConfig, inputs: RunInputs, rewards: 
         reward = score(rewards, prompts, samples, inputs.tokenizer)  # (N*G,)
         adv = grpo_advantages(reward, n, std_normalize=cfg.algo.std_normalize)  # (N*G,)
     with t("sleep"):
-        on_engines(c, "sleep", sleep_level(cfg))
+        if c.colocated:
+            on_engines(c, "sleep", sleep_level(cfg))
     with t("train"):
-        on_trainers(c, "onload")
+        if offloads(c, cfg):
+            on_trainers(c, "onload")
         shards = shard_batch(build_batch(samples, adv, pad_id=inputs.tokenizer.pad_token_id), len(c.trainers))
         train = on_trainers(c, "train_step", shards)[0]  # metrics are already all-reduced over ranks
         pos.step, pos.data = step, inputs.train_data.state_dict()  # a failure from here on saves this step
     with t("sync"):
-        on_engines(c, "wake_up", ["weights"])
-        reports = on_trainers(c, "sync_weights", c.engines)
-        on_trainers(c, "offload")
+        if c.colocated:
+            on_engines(c, "wake_up", ["weights"])
+        synced = sync_all(c)
+        if offloads(c, cfg):
+            on_trainers(c, "offload")
     with t("wake"):
-        on_engines(c, "wake_up", ["kv_cache", "scheduling"])
+        if c.colocated:
+            on_engines(c, "wake_up", ["kv_cache", "scheduling"])
     lens = torch.tensor([len(s["response_ids"]) for s in samples], dtype=torch.float32)
     metrics = {"step": step, "reward/mean": reward.mean().item(), "reward/std": reward.std().item(),
-               "response_len/mean": lens.mean().item(), **train, **sync_metrics(reports), **t.seconds}
+               "response_len/mean": lens.mean().item(), **train, **synced, **t.seconds}
     metrics["timing/step_s"] = sum(t.seconds.values())
     return metrics
 
@@ -130,8 +140,16 @@ def sync_metrics(reports: list[dict]) -> dict:
 
 
 def sync_all(c: Cluster) -> dict:
-    """Push the trainers' weights into the (awake) engines, e.g. after the warm-up or a resume."""
-    return sync_metrics(on_trainers(c, "sync_weights", c.engines))
+    """Push the trainers' weights into the (awake) engines: colocated, each rank into the engine on its GPU;
+    disaggregated, rank 0 broadcasts to every engine while the other ranks take part in the gathers."""
+    if c.colocated:
+        return sync_metrics(on_trainers(c, "sync_weights", c.engines))
+    return sync_metrics(on_trainers(c, "broadcast_weights", [c.engines] * len(c.trainers)))
+
+
+def offloads(c: Cluster, cfg: ColoConfig) -> bool:
+    """Trainer state leaves the GPU while vLLM generates only where the two share it."""
+    return c.colocated and cfg.trainer.offload
 
 
 def evaluate(c: Cluster, cfg: ColoConfig, inputs: RunInputs, rewards: RewardRunner) -> dict:
@@ -226,7 +244,8 @@ def run(cfg: ColoConfig) -> int:
             warm.update(sync_all(cluster))
             setup = {f"setup/{k}": v for k, v in cluster.setup.items()}
             writer.log(-1, {**warm, **setup, **evaluate(cluster, cfg, inputs, rewards)})
-        on_trainers(cluster, "offload")
+        if offloads(cluster, cfg):
+            on_trainers(cluster, "offload")
         progress = ProgressLine(cfg.loop.steps, initial_step=pos.step + 1)
         for step in range(pos.step + 1, cfg.loop.steps):
             metrics = rl_step(step, cluster, cfg, inputs, rewards, pos)

@@ -249,3 +249,19 @@ def test_dataset_row_missing_field_exits_2_early(tmp_path: Path, fmt: str) -> No
     assert "row 3" in error and "missing field 'answer'" in error, error
     assert r.seconds < 60, f"the data error came after {r.seconds:.0f} s: it must precede Ray/vLLM start-up"
     assert not (tmp_path / "run").exists(), "a data error must leave no run dir behind (a rerun would need --resume)"
+
+
+def test_disaggregated_job_runs_the_same_loop(tmp_path: Path) -> None:
+    """placement.mode=disaggregated: 2 trainer ranks and 1 engine on Ray logical GPUs of their own; the same
+    loop, with no sleep/wake and the sync a broadcast from trainer rank 0 (verified every step)."""
+    run_dir = tmp_path / "run"
+    r = run_cli(f"run.dir={run_dir}", *SMALL_JOB, "placement.mode=disaggregated", "placement.num_gpus=3",
+                "placement.trainer_gpus=2", timeout=300)
+    assert r.returncode == 0, _tail(r)
+    rows = read_metrics(run_dir / "metrics.jsonl")
+    assert [x["step"] for x in rows] == [-1, 0, 1, 2, 3] and all(x["sync/verified"] for x in rows), rows
+    for row in rows[1:]:
+        assert all(k in row for k in ITEM5_KEYS), sorted(set(ITEM5_KEYS) - set(row))
+        assert row["timing/sleep_s"] < 0.01 and row["timing/wake_s"] < 0.01  # nothing sleeps: own GPUs
+        assert row["sync/bytes"] > 0 and math.isfinite(row["loss"])
+    assert (run_dir / "export" / "config.json").exists()

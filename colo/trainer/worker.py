@@ -280,10 +280,38 @@ class Trainer:
         return out
 
     def sync_weights(self, engine: Any) -> dict:
+        """Colocated: push this rank's weights into the engine on the same GPU."""
         self._check_ready()
         from colo.sync.sender import push_weights  # lazy: the sync path imports vLLM-side helpers
 
         return push_weights(self.model, engine, self.cfg.sync, self._sync_state)
+
+    # Disaggregated: rank 0 opens a broadcast group (colo.sync.broadcast) that every engine worker joins;
+    # the driver calls open_weight_group, then join_weight_group here and on the engines at the same time.
+    def open_weight_group(self, world: int) -> dict:
+        """Rank 0: start the group's rendezvous; returns its address (plain data) for the engines."""
+        import ray as _ray
+
+        from colo.sync.broadcast import WeightGroupHost
+
+        if self.rank != 0:
+            raise RuntimeError(f"open_weight_group on trainer rank {self.rank}: only rank 0 broadcasts weights")
+        self._group_host = WeightGroupHost(_ray.util.get_node_ip_address(), world)
+        return self._group_host.address
+
+    def join_weight_group(self) -> int:
+        self._weight_group = self._group_host.join(self.device)
+        return self._weight_group.rank
+
+    def broadcast_weights(self, engines: list) -> dict:
+        """Disaggregated: every rank takes part in the gathers; rank 0 broadcasts to every engine worker."""
+        self._check_ready()
+        from colo.sync.sender import broadcast_weights
+
+        group = getattr(self, "_weight_group", None)
+        if self.rank == 0 and group is None:
+            raise RuntimeError("broadcast_weights before join_weight_group on trainer rank 0")
+        return broadcast_weights(self.model, engines, group, self.cfg.sync, self._sync_state)
 
     def save_checkpoint(self, path: str, extra: dict) -> None:
         checkpoint.save(path, self.model, self.optimizer, extra)
@@ -331,6 +359,9 @@ class Trainer:
 
     def shutdown(self) -> None:
         self.release_sync_buffers()
+        group = getattr(self, "_weight_group", None)
+        if group is not None:
+            group.close()
         if dist.is_initialized():
             dist.destroy_process_group()
 
