@@ -4,6 +4,7 @@
     python -m colo.bench.sync --preset qwen3-30b-a3b-L12 --ranks 1 --device cuda
     python -m colo.bench.sync --preset qwen3-30b-a3b --ranks 4 --device cuda --bucket-mb 1024 --json
     python -m colo.bench.sync --model /path/to/qwen3-moe-checkpoint --ranks 2
+    python -m colo.bench.sync --preset tiny --mode disaggregated --ranks 1 --engines 1 --check --json
 
     placement group r:  TrainWorker r (FSDP2) ──sync──▶ RolloutEngine r (vLLM, colo's worker extension)
 
@@ -13,6 +14,12 @@
               buffer per bucket, vLLM's load_weights for every tensor             x reps
     --check   perturb trainer weights -> ours -> greedy on every engine; export_hf -> a fresh engine
               loads it from disk -> greedy; tokens equal, log-probs within bf16 tolerance
+
+--mode disaggregated: --ranks trainer GPUs, --engines engines of --tp GPUs each (placement.mode).
+    ours      sender.broadcast_weights: the same source, plan and packing; rank 0 broadcasts each bucket
+              to every engine worker (NCCL on GPU, gloo on CPU), two in flight
+    baseline  baseline.broadcast_weights_baseline: full_tensor() per param, one broadcast and one
+              load_weights per (un-fused) tensor, as vLLM's RLHF examples do it
 
 Times are driver wall-clock over all ranks at once (the slowest rank decides); per-phase times are the
 max over ranks. The first sync of ours builds the plan and buffers and the receiver opens them once,
@@ -50,7 +57,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     src.add_argument("--preset", choices=PRESETS,
                      help="colo.models.tiny preset (30B ones: config only, random weights)")
     src.add_argument("--model", help="local Qwen3-MoE checkpoint dir (config.json + safetensors)")
-    ap.add_argument("--ranks", type=int, default=2, help="GPUs (CPU: Ray logical GPUs): trainer/engine pairs")
+    ap.add_argument("--ranks", type=int, default=2,
+                    help="trainer ranks (CPU: Ray logical GPUs); colocated: one engine beside each")
+    ap.add_argument("--mode", choices=("colocated", "disaggregated"), default="colocated",
+                    help="placement.mode; disaggregated adds --engines x --tp GPUs for the engines")
+    ap.add_argument("--engines", type=int, default=1, help="disaggregated: vLLM engines")
+    ap.add_argument("--tp", type=int, default=1, help="disaggregated: tensor-parallel size per engine")
     ap.add_argument("--bucket-mb", type=int, default=None, help="transfer buffer size, MiB (default: sync.bucket_mb)")
     ap.add_argument("--buffers", type=int, default=2, help="buffers in flight (ours)")
     ap.add_argument("--reps", type=int, default=8, help="syncs per path; ours' first is the warm-up")
@@ -63,8 +75,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="where presets are built and the --check export goes (export removed afterwards)")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
-    if args.ranks < 1 or args.reps < 1 or args.buffers < 1:
-        ap.error("--ranks, --reps and --buffers must be >= 1")
+    if min(args.ranks, args.reps, args.buffers, args.engines, args.tp) < 1:
+        ap.error("--ranks, --reps, --buffers, --engines and --tp must be >= 1")
     if args.model and not (Path(args.model) / "config.json").is_file():
         ap.error(f"--model {args.model}: no config.json there (a Hugging Face checkpoint dir is needed)")
     return args
@@ -85,6 +97,13 @@ def _trainer_actor() -> Any:
 
             self._check_ready()
             return push_weights_baseline(self.model, engine, self.cfg.sync)
+
+        def broadcast_baseline(self, engines: list) -> dict:
+            from colo.sync.baseline import broadcast_weights_baseline
+
+            self._check_ready()
+            return broadcast_weights_baseline(self.model, engines, getattr(self, "_weight_group", None),
+                                              self.cfg.sync)
 
     return ray.remote(BenchTrainer)
 
@@ -112,11 +131,15 @@ def release(trainers: list) -> None:
 
 
 def sync_round(trainers: list, engines: list, method: str) -> dict:
-    """One sync on every rank at once; wall time, per-phase max over ranks, totals, verification."""
+    """One sync on every rank at once; wall time, per-phase max over ranks, totals, verification.
+    Colocated methods take rank r's engine; broadcast ones (disaggregated) take every engine."""
     import ray
 
     t0 = time.perf_counter()
-    reps = ray.get([getattr(t, method).remote(e) for t, e in zip(trainers, engines)])
+    if method in ("broadcast_weights", "broadcast_baseline"):
+        reps = ray.get([getattr(t, method).remote(engines) for t in trainers])
+    else:
+        reps = ray.get([getattr(t, method).remote(e) for t, e in zip(trainers, engines)])
     wall = time.perf_counter() - t0
     out = {"seconds": wall, **{k: max(r.get(k, 0.0) for r in reps) for k in PHASES},
            "rank_seconds": max(r["seconds"] for r in reps),
@@ -192,9 +215,11 @@ def check(cfg: Any, trainers: list, engines: list, pgs: list, workdir: Path, see
     from colo.placement import scheduling
     from colo.rollout.engine import RolloutEngine
 
+    disaggregated = cfg.placement.mode == "disaggregated"
     before = greedy(engines)
     ray.get([t.perturb_weights.remote(seed + 1, PERTURB_SCALE) for t in trainers])
-    rep = sync_round(trainers, engines, "sync_weights")
+    rep = sync_round(trainers, engines, "broadcast_weights" if disaggregated else "sync_weights")
+    fresh_pg = pgs[len(trainers)] if disaggregated else pgs[0]  # an engine's group (disaggregated: engine 0's)
     synced = greedy(engines)
     changed = any(s[0] != b[0] for se, be in zip(synced, before) for s, b in zip(se, be))
     export = Path(tempfile.mkdtemp(prefix="export-", dir=workdir))
@@ -215,8 +240,8 @@ def check(cfg: Any, trainers: list, engines: list, pgs: list, workdir: Path, see
         trainers.clear()  # the caller's list: nothing left for its own release()
         fresh_cfg = to_dict(cfg)
         fresh_cfg["model"].update(path=str(export), dummy_weights=False)
-        gpus = 0 if cfg.placement.device == "cuda" else cfg.placement.vllm_gpu_fraction
-        fresh = RolloutEngine.options(num_gpus=gpus, num_cpus=0, scheduling_strategy=scheduling(pgs[0])).remote(
+        gpus = 0 if cfg.placement.device == "cuda" else 1 if disaggregated else cfg.placement.vllm_gpu_fraction
+        fresh = RolloutEngine.options(num_gpus=gpus, num_cpus=0, scheduling_strategy=scheduling(fresh_pg)).remote(
             fresh_cfg, 0, 1, free_port())
         want = greedy([fresh])[0]
         ray.kill(fresh)
@@ -251,7 +276,10 @@ def make_config(args: argparse.Namespace, model_dir: str, dummy: bool) -> Any:
 
     cfg = load_config(None, [])  # defaults + COLO_* env (e.g. COLO_TRAIN_GPU_FRACTION for a tight GPU)
     cfg.model.path, cfg.model.dummy_weights = model_dir, dummy
-    cfg.placement.device, cfg.placement.num_gpus = args.device, args.ranks
+    cfg.placement.device, cfg.placement.num_gpus, cfg.placement.mode = args.device, args.ranks, args.mode
+    if args.mode == "disaggregated":
+        cfg.placement.num_gpus = args.ranks + args.engines * args.tp
+        cfg.placement.trainer_gpus, cfg.rollout.tp_size = args.ranks, args.tp
     cfg.placement.device = resolve_device(cfg)
     cfg.rollout.max_model_len, cfg.rollout.max_tokens, cfg.rollout.kv_cache_mb = 256, 16, 256
     cfg.rollout.enforce_eager = True  # only --check generates (a few tokens): CUDA graphs would cost start-up
@@ -284,8 +312,10 @@ def run(args: argparse.Namespace) -> dict:
     trainers: list = []
     try:
         trainers, engines, pgs, setup = start_pairs(cfg, plan)
-        ours = [sync_round(trainers, engines, "sync_weights") for _ in range(args.reps)]
-        base = [sync_round(trainers, engines, "sync_baseline") for _ in range(max(1, args.reps - 1))]
+        ours_m, base_m = (("broadcast_weights", "broadcast_baseline") if args.mode == "disaggregated"
+                          else ("sync_weights", "sync_baseline"))
+        ours = [sync_round(trainers, engines, ours_m) for _ in range(args.reps)]
+        base = [sync_round(trainers, engines, base_m) for _ in range(max(1, args.reps - 1))]
         o, b = summarize(ours, warmup=True), summarize(base, warmup=False)  # the baseline reuses nothing
         b_sec = b["steady"]["seconds"]
         result: dict[str, Any] = {
@@ -300,7 +330,8 @@ def run(args: argparse.Namespace) -> dict:
             "expert_fast_path": ours[0].get("expert_fast_path"),
             "expert_fast_reason": ours[0].get("expert_fast_reason"),
             "all_seconds": o["all_seconds"], "baseline_all_seconds": b["all_seconds"],
-            "ranks": args.ranks, "bucket_mb": cfg.sync.bucket_mb, "buffers": cfg.sync.buffers, "reps": args.reps,
+            "ranks": args.ranks, "mode": args.mode, "engines": len(engines), "tp": plan.tp_size,
+            "bucket_mb": cfg.sync.bucket_mb, "buffers": cfg.sync.buffers, "reps": args.reps,
             "device": cfg.placement.device, "model": model_dir, "preset": args.preset, "dummy_weights": dummy,
             "setup": setup, "vllm_ipc": vllm_ipc_probe(cfg.placement.device), "versions": versions(),
             "date": time.strftime("%Y-%m-%d")}
@@ -317,7 +348,8 @@ def run(args: argparse.Namespace) -> dict:
 
 def render(r: dict) -> str:
     ms = lambda s: f"{s * 1e3:9.1f} ms"  # noqa: E731
-    rows = [f"colo.bench.sync  {r['preset'] or r['model']}  ranks={r['ranks']}  device={r['device']}  "
+    rows = [f"colo.bench.sync  {r['preset'] or r['model']}  {r['mode']}  ranks={r['ranks']}  "
+            f"engines={r['engines']}x TP{r['tp']}  device={r['device']}  "
             f"bucket_mb={r['bucket_mb']}  buffers={r['buffers']}  reps={r['reps']}",
             f"payload {r['bytes'] / 2**20:.1f} MiB over all ranks, {r['tensors']} pieces in "
             f"{r['buckets']} bucket(s)/rank; "

@@ -5,7 +5,8 @@ un-fused into per-expert checkpoint names, a fresh shared buffer + handle per bu
 the receiver), buckets loaded one after another, and vLLM's own weight loading for every tensor
 (`reload_weights` / `load_weights`, which re-runs vLLM's post-load processing).
 
-Also the `sync.mode: load_weights` reference mode of colo.sync.sender.
+Also the `sync.mode: load_weights` reference mode of colo.sync.sender (colocated), and the disaggregated
+yardstick `broadcast_weights_baseline`: one broadcast and one load_weights per tensor.
 """
 from __future__ import annotations
 
@@ -95,4 +96,52 @@ def push_weights_baseline(model: nn.Module, engine: Any, sync_cfg: Any, raise_on
               "verified": not errors, "errors": errors}
     if errors and raise_on_error:
         raise SyncError("baseline sync verification failed:\n  " + "\n  ".join(errors[:50]))
+    return report
+
+
+def broadcast_weights_baseline(model: nn.Module, engines: list, group: Any, sync_cfg: Any,
+                               raise_on_error: bool = True) -> dict:
+    """The disaggregated yardstick, as vLLM's RLHF examples do it: per parameter, `full_tensor()` on every
+    rank; rank 0 then sends each (per-expert un-fused) tensor in a broadcast of its own and waits until
+    every engine has loaded it with vLLM's load_weights. `group` is None on ranks > 0 (gather only)."""
+    from colo.sync.mapping import reference_segments
+    from colo.sync.sender import SyncError, architecture, cfg_get
+
+    t_start = time.perf_counter()
+    arch = arch_for(architecture(model))
+    dtype = torch_dtype(cfg_get(sync_cfg, "dtype", "bfloat16"))
+    timings = {"gather": 0.0, "pack": 0.0, "load": 0.0}
+    params = list(model.named_parameters())
+    if group is not None:  # every engine's receive buffer holds the largest single tensor
+        expect = {ckpt: int(torch.Size(shape).numel()) for name, p in params
+                  for ckpt, _, shape in reference_segments(arch, name, tuple(p.shape))}
+        handle = {"kind": "broadcast", "buffer_id": 0, "nbytes": align_up(max(expect.values()) * dtype.itemsize)}
+        ray.get([e.begin_sync.remote([handle], expect) for e in engines])
+    sent = 0
+    for name, p in params:
+        t = time.perf_counter()
+        full = p.full_tensor() if isinstance(p, DTensor) else p.data  # one all-gather per parameter
+        timings["gather"] += time.perf_counter() - t
+        if group is None:
+            continue
+        for ckpt, w in reference_weights(arch, name, full.to(dtype)):
+            t = time.perf_counter()
+            piece = {"name": ckpt, "shape": list(w.shape), "dtype": dtype_name(dtype), "buf_offset": 0}
+            refs = [e.load_bucket.remote(0, [piece]) for e in engines]
+            group.broadcast(w.contiguous().view(-1).view(torch.uint8))
+            ray.get(refs)
+            timings["load"] += time.perf_counter() - t
+            sent += 1
+    if group is None:
+        return {"seconds": time.perf_counter() - t_start, "gather_s": timings["gather"], "tensors": 0, "bytes": 0,
+                "buckets": 0, "verified": True, "errors": []}
+    t = time.perf_counter()
+    results = ray.get([e.end_sync.remote(False) for e in engines])  # CPU: vLLM's reload runs here
+    timings["load"] += time.perf_counter() - t
+    errors = [f"engine {i}: {x}" for i, r in enumerate(results) for x in r.get("errors", [])]
+    report = {"seconds": time.perf_counter() - t_start, "gather_s": timings["gather"], "pack_s": 0.0,
+              "load_s": timings["load"], "verify_s": 0.0, "tensors": sum(r["tensors"] for r in results),
+              "bytes": sum(r["bytes"] for r in results), "buckets": sent, "verified": not errors, "errors": errors}
+    if errors and raise_on_error:
+        raise SyncError("baseline broadcast sync verification failed:\n  " + "\n  ".join(errors[:50]))
     return report
