@@ -158,8 +158,11 @@ def connect_weight_group(trainer0: Any, engines: list, tp_size: int) -> None:
            timeout=600)
 
 
-def gather(refs: list, who: list[str], timeout: float | None = None) -> list:
-    """ray.get of all refs that fails on the first failure, naming the actor that died.
+def gather(refs: list, who: list[str], timeout: float | None = None, engines: list | None = None,
+           paired: bool = True) -> list:
+    """ray.get of all refs that fails on the first failure, naming the actor that died. `engines`: the
+    engines the callees talk to (the sync), so a dead one they report is named by its index; `paired`:
+    callee i talks to engine i only (colocated), the fallback when Ray's error does not carry the id.
 
     Results are taken in completion order, not rank order: when rank 1 dies, rank 0 may be blocked in a
     collective waiting for it (gloo's default timeout is 30 min), so ray.get(rank 0) first would hang."""
@@ -177,11 +180,23 @@ def gather(refs: list, who: list[str], timeout: float | None = None) -> list:
         except ray.exceptions.RayActorError as e:
             raise ActorDied(who[i]) from e
         except ray.exceptions.RayTaskError as e:
-            # a live trainer whose call into a dead actor failed: trainers only call their own engine (sync)
-            if isinstance(getattr(e, "cause", None), ray.exceptions.RayActorError) and who[i].startswith("trainer"):
-                raise ActorDied(f"engine DP rank {i} (seen by {who[i]} during the weight sync)") from e
+            # a live trainer whose call into a dead actor failed: trainers only call engines (the sync)
+            cause = getattr(e, "cause", None)
+            if isinstance(cause, ray.exceptions.RayActorError) and who[i].startswith("trainer"):
+                dead = _engine_index(cause, engines)
+                dead = i if dead is None and paired else dead
+                name = "an engine" if dead is None else f"engine DP rank {dead}"
+                raise ActorDied(f"{name} (seen by {who[i]} during the weight sync)") from e
             raise
     return [out[i] for i in range(len(refs))]
+
+
+def _engine_index(err: Exception, engines: list | None) -> int | None:
+    dead = getattr(err, "actor_id", None)
+    for k, e in enumerate(engines or []):
+        if dead is not None and dead == e._actor_id.hex():
+            return k
+    return None
 
 
 class ActorDied(RuntimeError):
@@ -195,7 +210,8 @@ class ActorDied(RuntimeError):
 def on_trainers(c: Cluster, method: str, *args_per_rank, timeout: float | None = None) -> list:
     """Call one method on every trainer; per-rank arguments are given as lists."""
     refs = [getattr(t, method).remote(*(a[r] for a in args_per_rank)) for r, t in enumerate(c.trainers)]
-    return gather(refs, [f"trainer rank {r}" for r in range(len(refs))], timeout)
+    return gather(refs, [f"trainer rank {r}" for r in range(len(refs))], timeout, engines=c.engines,
+                  paired=c.colocated)
 
 
 def on_engines(c: Cluster, method: str, *args) -> list:
