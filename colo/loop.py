@@ -157,7 +157,11 @@ def evaluate(c: Cluster, cfg: ColoConfig, inputs: RunInputs, rewards: RewardRunn
     if not prompts:  # data.eval_path: null
         return {}
     samples = generate(c, prompts, 1, cfg, greedy=True, seed=0)
-    return {"eval/reward": score(rewards, prompts, samples, inputs.tokenizer).mean().item()}
+    out = {"eval/reward": score(rewards, prompts, samples, inputs.tokenizer).mean().item()}
+    if cfg.loop.eval_samples > 0:  # fixed seed: every eval draws the same random streams
+        samples = generate(c, prompts, cfg.loop.eval_samples, cfg, greedy=False, seed=7)
+        out["eval/sampled_reward"] = score(rewards, prompts, samples, inputs.tokenizer).mean().item()
+    return out
 
 
 def warm_up(c: Cluster, cfg: ColoConfig, inputs: RunInputs) -> dict:

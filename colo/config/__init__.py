@@ -191,6 +191,9 @@ class LoopConfig:
     """RL steps to run (the total, also when resuming)."""
     eval_every: int = 10
     """Evaluate every this many steps (0: never)."""
+    eval_samples: int = 4
+    """Besides the greedy eval/reward: samples per eval prompt at rollout.temperature, averaged into
+    eval/sampled_reward (the quantity GRPO maximizes; 0: greedy only)."""
     checkpoint_every: int = 50
     """Checkpoint every this many steps (0: never)."""
     sft_warmup_steps: int = 0

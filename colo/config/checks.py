@@ -66,7 +66,7 @@ def _check_values(cfg: ColoConfig) -> None:
         "sync.bucket_mb", "sync.buffers", "data.prompts_per_step", "data.eval_size", "loop.steps")}
     at_least |= {key: 0 for key in (
         "placement.cpus_per_bundle", "trainer.weight_decay", "trainer.grad_clip", "rollout.temperature",
-        "algo.clip_low", "algo.clip_high", "algo.kl_coef", "algo.tis_cap", "loop.eval_every",
+        "algo.clip_low", "algo.clip_high", "algo.kl_coef", "algo.tis_cap", "loop.eval_every", "loop.eval_samples",
         "loop.checkpoint_every", "loop.sft_warmup_steps")}
     for key, low in at_least.items():
         if get(key) < low:
