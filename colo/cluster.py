@@ -177,17 +177,18 @@ def gather(refs: list, who: list[str], timeout: float | None = None, engines: li
         i = pending.pop(done[0])
         try:
             out[i] = ray.get(done[0])
-        except ray.exceptions.RayActorError as e:
-            raise ActorDied(who[i]) from e
         except ray.exceptions.RayTaskError as e:
-            # a live trainer whose call into a dead actor failed: trainers only call engines (the sync)
+            # Checked first: Ray raises a task's error as an instance of its cause's class too, so a live
+            # trainer whose call into a dead engine failed would otherwise read as a dead trainer.
             cause = getattr(e, "cause", None)
             if isinstance(cause, ray.exceptions.RayActorError) and who[i].startswith("trainer"):
-                dead = _engine_index(cause, engines)
+                dead = _engine_index(cause, engines)  # trainers only call engines (the sync)
                 dead = i if dead is None and paired else dead
                 name = "an engine" if dead is None else f"engine DP rank {dead}"
                 raise ActorDied(f"{name} (seen by {who[i]} during the weight sync)") from e
             raise
+        except ray.exceptions.RayActorError as e:
+            raise ActorDied(who[i]) from e
     return [out[i] for i in range(len(refs))]
 
 

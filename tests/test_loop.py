@@ -273,3 +273,13 @@ def test_disaggregated_job_runs_the_same_loop(tmp_path: Path) -> None:
         assert row["timing/sleep_s"] < 0.01 and row["timing/wake_s"] < 0.01  # nothing sleeps: own GPUs
         assert row["sync/bytes"] > 0 and math.isfinite(row["loss"])
     assert (run_dir / "export" / "config.json").exists()
+
+
+def test_disaggregated_engine_death_names_it_and_checkpoints(reward_env: dict, tmp_path: Path) -> None:
+    """1 trainer + 2 engines on GPUs of their own: engine 1 dies during step 1; the trainer meets it in the
+    broadcast sync, the driver names it, the trainer (which still holds the policy) checkpoints step 1."""
+    run_dir = tmp_path / "run"
+    r = _fail_run(run_dir, reward_env, "algo.rewards=[failing_rewards:kill_engine_1]",
+                  "placement.mode=disaggregated", "placement.num_gpus=3", "placement.trainer_gpus=1")
+    assert "colo: error: engine DP rank 1 (seen by trainer rank 0 during the weight sync) died" in r.stderr, _tail(r)
+    assert _extra(run_dir, 1)["step"] == 1 and _steps(run_dir) == [-1, 0]
