@@ -31,6 +31,7 @@ from __future__ import annotations
 import sys
 import time
 import traceback
+from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -49,16 +50,29 @@ from colo.placement import plan_placement
 
 
 class Timer:
-    """Collects `timing/<phase>_s` for one step."""
+    """Collects `timing/<phase>_s` for one step and, given a probe, `memory/<phase>/<key>` at the end of
+    each phase (outside the timed span)."""
 
-    def __init__(self) -> None:
+    def __init__(self, probe: Callable[[], dict] | None = None) -> None:
         self.seconds: dict[str, float] = {}
+        self.memory: dict[str, float] = {}
+        self.probe = probe
 
     @contextmanager
     def __call__(self, phase: str):
         t0 = time.perf_counter()
         yield
         self.seconds[f"timing/{phase}_s"] = time.perf_counter() - t0
+        if self.probe is not None:
+            self.memory.update({f"memory/{phase}/{k}": v for k, v in self.probe().items()})
+
+
+def memory_probe(c: Cluster) -> Callable[[], dict]:
+    """Trainer.memory() of every rank, max over ranks (one Ray round trip per phase)."""
+    def probe() -> dict:
+        reports = on_trainers(c, "memory")
+        return {k: max(r[k] for r in reports) for k in reports[0]}
+    return probe
 
 
 def generate(c: Cluster, prompts: list[dict], n: int, cfg: ColoConfig, *, greedy: bool, seed: int) -> list[dict]:
@@ -94,7 +108,7 @@ class Position:
 
 
 def rl_step(step: int, c: Cluster, cfg: ColoConfig, inputs: RunInputs, rewards: RewardRunner, pos: Position) -> dict:
-    t, n = Timer(), cfg.rollout.n
+    t, n = Timer(memory_probe(c) if cfg.loop.memory_stats else None), cfg.rollout.n
     with t("rollout"):
         prompts = inputs.train_data.next_batch(cfg.data.prompts_per_step)
         samples = generate(c, prompts, n, cfg, greedy=False, seed=cfg.run.seed * 100_003 + step * 1_009)
@@ -121,7 +135,7 @@ def rl_step(step: int, c: Cluster, cfg: ColoConfig, inputs: RunInputs, rewards: 
             on_engines(c, "wake_up", ["kv_cache", "scheduling"])
     lens = torch.tensor([len(s["response_ids"]) for s in samples], dtype=torch.float32)
     metrics = {"step": step, "reward/mean": reward.mean().item(), "reward/std": reward.std().item(),
-               "response_len/mean": lens.mean().item(), **train, **synced, **t.seconds}
+               "response_len/mean": lens.mean().item(), **train, **synced, **t.seconds, **t.memory}
     metrics["timing/step_s"] = sum(t.seconds.values())
     return metrics
 

@@ -116,6 +116,8 @@ def test_default_job_learns(learned: tuple[Path, list[dict]]) -> None:
         assert all(math.isfinite(r[k]) for k in ("loss", "entropy", "grad_norm")), r
         phases = sum(r[f"timing/{p}_s"] for p in ("rollout", "reward", "sleep", "train", "sync", "wake"))
         assert r["timing/step_s"] == pytest.approx(phases), r
+        # loop.memory_stats: every phase reports the trainer's memory (on CPU its resident set, > 100 MiB)
+        assert all(0.1 < r[f"memory/{p}/trainer_rss_gb"] < 64 for p in ("rollout", "train", "sync", "wake")), r
 
 
 def test_run_dir_outputs_and_export(learned: tuple[Path, list[dict]]) -> None:

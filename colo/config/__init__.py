@@ -191,6 +191,9 @@ class LoopConfig:
     """RL steps to run (the total, also when resuming)."""
     eval_every: int = 10
     """Evaluate every this many steps (0: never)."""
+    memory_stats: bool = True
+    """Log memory at the end of every phase: memory/<phase>/device_used_gb (whole GPU) and
+    trainer_peak_gb (the trainer's peak within the phase) on GPU, trainer_rss_gb on CPU."""
     eval_samples: int = 4
     """Besides the greedy eval/reward: samples per eval prompt at rollout.temperature, averaged into
     eval/sampled_reward (the quantity GRPO maximizes; 0: greedy only)."""

@@ -279,6 +279,19 @@ class Trainer:
         self.offloaded = False
         return out
 
+    def memory(self) -> dict:
+        """Memory at the end of a loop phase. GPU: the whole device's use (this trainer, the colocated
+        vLLM and anything else on it: cudaMemGetInfo) and this trainer's allocator peak since the last
+        call, which is then reset, so each phase reports its own peak. CPU: the process's resident memory."""
+        if self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            peak = torch.cuda.max_memory_allocated(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+            return {"device_used_gb": (total - free) / 2**30, "trainer_peak_gb": peak / 2**30}
+        import psutil
+
+        return {"trainer_rss_gb": psutil.Process().memory_info().rss / 2**30}
+
     def sync_weights(self, engine: Any) -> dict:
         """Colocated: push this rank's weights into the engine on the same GPU."""
         self._check_ready()
