@@ -21,7 +21,7 @@ from typing import Any
 import ray
 
 from colo.config import ColoConfig, to_dict
-from colo.placement import PlacementPlan, create_placement, scheduling
+from colo.placement import PlacementPlan, create_disaggregated_placement, create_placement, scheduling
 
 
 @dataclass
@@ -71,81 +71,62 @@ def _ephemeral_low() -> int:
 def start_cluster(cfg: ColoConfig, plan: PlacementPlan, trainer_cls: Any = None) -> Cluster:
     """Create placement groups, then trainers and engines in them; returns once every actor is ready.
 
+    Colocated: trainer rank r and engine r share placement group r, each with its GPU fraction. On GPU
+    the engine actor itself takes 0 GPUs: vLLM's Ray executor places its worker into bundle 0 with the
+    vLLM fraction (measured: an engine actor holding its own fraction hangs at start-up). On CPU the
+    engines are independent replicas and hold Ray's logical GPU fraction themselves.
+    Disaggregated: trainers take a whole GPU each in groups of their own; on GPU an engine actor again
+    takes none (its TP workers go into the engine group's bundles), on CPU a TP-1 engine holds its
+    logical GPU; then the weight-broadcast group is connected.
+
     `trainer_cls`: a Ray actor class with TrainWorker's interface (the benchmark adds its baseline sync)."""
     from colo.rollout.engine import RolloutEngine
     from colo.trainer.worker import TrainWorker
 
     TrainWorker = trainer_cls or TrainWorker  # noqa: N806
-    if plan.mode == "disaggregated":
-        return _start_disaggregated(cfg, plan, TrainWorker, RolloutEngine)
     t0 = time.perf_counter()
-    pgs = create_placement(plan)
-    cfg_dict = to_dict(cfg)
-    world = len(pgs)
-    master_port, dp_port = free_port(), free_port()
-    trainers = [
-        TrainWorker.options(num_gpus=cfg.placement.train_gpu_fraction, num_cpus=1, name=f"colo-trainer-{r}",
-                            scheduling_strategy=scheduling(pg)).remote(cfg_dict, r, world, "127.0.0.1", master_port)
-        for r, pg in enumerate(pgs)
-    ]
-    # On GPU the engine actor itself takes 0 GPUs: vLLM's Ray executor places its worker into bundle 0 with
-    # the vLLM fraction (measured: an engine actor holding its own fraction hangs at start-up). On CPU the
-    # engines are independent replicas and hold Ray's logical GPU fraction themselves.
-    engine_gpus = 0 if cfg.placement.device == "cuda" else cfg.placement.vllm_gpu_fraction
-    engines = [
-        RolloutEngine.options(num_gpus=engine_gpus, num_cpus=0, name=f"colo-engine-{r}",
-                              scheduling_strategy=scheduling(pg)).remote(cfg_dict, r, world, dp_port)
-        for r, pg in enumerate(pgs)
-    ]
-    setups = gather([t.setup.remote() for t in trainers], [f"trainer rank {r}" for r in range(world)])
-    t_train = time.perf_counter() - t0
-    readies = gather([e.ready.remote() for e in engines], [f"engine DP rank {r}" for r in range(world)])
-    for r, (s, e) in enumerate(zip(setups, readies)):
-        if s.get("rank") != r or e.get("rank") != r:
-            raise RuntimeError(f"rank misalignment at placement group {r}: trainer {s.get('rank')}, engine {e.get('rank')}")
-        if cfg.placement.device == "cuda" and s.get("device_uuid") != e.get("device_uuid"):
-            raise RuntimeError(f"trainer rank {r} is on GPU {s.get('device_uuid')} but engine DP rank {r} is on "
-                               f"{e.get('device_uuid')}: CUDA IPC needs them on the same GPU")
-    setup = {"trainer_setup_s": t_train, "cluster_s": time.perf_counter() - t0,
-             "engine_start_s": max(float(e.get("start_s", 0.0)) for e in readies)}
-    return Cluster(trainers, engines, pgs, setup)
-
-
-def _start_disaggregated(cfg: ColoConfig, plan: PlacementPlan, TrainWorker: Any, RolloutEngine: Any) -> Cluster:  # noqa: N803
-    """Trainers and engines in placement groups of their own; then the weight-broadcast group.
-
-    Trainers take a whole GPU each. On GPU an engine actor takes none: vLLM's Ray executor puts its TP
-    workers into the engine group's bundles (one GPU each). On CPU a TP-1 engine holds its logical GPU."""
-    from colo.placement import create_disaggregated_placement
-
-    t0 = time.perf_counter()
-    trainer_pgs, engine_pgs = create_disaggregated_placement(plan)
-    cfg_dict, world = to_dict(cfg), plan.trainer_world
-    master_port = free_port()
-    trainers = [TrainWorker.options(num_gpus=1, num_cpus=1, name=f"colo-trainer-{r}",
+    colocated, cuda = plan.mode == "colocated", cfg.placement.device == "cuda"
+    if colocated:
+        trainer_pgs = engine_pgs = create_placement(plan)
+        train_gpus, engine_gpus = cfg.placement.train_gpu_fraction, cfg.placement.vllm_gpu_fraction
+        dp_port = free_port()
+    else:
+        trainer_pgs, engine_pgs = create_disaggregated_placement(plan)
+        train_gpus, engine_gpus, dp_port = 1, 1, 0  # engines are no DP group: no DP port
+    cfg_dict, world, master_port = to_dict(cfg), len(trainer_pgs), free_port()
+    trainers = [TrainWorker.options(num_gpus=train_gpus, num_cpus=1, name=f"colo-trainer-{r}",
                                     scheduling_strategy=scheduling(pg)).remote(cfg_dict, r, world, "127.0.0.1",
                                                                                master_port)
                 for r, pg in enumerate(trainer_pgs)]
-    engine_gpus = 0 if cfg.placement.device == "cuda" else 1
-    engines = [RolloutEngine.options(num_gpus=engine_gpus, num_cpus=0, name=f"colo-engine-{e}",
-                                     scheduling_strategy=scheduling(pg)).remote(cfg_dict, e, plan.num_engines, 0)
+    engines = [RolloutEngine.options(num_gpus=0 if cuda else engine_gpus, num_cpus=0, name=f"colo-engine-{e}",
+                                     scheduling_strategy=scheduling(pg)).remote(cfg_dict, e, len(engine_pgs),
+                                                                                dp_port)
                for e, pg in enumerate(engine_pgs)]
     setups = gather([t.setup.remote() for t in trainers], [f"trainer rank {r}" for r in range(world)])
     t_train = time.perf_counter() - t0
-    readies = gather([e.ready.remote() for e in engines], [f"engine {e}" for e in range(len(engines))])
-    if [s.get("rank") for s in setups] != list(range(world)) or [e.get("rank") for e in readies] != \
-            list(range(len(engines))):
+    readies = gather([e.ready.remote() for e in engines], [f"engine DP rank {e}" for e in range(len(engines))])
+    if [s.get("rank") for s in setups] != list(range(world)) or \
+            [e.get("rank") for e in readies] != list(range(len(engines))):
         raise RuntimeError(f"rank misalignment: trainers report {[s.get('rank') for s in setups]}, "
-                           f"engines {[e.get('rank') for e in readies]}")
-    shared = {s.get("device_uuid") for s in setups} & {e.get("device_uuid") for e in readies} - {None}
-    if shared:
-        raise RuntimeError(f"disaggregated mode, but a trainer and an engine share GPU {sorted(shared)}")
-    t = time.perf_counter()
-    connect_weight_group(trainers[0], engines, plan.tp_size)
-    setup = {"trainer_setup_s": t_train, "cluster_s": time.perf_counter() - t0,
-             "engine_start_s": max(float(e.get("start_s", 0.0)) for e in readies),
-             "weight_group_s": time.perf_counter() - t}
-    return Cluster(trainers, engines, trainer_pgs + engine_pgs, setup, mode="disaggregated")
+                           f"engines {[e.get('rank') for e in readies]} (placement group order)")
+    setup = {"trainer_setup_s": t_train,
+             "engine_start_s": max(float(e.get("start_s", 0.0)) for e in readies)}
+    if colocated:
+        for r, (s, e) in enumerate(zip(setups, readies)):
+            if cuda and s.get("device_uuid") != e.get("device_uuid"):
+                raise RuntimeError(f"trainer rank {r} is on GPU {s.get('device_uuid')} but engine DP rank {r} is "
+                                   f"on {e.get('device_uuid')}: CUDA IPC needs them on the same GPU")
+        pgs = trainer_pgs
+    else:
+        shared = {s.get("device_uuid") for s in setups} & {e.get("device_uuid") for e in readies} - {None}
+        if shared:
+            raise RuntimeError(f"disaggregated mode, but a trainer and an engine share GPU {sorted(shared)}")
+        t = time.perf_counter()
+        connect_weight_group(trainers[0], engines, plan.tp_size)
+        setup["weight_group_s"] = time.perf_counter() - t
+        pgs = trainer_pgs + engine_pgs
+    setup["cluster_s"] = time.perf_counter() - t0
+    return Cluster(trainers, engines, pgs, setup, mode=plan.mode)
 
 
 def connect_weight_group(trainer0: Any, engines: list, tp_size: int) -> None:

@@ -127,13 +127,13 @@ class RolloutEngine:
         import torch
 
         allowed = sorted(os.sched_getaffinity(0))
-        self.cores = cores_for_rank(allowed, self.rank, self.dp_size)
         if self.tp_size > 1:  # worker processes, one core set each ("0|1"); this process keeps them all
             per = [cores_for_rank(allowed, t, self.tp_size) for t in range(self.tp_size)]
             os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(",".join(map(str, c)) for c in per)
             os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core stays in this process
             self.cores = sorted({c for cs in per for c in cs})
             return
+        self.cores = cores_for_rank(allowed, self.rank, self.dp_size)
         os.sched_setaffinity(0, self.cores)
         # Ray sets OMP_NUM_THREADS from the actor's num_cpus (1 for num_cpus=0); size the pool to our cores.
         # Must precede the vLLM import: vLLM's CPUWorker replaces torch.set_num_threads with a no-op.

@@ -303,13 +303,11 @@ class Trainer:
     # the driver calls open_weight_group, then join_weight_group here and on the engines at the same time.
     def open_weight_group(self, world: int) -> dict:
         """Rank 0: start the group's rendezvous; returns its address (plain data) for the engines."""
-        import ray as _ray
-
         from colo.sync.broadcast import WeightGroupHost
 
         if self.rank != 0:
             raise RuntimeError(f"open_weight_group on trainer rank {self.rank}: only rank 0 broadcasts weights")
-        self._group_host = WeightGroupHost(_ray.util.get_node_ip_address(), world)
+        self._group_host = WeightGroupHost(ray.util.get_node_ip_address(), world)
         return self._group_host.address
 
     def join_weight_group(self) -> int:
