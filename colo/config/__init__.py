@@ -40,6 +40,7 @@ CHOICES = {  # must match the consumers: colo.algo.loss.LOSS_AGGS, colo.sync, co
     "rollout.sleep_level": ("auto", 1, 2),
     "algo.loss_agg": ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean"),
     "sync.mode": ("direct", "load_weights"),
+    "rollout.vllm_weight_transfer": ("none", "ipc"),
 }
 DATA_SUFFIXES = (".jsonl", ".json", ".ndjson", ".parquet")  # .json is JSON lines (colo.algo.data)
 
@@ -134,6 +135,11 @@ class RolloutConfig:
     sleep_level: Union[int, str] = "auto"
     """vLLM sleep level while training: 1 keeps weights in host RAM, 2 drops them; auto: 2 (the sync
     rewrites every weight anyway)."""
+    vllm_weight_transfer: str = "none"
+    """ipc: also build vLLM's own CUDA-IPC weight-transfer engine in every engine, only so that
+    colo.bench.sync can time it against colo's sync (colocated GPU only). It switches on
+    VLLM_ALLOW_INSECURE_SERIALIZATION in the engine, since vLLM's IPC handles carry Python classes;
+    colo's own sync needs neither."""
 
 
 @dataclass

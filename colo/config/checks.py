@@ -25,6 +25,7 @@ def validate(cfg: ColoConfig, *, check_resources: bool = True) -> None:
         return
     device = resolve_device(cfg)
     _check_tensor_parallel_device(cfg, device)
+    _check_vllm_weight_transfer(cfg, device)
     model = model_config_json(cfg)  # the checkpoint's config.json as a dict
     experts = model.get("num_experts") or model.get("num_local_experts") or model.get("n_routed_experts")
     ep = expert_parallel_size(device, cfg.placement.num_gpus, cfg.placement.mode)
@@ -72,8 +73,9 @@ def _check_values(cfg: ColoConfig) -> None:
         if get(key) < low:
             raise ConfigError(f"{key}={get(key)} must be >= {low}; fix: e.g. {key}={_default(key)}")
     _check_placement_mode(cfg)
-    if p.device == "cpu":  # "auto" is checked once validate() has resolved it
-        _check_tensor_parallel_device(cfg, "cpu")
+    if p.device in ("cpu", "cuda"):  # "auto" is checked once validate() has resolved it
+        _check_tensor_parallel_device(cfg, p.device)
+        _check_vllm_weight_transfer(cfg, p.device)
     for key, ok in (("trainer.lr", cfg.trainer.lr > 0), ("rollout.top_p", 0 < cfg.rollout.top_p <= 1)):
         if not ok:
             raise ConfigError(f"{key}={get(key)} is out of range; fix: e.g. {key}={_default(key)}")
@@ -124,6 +126,17 @@ def _check_placement_mode(cfg: ColoConfig) -> None:
                           f"= {n} - {trainers}) do not split into engines of rollout.tp_size={tp} GPUs; "
                           f"fix: rollout.tp_size to one of {sizes}, or placement.trainer_gpus so that "
                           "the rest is a multiple of it")
+
+
+def _check_vllm_weight_transfer(cfg: ColoConfig, device: str) -> None:
+    """vLLM's IPC weight-transfer engine shares CUDA memory with the trainer on the same GPU: it exists
+    for colocated GPU runs only."""
+    if cfg.rollout.vllm_weight_transfer == "none":
+        return
+    if device != "cuda" or cfg.placement.mode != "colocated":
+        raise ConfigError(f"rollout.vllm_weight_transfer={cfg.rollout.vllm_weight_transfer} needs colocated GPU "
+                          f"engines (CUDA IPC), but placement is {cfg.placement.mode} on {device}; fix: "
+                          "rollout.vllm_weight_transfer=none")
 
 
 def _check_tensor_parallel_device(cfg: ColoConfig, device: str) -> None:

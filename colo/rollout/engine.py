@@ -92,8 +92,14 @@ class RolloutEngine:
         else:
             self._setup_gpu_env(dp_master_addr, dp_master_port)
 
-        from colo.rollout.vllm_compat import FIX, VllmCompatError, require_vllm
+        self.vllm_ipc = self.cfg.rollout.vllm_weight_transfer == "ipc"
+        if self.vllm_ipc:  # vLLM's IPC handles hold classes: msgpack to the engine core refuses them otherwise
+            os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
+
+        from colo.rollout.vllm_compat import FIX, VllmCompatError, require_vllm, require_weight_transfer
         self.info = require_vllm()
+        if self.vllm_ipc:
+            require_weight_transfer()
         if self.info.is_cpu != (self.device == "cpu"):
             raise VllmCompatError(f"placement.device is {self.device} but vLLM {self.info.version} "
                                   f"({self.info.distribution}) is a {'CPU' if self.info.is_cpu else 'GPU'} build; {FIX}")
@@ -108,6 +114,8 @@ class RolloutEngine:
             enable_sleep_mode=self.info.sleep_mode_available)
         if m.dummy_weights:
             kwargs["load_format"] = "dummy"
+        if self.vllm_ipc:
+            kwargs["weight_transfer_config"] = {"backend": "ipc"}
         if self.tp_size > 1:
             kwargs["tensor_parallel_size"] = self.tp_size
         if self.device == "cpu":
@@ -248,6 +256,23 @@ class RolloutEngine:
         errors = [f"tp rank {t}: {e}" for t, r in enumerate(results) for e in r["errors"]]
         return {"tensors": sum(r["tensors"] for r in results), "bytes": sum(r["bytes"] for r in results),
                 "verified": not errors, "errors": errors, "digest": results[0]["digest"]}
+
+    def param_digest(self) -> list[dict[str, float]]:
+        """Per worker, a checksum of every vLLM parameter as it is now: tells whether two sync paths wrote
+        the same values (colo.bench.sync checks vLLM's IPC engine against colo's sync with it)."""
+        return self._rpc_all("colo_param_digest")
+
+    # vLLM's own weight-transfer engine (rollout.vllm_weight_transfer=ipc; vLLM 0.26's LLM methods), the
+    # yardstick colo.bench.sync times; colo's sync does not use it.
+
+    def vllm_start_weight_update(self) -> None:
+        self.llm.start_weight_update()
+
+    def vllm_update_weights(self, update_info: dict) -> None:
+        self.llm.update_weights({"update_info": update_info})
+
+    def vllm_finish_weight_update(self) -> None:
+        self.llm.finish_weight_update()
 
     def _rpc(self, method: str, *args: Any) -> Any:
         """TP worker 0's answer (describe: every worker of a TP engine holds the same names)."""

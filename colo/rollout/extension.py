@@ -140,6 +140,10 @@ class ColoWorkerExtension:
                 "vllm_version": vllm.__version__, **_tp_position(),
                 "repacked": sorted({t.finalize for t in st.targets.values() if t.finalize})}
 
+    def colo_param_digest(self) -> dict[str, float]:
+        """tensor_digest of every live vLLM parameter (whatever layout vLLM keeps it in)."""
+        return {n: tensor_digest(p.data) for n, p in self._colo_model().named_parameters()}
+
     def colo_join_weight_group(self, address: dict, rank_base: int) -> int:
         """Join trainer rank 0's broadcast group as rank `rank_base + tp_rank`; returns that rank."""
         st = self._colo_get_state()

