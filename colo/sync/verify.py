@@ -22,10 +22,17 @@ def _weights(start: int, n: int, device: torch.device) -> torch.Tensor:
     return 1.0 + ((idx * 2654435761) % 1024).to(torch.float64) / 1024.0  # (n,) in [1, 2)
 
 
+CHUNK = 1 << 24  # elements per step: float64 temporaries of a whole 3 GB expert tensor would need ~10 GB
+
+
 def piece_digest(values: torch.Tensor, dst_offset: int) -> float:
     """Digest contribution of `values` (1-D) written at element `dst_offset` of its destination."""
     v = values.reshape(-1)
-    return float((v.to(torch.float64) * _weights(dst_offset, v.numel(), v.device)).sum())
+    total = torch.zeros((), dtype=torch.float64, device=v.device)
+    for i in range(0, v.numel(), CHUNK):
+        c = v[i: i + CHUNK]
+        total += (c.to(torch.float64) * _weights(dst_offset + i, c.numel(), v.device)).sum()
+    return float(total)
 
 
 def tensor_digest(t: torch.Tensor) -> float:
