@@ -85,7 +85,7 @@ def test_transformers_load_generate_and_chat_template(tiny_dir: Path) -> None:
     assert out.shape[0] == 1 and len(ids) < out.shape[1] <= len(ids) + 4
 
 
-@pytest.mark.parametrize("preset,layers", [("qwen3-30b-a3b", 48), ("qwen3-30b-a3b-L12", 12)])
+@pytest.mark.parametrize("preset,layers", [("qwen3-30b-a3b", 48), ("qwen3-30b-a3b-L12", 12), ("qwen3-30b-a3b-L2", 2)])
 def test_big_presets_config_only(tmp_path: Path, preset: str, layers: int) -> None:
     from transformers import AutoConfig
 

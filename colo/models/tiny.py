@@ -84,6 +84,8 @@ PRESETS: dict[str, dict] = {
     ),
     "qwen3-30b-a3b": dict(_QWEN3_30B_A3B),
     "qwen3-30b-a3b-L12": dict(_QWEN3_30B_A3B, num_hidden_layers=12, max_window_layers=12),
+    # 1.9B parameters: small enough for full trainer state (fp32 + Adam, ~30 GB) beside vLLM on one GPU
+    "qwen3-30b-a3b-L2": dict(_QWEN3_30B_A3B, num_hidden_layers=2, max_window_layers=2),
 }
 WITH_WEIGHTS = {"tiny"}
 TOKENIZER_VOCAB = 512

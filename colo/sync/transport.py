@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import _posixshmem
 import atexit
+import contextlib
 import mmap
 import os
 import secrets
@@ -66,7 +67,8 @@ class SenderBuffers:
         elif self.device.type == "cuda":
             uuid = device_uuid(self.device)
             for i in range(self.count):
-                buf = torch.empty(self.nbytes, dtype=torch.uint8, device=self.device)
+                with _no_expandable_segments():
+                    buf = torch.empty(self.nbytes, dtype=torch.uint8, device=self.device)
                 self.tensors.append(buf)
                 self._handles.append({"kind": "cuda_ipc", "buffer_id": i, "nbytes": self.nbytes,
                                       "device_uuid": uuid, "args": _cuda_ipc_args(buf)})
@@ -81,6 +83,24 @@ class SenderBuffers:
         if self._shm:
             self._finalizer()
             self._shm = []
+
+
+@contextlib.contextmanager
+def _no_expandable_segments():
+    """Allocate from classic segments even where the user runs PyTorch's expandable segments
+    (PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True). Those are mapped through CUDA's VMM API, which
+    cudaIpcGetMemHandle cannot export; whether torch shares them another way depends on its version and
+    the container. The transfer buffers are allocated once, so classic segments cost nothing here
+    (tests/gpu/test_ipc_alloc.py)."""
+    conf = ",".join(os.environ.get(k, "") for k in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"))
+    on = "expandable_segments:true" in conf.replace(" ", "").lower()
+    if on:
+        torch.cuda.memory._set_allocator_settings("expandable_segments:False")
+    try:
+        yield
+    finally:
+        if on:
+            torch.cuda.memory._set_allocator_settings("expandable_segments:True")
 
 
 def _unlink_all(segs: list[shared_memory.SharedMemory], tensors: list[torch.Tensor]) -> None:

@@ -4,9 +4,14 @@
 #
 #   export PYTHONPATH=/tmp/site:$PWD VLLM_USE_FLASHINFER_SAMPLER=0     # offline bundle (shared/gpu/README.md)
 #   bash tests/gpu/run.sh [TOTAL_SECONDS=540]
+#   STEPS="bench loop" bash tests/gpu/run.sh 580    # a subset (a device call runs at most 10 minutes)
 #
-# Steps: test_colocated.py (1 GPU), test_dpep.py (2 GPUs, skips with fewer), python -m colo.bench.sync
-# (--preset qwen3-30b-a3b-L12 over every GPU, up to 2; BENCH_ARGS replaces the arguments) in what is left.
+# Steps (STEPS, default all, in this order): colocated = test_colocated.py (1 GPU); ipc =
+# test_ipc_alloc.py (CUDA IPC under expandable segments); dpep = test_dpep.py (2 GPUs, skips with
+# fewer); bench = python -m colo.bench.sync --preset qwen3-30b-a3b-L12 over every GPU, up to 2
+# (BENCH_ARGS replaces the arguments; vLLM's own IPC engine is timed in the same run); loop = a few RL
+# steps of the 2-layer Qwen3-30B-A3B shape (random weights) with per-phase times and memory (LOOP_ARGS
+# are added to colo.launch's arguments; metrics in $OUT/loop/metrics.jsonl).
 # Exit status: 0 when every step passed. A step that failed or timed out leaves Ray daemons and vLLM
 # workers behind (holding GPU memory); `ray stop --force` clears them before the next step (this host runs
 # nothing but this script).
@@ -45,14 +50,20 @@ step() {  # step NAME MAX_SECONDS CMD...
 { nvidia-smi -L; "$PY" -c "import torch, vllm, ray; print('torch', torch.__version__, 'vllm', vllm.__version__, 'ray', ray.__version__)"; } 2>&1 | tee "$OUT/host.txt"
 ngpu=$(nvidia-smi -L | wc -l)
 
-step pytest-colocated 240 "$PY" -m pytest tests/gpu/test_colocated.py -x -q -s -p no:cacheprovider
-step pytest-dpep 240 "$PY" -m pytest tests/gpu/test_dpep.py -x -q -s -p no:cacheprovider
+STEPS=${STEPS:-colocated ipc dpep bench loop}
+want() { case " $STEPS " in *" $1 "*) return 0;; *) return 1;; esac; }
+
+want colocated && step pytest-colocated 240 "$PY" -m pytest tests/gpu/test_colocated.py -x -q -s -p no:cacheprovider
+want ipc && step pytest-ipc 90 "$PY" -m pytest tests/gpu/test_ipc_alloc.py -x -q -s -p no:cacheprovider
+want dpep && step pytest-dpep 240 "$PY" -m pytest tests/gpu/test_dpep.py -x -q -s -p no:cacheprovider
 
 ranks=$((ngpu < 2 ? ngpu : 2))
 args=${BENCH_ARGS:---preset qwen3-30b-a3b-L12 --ranks $ranks --reps 4 --device cuda --json}
 # stdout (the JSON line) and stderr apart: the last line of bench.json is the result
 t=$(left)
-if [ "$t" -ge 60 ]; then
+if ! want bench; then
+  :
+elif [ "$t" -ge 60 ]; then
   echo "[run.sh] bench: python -m colo.bench.sync $args (limit ${t}s)"
   t0=$SECONDS
   # vLLM at 0.3: at the default 0.4 the baseline path OOMed on 2xH200 (L12 preset, 2026-11-23): trainer
@@ -66,6 +77,15 @@ if [ "$t" -ge 60 ]; then
   clean_after $rc
 else
   echo "[run.sh] bench: SKIPPED (only ${t}s left)"; status=1
+fi
+if want loop; then
+  # trainer state of 1.9B params (fp32 + Adam, ~30 GB) offloaded while vLLM (0.3) generates
+  COLO_VLLM_GPU_FRACTION=${COLO_VLLM_GPU_FRACTION:-0.3} \
+  step loop 420 "$PY" -m colo.launch placement.device=cuda placement.num_gpus=$ngpu \
+      model.path=auto:qwen3-30b-a3b-L2 model.dummy_weights=true loop.steps=8 loop.eval_every=4 \
+      loop.eval_samples=0 loop.sft_warmup_steps=2 loop.checkpoint_every=0 rollout.max_tokens=32 \
+      rollout.max_model_len=256 rollout.enforce_eager=true run.dir="$OUT/loop" ${LOOP_ARGS:-}
+  [ -f "$OUT/loop/metrics.jsonl" ] && cp "$OUT/loop/metrics.jsonl" "$OUT/loop-metrics.jsonl"
 fi
 echo "[run.sh] done in $((SECONDS - start))s, status $status"
 exit $status
