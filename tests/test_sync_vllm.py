@@ -37,8 +37,8 @@ class _Engine:
     def begin_sync(self, handles, expect, digest=False):
         return self.llm.collective_rpc("colo_begin_sync", args=(handles, expect, digest))[0]
 
-    def load_bucket(self, buffer_id, pieces):
-        return self.llm.collective_rpc("colo_load_bucket", args=(buffer_id, pieces))[0]
+    def load_bucket(self, buffer_id, pieces, handle=None):
+        return self.llm.collective_rpc("colo_load_bucket", args=(buffer_id, pieces, handle))[0]
 
     def end_sync(self, digest):
         return self.llm.collective_rpc("colo_end_sync", args=(digest,))[0]
@@ -155,8 +155,11 @@ def test_verification_names_bad_param(setup, fault) -> None:
 def test_reference_path_then_direct_again(setup) -> None:
     """load_weights mode (the baseline: full tensors, per-expert names, fresh handles) restores the
     engine after the faulty syncs above; a direct sync afterwards still works on reopened buffers."""
+    shm_before = set(os.listdir("/dev/shm"))
     rep = push_weights(setup["model"], setup["engine"], {"mode": "load_weights", "bucket_mb": 0.25}, {})
     assert rep["verified"], rep
+    assert rep["buckets"] >= 4 and rep["loaded_tensors"] == rep["tensors"]  # 1.45 MB streamed in 0.25 MiB buffers
+    assert set(os.listdir("/dev/shm")) <= shm_before  # every per-bucket segment was unlinked
     _assert_same(ray.get(setup["engine"].greedy.remote()), setup["want"])
     rep = push_weights(setup["model"], setup["engine"], {"bucket_mb": 0.25, "digest": True}, setup["state"])
     assert rep["verified"], rep

@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 import torch
 
 from colo.sync.broadcast import WeightGroup, join_group
-from colo.sync.transport import ReceiverBuffers, device_uuid
+from colo.sync.transport import ReceiverBuffers, close_transient, device_uuid, open_transient
 from colo.sync.verify import Coverage, tensor_digest
 
 
@@ -158,12 +158,23 @@ class ColoWorkerExtension:
         st.touched = set()
         st.pending, st.loaded_reference, st.digest, st.ref_digest = [], False, bool(digest), {}
 
-    @torch.no_grad()
-    def colo_load_bucket(self, buffer_id: int, pieces: list[dict]) -> dict:
+    def colo_load_bucket(self, buffer_id: int, pieces: list[dict], handle: dict | None = None) -> dict:
+        """Load one bucket from buffer `buffer_id` of colo_begin_sync's handles, or, given `handle`, from
+        that buffer opened for this bucket only (the straightforward baseline's fresh buffer per bucket)."""
         st = self._colo_get_state()
         assert st.coverage is not None, "colo_load_bucket before colo_begin_sync"
-        buf = st.buffers.get(buffer_id)  # (nbytes,) uint8
-        if st.buffers.kinds.get(int(buffer_id)) == "broadcast":
+        if handle is None:
+            return self._colo_load_pieces(st, st.buffers.get(buffer_id), pieces, st.buffers.kinds.get(int(buffer_id)))
+        buf, seg = open_transient(handle, torch.device(self.device))  # type: ignore[attr-defined]
+        try:
+            return self._colo_load_pieces(st, buf, pieces, handle["kind"])
+        finally:
+            del buf  # the last view: the mapping can close
+            close_transient(seg)
+
+    @torch.no_grad()
+    def _colo_load_pieces(self, st: _ColoState, buf: torch.Tensor, pieces: list[dict], kind: str | None) -> dict:
+        if kind == "broadcast":
             if st.group is None:
                 raise RuntimeError("a broadcast sync before colo_join_weight_group")
             st.group.broadcast(buf[: _bucket_bytes(pieces)])  # from trainer rank 0, in bucket order

@@ -2,8 +2,9 @@
 
 Per sync: `full_tensor()` of every parameter (one all-gather per tensor, experts included), experts
 un-fused into per-expert checkpoint names, a fresh shared buffer + handle per bucket (opened anew by
-the receiver), buckets loaded one after another, and vLLM's own weight loading for every tensor
-(`reload_weights` / `load_weights`, which re-runs vLLM's post-load processing).
+the receiver and let go after it), buckets packed and loaded one after another as the parameters are
+gathered, and vLLM's own weight loading for every tensor (`reload_weights` / `load_weights`, which
+re-runs vLLM's post-load processing).
 
 Also the `sync.mode: load_weights` reference mode of colo.sync.sender (colocated), and the disaggregated
 yardstick `broadcast_weights_baseline`: one broadcast and one load_weights per tensor.
@@ -24,6 +25,9 @@ from colo.sync.transport import SenderBuffers, align_up
 
 
 def push_weights_baseline(model: nn.Module, engine: Any, sync_cfg: Any, raise_on_error: bool = True) -> dict:
+    """Streams: memory stays at one bucket plus one parameter's full tensor (holding every gathered tensor
+    and every bucket at once needed 2x the bf16 model on the trainer's GPU, beyond an H200 at full size)."""
+    from colo.sync.mapping import reference_segments
     from colo.sync.sender import SyncError, architecture, cfg_get
 
     t_start = time.perf_counter()
@@ -31,68 +35,65 @@ def push_weights_baseline(model: nn.Module, engine: Any, sync_cfg: Any, raise_on
     arch = arch_for(architecture(model))
     dtype = torch_dtype(cfg_get(sync_cfg, "dtype", "bfloat16"))
     timings = {"gather": 0.0, "pack": 0.0, "load": 0.0}
+    params = list(model.named_parameters())
+    device = params[0][1].device
+    expect = {ckpt: int(torch.Size(shape).numel()) for name, p in params
+              for ckpt, _, shape in reference_segments(arch, name, tuple(p.shape))}
+    loaded = {"tensors": 0, "buckets": 0}
 
-    # gather: one full_tensor() per parameter, then per-expert un-fusing
-    t = time.perf_counter()
-    weights: list[tuple[str, torch.Tensor]] = []
-    for name, p in model.named_parameters():
-        full = p.full_tensor() if isinstance(p, DTensor) else p.data
-        weights.extend(reference_weights(arch, name, full.to(dtype)))
-    timings["gather"] = time.perf_counter() - t
-
-    # buckets of whole tensors (reference pieces never split)
-    buckets: list[list[tuple[str, torch.Tensor]]] = [[]]
-    used = 0
-    for name, w in weights:
-        size = w.numel() * w.element_size()
-        if size > bucket_bytes:
-            raise SyncError(f"{name}: {size} bytes does not fit a {bucket_bytes}-byte bucket in load_weights mode")
-        if buckets[-1] and align_up(used) + size > bucket_bytes:
-            buckets.append([])
-            used = 0
-        buckets[-1].append((name, w))
-        used = align_up(used) + size
-
-    device = next(model.parameters()).device
-    bufs = []
-    tables = []
-    t = time.perf_counter()
-    for bucket in buckets:  # a fresh buffer and handle per bucket
-        total = 0
-        table = []
+    def flush(bucket: list[tuple[str, torch.Tensor]]) -> None:
+        """A fresh buffer and handle for this bucket alone; the engine opens it, loads it, lets it go."""
+        t = time.perf_counter()
+        table, total = [], 0
         for name, w in bucket:
             off = align_up(total)
             total = off + w.numel() * w.element_size()
             table.append({"name": name, "shape": list(w.shape), "dtype": dtype_name(w.dtype), "buf_offset": off})
         sb = SenderBuffers(align_up(max(total, 1)), 1, device)
-        for (name, w), piece in zip(bucket, table):
-            n = w.numel() * w.element_size()
-            sb.tensors[0][piece["buf_offset"]: piece["buf_offset"] + n].view(w.dtype).copy_(w.reshape(-1))
-        bufs.append(sb)
-        tables.append(table)
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    timings["pack"] = time.perf_counter() - t
-
-    handles = []
-    for k, sb in enumerate(bufs):
-        h = sb.handles()[0]
-        h["buffer_id"] = k
-        handles.append(h)
-    expect = {name: w.numel() for name, w in weights}
-    t = time.perf_counter()
-    try:
-        ray.get(engine.begin_sync.remote(handles, expect))
-        loaded = [ray.get(engine.load_bucket.remote(k, table)) for k, table in enumerate(tables)]
-        res = ray.get(engine.end_sync.remote(False))  # vLLM's weight loading runs here
-    finally:
-        for sb in bufs:
+        try:
+            for (_, w), piece in zip(bucket, table):
+                n = w.numel() * w.element_size()
+                sb.tensors[0][piece["buf_offset"]: piece["buf_offset"] + n].view(w.dtype).copy_(w.reshape(-1))
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            timings["pack"] += time.perf_counter() - t
+            t = time.perf_counter()
+            res = ray.get(engine.load_bucket.remote(0, table, sb.handles()[0]))
+            timings["load"] += time.perf_counter() - t
+        finally:
             sb.close()
-    timings["load"] = time.perf_counter() - t
+        loaded["tensors"] += res["tensors"]
+        loaded["buckets"] += 1
+
+    t = time.perf_counter()
+    ray.get(engine.begin_sync.remote([], expect))
+    timings["load"] += time.perf_counter() - t
+    bucket: list[tuple[str, torch.Tensor]] = []
+    used = 0
+    for name, p in params:
+        t = time.perf_counter()
+        full = p.full_tensor() if isinstance(p, DTensor) else p.data  # one all-gather per parameter
+        pieces = reference_weights(arch, name, full.to(dtype))  # experts un-fused, one tensor each
+        timings["gather"] += time.perf_counter() - t
+        for ckpt, w in pieces:
+            size = w.numel() * w.element_size()
+            if size > bucket_bytes:
+                raise SyncError(f"{ckpt}: {size} bytes does not fit a {bucket_bytes}-byte bucket in load_weights "
+                                "mode; fix: a larger sync.bucket_mb")
+            if bucket and align_up(used) + size > bucket_bytes:
+                flush(bucket)
+                bucket, used = [], 0
+            bucket.append((ckpt, w))
+            used = align_up(used) + size
+    if bucket:
+        flush(bucket)
+    t = time.perf_counter()
+    res = ray.get(engine.end_sync.remote(False))  # CPU: vLLM's weight loading runs here
+    timings["load"] += time.perf_counter() - t
     errors = list(res.get("errors", []))
     report = {"seconds": time.perf_counter() - t_start, "gather_s": timings["gather"], "pack_s": timings["pack"],
               "load_s": timings["load"], "verify_s": 0.0, "tensors": res["tensors"], "bytes": res["bytes"],
-              "loaded_tensors": sum(r["tensors"] for r in loaded), "buckets": len(buckets),
+              "loaded_tensors": loaded["tensors"], "buckets": loaded["buckets"],
               "verified": not errors, "errors": errors}
     if errors and raise_on_error:
         raise SyncError("baseline sync verification failed:\n  " + "\n  ".join(errors[:50]))

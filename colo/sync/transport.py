@@ -171,6 +171,21 @@ def _open(handle: dict, device: torch.device) -> tuple[torch.Tensor, mmap.mmap |
 _KEEP_ALIVE: list[mmap.mmap] = []  # mappings that could not be closed (a view survived)
 
 
+def open_transient(handle: dict, device: torch.device | str) -> tuple[torch.Tensor, mmap.mmap | None]:
+    """Open a buffer for one bucket only (the straightforward baseline's fresh buffer per bucket), not
+    cached. The caller drops every view of the tensor, then passes the mapping to close_transient."""
+    return _open(handle, torch.device(device))
+
+
+def close_transient(seg: mmap.mmap | None) -> None:
+    if seg is None:
+        return
+    try:
+        seg.close()
+    except BufferError:  # a view survived: keep the mapping rather than crash
+        _KEEP_ALIVE.append(seg)
+
+
 def _handle_key(handle: dict) -> tuple:
     kind = handle["kind"]
     ident = (handle.get("name") if kind == "shm" else int(handle["nbytes"]) if kind == "broadcast"
