@@ -19,15 +19,25 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from colo.sync.mapping import arch_for, reference_weights
+from colo.sync.mapping import arch_for, reference_segments, reference_weights
 from colo.sync.plan import dtype_name, torch_dtype
 from colo.sync.transport import SenderBuffers, align_up
+
+
+def full_tensor(p: torch.Tensor) -> torch.Tensor:
+    """The whole parameter on every rank: one all-gather for an FSDP2 DTensor, the tensor itself otherwise."""
+    return p.full_tensor() if isinstance(p, DTensor) else p.data
+
+
+def reference_expect(arch: Any, params: list[tuple[str, torch.Tensor]]) -> dict[str, int]:
+    """Elements per checkpoint-named tensor (experts un-fused) the engine must receive: its coverage target."""
+    return {ckpt: int(torch.Size(shape).numel()) for name, p in params
+            for ckpt, _, shape in reference_segments(arch, name, tuple(p.shape))}
 
 
 def push_weights_baseline(model: nn.Module, engine: Any, sync_cfg: Any, raise_on_error: bool = True) -> dict:
     """Streams: memory stays at one bucket plus one parameter's full tensor (holding every gathered tensor
     and every bucket at once needed 2x the bf16 model on the trainer's GPU, beyond an H200 at full size)."""
-    from colo.sync.mapping import reference_segments
     from colo.sync.sender import SyncError, architecture, cfg_get
 
     t_start = time.perf_counter()
@@ -37,8 +47,7 @@ def push_weights_baseline(model: nn.Module, engine: Any, sync_cfg: Any, raise_on
     timings = {"gather": 0.0, "pack": 0.0, "load": 0.0}
     params = list(model.named_parameters())
     device = params[0][1].device
-    expect = {ckpt: int(torch.Size(shape).numel()) for name, p in params
-              for ckpt, _, shape in reference_segments(arch, name, tuple(p.shape))}
+    expect = reference_expect(arch, params)
     loaded = {"tensors": 0, "buckets": 0}
 
     def flush(bucket: list[tuple[str, torch.Tensor]]) -> None:
@@ -72,7 +81,7 @@ def push_weights_baseline(model: nn.Module, engine: Any, sync_cfg: Any, raise_on
     used = 0
     for name, p in params:
         t = time.perf_counter()
-        full = p.full_tensor() if isinstance(p, DTensor) else p.data  # one all-gather per parameter
+        full = full_tensor(p)  # one all-gather per parameter
         pieces = reference_weights(arch, name, full.to(dtype))  # experts un-fused, one tensor each
         timings["gather"] += time.perf_counter() - t
         for ckpt, w in pieces:
@@ -105,7 +114,6 @@ def broadcast_weights_baseline(model: nn.Module, engines: list, group: Any, sync
     """The disaggregated yardstick, as vLLM's RLHF examples do it: per parameter, `full_tensor()` on every
     rank; rank 0 then sends each (per-expert un-fused) tensor in a broadcast of its own and waits until
     every engine has loaded it with vLLM's load_weights. `group` is None on ranks > 0 (gather only)."""
-    from colo.sync.mapping import reference_segments
     from colo.sync.sender import SyncError, architecture, cfg_get
 
     t_start = time.perf_counter()
@@ -114,14 +122,13 @@ def broadcast_weights_baseline(model: nn.Module, engines: list, group: Any, sync
     timings = {"gather": 0.0, "pack": 0.0, "load": 0.0}
     params = list(model.named_parameters())
     if group is not None:  # every engine's receive buffer holds the largest single tensor
-        expect = {ckpt: int(torch.Size(shape).numel()) for name, p in params
-                  for ckpt, _, shape in reference_segments(arch, name, tuple(p.shape))}
+        expect = reference_expect(arch, params)
         handle = {"kind": "broadcast", "buffer_id": 0, "nbytes": align_up(max(expect.values()) * dtype.itemsize)}
         ray.get([e.begin_sync.remote([handle], expect) for e in engines])
     sent = 0
     for name, p in params:
         t = time.perf_counter()
-        full = p.full_tensor() if isinstance(p, DTensor) else p.data  # one all-gather per parameter
+        full = full_tensor(p)  # one all-gather per parameter
         timings["gather"] += time.perf_counter() - t
         if group is None:
             continue
@@ -170,7 +177,7 @@ def push_weights_vllm_ipc(model: nn.Module, engines: list, sync_cfg: Any) -> dic
 
     def weights():
         for name, p in model.named_parameters():
-            full = p.full_tensor() if isinstance(p, DTensor) else p.data
+            full = full_tensor(p)
             for ckpt, w in reference_weights(arch, name, full.to(dtype)):
                 sent["tensors"] += 1
                 sent["bytes"] += w.numel() * w.element_size()
