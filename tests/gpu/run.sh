@@ -55,7 +55,7 @@ ngpu=$(nvidia-smi -L | wc -l)
 STEPS=${STEPS:-colocated ipc dpep bench loop}
 want() { case " $STEPS " in *" $1 "*) return 0;; *) return 1;; esac; }
 
-want colocated && step pytest-colocated 240 "$PY" -m pytest tests/gpu/test_colocated.py -x -q -s -p no:cacheprovider
+want colocated && step pytest-colocated 420 "$PY" -m pytest tests/gpu/test_colocated.py -x -q -s -p no:cacheprovider
 want ipc && step pytest-ipc 90 "$PY" -m pytest tests/gpu/test_ipc_alloc.py -x -q -s -p no:cacheprovider
 want dpep && step pytest-dpep 240 "$PY" -m pytest tests/gpu/test_dpep.py -x -q -s -p no:cacheprovider
 
