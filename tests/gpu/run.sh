@@ -12,7 +12,9 @@
 # else qwen3-30b-a3b-L12 on up to 2 (BENCH_ARGS replaces the arguments; vLLM's own IPC engine is timed
 # in the same run); loop = a few RL steps of the 2-layer Qwen3-30B-A3B shape (random weights) on every
 # GPU, with per-phase times and memory (LOOP_ARGS are added to colo.launch's arguments; the run dir is
-# $RUN_ROOT/colo-loop, default /tmp, outside $OUT; its metrics.jsonl is copied to $OUT/loop-metrics.jsonl).
+# $RUN_ROOT/colo-loop, default /tmp, outside $OUT; its metrics.jsonl is copied to $OUT/loop-metrics.jsonl);
+# rollout = colo.bench.rollout, the colocated engine's output tokens/s against a standalone one (only when
+# named in STEPS: it takes ~8 minutes on an H100).
 # Everything this script leaves in $OUT is at most 8 files, one level deep: what a device call brings back.
 # Exit status: 0 when every step passed. A step that failed or timed out leaves Ray daemons and vLLM
 # workers behind (holding GPU memory); `ray stop --force` clears them before the next step (this host runs
@@ -52,7 +54,7 @@ step() {  # step NAME MAX_SECONDS CMD...
 { nvidia-smi -L; "$PY" -c "import torch, vllm, ray; print('torch', torch.__version__, 'vllm', vllm.__version__, 'ray', ray.__version__)"; } 2>&1 | tee "$OUT/host.txt"
 ngpu=$(nvidia-smi -L | wc -l)
 
-STEPS=${STEPS:-colocated ipc dpep bench loop}
+STEPS=${STEPS:-colocated ipc dpep bench loop}  # and: rollout
 want() { case " $STEPS " in *" $1 "*) return 0;; *) return 1;; esac; }
 
 want colocated && step pytest-colocated 420 "$PY" -m pytest tests/gpu/test_colocated.py -x -q -s -p no:cacheprovider
@@ -90,6 +92,10 @@ if want loop; then
       loop.eval_samples=0 loop.sft_warmup_steps=2 loop.checkpoint_every=0 rollout.max_tokens=32 \
       rollout.max_model_len=256 rollout.enforce_eager=true run.dir="$loop_dir" ${LOOP_ARGS:-}
   [ -f "$loop_dir/metrics.jsonl" ] && cp "$loop_dir/metrics.jsonl" "$OUT/loop-metrics.jsonl"
+fi
+if want rollout; then  # colocated engine's output tokens/s against the same engine alone on the GPU
+  step rollout 560 "$PY" -m colo.bench.rollout --preset qwen3-30b-a3b-L12 --ranks 1 --device cuda --prompts 128 \
+      --n 8 --prompt-len 128 --max-tokens 256 --reps 2 ${ROLLOUT_ARGS:-}
 fi
 echo "[run.sh] done in $((SECONDS - start))s, status $status"
 exit $status
