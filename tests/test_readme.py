@@ -176,11 +176,9 @@ def cpu_runs(tmp_path_factory: pytest.TempPathFactory, default_job) -> list[Ran]
         elif _setting(cmd, "placement.mode") not in chunked_modes:
             chunked_modes.add(_setting(cmd, "placement.mode"))
             extra += CHUNKED  # the first short job of each placement mode takes a batch that forces chunking
-        before = set(runs.glob("*")) if runs.exists() else set()
         r = run_cli(*cmd.args, *extra, f"run.dir={runs}/{{time}}", env=clean_env(**env), cwd=ROOT, timeout=600)
-        new = sorted(set(runs.glob("*")) - before)
         line = next((ln for ln in r.stdout.splitlines() if ln.startswith("colo: run dir ")), "")
-        run_dir = Path(line.removeprefix("colo: run dir ")) if line else (new[-1] if new else runs)
+        run_dir = Path(line.removeprefix("colo: run dir ")) if line else runs  # none: failed early (exit code)
         out.append(Ran(cmd, extra, r, run_dir, read_metrics(run_dir / "metrics.jsonl")))
     return out
 
