@@ -1,6 +1,6 @@
 """The RL loop end to end through the real CLI (`python -m colo.launch`), as a user runs it.
 
-    pytest -q tests/test_loop.py            # ~5 min on 2 cores: one default job, one resume, 4 failures
+    pytest -q tests/test_loop.py            # ~6 min on 2 cores: one default job, one resume, 5 failures
 
 - learning: the default job (configs/tiny-cpu.yaml: 70 warm-up SFT steps + 140 GRPO steps on two
   trainer/engine pairs) raises the held-out eval reward, verifies every weight sync, keeps the
@@ -8,8 +8,9 @@
   export that transformers loads and that scores like the run's last eval).
 - resume: a copy of that run cut back to its step-19 checkpoint, resumed with --resume, reproduces the
   uninterrupted run's steps 20-24 (measured: bit-identical on CPU).
-- failures: a raising reward function, an engine or a trainer killed mid-run, a dataset row without its
-  answer: each exits non-zero within a bounded time, names the culprit, and keeps what it can.
+- failures: a raising reward function, an engine or a trainer killed mid-run, an engine that raises
+  mid-rollout, a dataset row without its answer: each exits non-zero within a bounded time, names the
+  culprit in one `colo: error:` line (traceback in <run.dir>/error.log), and keeps what it can.
 The failure runs use a small job (2 warm-up steps, 4 prompts x 4 samples): start-up dominates (~30 s).
 """
 from __future__ import annotations

@@ -1,6 +1,7 @@
 """Every command in README.md's ```bash blocks, run as the README shows it, so none can break unnoticed.
 
-    pytest -q tests/test_readme.py           (~4 min on 2 cores: the default job, four short CPU jobs, dry runs)
+    pytest -q tests/test_readme.py      (the default job, shared with test_loop.py, four short CPU jobs, dry
+                                         runs; the short jobs took 735 s on 2 cores under a load of ~20)
 
 The test reads the README itself and sorts each command into one of:
 - CPU run: `python -m colo.launch ...` whose config runs on CPU, run to the end, shortened (SHORT: 2 warm-up
