@@ -82,7 +82,8 @@ def _classify(words: list[str]) -> Command:
         cmd.env[name] = value
     if words[:1] and words[0] in LAUNCH and words[1:3] == ["-m", "colo.launch"]:
         cmd.args = words[3:]
-        cmd.kind = "gpu" if _setting(cmd, "placement.device") == "cuda" else "dry-run" if "--dry-run" in cmd.args else "cpu-run"
+        gpu = _setting(cmd, "placement.device") == "cuda"
+        cmd.kind = "gpu" if gpu else "dry-run" if "--dry-run" in cmd.args else "cpu-run"
     return cmd
 
 

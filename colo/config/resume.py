@@ -2,7 +2,8 @@
 
     resumed = load_resumed(cfg.run.dir, overrides, env)   # cfg: what --config + env + overrides gave
     resolved = resolve(resumed.cfg)
-    print(resumed.describe(resolved))    # colo: resume: <run>/config.yaml; trainer.lr 0.001 -> 0.0004 (environment COLO_TRAINER__LR)
+    print(resumed.describe(resolved))
+    # colo: resume: <run>/config.yaml; trainer.lr 0.001 -> 0.0004 (environment COLO_TRAINER__LR)
     save_resolved(resolved, run_dir, next_resume_config(run_dir).name)
 
 Layers on resume: the run's newest saved config (config.yaml, or config.resume-<n>.yaml of its latest
