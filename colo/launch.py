@@ -5,6 +5,7 @@
     python -m colo.launch --config configs/qwen3-30b-a3b-4gpu.yaml trainer.lr=1e-6 loop.steps=50
     COLO_TRAIN_GPU_FRACTION=0.3 COLO_VLLM_GPU_FRACTION=0.6 python -m colo.launch --config ...
     python -m colo.launch --resume                              # continue the newest run of the config
+                                                                # (its saved config; env + overrides on top)
 
 Arguments are parsed and the config is checked before torch, Ray or vLLM is imported, so `--help`
 and config mistakes answer in well under a second. A config mistake prints one line and exits 2,
@@ -34,11 +35,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--dry-run", action="store_true",
                     help="print the resolved config and the per-GPU placement plan, start nothing")
     ap.add_argument("--resume", action="store_true",
-                    help="continue from the newest checkpoint in run.dir (same as run.resume=true)")
+                    help="continue the run in run.dir (its newest match) from its newest checkpoint, with "
+                         "its saved config; env vars and key=value apply on top (same as run.resume=true)")
     ap.add_argument("--debug", action="store_true", help="show tracebacks for config errors")
     ap.add_argument("overrides", nargs="*", metavar="key=value",
                     help="dotted overrides, e.g. trainer.lr=1e-6 placement.num_gpus=4")
-    return ap.parse_args(argv)
+    return ap.parse_intermixed_args(argv)  # key=value may follow --dry-run / --resume, as users write it
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -60,7 +62,13 @@ def _run(args: argparse.Namespace) -> int:
     path = args.config or (str(DEFAULT_CONFIG) if DEFAULT_CONFIG.is_file() else None)
     overrides = list(args.overrides) + (["run.resume=true"] if args.resume else [])
     cfg = config.load_config(path, overrides)
-    config.validate(cfg)
+    resumed = None
+    if cfg.run.resume:  # the run's own saved config, this command's env and overrides on top
+        from colo.config.resume import load_resumed
+
+        resumed = load_resumed(cfg.run.dir, overrides)
+        cfg, path = resumed.cfg, str(resumed.base)
+    config.validate(cfg, check_gpus=not args.dry_run)
     if args.dry_run:
         from colo.placement import plan_placement
 
@@ -68,9 +76,15 @@ def _run(args: argparse.Namespace) -> int:
         print(f"# resolved config ({path or 'built-in defaults'} + env + overrides)")
         print(config.to_yaml(resolved), end="")
         print(f"\n{plan_placement(resolved).table()}")
-        print("\n(dry run: nothing was written or started)")
+        if resumed:
+            print(f"\n{resumed.describe(resolved)}")
+        note = config.gpu_count_note(cfg)
+        print(f"\n{note}\n(dry run: nothing was written or started)" if note else
+              "\n(dry run: nothing was written or started)")
         return 0
     cfg = prepare_run(cfg)
+    if resumed:
+        print(resumed.describe(cfg), flush=True)
     print(f"colo: run dir {cfg.run.dir}", flush=True)
     from colo import loop  # heavy: torch, Ray, vLLM
 
@@ -79,11 +93,12 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def prepare_run(cfg: ColoConfig) -> ColoConfig:
-    """Resolve the config, create run.dir, generate auto: model/data into it, save config.yaml.
+    """Resolve the config, create run.dir, generate auto: model/data into it, save the config: config.yaml
+    at the start of a run, config.resume-<n>.yaml at its n-th resume (config.yaml is never rewritten).
 
     Returns the resolved config (concrete device, absolute paths) that the loop and actors get;
-    `--config <run.dir>/config.yaml --resume` reproduces it. Generation is idempotent, so a resumed
-    run reuses the model and data it started with."""
+    `--resume run.dir=<run.dir>` continues from it. Generation is idempotent, so a resumed run reuses the
+    model and data it started with."""
     from colo import config
 
     resolved = config.resolve(cfg)  # may download a Hub model: still before anything is written
@@ -99,7 +114,12 @@ def prepare_run(cfg: ColoConfig) -> ColoConfig:
             from colo.algo.tasks import make_task
 
             make_task(value[len(config.AUTO):], run_dir / "data", seed=cfg.run.seed)
-    config.save_resolved(resolved, run_dir)
+    if cfg.run.resume:
+        from colo.config.resume import next_resume_config
+
+        config.save_resolved(resolved, run_dir, next_resume_config(run_dir).name)
+    else:
+        config.save_resolved(resolved, run_dir)
     return resolved
 
 

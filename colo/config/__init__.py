@@ -218,7 +218,9 @@ class RunConfig:
     seed: int = 0
     """Seed for data order, sampling and the generated model/data."""
     resume: bool = False
-    """Continue from the newest checkpoint in run.dir (also: --resume)."""
+    """Continue the run in run.dir from its newest checkpoint (also: --resume), with the run's newest
+    saved config; COLO_* variables and key=value overrides apply on top, and each setting that differs
+    from the saved run is listed in one line."""
 
 
 @dataclass
@@ -298,9 +300,10 @@ def to_yaml(cfg: ColoConfig) -> str:  # noqa: D103
     return OmegaConf.to_yaml(OmegaConf.structured(cfg))
 
 
-def save_resolved(cfg: ColoConfig, run_dir: str | os.PathLike) -> Path:
-    """Write <run_dir>/config.yaml; `--config` on that file reproduces the run."""
-    path = Path(run_dir) / "config.yaml"
+def save_resolved(cfg: ColoConfig, run_dir: str | os.PathLike, name: str = "config.yaml") -> Path:
+    """Write <run_dir>/<name>; `--config` on that file reproduces the run (colo.config.resume names the
+    files of resumes)."""
+    path = Path(run_dir) / name
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(to_yaml(cfg))
     return path
@@ -424,5 +427,5 @@ def _resolve_run_dir(pattern: str, resume: bool) -> str:
 
 # The checks live in colo/config/checks.py (this file would pass 600 lines with them); re-exported here
 # because callers treat them as part of the config API. Imported last: checks.py imports from here.
-from colo.config.checks import (expert_parallel_size, hub_download, model_config_json,  # noqa: E402,F401
-                                resolve_device, validate)
+from colo.config.checks import (expert_parallel_size, gpu_count_note, hub_download,  # noqa: E402,F401
+                                model_config_json, resolve_device, validate)

@@ -17,9 +17,10 @@ from colo.config import (AUTO, CHOICES, DATA_SUFFIXES, ColoConfig, ConfigError, 
                          _resolve_run_dir)
 
 
-def validate(cfg: ColoConfig, *, check_resources: bool = True) -> None:
+def validate(cfg: ColoConfig, *, check_resources: bool = True, check_gpus: bool = True) -> None:
     """Raise ConfigError on the first problem. check_resources=False checks values only (no files,
-    no Hub, no GPU count), e.g. for a config meant for another machine."""
+    no Hub, no GPU count), e.g. for a config meant for another machine; check_gpus=False skips only the
+    CUDA GPU count (`--dry-run` plans a GPU job on any machine and says so with gpu_count_note)."""
     _check_values(cfg)
     if not check_resources:
         return
@@ -38,7 +39,8 @@ def validate(cfg: ColoConfig, *, check_resources: bool = True) -> None:
     for key in ("data.path", "data.eval_path"):
         _check_data(cfg, key)
     _check_rewards(cfg)
-    _check_gpus(cfg, device)
+    if check_gpus or device == "cpu":
+        _check_gpus(cfg, device)
     _resolve_run_dir(cfg.run.dir, cfg.run.resume)  # raises on a taken or missing run dir
 
 
@@ -273,6 +275,19 @@ def _check_rewards(cfg: ColoConfig) -> None:
         except ValueError as e:
             raise ConfigError(f"algo.rewards: {e}; fix: algo.rewards=[exact_match] or a "
                               "module:function importable from here") from e
+
+
+def gpu_count_note(cfg: ColoConfig) -> str | None:
+    """For --dry-run: one line when the CUDA GPUs the job asks for are not all on this machine (a run
+    refuses that; a dry run plans the job anyway, e.g. on a laptop); None when they are, or on CPU."""
+    try:
+        _check_gpus(cfg, resolve_device(cfg))
+    except ConfigError:
+        import torch
+
+        return (f"colo: note: the GPU count was not checked: placement.num_gpus={cfg.placement.num_gpus} but "
+                f"this machine has {torch.cuda.device_count()} CUDA GPU(s); a run here would refuse it")
+    return None
 
 
 def _check_gpus(cfg: ColoConfig, device: str) -> None:
