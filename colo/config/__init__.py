@@ -41,7 +41,9 @@ CHOICES = {  # must match the consumers: colo.algo.loss.LOSS_AGGS, colo.sync, co
     "algo.loss_agg": ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean"),
     "sync.mode": ("direct", "load_weights"),
     "rollout.vllm_weight_transfer": ("none", "ipc"),
+    "run.wandb_mode": ("auto", "online", "offline"),
 }
+LOGGERS = ("jsonl", "tensorboard", "wandb")
 DATA_SUFFIXES = (".jsonl", ".json", ".ndjson", ".parquet")  # .json is JSON lines (colo.algo.data)
 
 
@@ -219,6 +221,14 @@ class RunConfig:
     """Seed for data order, sampling and the generated model/data."""
     resume: bool = False
     """Continue from the newest checkpoint in run.dir (also: --resume)."""
+    loggers: list[str] = field(default_factory=lambda: ["jsonl", "tensorboard"])
+    """Where each step's scalars go: jsonl (metrics.jsonl, always on: resume, plot and summary read it),
+    tensorboard (<run.dir>/tb), wandb (Weights & Biases, with the resolved config; run.wandb_mode)."""
+    wandb_project: str = "colo"
+    """W&B project of the run (run name: the run dir's name; a resumed run continues the same W&B run)."""
+    wandb_mode: str = "auto"
+    """W&B mode: online, offline (files under <run.dir>/wandb, upload later with `wandb sync`), or auto:
+    online when WANDB_API_KEY is set, else offline."""
 
 
 @dataclass
@@ -382,6 +392,8 @@ def resolve(cfg: ColoConfig, *, download: bool = True) -> ColoConfig:
     <run.dir>/data/<task>_{train,eval}.jsonl); Hub ids become the local snapshot when download."""
     out = from_dict(to_dict(cfg))
     out.placement.device = resolve_device(cfg)
+    if cfg.run.wandb_mode == "auto":  # W&B reads the key itself; colo only decides whether to go online
+        out.run.wandb_mode = "online" if os.environ.get("WANDB_API_KEY") else "offline"
     run_dir = Path(_resolve_run_dir(cfg.run.dir, cfg.run.resume)).resolve()  # actors may chdir
     out.run.dir = str(run_dir)
     if cfg.model.path.startswith(AUTO):

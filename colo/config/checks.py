@@ -13,8 +13,8 @@ import re
 from pathlib import Path
 from typing import Any
 
-from colo.config import (AUTO, CHOICES, DATA_SUFFIXES, ColoConfig, ConfigError, _default, _did_you_mean,
-                         _resolve_run_dir)
+from colo.config import (AUTO, CHOICES, DATA_SUFFIXES, LOGGERS, ColoConfig, ConfigError, _default,
+                         _did_you_mean, _resolve_run_dir)
 
 
 def validate(cfg: ColoConfig, *, check_resources: bool = True) -> None:
@@ -73,6 +73,7 @@ def _check_values(cfg: ColoConfig) -> None:
         if get(key) < low:
             raise ConfigError(f"{key}={get(key)} must be >= {low}; fix: e.g. {key}={_default(key)}")
     _check_placement_mode(cfg)
+    _check_loggers(cfg.run.loggers)
     if p.device in ("cpu", "cuda"):  # "auto" is checked once validate() has resolved it
         _check_tensor_parallel_device(cfg, p.device)
         _check_vllm_weight_transfer(cfg, p.device)
@@ -97,6 +98,22 @@ def _check_values(cfg: ColoConfig) -> None:
         if preset not in WITH_WEIGHTS and not cfg.model.dummy_weights:
             raise ConfigError(f"model.path={cfg.model.path} has a config but no weights; "
                               "fix: model.dummy_weights=true (random weights)")
+
+
+def _check_loggers(loggers: list[str]) -> None:
+    unknown = [x for x in loggers if x not in LOGGERS]
+    if unknown:
+        raise ConfigError(f"run.loggers: unknown logger {unknown[0]!r}{_did_you_mean(unknown[0], list(LOGGERS))}; "
+                          f"fix: a list of {list(LOGGERS)}, e.g. run.loggers=[jsonl,tensorboard,wandb]")
+    if "jsonl" not in loggers:
+        raise ConfigError("run.loggers leaves out jsonl, but metrics.jsonl is the run's record (resume, the plot "
+                          f"and the end-of-run summary read it); fix: run.loggers=[jsonl,{','.join(loggers)}]")
+    if "wandb" in loggers:
+        import importlib.util
+
+        if importlib.util.find_spec("wandb") is None:
+            raise ConfigError("run.loggers has wandb but the wandb package is not installed; fix: "
+                              "pip install wandb, or drop wandb from run.loggers")
 
 
 def _check_placement_mode(cfg: ColoConfig) -> None:
