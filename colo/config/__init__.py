@@ -44,7 +44,6 @@ CHOICES = {  # must match the consumers: colo.algo.loss.LOSS_AGGS, colo.sync, co
     "run.wandb_mode": ("auto", "online", "offline"),
 }
 LOGGERS = ("jsonl", "tensorboard", "wandb")
-DATA_SUFFIXES = (".jsonl", ".json", ".ndjson", ".parquet")  # .json is JSON lines (colo.algo.data)
 
 
 class ConfigError(Exception):
@@ -178,8 +177,9 @@ class SyncConfig:
 @dataclass
 class DataConfig:
     path: str = "auto:arith"
-    """Training prompts: JSONL/Parquet with prompt and answer fields, or "auto:<task>" (arith |
-    reverse), a synthetic task from colo.algo.tasks written to <run.dir>/data."""
+    """Training prompts with prompt and answer fields: a JSONL/Parquet file, a Hugging Face dataset (a
+    save_to_disk dir[:split], or a Hub id[:config]:split such as openai/gsm8k:main:train), or
+    "auto:<task>" (arith | reverse), a synthetic task from colo.algo.tasks written to <run.dir>/data."""
     eval_path: Optional[str] = None
     """Held-out prompts for eval (same formats as path; auto:<task> = its eval split); null: no eval."""
     prompt_key: str = "prompt"
@@ -189,7 +189,11 @@ class DataConfig:
     prompts_per_step: int = 16
     """Prompts per RL step (each sampled rollout.n times)."""
     chat_template: bool = True
-    """Wrap prompts in the tokenizer's chat template when it has one."""
+    """Wrap prompts in the tokenizer's chat template when it has one (chat models); a tokenizer without
+    one (a base model) gets the raw prompt text."""
+    system_prompt: Optional[str] = None
+    """System message put before every prompt in the chat template (needs a tokenizer with a chat
+    template and data.chat_template: true); null: none."""
     eval_size: int = 64
     """Eval prompts used from eval_path (the first ones, greedy, one sample each)."""
 
@@ -406,8 +410,10 @@ def resolve(cfg: ColoConfig, *, download: bool = True) -> ColoConfig:
         value = getattr(cfg.data, key)
         if value and value.startswith(AUTO):
             setattr(out.data, key, str(run_dir / "data" / f"{value[len(AUTO):]}_{split}.jsonl"))
-        elif value:
-            setattr(out.data, key, str(Path(value).expanduser().resolve()))
+        elif value:  # a file or save_to_disk dir made absolute; a Hub dataset id stays as it is
+            from colo.algo.data import DataSource
+
+            setattr(out.data, key, DataSource.parse(value).resolved())
     return out
 
 
