@@ -136,6 +136,7 @@ MATH_CASES = [
     ("\\boxed{10\\text{ cm}}", "10", 0.0, 1.0, 1.0),                         # units
     ("\\boxed{7}", "8", 0.0, 0.0, 0.0),
     ("blue", "blue", 1.0, 0.0, 1.0),                                         # not math: string equality
+    ("She sold \\boxed{72} clips.", "48/2 = 24 in May, 48+24 = 72 in all.\n#### 72", 0.0, 1.0, 1.0),  # GSM8K
 ]
 
 

@@ -11,7 +11,8 @@ rewards in the driver, possibly in a worker thread (RewardRunner.submit), so the
 processes instead, where they are the main thread and the timeouts hold. The pool is started once
 ("spawn": never fork a process that runs Ray and vLLM threads) and reused for the whole run.
 
-The reference answer is parsed as LaTeX (wrapped in \\boxed{} unless it has its own \\boxed or $...$),
+The reference answer is parsed as LaTeX (wrapped in \\boxed{} unless it has its own \\boxed or $...$; of a
+GSM8K solution, only the part after its final "####"),
 so "\\{1,2\\}", "\\sqrt{8}" or "x^2+1" work as plain dataset answers. A sample also scores 1.0 when colo's
 exact_match does: a non-math answer ("blue") parses as a product of symbols, or not at all, and string
 equality is then the only sensible check.
@@ -36,6 +37,10 @@ def _get_pool() -> ProcessPoolExecutor:
 
 
 def _gold_latex(answer: str) -> str:
+    """The reference as LaTeX math-verify reads. GSM8K-style references (a worked solution ending in
+    "#### 72") contribute what follows the last "####"."""
+    if "####" in answer:
+        answer = answer.rpartition("####")[2].strip().replace(",", "")
     return answer if ("\\boxed" in answer or "$" in answer) else f"\\boxed{{{answer}}}"
 
 
