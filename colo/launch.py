@@ -76,6 +76,7 @@ def _run(args: argparse.Namespace) -> int:
         print(f"# resolved config ({path or 'built-in defaults'} + env + overrides)")
         print(config.to_yaml(resolved), end="")
         print(f"\n{plan_placement(resolved).table()}")
+        print(f"\n{_prompt_preview(cfg)}")  # auto: paths as given: a preset is built in memory
         if resumed:
             print(f"\n{resumed.describe(resolved)}")
         note = config.gpu_count_note(cfg)
@@ -123,9 +124,22 @@ def prepare_run(cfg: ColoConfig) -> ColoConfig:
     return resolved
 
 
+def _prompt_preview(cfg: ColoConfig) -> str:
+    from colo import config
+    from colo.inputs import preview_prompt
+
+    try:
+        return preview_prompt(cfg)
+    except config.ConfigError:
+        raise
+    except (OSError, ValueError) as e:  # a Hub model or dataset not on this machine: the plan still stands
+        return f"# first prompt: not shown ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
+
+
 def check_user_data(cfg: ColoConfig, resolved: ColoConfig) -> None:
-    """Read every row of the user's data files before the run dir exists: validate() only looks at the
-    first row, and a bad row found after config.yaml is written would force --resume on the rerun."""
+    """Read every row of the user's data files (or datasets) before the run dir exists: validate() only looks
+    at the first row, and a bad row found after config.yaml is written would force --resume on the rerun.
+    A system prompt needs a chat template: checked here too, with the checkpoint's tokenizer."""
     from colo import config
     from colo.algo.data import read_rows
 
@@ -136,6 +150,12 @@ def check_user_data(cfg: ColoConfig, resolved: ColoConfig) -> None:
                 read_rows(getattr(resolved.data, key), [cfg.data.prompt_key, cfg.data.answer_key])
             except (OSError, ValueError) as e:  # read_rows names the file, the row and the field
                 raise config.ConfigError(f"data: {e}") from e
+    if cfg.data.system_prompt and not cfg.model.path.startswith(config.AUTO):  # presets have a template
+        from transformers import AutoTokenizer
+
+        from colo.inputs import uses_chat_template
+
+        uses_chat_template(cfg, AutoTokenizer.from_pretrained(resolved.model.path))
 
 
 if __name__ == "__main__":

@@ -45,8 +45,8 @@ from colo.algo.advantages import grpo_advantages
 from colo.algo.batch import build_batch, shard_batch
 from colo.algo.rewards import RewardError, RewardRunner
 from colo.cluster import ActorDied, ActorError, Cluster, gather, on_engines, on_trainers, start_cluster
-from colo.config import ColoConfig
-from colo.metrics import MetricsWriter, ProgressLine
+from colo.config import ColoConfig, to_dict
+from colo.metrics import MetricsWriter, ProgressLine, WandbSettings
 from colo.inputs import RunInputs, open_inputs
 from colo.placement import plan_placement
 
@@ -268,7 +268,9 @@ def run(cfg: ColoConfig) -> int:
     inputs = open_inputs(cfg)
     ray.init(**ray_init_kwargs(cfg))
     cluster = start_cluster(cfg, plan_placement(cfg))
-    writer, rewards, progress = MetricsWriter(inputs.run_dir), RewardRunner(list(cfg.algo.rewards)), None
+    wandb = WandbSettings(cfg.run.wandb_project, cfg.run.wandb_mode, to_dict(cfg))
+    writer = MetricsWriter(inputs.run_dir, loggers=list(cfg.run.loggers), wandb=wandb)
+    rewards, progress = RewardRunner(list(cfg.algo.rewards)), None
     pos = Position(-1, inputs.train_data.state_dict())
     try:
         restored = restore(cluster, inputs, writer) if cfg.run.resume else None

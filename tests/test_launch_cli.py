@@ -66,8 +66,8 @@ def test_hub_model_offline_names_alternatives(tmp_path: Path) -> None:
 
 def test_dry_run_prints_resolved_config_and_plan(tmp_path: Path) -> None:
     env = clean_env(COLO_TRAIN_GPU_FRACTION="0.3", COLO_VLLM_GPU_FRACTION="0.5")
-    r = run_cli("--dry-run", "trainer.lr=0.01", f"run.dir={tmp_path}/runs/{{time}}", env=env,
-                cwd=tmp_path)
+    r = run_cli("--dry-run", "trainer.lr=0.01", f"run.dir={tmp_path}/runs/{{time}}",
+                "data.system_prompt=Reply with the number.", env=env, cwd=tmp_path)
     assert r.returncode == 0, r.stderr
     text, _, plan = r.stdout.partition("\nplacement plan:")
     cfg = yaml.safe_load(text)
@@ -80,6 +80,9 @@ def test_dry_run_prints_resolved_config_and_plan(tmp_path: Path) -> None:
                                        ["1", "pg1/0", "trainer+engine", "1", "1", "0", "0"]]
     assert all(r_[7:] == ["0.3", "0.5", "kv_cache=256MiB"] for r_ in rows)
     assert "gpu  bundle  role            trainer_rank  dp_rank  tp_rank  ep_rank" in plan
+    # the first prompt as the model will see it: the tiny preset's chat template with the system prompt
+    assert ("# first prompt, in the tokenizer's chat template, " in r.stdout and "'<|im_start|>system\\nReply "
+            "with the number.<|im_end|>\\n<|im_start|>user\\nQuestion: " in r.stdout)
     assert list(tmp_path.iterdir()) == []  # a dry run writes nothing
 
 

@@ -41,8 +41,9 @@ CHOICES = {  # must match the consumers: colo.algo.loss.LOSS_AGGS, colo.sync, co
     "algo.loss_agg": ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean"),
     "sync.mode": ("direct", "load_weights"),
     "rollout.vllm_weight_transfer": ("none", "ipc"),
+    "run.wandb_mode": ("auto", "online", "offline"),
 }
-DATA_SUFFIXES = (".jsonl", ".json", ".ndjson", ".parquet")  # .json is JSON lines (colo.algo.data)
+LOGGERS = ("jsonl", "tensorboard", "wandb")
 
 
 class ConfigError(Exception):
@@ -176,8 +177,9 @@ class SyncConfig:
 @dataclass
 class DataConfig:
     path: str = "auto:arith"
-    """Training prompts: JSONL/Parquet with prompt and answer fields, or "auto:<task>" (arith |
-    reverse), a synthetic task from colo.algo.tasks written to <run.dir>/data."""
+    """Training prompts with prompt and answer fields: a JSONL/Parquet file, a Hugging Face dataset (a
+    save_to_disk dir[:split], or a Hub id[:config]:split such as openai/gsm8k:main:train), or
+    "auto:<task>" (arith | reverse), a synthetic task from colo.algo.tasks written to <run.dir>/data."""
     eval_path: Optional[str] = None
     """Held-out prompts for eval (same formats as path; auto:<task> = its eval split); null: no eval."""
     prompt_key: str = "prompt"
@@ -187,7 +189,11 @@ class DataConfig:
     prompts_per_step: int = 16
     """Prompts per RL step (each sampled rollout.n times)."""
     chat_template: bool = True
-    """Wrap prompts in the tokenizer's chat template when it has one."""
+    """Wrap prompts in the tokenizer's chat template when it has one (chat models); a tokenizer without
+    one (a base model) gets the raw prompt text."""
+    system_prompt: Optional[str] = None
+    """System message put before every prompt in the chat template (needs a tokenizer with a chat
+    template and data.chat_template: true); null: none."""
     eval_size: int = 64
     """Eval prompts used from eval_path (the first ones, greedy, one sample each)."""
 
@@ -221,6 +227,14 @@ class RunConfig:
     """Continue the run in run.dir from its newest checkpoint (also: --resume), with the run's newest
     saved config; COLO_* variables and key=value overrides apply on top, and each setting that differs
     from the saved run is listed in one line."""
+    loggers: list[str] = field(default_factory=lambda: ["jsonl", "tensorboard"])
+    """Where each step's scalars go: jsonl (metrics.jsonl, always on: resume, plot and summary read it),
+    tensorboard (<run.dir>/tb), wandb (Weights & Biases, with the resolved config; run.wandb_mode)."""
+    wandb_project: str = "colo"
+    """W&B project of the run (run name: the run dir's name; a resumed run continues the same W&B run)."""
+    wandb_mode: str = "auto"
+    """W&B mode: online, offline (files under <run.dir>/wandb, upload later with `wandb sync`), or auto:
+    online when WANDB_API_KEY is set, else offline."""
 
 
 @dataclass
@@ -385,6 +399,8 @@ def resolve(cfg: ColoConfig, *, download: bool = True) -> ColoConfig:
     <run.dir>/data/<task>_{train,eval}.jsonl); Hub ids become the local snapshot when download."""
     out = from_dict(to_dict(cfg))
     out.placement.device = resolve_device(cfg)
+    if cfg.run.wandb_mode == "auto":  # W&B reads the key itself; colo only decides whether to go online
+        out.run.wandb_mode = "online" if os.environ.get("WANDB_API_KEY") else "offline"
     run_dir = Path(_resolve_run_dir(cfg.run.dir, cfg.run.resume)).resolve()  # actors may chdir
     out.run.dir = str(run_dir)
     if cfg.model.path.startswith(AUTO):
@@ -397,8 +413,10 @@ def resolve(cfg: ColoConfig, *, download: bool = True) -> ColoConfig:
         value = getattr(cfg.data, key)
         if value and value.startswith(AUTO):
             setattr(out.data, key, str(run_dir / "data" / f"{value[len(AUTO):]}_{split}.jsonl"))
-        elif value:
-            setattr(out.data, key, str(Path(value).expanduser().resolve()))
+        elif value:  # a file or save_to_disk dir made absolute; a Hub dataset id stays as it is
+            from colo.algo.data import DataSource
+
+            setattr(out.data, key, DataSource.parse(value).resolved())
     return out
 
 
