@@ -38,6 +38,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="continue the run in run.dir (its newest match) from its newest checkpoint, with "
                          "its saved config; env vars and key=value apply on top (same as run.resume=true)")
     ap.add_argument("--debug", action="store_true", help="show tracebacks for config errors")
+    ap.add_argument("--verbose", action="store_true",
+                    help="show every actor's, vLLM's and Ray's output here (default: in <run.dir>/logs/)")
     ap.add_argument("overrides", nargs="*", metavar="key=value",
                     help="dotted overrides, e.g. trainer.lr=1e-6 placement.num_gpus=4")
     return ap.parse_intermixed_args(argv)  # key=value may follow --dry-run / --resume, as users write it
@@ -60,7 +62,8 @@ def _run(args: argparse.Namespace) -> int:
     from colo import config
 
     path = args.config or (str(DEFAULT_CONFIG) if DEFAULT_CONFIG.is_file() else None)
-    overrides = list(args.overrides) + (["run.resume=true"] if args.resume else [])
+    overrides = (list(args.overrides) + (["run.resume=true"] if args.resume else [])
+                 + (["run.verbose=true"] if args.verbose else []))
     cfg = config.load_config(path, overrides)
     resumed = None
     if cfg.run.resume:  # the run's own saved config, this command's env and overrides on top
@@ -107,8 +110,12 @@ def prepare_run(cfg: ColoConfig) -> ColoConfig:
     run_dir = Path(resolved.run.dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     if cfg.model.path.startswith(config.AUTO):
+        from transformers.utils import logging as hf_logging
+
         from colo.models.tiny import make_tiny_model
 
+        if not cfg.run.verbose:  # save_pretrained's progress bar is not the run's
+            hf_logging.disable_progress_bar()
         make_tiny_model(resolved.model.path, cfg.model.path[len(config.AUTO):], seed=cfg.run.seed)
     for value in {cfg.data.path, cfg.data.eval_path} - {None}:
         if value.startswith(config.AUTO):

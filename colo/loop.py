@@ -30,6 +30,7 @@ periodic checkpoints remain.
 
 from __future__ import annotations
 
+import logging
 import sys
 import time
 import traceback
@@ -48,6 +49,9 @@ from colo.cluster import ActorDied, ActorError, Cluster, gather, on_engines, on_
 from colo.config import ColoConfig, to_dict
 from colo.metrics import MetricsWriter, ProgressLine, WandbSettings
 from colo.inputs import RunInputs, open_inputs
+from colo.logs import link_ray_logs, log_of
+from colo.shm import sweep
+from colo.summary import run_summary
 from colo.placement import plan_placement
 
 
@@ -221,7 +225,8 @@ def fail(c: Cluster, inputs: RunInputs, pos: Position, e: Exception, keep_policy
     if progress:  # ends the bar's line: the error starts a line of its own
         progress.close()
     log = log_error(inputs.run_dir, e)
-    lines = [f"colo: error: {e} (traceback: {log})"]
+    actor_log = log_of(inputs.run_dir, getattr(e, "name", ""))  # ActorDied / ActorError name the actor
+    lines = [f"colo: error: {e} (traceback: {log}" + (f"; its log: {actor_log})" if actor_log else ")")]
     if keep_policy and pos.step >= 0:
         try:  # bounded: a rank stuck in a collective with a dead peer must not hang the exit
             save(c, inputs, pos, timeout=SAVE_ON_FAILURE_S)
@@ -247,8 +252,10 @@ SAVE_ON_FAILURE_S = 900.0  # a DCP save of a 30B model takes minutes; a hung col
 
 
 def ray_init_kwargs(cfg: ColoConfig) -> dict:
-    """On CPU, Ray's logical GPUs stand in for GPUs so placement runs the same code as on a GPU host."""
-    kw: dict = {"include_dashboard": False, "log_to_driver": True}
+    """On CPU, Ray's logical GPUs stand in for GPUs so placement runs the same code as on a GPU host. The
+    actors' output stays in <run.dir>/logs unless the run is verbose (colo.logs)."""
+    kw: dict = {"include_dashboard": False, "log_to_driver": cfg.run.verbose,
+                "logging_level": logging.INFO if cfg.run.verbose else logging.ERROR}
     if cfg.placement.device == "cpu":
         kw.update(num_gpus=cfg.placement.num_gpus, num_cpus=max(4, 2 * cfg.placement.num_gpus))
     return kw
@@ -265,8 +272,11 @@ def run(cfg: ColoConfig) -> int:
 
     A reward function that raises or an actor that dies or raises ends the run with status 1 after a
     checkpoint of the last completed step, when the trainers still hold one (not after a trainer failed)."""
+    t_start = time.perf_counter()
     inputs = open_inputs(cfg)
+    sweep()  # sync buffers and vLLM queues that killed runs left in this host's /dev/shm (colo.shm)
     ray.init(**ray_init_kwargs(cfg))
+    link_ray_logs(inputs.run_dir)
     cluster = start_cluster(cfg, plan_placement(cfg))
     wandb = WandbSettings(cfg.run.wandb_project, cfg.run.wandb_mode, to_dict(cfg))
     writer = MetricsWriter(inputs.run_dir, loggers=list(cfg.run.loggers), wandb=wandb)
@@ -295,6 +305,8 @@ def run(cfg: ColoConfig) -> int:
             if cfg.loop.checkpoint_every and (step + 1) % cfg.loop.checkpoint_every == 0 or last:
                 save(cluster, inputs, pos)
         on_trainers(cluster, "export_hf", [str(inputs.run_dir / "export")] * len(cluster.trainers))
+        progress.close()
+        print(run_summary(inputs.run_dir, time.perf_counter() - t_start, list(cfg.run.loggers)), flush=True)
     except RewardError as e:
         return fail(cluster, inputs, pos, e, keep_policy=True, progress=progress)
     except (ActorDied, ActorError) as e:
@@ -306,8 +318,9 @@ def run(cfg: ColoConfig) -> int:
         if progress:
             progress.close()
         rewards.close()
-        # best effort, bounded: unlink the trainers' shared-memory sync buffers (ray.shutdown kills actors
-        # without their atexit hooks, which would leave the segments in /dev/shm)
-        ray.wait([t.shutdown.remote() for t in cluster.trainers], num_returns=len(cluster.trainers), timeout=30)
+        # best effort, bounded: unlink the trainers' sync buffers and stop vLLM's engine cores (ray.shutdown
+        # kills actors without their atexit hooks, which would leave segments in /dev/shm)
+        ends = [a.shutdown.remote() for a in cluster.trainers + cluster.engines]
+        ray.wait(ends, num_returns=len(ends), timeout=30)
         ray.shutdown()
     return 0

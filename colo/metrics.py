@@ -240,4 +240,4 @@ class ProgressLine:
         return ", ".join(f"{k}={v}" for k, v in post.items())
 
     def close(self) -> None:
-        self._bar.close()
+        self._bar.close()  # idempotent: the loop closes it before its summary, and again in `finally`

@@ -34,6 +34,35 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
                 item.add_marker(skip)
 
 
+_SHM_SEEN: set[str] = set()  # colo_* / psm_* entries of /dev/shm when the session started
+
+
+def _shm_names() -> set[str]:
+    shm = Path("/dev/shm")
+    return {n for n in os.listdir(shm) if n.startswith(("colo_", "psm_"))} if shm.is_dir() else set()
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    _SHM_SEEN.update(_shm_names())
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """The suite leaves /dev/shm as it found it. Tests kill engines and trainers (ray.kill, failure tests,
+    kill -9 of a run), as users' runs get killed; colo's answer is the sweep every run starts with
+    (colo.shm), so the suite ends with one too, then fails on anything new that no live process owns."""
+    from colo.shm import alive, mapped_segments, owner_pid, sweep
+
+    sweep()
+    new = _shm_names() - _SHM_SEEN
+    if not new:
+        return
+    live = {n for p in os.listdir("/proc") if p.isdigit() for n in mapped_segments(int(p), children=False)}
+    left = sorted(n for n in new if n not in live and not (owner_pid(n) and alive(owner_pid(n))))
+    if left:
+        print(f"\nconftest: the suite left shared memory in /dev/shm: {left}", file=sys.stderr)
+        session.exitstatus = 1
+
+
 @pytest.fixture(autouse=True)
 def _no_colo_env(monkeypatch: pytest.MonkeyPatch) -> None:
     """A COLO_* variable exported in the developer's shell must not change test results."""

@@ -129,6 +129,24 @@ def test_default_job_learns(learned: tuple[Path, list[dict]]) -> None:
         assert all(0.1 < r[f"memory/{p}/trainer_rss_gb"] < 64 for p in ("rollout", "train", "sync", "wake")), r
 
 
+def test_default_job_terminal_is_quiet_and_ends_with_a_summary(default_job) -> None:
+    """vLLM, Ray and the actors write to <run.dir>/logs/; the terminal shows colo's lines, the progress bar
+    (one line, redrawn with \\r) and, at the end, where everything is and what to run next."""
+    run_dir, r = default_job
+    lines = [ln for ln in (r.stdout + r.stderr).splitlines() if ln.strip()]  # the bar's redraws become lines
+    bar = [ln for ln in lines if ln.startswith("step:")]
+    other = [ln for ln in lines if ln not in bar]
+    assert bar and len(other) <= 15, other
+    assert other[0] == f"colo: run dir {run_dir}", other
+    summary = r.stdout[r.stdout.index("colo: done: 140 RL steps"):]
+    for want in ("eval/sampled_reward", str(run_dir / "metrics.jsonl"), f"vllm serve {run_dir / 'export'}",
+                 f"--resume run.dir={run_dir} loop.steps=280"):
+        assert want in summary, summary
+    logs = run_dir / "logs"
+    assert {p.name for p in logs.iterdir()} >= {"engine-0.log", "engine-1.log", "trainer-0.log", "trainer-1.log"}
+    assert "Resolved architecture" in (logs / "engine-1.log").read_text()  # vLLM said it there, not here
+
+
 def test_run_dir_outputs_and_export(learned: tuple[Path, list[dict]]) -> None:
     import torch
     import yaml
@@ -248,8 +266,9 @@ def test_engine_error_one_line_traceback_logged_checkpoints_then_resumes(reward_
     assert len(errors) == 1, _tail(r)
     assert errors[0].startswith("colo: error: engine DP rank 0 raised RuntimeError: generate() on rank 0 while "
                                 "['kv_cache', 'weights'] still sleep"), errors
-    assert errors[0].endswith(f"(traceback: {run_dir / 'error.log'})"), errors
+    assert errors[0].endswith(f"(traceback: {run_dir / 'error.log'}; its log: {run_dir / 'logs/engine-0.log'})")
     assert "Traceback (most recent call last)" not in r.stderr, "the driver's traceback belongs in error.log"
+    assert "Resolved architecture" in (run_dir / "logs" / "engine-0.log").read_text()  # vLLM: in its log, not here
     log = (run_dir / "error.log").read_text()
     assert "Traceback (most recent call last)" in log and "ray::RolloutEngine.generate()" in log, log
     assert "in generate" in log and "ActorError: engine DP rank 0 raised RuntimeError" in log, log
@@ -262,6 +281,35 @@ def test_engine_error_one_line_traceback_logged_checkpoints_then_resumes(reward_
     rows = read_metrics(run_dir / "metrics.jsonl")
     assert [x["step"] for x in rows] == [-1, 0, 1, 2, 3] and all(x["sync/verified"] for x in rows), rows
     assert (run_dir / "export" / "config.json").exists()
+
+
+def test_killed_run_leaves_no_shared_memory_after_resume(tmp_path: Path) -> None:
+    """`kill -9` of a whole CPU run (driver, Ray, actors: its process group) leaves each trainer's sync
+    buffer in /dev/shm, where nothing else would ever remove it; --resume removes it and finishes the run."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from colo.shm import SHM, alive, owner_pid
+
+    run_dir = tmp_path / "run"
+    p = subprocess.Popen([sys.executable, "-m", "colo.launch", f"run.dir={run_dir}", *SMALL_JOB,
+                          "loop.checkpoint_every=1"], env=clean_env(), start_new_session=True,
+                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 600
+    while not (run_dir / "checkpoints" / "step_000001" / "extra.json").exists():
+        assert p.poll() is None and time.monotonic() < deadline, "the run ended or hung before step 1's checkpoint"
+        time.sleep(0.5)
+    os.killpg(p.pid, signal.SIGKILL)
+    p.wait(timeout=60)
+    left = [n for n in os.listdir(SHM) if owner_pid(n) and not alive(owner_pid(n))]
+    assert len(left) >= 2, f"expected the two trainers' sync buffers, found {left}"
+    r = run_cli("--resume", f"run.dir={run_dir}", timeout=300)
+    assert r.returncode == 0, _tail(r)
+    assert not [n for n in left if (SHM / n).exists()], "the resumed run did not sweep the killed run's segments"
+    steps = _steps(run_dir)
+    assert steps == [-1, 0, 1, 2, 3], steps  # steps after the checkpoint are redone once, nothing is lost
 
 
 def test_trainer_death_names_rank_exits_1(reward_env: dict, tmp_path: Path) -> None:

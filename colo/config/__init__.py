@@ -227,6 +227,9 @@ class RunConfig:
     """Continue the run in run.dir from its newest checkpoint (also: --resume), with the run's newest
     saved config; COLO_* variables and key=value overrides apply on top, and each setting that differs
     from the saved run is listed in one line."""
+    verbose: bool = False
+    """Every actor's, vLLM's and Ray's output on the terminal (also: --verbose). Off: they go to
+    <run.dir>/logs/ and the terminal shows colo's own lines, the progress bar and errors."""
     loggers: list[str] = field(default_factory=lambda: ["jsonl", "tensorboard"])
     """Where each step's scalars go: jsonl (metrics.jsonl, always on: resume, plot and summary read it),
     tensorboard (<run.dir>/tb), wandb (Weights & Biases, with the resolved config; run.wandb_mode)."""

@@ -41,6 +41,8 @@ from typing import Any
 import ray
 
 from colo.config import ColoConfig, from_dict
+from colo.logs import actor_output
+from colo.shm import register_mapped, sweep
 
 EXTENSION_CLS = "colo.rollout.extension.ColoWorkerExtension"
 
@@ -73,6 +75,8 @@ class RolloutEngine:
                  dp_master_addr: str = "127.0.0.1") -> None:
         t0 = time.perf_counter()
         self.cfg: ColoConfig = from_dict(cfg)
+        self.log = actor_output(self.cfg.run.dir, self.cfg.run.verbose, "engine", rank)  # before vLLM says a word
+        sweep()  # shared memory that dead processes of an earlier run left on this node (colo.shm)
         self.rank, self.dp_size = rank, dp_size
         self.device = self.cfg.placement.device
         self.disaggregated = self.cfg.placement.mode == "disaggregated"
@@ -137,6 +141,8 @@ class RolloutEngine:
             kwargs.update(distributed_executor_backend="ray", enable_expert_parallel=True,
                           gpu_memory_utilization=self.cfg.placement.vllm_gpu_fraction)
         self.llm = LLM(**kwargs)
+        if self.device == "cpu" and self.tp_size > 1:  # vLLM's multiprocess executor: its queues are in /dev/shm
+            register_mapped()
         sched = self.llm.llm_engine.vllm_config.scheduler_config
         self.scheduler = {"chunked_prefill": bool(sched.enable_chunked_prefill),
                           "max_num_batched_tokens": int(sched.max_num_batched_tokens),
@@ -246,6 +252,11 @@ class RolloutEngine:
         self.llm.wake_up(tags=tags)  # returns None on vLLM 0.26, bool on 0.32: not used
         self.sleeping = set() if tags is None else self.sleeping - set(tags)
         return time.perf_counter() - t
+
+    def shutdown(self) -> None:
+        """Stop vLLM's engine core (and its worker processes, unlinking their shared memory) before Ray ends
+        this actor, which would run no cleanup."""
+        self.llm.llm_engine.engine_core.shutdown()
 
     # ------------------------------------------------------------------ weight sync (receiver side)
 

@@ -26,6 +26,8 @@ from multiprocessing import shared_memory
 
 import torch
 
+from colo.shm import segment_name
+
 ALIGN = 256  # byte alignment of every piece in a buffer (covers any dtype, and CUDA's 256-byte rule)
 
 
@@ -58,7 +60,7 @@ class SenderBuffers:
         elif self.device.type == "cpu":
             tag = secrets.token_hex(4)
             for i in range(self.count):
-                seg = shared_memory.SharedMemory(name=f"colo_{tag}_{i}", create=True, size=self.nbytes)
+                seg = shared_memory.SharedMemory(name=segment_name(tag, i), create=True, size=self.nbytes)
                 self._shm.append(seg)
                 self.tensors.append(torch.frombuffer(seg.buf, dtype=torch.uint8, count=self.nbytes))
                 self._handles.append({"kind": "shm", "name": seg.name, "nbytes": self.nbytes, "buffer_id": i})

@@ -26,6 +26,8 @@ import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 
 from colo.algo.loss import gather_logprobs, policy_loss, token_entropy
+from colo.logs import actor_output
+from colo.shm import sweep
 from colo.sync.transport import device_uuid
 from colo.trainer import checkpoint
 from colo.trainer.fsdp import DTYPES, build_sharded, expert_shard_range
@@ -59,6 +61,8 @@ class Trainer:
     def __init__(self, cfg: dict, rank: int, world_size: int, master_addr: str, master_port: int):
         self.cfg_dict = cfg
         self.cfg = load_cfg(cfg)
+        self.log = actor_output(str(self.cfg.run.dir), bool(self.cfg.run.verbose), "trainer", rank)
+        sweep()  # shared memory that dead processes of an earlier run left on this node (colo.shm)
         self.rank, self.world_size = rank, world_size
         self.init_method = f"tcp://{master_addr}:{master_port}"
         self.model = self.ref_model = self.optimizer = None
