@@ -47,6 +47,7 @@ from colo.config import ColoConfig
 from colo.metrics import MetricsWriter, ProgressLine
 from colo.inputs import RunInputs, open_inputs
 from colo.placement import plan_placement
+from colo.sync.mapping import MappingError
 
 
 class Timer:
@@ -161,6 +162,14 @@ def sync_all(c: Cluster) -> dict:
     return sync_metrics(on_trainers(c, "broadcast_weights", [c.engines] * len(c.trainers)))
 
 
+def check_sync(c: Cluster) -> list[dict]:
+    """Every trainer plans its sync against the engines' description (docs: the weight path), before the
+    warm-up or any rollout; a model that does not map raises MappingError listing every problem at once."""
+    if c.colocated:
+        return on_trainers(c, "prepare_sync", [[e] for e in c.engines])
+    return on_trainers(c, "prepare_sync", [c.engines] * len(c.trainers))
+
+
 def offloads(c: Cluster, cfg: ColoConfig) -> bool:
     """Trainer state leaves the GPU while vLLM generates only where the two share it."""
     return c.colocated and cfg.trainer.offload
@@ -253,6 +262,12 @@ def run(cfg: ColoConfig) -> int:
     writer, rewards, progress = MetricsWriter(inputs.run_dir), RewardRunner(list(cfg.algo.rewards)), None
     pos = Position(-1, inputs.train_data.state_dict())
     try:
+        try:
+            check_sync(cluster)
+        except MappingError as e:  # the model itself: nothing ran, nothing to save
+            print(f"colo: error: {getattr(e, 'cause', None) or e}\nfix: a checkpoint of a family colo maps "
+                  "(docs/models.md)", file=sys.stderr, flush=True)
+            return 2
         restored = restore(cluster, inputs, writer) if cfg.run.resume else None
         if restored:
             pos = restored
