@@ -70,6 +70,37 @@ class FamilyTrainer(Trainer):
             self._broadcast_state, self._sync_state = self._sync_state, colocated
 
 
+    def forget_sync(self) -> None:
+        self.release_sync_buffers()
+
+    def sync_tampered(self, engine, fault: str) -> dict:
+        """A colocated sync whose plan is broken on purpose around the padded embedding (both ranks call it)."""
+        import copy
+
+        from colo.sync.sender import push_weights
+
+        state = copy.copy(self._sync_state)
+        state["plan"] = plan = copy.deepcopy(state["plan"])
+        at = [(b, p) for b in plan.buckets for p in b if p["dst"] == EMBED]
+        (fb, fill), (rb, real) = next(x for x in at if "fill" in x[1]), next(x for x in at if "fill" not in x[1])
+        if fault == "fill_vocabulary_rows":
+            fill["dst_offset"] = 0  # zeros over real vocabulary rows
+        elif fault == "drop_vocabulary_rows":
+            rb.remove(real)
+        elif fault == "no_fill":
+            fb.remove(fill)
+        return push_weights(self.model, engine, self.cfg.sync, state, raise_on_error=False)
+
+    def sync_reference(self, engine) -> dict:
+        """sync.mode=load_weights: checkpoint-named, unpadded tensors into vLLM's own loaders."""
+        from colo.sync.sender import push_weights
+
+        return push_weights(self.model, engine, {"mode": "load_weights", "bucket_mb": 1}, {})
+
+
+EMBED = "model.embed_tokens.weight"
+
+
 class FamilyEngine(Engine):
     """RolloutEngine that can start vLLM again on another checkpoint (random weights when `dummy`)."""
 
@@ -204,3 +235,50 @@ def test_family_syncs_equivalent_and_trains(rig: Rig, family: str) -> None:
             assert m["logprob_diff/mean"] < LOGPROB_GAP, (family, step, m["logprob_diff/mean"])
     finally:
         rewards.close()
+
+
+def test_unmapped_model_is_reported_whole_before_anything_runs(rig: Rig) -> None:
+    """colo.loop.check_sync, which the loop runs before the warm-up: trainers on one family, engines on
+    another -> one MappingError naming every unmapped trainer tensor and every uncovered vLLM param."""
+    from colo.loop import check_sync
+    from colo.sync.mapping import MappingError
+
+    rig.load("qwen3_next")  # Qwen3-Next: shared expert, gated delta-net, untied, vocab 355
+    ray.get([t.forget_sync.remote() for t in rig.cluster.trainers])
+    ray.get([e.restart.remote(to_dict(rig.cfg("qwen3")), True) for e in rig.cluster.engines])  # dense Qwen3
+    rig.loaded = None
+    with pytest.raises(MappingError) as e:
+        check_sync(rig.cluster)
+    msg = str(getattr(e.value, "cause", None) or e.value)
+    lines = [x.strip() for x in msg.splitlines()[1:]]
+    assert "lm_head.weight: no vLLM param of that name" in lines  # dense Qwen3 here ties its embeddings
+    assert "model.layers.0.linear_attn.A_log: no vLLM param of that name" in lines
+    assert "model.layers.0.self_attn.qkv_proj.weight: nothing writes it (no trainer tensor maps to this vLLM param)" \
+        in lines
+    assert any(x.startswith("model.embed_tokens.weight: trainer shape [355, 128]") for x in lines)
+    assert len(lines) > 20, msg  # all of them, not the first
+
+
+@pytest.mark.parametrize("fault", ["fill_vocabulary_rows", "drop_vocabulary_rows", "no_fill"])
+def test_vocab_padding_is_checked_not_waved_through(rig: Rig, fault: str) -> None:
+    """Qwen3-MoE, vocab 347 in 384 rows, tied: the receiver refuses zeros outside the rows the engine
+    declared as padding, a dropped vocabulary run is a gap, a plan without the fill leaves the pad rows
+    unwritten. Then the reference path (unpadded checkpoint tensors into vLLM's own loaders) restores
+    the engines to the disk oracle's tokens."""
+    rig.load("qwen3_moe")
+    c = rig.cluster
+    ray.get([t.sync_weights.remote(e) for t, e in zip(c.trainers, c.engines)])  # the plan exists
+    reps = ray.get([t.sync_tampered.remote(e, fault) for t, e in zip(c.trainers, c.engines)])
+    v, pad = 347 * 128, 384 * 128
+    want = {"fill_vocabulary_rows": [f"{EMBED}: fill of elements [0, {pad - v}) refused: not inside its padding rows ({v})",
+                                     f"{EMBED}: elements [{v}, {pad}) never written"],
+            "drop_vocabulary_rows": [f"{EMBED}: elements [0, {v}) never written"],
+            "no_fill": [f"{EMBED}: elements [{v}, {pad}) never written"]}[fault]
+    for r in reps:  # (digests disagree too where old values stayed: extra errors on the same param)
+        assert not r["verified"] and all(e.startswith(EMBED) for e in r["errors"]), r["errors"]
+        assert set(want) <= set(r["errors"]), r["errors"]
+    reps = ray.get([t.sync_reference.remote(e) for t, e in zip(c.trainers, c.engines)])
+    assert all(r["verified"] for r in reps), [r["errors"] for r in reps]
+    disk = greedy([rig.remote])[0]
+    for e, got in enumerate(greedy(c.engines)):
+        _same(got, disk, f"reference path, engine {e}")
