@@ -174,9 +174,11 @@ def _stacked_dst(arch: Arch, name: str, trainer_shapes: dict, params: dict) -> t
     return None
 
 
-def direct_mapping(arch: Arch, trainer_shapes: dict[str, tuple[int, ...]], describe: dict) -> tuple[list[Segment], list[str]]:
+def direct_mapping(arch: Arch, trainer_shapes: dict[str, tuple[int, ...]], describe: dict,
+                   names_only: bool = False) -> tuple[list[Segment], list[str]]:
     """(segments in trainer-parameter order, problems). Problems name every trainer tensor without a
-    destination and every vLLM param that the segments do not cover exactly, all at once."""
+    destination and every vLLM param that the segments do not cover exactly, all at once. `names_only`:
+    compare names, not sizes (a tensor-parallel worker holds slices; its segments are not meaningful)."""
     params = describe["params"]
     experts = describe.get("experts", {})
     segs: list[Segment] = []
@@ -195,6 +197,9 @@ def direct_mapping(arch: Arch, trainer_shapes: dict[str, tuple[int, ...]], descr
                 continue
             block = tuple(int(s) for s in shape[1:])
             want = tuple(reversed(block)) if ex.transpose else block
+            if names_only:
+                segs.append(Segment(name, 0, dst, 0, _numel(params[dst]["shape"])))
+                continue
             if tuple(params[dst]["shape"][1:]) != want:
                 errors.append(f"{name}: expert block {list(block)} -> {list(want)} does not fit vLLM "
                               f"{dst} {params[dst]['shape']}")
@@ -210,7 +215,7 @@ def direct_mapping(arch: Arch, trainer_shapes: dict[str, tuple[int, ...]], descr
             errors.append(f"{name}: no vLLM param {dst}" if dst != name else f"{name}: no vLLM param of that name")
             continue
         p, n = params[dst], _numel(shape)
-        if _numel(p["shape"]) == n:
+        if _numel(p["shape"]) == n or names_only:
             segs.append(Segment(name, 0, dst, 0, n))
         elif p.get("rows") == shape[0] and list(p["shape"][1:]) == list(shape[1:]) and p["shape"][0] > shape[0]:
             # vocabulary padding the engine declared: the real rows, then zeros over exactly the pad rows
@@ -225,7 +230,7 @@ def direct_mapping(arch: Arch, trainer_shapes: dict[str, tuple[int, ...]], descr
     for n in params:
         if n not in got:
             errors.append(f"{n}: nothing writes it (no trainer tensor maps to this vLLM param)")
-        elif got[n] != _numel(params[n]["shape"]):
+        elif got[n] != _numel(params[n]["shape"]) and not names_only:
             errors.append(f"{n}: {got[n]} of {_numel(params[n]['shape'])} elements written")
     return segs, errors
 

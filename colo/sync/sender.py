@@ -19,7 +19,7 @@ import ray
 import torch
 from torch import nn
 
-from colo.sync.mapping import arch_for
+from colo.sync.mapping import MappingError, arch_for, direct_mapping
 from colo.sync.broadcast import WeightGroup
 from colo.sync.plan import SyncPlan, build_plan, build_reference_plan, torch_dtype
 from colo.sync.source import ParamSource
@@ -56,6 +56,10 @@ def prepare(model: nn.Module, describe: dict, sync_cfg: Any, state: dict, *, buf
     source = ParamSource(model, arch)
     bucket_bytes = int(float(cfg_get(sync_cfg, "bucket_mb", 1024)) * 2**20)
     if int(describe.get("tp_size", 1)) > 1 or cfg_get(sync_cfg, "mode", "direct") == "load_weights":
+        # the names must still correspond (a TP worker's params are slices, so their sizes cannot)
+        _, errors = direct_mapping(arch, source.shapes, describe, names_only=True)
+        if errors:
+            raise MappingError("the trainer's parameters do not map onto the engine's:\n  " + "\n  ".join(errors))
         dtypes = [p["dtype"] for p in describe["params"].values()]
         plan = build_reference_plan(arch, source.shapes, max(set(dtypes), key=dtypes.count), bucket_bytes)
     else:
@@ -131,6 +135,16 @@ def prepare_broadcast(model: nn.Module, engines: list, group: WeightGroup | None
         if group is not None:
             state["link"] = BroadcastLink(engines, state["buffers"], group)
     return state
+
+
+def check_names(model: nn.Module, engine: Any) -> dict:
+    """sync.mode=load_weights (colocated): no plan is kept, but the names must still correspond."""
+    describe = ray.get(engine.describe.remote())
+    _, errors = direct_mapping(arch_for(architecture(model)), ParamSource(model, arch_for(architecture(model))).shapes,
+                               describe, names_only=True)
+    if errors:
+        raise MappingError("the trainer's parameters do not map onto the engine's:\n  " + "\n  ".join(errors))
+    return {"plan": "reference", "vllm_params": len(describe["params"])}
 
 
 def plan_summary(state: dict) -> dict:

@@ -309,11 +309,11 @@ class Trainer:
         model the sync cannot map fails here, naming every unmapped trainer tensor and every vLLM param
         nothing writes, all at once. Colocated: `engines` is this rank's engine; disaggregated: all."""
         self._check_ready()
-        from colo.sync.sender import plan_summary, prepare_broadcast, prepare_push
+        from colo.sync.sender import check_names, plan_summary, prepare_broadcast, prepare_push
 
         if str(self.cfg.placement.mode) == "colocated":
             if str(getattr(self.cfg.sync, "mode", "direct")) == "load_weights":
-                return {"plan": "reference"}  # the baseline path plans nothing ahead: vLLM's loaders check names
+                return check_names(self.model, engines[0])  # the straightforward path keeps no plan
             state = prepare_push(self.model, engines[0], self.cfg.sync, self._sync_state)
         else:
             state = prepare_broadcast(self.model, engines, getattr(self, "_weight_group", None), self.cfg.sync,
