@@ -173,9 +173,9 @@ def _check_model_family(cfg: ColoConfig, model: dict[str, Any]) -> None:
     if arch not in ARCHS:
         why = refused_architectures().get(arch)
         what = f"architecture {arch}" if arch else "a config.json that names no architecture"
-        reason = f" ({why})" if why else ""
-        raise ConfigError(f"model.path={cfg.model.path}: {what} has no weight-sync mapping in colo{reason}; "
-                          f"supported: {', '.join(sorted(ARCHS))}; fix: a checkpoint of one of these")
+        problem = f"is not supported yet: {why}" if why else "has no weight-sync mapping in colo"
+        raise ConfigError(f"model.path={cfg.model.path}: {what} {problem}; supported: {', '.join(sorted(ARCHS))}; "
+                          "fix: a checkpoint of one of these")
     quant = model.get("quantization_config")
     if quant:
         method = quant.get("quant_method", "?") if isinstance(quant, dict) else "?"
@@ -206,9 +206,10 @@ def check_model_readable(path: str) -> None:
 
         AutoConfig.from_pretrained(path)
     except Exception as e:  # noqa: BLE001 (whatever transformers raises: one line, exit 2)
-        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        what = " ".join(str(e).split())  # one line, however many transformers wrote
+        what = what if len(what) <= 240 else what[:237] + "..."
         raise ConfigError(f"model.path={path}: transformers cannot read its config.json: "
-                          f"{type(e).__name__}: {first}; fix: a config.json written by save_pretrained of a "
+                          f"{type(e).__name__}: {what}; fix: a config.json written by save_pretrained of a "
                           "supported family") from e
 
 
