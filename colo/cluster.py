@@ -68,7 +68,7 @@ def _ephemeral_low() -> int:
         return 32768  # Linux default
 
 
-def start_cluster(cfg: ColoConfig, plan: PlacementPlan, trainer_cls: Any = None) -> Cluster:
+def start_cluster(cfg: ColoConfig, plan: PlacementPlan, trainer_cls: Any = None, engine_cls: Any = None) -> Cluster:
     """Create placement groups, then trainers and engines in them; returns once every actor is ready.
 
     Colocated: trainer rank r and engine r share placement group r, each with its GPU fraction. On GPU
@@ -79,11 +79,13 @@ def start_cluster(cfg: ColoConfig, plan: PlacementPlan, trainer_cls: Any = None)
     takes none (its TP workers go into the engine group's bundles), on CPU a TP-1 engine holds its
     logical GPU; then the weight-broadcast group is connected.
 
-    `trainer_cls`: a Ray actor class with TrainWorker's interface (the benchmark adds its baseline sync)."""
+    `trainer_cls` / `engine_cls`: Ray actor classes with TrainWorker's / RolloutEngine's interface (the
+    benchmark adds its baseline sync; tests add hooks)."""
     from colo.rollout.engine import RolloutEngine
     from colo.trainer.worker import TrainWorker
 
     TrainWorker = trainer_cls or TrainWorker  # noqa: N806
+    RolloutEngine = engine_cls or RolloutEngine  # noqa: N806
     t0 = time.perf_counter()
     colocated, cuda = plan.mode == "colocated", cfg.placement.device == "cuda"
     if colocated:

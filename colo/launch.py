@@ -107,6 +107,10 @@ def prepare_run(cfg: ColoConfig) -> ColoConfig:
 
     resolved = config.resolve(cfg)  # may download a Hub model: still before anything is written
     check_user_data(cfg, resolved)
+    if not cfg.model.path.startswith(config.AUTO):  # presets are written by colo itself
+        from colo.config.checks import check_model_readable
+
+        check_model_readable(resolved.model.path)
     run_dir = Path(resolved.run.dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     if cfg.model.path.startswith(config.AUTO):

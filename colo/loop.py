@@ -53,6 +53,7 @@ from colo.logs import link_ray_logs, log_of
 from colo.shm import sweep
 from colo.summary import run_summary
 from colo.placement import plan_placement
+from colo.sync.mapping import MappingError
 
 
 class Timer:
@@ -165,6 +166,14 @@ def sync_all(c: Cluster) -> dict:
     if c.colocated:
         return sync_metrics(on_trainers(c, "sync_weights", c.engines))
     return sync_metrics(on_trainers(c, "broadcast_weights", [c.engines] * len(c.trainers)))
+
+
+def check_sync(c: Cluster) -> list[dict]:
+    """Every trainer plans its sync against the engines' description (docs: the weight path), before the
+    warm-up or any rollout; a model that does not map raises MappingError listing every problem at once."""
+    if c.colocated:
+        return on_trainers(c, "prepare_sync", [[e] for e in c.engines])
+    return on_trainers(c, "prepare_sync", [c.engines] * len(c.trainers))
 
 
 def offloads(c: Cluster, cfg: ColoConfig) -> bool:
@@ -283,6 +292,12 @@ def run(cfg: ColoConfig) -> int:
     rewards, progress = RewardRunner(list(cfg.algo.rewards)), None
     pos = Position(-1, inputs.train_data.state_dict())
     try:
+        try:
+            check_sync(cluster)
+        except MappingError as e:  # the model itself: nothing ran, nothing to save
+            print(f"colo: error: {getattr(e, 'cause', None) or e}\nfix: a checkpoint of a family colo maps "
+                  "(docs/models.md)", file=sys.stderr, flush=True)
+            return 2
         restored = restore(cluster, inputs, writer) if cfg.run.resume else None
         if restored:
             pos = restored

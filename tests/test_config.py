@@ -234,9 +234,13 @@ def test_model_path_errors(tmp_path: Path) -> None:
     assert "model.dummy_weights=true" in error_of(cpu("model.path=auto:qwen3-30b-a3b"))
 
 
+QWEN3_MOE_JSON = {"model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"], "num_experts": 6}
+
+
 def test_local_checkpoint_accepted_and_experts_checked(tmp_path: Path) -> None:
     ckpt = tmp_path / "ckpt"
-    write(ckpt / "config.json", json.dumps({"model_type": "qwen3_moe", "num_experts": 6}))
+    write(ckpt / "config.json", json.dumps(QWEN3_MOE_JSON))
+    write(ckpt / "model.safetensors", "")  # only its presence is checked before anything starts
     validate(load_config(None, cpu(f"model.path={ckpt}", f"run.dir={tmp_path}/r"), {}))  # CPU: EP 1
     msg = error_of([f"model.path={ckpt}", "placement.device=cuda", "placement.num_gpus=4"])
     assert "6 experts" in msg and "expert-parallel size 4" in msg and "[1, 2, 3, 6]" in msg
@@ -245,19 +249,44 @@ def test_local_checkpoint_accepted_and_experts_checked(tmp_path: Path) -> None:
 def test_attention_heads_and_experts_with_tensor_parallel(tmp_path: Path) -> None:
     """disaggregated on GPU: heads must split over TP; experts need no EP split (engines are replicas)."""
     ckpt = tmp_path / "ckpt"
-    write(ckpt / "config.json", json.dumps({"model_type": "qwen3_moe", "num_experts": 6,
-                                            "num_attention_heads": 6}))
-    shape = [f"model.path={ckpt}", "placement.device=cuda", "placement.mode=disaggregated",
-             "placement.num_gpus=5", "placement.trainer_gpus=1"]
+    write(ckpt / "config.json", json.dumps({**QWEN3_MOE_JSON, "num_attention_heads": 6}))
+    shape = [f"model.path={ckpt}", "model.dummy_weights=true", "placement.device=cuda",
+             "placement.mode=disaggregated", "placement.num_gpus=5", "placement.trainer_gpus=1"]
     msg = error_of(shape + ["rollout.tp_size=4"])
     assert "6 attention heads" in msg and "rollout.tp_size=4" in msg and "one of [1, 2]" in msg
     assert "4 engine GPUs" in msg
     # tp 2 splits the heads, and 6 experts with 5 GPUs pass: the next check is the CUDA GPU count
     assert "CUDA GPU" in error_of(shape + ["rollout.tp_size=2"])
     # colocated on 5 GPUs is one DP+EP group of 5: the experts check fires there
-    assert "expert-parallel size 5" in error_of(shape[:2] + ["placement.num_gpus=5"])
+    assert "expert-parallel size 5" in error_of(shape[:3] + ["placement.num_gpus=5"])
     assert C.expert_parallel_size("cuda", 4) == 4 and C.expert_parallel_size("cuda", 4, "disaggregated") == 1
     assert C.expert_parallel_size("cpu", 4, "colocated") == 1
+
+
+def test_model_family_and_weights_refused_before_anything(tmp_path: Path) -> None:
+    """Refused by validate() (config.json only, no torch): an architecture the sync does not map (the
+    message names the supported ones), a family with no test that runs it (with the reason), a
+    quantized checkpoint, and a dir without weight files unless model.dummy_weights."""
+    from colo.sync.mapping import ARCHS
+
+    ckpt = tmp_path / "ckpt"
+    run = f"run.dir={tmp_path}/r"
+    write(ckpt / "config.json", json.dumps({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}))
+    msg = error_of(cpu(f"model.path={ckpt}", run))
+    assert "architecture GPT2LMHeadModel has no weight-sync mapping" in msg
+    assert all(a in msg for a in ARCHS) and "\n" not in msg
+    write(ckpt / "config.json", json.dumps({"model_type": "qwen3_5_moe_text", "architectures": ["Qwen3_5MoeForCausalLM"]}))
+    assert "torchvision" in error_of(cpu(f"model.path={ckpt}", run))
+    write(ckpt / "config.json", json.dumps({"model_type": "qwen3_moe"}))
+    assert "names no architecture" in error_of(cpu(f"model.path={ckpt}", run))
+    write(ckpt / "config.json", json.dumps({**QWEN3_MOE_JSON, "quantization_config": {"quant_method": "fp8"}}))
+    assert "quantized (fp8)" in error_of(cpu(f"model.path={ckpt}", run))
+    write(ckpt / "config.json", json.dumps(QWEN3_MOE_JSON))
+    msg = error_of(cpu(f"model.path={ckpt}", run))
+    assert "no weight files" in msg and "model.dummy_weights=true" in msg
+    validate(load_config(None, cpu(f"model.path={ckpt}", "model.dummy_weights=true", run), {}))
+    write(ckpt / "model-00001-of-00002.safetensors", "")
+    validate(load_config(None, cpu(f"model.path={ckpt}", run), {}))
 
 
 def test_gpu_count() -> None:

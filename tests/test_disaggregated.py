@@ -7,7 +7,9 @@ colocated path. Real Ray, FSDP2, vLLM; the oracle is an engine that loads the tr
 - 2 trainer ranks -> 2 engines (TP 1): the direct-copy plan, rank 1 only helps gather, both engines get
   every byte; synced greedy tokens == those of a fresh engine loading the export.
 - 1 trainer rank -> 1 engine with TP 2 (vLLM's multiprocess executor): both TP workers receive every
-  bucket and vLLM's own loaders cut their slices (the "reference" plan); same oracle, also TP 2.
+  bucket and vLLM's own loaders cut their slices (the "reference" plan); same oracle, also TP 2. The
+  checkpoint is colo.models.families' Qwen3-MoE (vocab 347, tied embeddings): each TP worker holds 192 of
+  the 384 padded vocabulary rows, the second one 155 real rows and 37 rows of padding.
 """
 from __future__ import annotations
 
@@ -34,6 +36,13 @@ def tiny(tmp_path_factory) -> Path:
     from colo.models.tiny import make_tiny_model
 
     return Path(make_tiny_model(tmp_path_factory.mktemp("tiny"), "tiny", 0))
+
+
+@pytest.fixture(scope="module")
+def padded(tmp_path_factory) -> Path:
+    from colo.models.families import make_family_model
+
+    return make_family_model(tmp_path_factory.mktemp("qwen3_moe") / "ckpt", "qwen3_moe")
 
 
 def sync_and_compare(model: Path, workdir: Path, overrides: list[str]) -> dict:
@@ -91,8 +100,8 @@ def test_two_trainer_ranks_broadcast_to_two_engines(tiny: Path, tmp_path: Path) 
     _assert_equivalent(r)
 
 
-def test_tensor_parallel_engine_gets_every_bucket_on_each_worker(tiny: Path, tmp_path: Path) -> None:
-    r = sync_and_compare(tiny, tmp_path, ["placement.num_gpus=3", "placement.trainer_gpus=1",
+def test_tensor_parallel_engine_gets_every_bucket_on_each_worker(padded: Path, tmp_path: Path) -> None:
+    r = sync_and_compare(padded, tmp_path, ["placement.num_gpus=3", "placement.trainer_gpus=1",
                                           "rollout.tp_size=2"])
     (lead,) = r["first"]
     assert lead["verified"] and lead["plan"] == "reference", lead["errors"]

@@ -185,3 +185,25 @@ def test_resume_starts_from_the_runs_saved_config(tmp_path: Path) -> None:
                      f"data.path {run}/data/arith_train.jsonl -> {copy}/data/arith_train.jsonl (moved with run.dir)",
                      f"data.eval_path {run}/data/arith_eval.jsonl -> {copy}/data/arith_eval.jsonl (moved with run.dir)",
                      f"run.dir {run} -> {copy} (the run's directory now, saved as {run})"], moved
+
+
+def test_bad_checkpoints_refused_before_ray(tmp_path: Path) -> None:
+    """A real launch (not --dry-run) on checkpoints colo cannot run: one line, exit 2, no run dir, no Ray.
+    Unknown architecture and missing weights are caught by validate() from config.json alone; a config
+    transformers cannot read by the launch itself, once validate() has passed."""
+    ckpt, runs = tmp_path / "ckpt", f"run.dir={tmp_path}/runs/{{time}}"
+    ckpt.mkdir()
+    (ckpt / "config.json").write_text(json.dumps({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}))
+    (ckpt / "model.safetensors").write_bytes(b"")
+    r = run_cli(f"model.path={ckpt}", runs, cwd=tmp_path)
+    assert_config_error(r, "GPT2LMHeadModel", "supported:", "Qwen3MoeForCausalLM", "MixtralForCausalLM")
+    qwen = {"model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"], "num_experts": 4}
+    (ckpt / "config.json").write_text(json.dumps(qwen))
+    (ckpt / "model.safetensors").unlink()
+    assert_config_error(run_cli(f"model.path={ckpt}", runs, cwd=tmp_path), "no weight files",
+                        "model.dummy_weights=true")
+    (ckpt / "model.safetensors").write_bytes(b"")
+    (ckpt / "config.json").write_text(json.dumps({**qwen, "model_type": "qwen3_moe_nonesuch"}))
+    assert_config_error(run_cli(f"model.path={ckpt}", runs, cwd=tmp_path), "transformers cannot read")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]  # no run dir, no Ray session dir
+    assert "Started a local Ray instance" not in r.stderr + r.stdout

@@ -36,6 +36,8 @@ def validate(cfg: ColoConfig, *, check_resources: bool = True, check_gpus: bool 
                           f"{ep} (= placement.num_gpus on GPU); fix: placement.num_gpus to one of "
                           f"{divisors}")
     _check_attention_heads(cfg, model.get("num_attention_heads"))
+    _check_model_family(cfg, model)
+    _check_weights(cfg)
     for key in ("data.path", "data.eval_path"):
         _check_data(cfg, key)
     _check_rewards(cfg)
@@ -180,6 +182,57 @@ def _check_attention_heads(cfg: ColoConfig, heads: int | None) -> None:
         raise ConfigError(f"the model has {heads} attention heads, not divisible by rollout.tp_size={tp} "
                           f"(vLLM splits them over an engine's GPUs); fix: rollout.tp_size to one of "
                           f"{sizes} (divides the heads and the {engine_gpus} engine GPUs)")
+
+
+def _check_model_family(cfg: ColoConfig, model: dict[str, Any]) -> None:
+    """Only families the weight sync maps (colo.sync.mapping.ARCHS, each run by tests/test_families.py);
+    quantized checkpoints would need a quantizing sync, which colo does not have."""
+    from colo.models.families import refused_architectures
+    from colo.sync.mapping import ARCHS  # light: data only, no torch
+
+    archs = model.get("architectures") or []
+    arch = archs[0] if archs else None
+    if arch not in ARCHS:
+        why = refused_architectures().get(arch)
+        what = f"architecture {arch}" if arch else "a config.json that names no architecture"
+        problem = f"is not supported yet: {why}" if why else "has no weight-sync mapping in colo"
+        raise ConfigError(f"model.path={cfg.model.path}: {what} {problem}; supported: {', '.join(sorted(ARCHS))}; "
+                          "fix: a checkpoint of one of these")
+    quant = model.get("quantization_config")
+    if quant:
+        method = quant.get("quant_method", "?") if isinstance(quant, dict) else "?"
+        raise ConfigError(f"model.path={cfg.model.path} is quantized ({method}): colo trains and syncs unquantized "
+                          "weights; fix: a bf16/fp32 checkpoint of the model")
+
+
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
+
+
+def _check_weights(cfg: ColoConfig) -> None:
+    """A local checkpoint without weight files starts nothing useful: trainers and engines would fail
+    one by one after Ray is up. (Hub repos are checked when downloaded; presets in _check_values.)"""
+    local = Path(cfg.model.path).expanduser()
+    if cfg.model.dummy_weights or cfg.model.path.startswith(AUTO) or not local.is_dir():
+        return
+    if not any(f.suffix in WEIGHT_SUFFIXES for f in local.iterdir() if f.is_file()):
+        raise ConfigError(f"model.path={cfg.model.path} has a config.json but no weight files "
+                          f"({'/'.join('*' + s for s in WEIGHT_SUFFIXES)}); fix: the checkpoint dir with its "
+                          "weights, or model.dummy_weights=true for random weights")
+
+
+def check_model_readable(path: str) -> None:
+    """transformers must read the checkpoint's config (imports transformers and torch: colo.launch runs it
+    for a real launch only, after validate() and before the run dir is created)."""
+    try:
+        from transformers import AutoConfig
+
+        AutoConfig.from_pretrained(path)
+    except Exception as e:  # noqa: BLE001 (whatever transformers raises: one line, exit 2)
+        what = " ".join(str(e).split())  # one line, however many transformers wrote
+        what = what if len(what) <= 240 else what[:237] + "..."
+        raise ConfigError(f"model.path={path}: transformers cannot read its config.json: "
+                          f"{type(e).__name__}: {what}; fix: a config.json written by save_pretrained of a "
+                          "supported family") from e
 
 
 def resolve_device(cfg: ColoConfig) -> str:

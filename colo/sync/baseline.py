@@ -21,6 +21,7 @@ from torch.distributed.tensor import DTensor
 
 from colo.sync.mapping import arch_for, reference_segments, reference_weights
 from colo.sync.plan import dtype_name, torch_dtype
+from colo.sync.source import sync_tensors
 from colo.sync.transport import SenderBuffers, align_up
 
 
@@ -45,7 +46,7 @@ def push_weights_baseline(model: nn.Module, engine: Any, sync_cfg: Any, raise_on
     arch = arch_for(architecture(model))
     dtype = torch_dtype(cfg_get(sync_cfg, "dtype", "bfloat16"))
     timings = {"gather": 0.0, "pack": 0.0, "load": 0.0}
-    params = list(model.named_parameters())
+    params = sync_tensors(model)  # parameters and persistent buffers
     device = params[0][1].device
     expect = reference_expect(arch, params)
     loaded = {"tensors": 0, "buckets": 0}
@@ -120,7 +121,7 @@ def broadcast_weights_baseline(model: nn.Module, engines: list, group: Any, sync
     arch = arch_for(architecture(model))
     dtype = torch_dtype(cfg_get(sync_cfg, "dtype", "bfloat16"))
     timings = {"gather": 0.0, "pack": 0.0, "load": 0.0}
-    params = list(model.named_parameters())
+    params = sync_tensors(model)  # parameters and persistent buffers
     if group is not None:  # every engine's receive buffer holds the largest single tensor
         expect = reference_expect(arch, params)
         handle = {"kind": "broadcast", "buffer_id": 0, "nbytes": align_up(max(expect.values()) * dtype.itemsize)}
@@ -176,7 +177,7 @@ def push_weights_vllm_ipc(model: nn.Module, engines: list, sync_cfg: Any) -> dic
     sent = {"tensors": 0, "bytes": 0, "chunks": 0}
 
     def weights():
-        for name, p in model.named_parameters():
+        for name, p in sync_tensors(model):
             full = full_tensor(p)
             for ckpt, w in reference_weights(arch, name, full.to(dtype)):
                 sent["tensors"] += 1

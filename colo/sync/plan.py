@@ -13,10 +13,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from colo.sync.mapping import Arch, Segment, direct_segments
+from colo.sync.mapping import Arch, MappingError, Segment, direct_mapping
 from colo.sync.transport import align_up
 
 WIRE_KEYS = ("dst", "dst_offset", "numel", "dtype", "buf_offset")  # direct: element runs of vLLM params
+FILL_WIRE_KEYS = ("dst", "dst_offset", "numel", "dtype", "fill")  # direct: zeros into declared pad rows
 REFERENCE_WIRE_KEYS = ("name", "shape", "dtype", "buf_offset")  # reference: whole checkpoint tensors
 
 
@@ -34,7 +35,7 @@ def dtype_name(dt: torch.dtype) -> str:
 @dataclass
 class SyncPlan:
     bucket_bytes: int
-    buckets: list[list[dict]]  # per bucket: pieces (contract keys + sender-only "src", "src_offset")
+    buckets: list[list[dict]]  # per bucket: pieces (contract keys + sender-only "src", "src_offset", "layout")
     expect: dict[str, int]  # every vLLM param the engine must receive -> numel
     src_names: list[str]  # trainer params read, in order
     bucket_used: list[int] = field(default_factory=list)  # bytes used per bucket
@@ -42,18 +43,21 @@ class SyncPlan:
 
     def wire(self, k: int) -> list[dict]:
         """Bucket k's pieces as the receiver sees them (plain data, contract keys only)."""
-        keys = WIRE_KEYS if self.mode == "direct" else REFERENCE_WIRE_KEYS
-        return [{key: p[key] for key in keys} for p in self.buckets[k]]
+        if self.mode != "direct":
+            return [{key: p[key] for key in REFERENCE_WIRE_KEYS} for p in self.buckets[k]]
+        return [{key: p[key] for key in (FILL_WIRE_KEYS if "fill" in p else WIRE_KEYS)} for p in self.buckets[k]]
 
     @property
     def total_bytes(self) -> int:
-        return sum(p["numel"] * torch_dtype(p["dtype"]).itemsize for b in self.buckets for p in b)
+        return sum(p["numel"] * torch_dtype(p["dtype"]).itemsize for b in self.buckets for p in b if "fill" not in p)
 
 
 def pack_segments(segs: list[Segment], dtypes: dict[str, str], bucket_bytes: int,
                   whole: bool = False) -> tuple[list[list[dict]], list[int]]:
-    """Lay segments out in buckets of `bucket_bytes`; splits a segment where a bucket fills up, unless
-    `whole` (reference mode: vLLM's load_weights takes whole tensors), which starts a new bucket instead."""
+    """Lay segments out in buckets of `bucket_bytes`; splits a segment where a bucket fills up (transposed
+    expert runs only between experts), unless `whole` (reference mode: vLLM's load_weights takes whole
+    tensors), which starts a new bucket instead. Fill segments carry no bytes: they ride in the current
+    bucket as a piece with "fill" instead of "buf_offset"."""
     if bucket_bytes < 4096:
         raise ValueError(f"bucket of {bucket_bytes} bytes is too small")
     buckets: list[list[dict]] = [[]]
@@ -61,20 +65,29 @@ def pack_segments(segs: list[Segment], dtypes: dict[str, str], bucket_bytes: int
     for s in segs:
         dtype = dtypes[s.dst]
         esize = torch_dtype(dtype).itemsize
-        if whole and s.numel * esize > bucket_bytes:
-            raise ValueError(f"{s.dst}: {s.numel * esize} bytes does not fit a {bucket_bytes}-byte bucket "
-                             "whole; fix: raise sync.bucket_mb")
+        if s.fill:
+            buckets[-1].append({"dst": s.dst, "dst_offset": s.dst_offset, "numel": s.numel, "dtype": dtype,
+                                "fill": 0, "src": s.src, "src_offset": 0})
+            continue
+        unit = s.layout[0] * s.layout[1] if s.layout else (max(1, s.numel) if whole else 1)  # smallest piece
+        if unit * esize > bucket_bytes:
+            what = "one expert" if s.layout else "it"
+            raise ValueError(f"{s.dst}: {unit * esize} bytes ({what}) does not fit a {bucket_bytes}-byte "
+                             "bucket whole; fix: raise sync.bucket_mb")
         done = 0
         while done < s.numel:
             off = align_up(used[-1])
-            room = (bucket_bytes - off) // esize if off < bucket_bytes else 0
-            if room <= 0 or (whole and room < s.numel):
+            room = ((bucket_bytes - off) // esize) // unit * unit if off < bucket_bytes else 0
+            if room <= 0:
                 buckets.append([])
                 used.append(0)
                 continue
             n = min(s.numel - done, room)
-            buckets[-1].append({"dst": s.dst, "dst_offset": s.dst_offset + done, "numel": n, "dtype": dtype,
-                                "buf_offset": off, "src": s.src, "src_offset": s.src_offset + done})
+            piece = {"dst": s.dst, "dst_offset": s.dst_offset + done, "numel": n, "dtype": dtype,
+                     "buf_offset": off, "src": s.src, "src_offset": s.src_offset + done}
+            if s.layout:
+                piece["layout"] = list(s.layout)
+            buckets[-1].append(piece)
             used[-1] = off + n * esize
             done += n
     if not buckets[-1]:
@@ -91,18 +104,13 @@ def _numel(shape) -> int:
 
 
 def build_plan(arch: Arch, trainer_shapes: dict[str, tuple[int, ...]], describe: dict, bucket_bytes: int) -> SyncPlan:
-    """The direct-copy plan; raises naming any vLLM param that nothing would write, or writes past."""
-    segs = direct_segments(arch, trainer_shapes, describe)
+    """The direct-copy plan; raises MappingError naming, all at once, every trainer tensor without a
+    destination and every vLLM param that nothing would write exactly."""
+    segs, errors = direct_mapping(arch, trainer_shapes, describe)
+    if errors:
+        raise MappingError("the trainer's parameters do not map onto the engine's exactly:\n  " + "\n  ".join(errors))
     params = describe["params"]
     expect = {n: _numel(p["shape"]) for n, p in params.items()}
-    got: dict[str, int] = {}
-    for s in segs:
-        got[s.dst] = got.get(s.dst, 0) + s.numel
-    missing = sorted(n for n in expect if n not in got)
-    wrong = sorted(f"{n}: {got[n]} of {expect[n]} elements" for n in got if n in expect and got[n] != expect[n])
-    if missing or wrong:
-        raise ValueError("sync plan does not cover the engine's params exactly:\n  "
-                         + "\n  ".join([f"{n}: nothing writes it" for n in missing] + wrong))
     buckets, used = pack_segments(segs, {n: p["dtype"] for n, p in params.items()}, bucket_bytes)
     src_names = list(dict.fromkeys(s.src for s in segs))
     return SyncPlan(bucket_bytes=bucket_bytes, buckets=buckets, expect=expect, src_names=src_names, bucket_used=used)

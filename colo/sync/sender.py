@@ -19,7 +19,7 @@ import ray
 import torch
 from torch import nn
 
-from colo.sync.mapping import arch_for
+from colo.sync.mapping import MappingError, arch_for, direct_mapping
 from colo.sync.broadcast import WeightGroup
 from colo.sync.plan import SyncPlan, build_plan, build_reference_plan, torch_dtype
 from colo.sync.source import ParamSource
@@ -56,6 +56,10 @@ def prepare(model: nn.Module, describe: dict, sync_cfg: Any, state: dict, *, buf
     source = ParamSource(model, arch)
     bucket_bytes = int(float(cfg_get(sync_cfg, "bucket_mb", 1024)) * 2**20)
     if int(describe.get("tp_size", 1)) > 1 or cfg_get(sync_cfg, "mode", "direct") == "load_weights":
+        # the names must still correspond (a TP worker's params are slices, so their sizes cannot)
+        _, errors = direct_mapping(arch, source.shapes, describe, names_only=True)
+        if errors:
+            raise MappingError("the trainer's parameters do not map onto the engine's:\n  " + "\n  ".join(errors))
         dtypes = [p["dtype"] for p in describe["params"].values()]
         plan = build_reference_plan(arch, source.shapes, max(set(dtypes), key=dtypes.count), bucket_bytes)
     else:
@@ -93,6 +97,8 @@ class BroadcastLink:
 
 
 def _pack_piece(buf: torch.Tensor, piece: dict, src: tuple[torch.Tensor, int], full_shape: tuple[int, ...]) -> torch.Tensor:
+    """Copy one piece's elements (cast to the engine's dtype) into `buf` at its offset; returns that view.
+    A "layout" piece is whole expert blocks stored (A, B) here and (B, A) in the engine: copied transposed."""
     tensor, row_start = src
     row = 1
     for s in full_shape[1:]:
@@ -105,8 +111,47 @@ def _pack_piece(buf: torch.Tensor, piece: dict, src: tuple[torch.Tensor, int], f
                         f"rows [{row_start}, ...): the expert fast path does not match the plan")
     dtype = torch_dtype(piece["dtype"])
     out = buf[piece["buf_offset"]: piece["buf_offset"] + n * dtype.itemsize].view(dtype)  # (n,)
-    out.copy_(flat[s: s + n])  # casts to the engine's dtype while packing
+    if "layout" in piece:
+        a, b = piece["layout"]
+        out.view(-1, b, a).copy_(flat[s: s + n].view(-1, a, b).transpose(1, 2))  # (k, B, A) <- (k, A, B)
+    else:
+        out.copy_(flat[s: s + n])  # casts to the engine's dtype while packing
     return out
+
+
+def prepare_push(model: nn.Module, engine: Any, sync_cfg: Any, state: dict) -> dict:
+    """Colocated: plan, source, shared buffers and link for this rank's engine, once (collective)."""
+    if "plan" not in state:
+        prepare(model, ray.get(engine.describe.remote()), sync_cfg, state, buffers="shared")
+        state["link"] = IpcLink(engine, state["buffers"])
+    return state
+
+
+def prepare_broadcast(model: nn.Module, engines: list, group: WeightGroup | None, sync_cfg: Any, state: dict) -> dict:
+    """Disaggregated: the same for rank 0's broadcast to every engine (other ranks: plan and source only)."""
+    if "plan" not in state:
+        prepare(model, ray.get(engines[0].describe.remote()), sync_cfg, state,
+                buffers="private" if group is not None else None)
+        if group is not None:
+            state["link"] = BroadcastLink(engines, state["buffers"], group)
+    return state
+
+
+def check_names(model: nn.Module, engine: Any) -> dict:
+    """sync.mode=load_weights (colocated): no plan is kept, but the names must still correspond."""
+    describe = ray.get(engine.describe.remote())
+    arch = arch_for(architecture(model))
+    _, errors = direct_mapping(arch, ParamSource(model, arch).shapes, describe, names_only=True)
+    if errors:
+        raise MappingError("the trainer's parameters do not map onto the engine's:\n  " + "\n  ".join(errors))
+    return {"plan": "reference", "vllm_params": len(describe["params"])}
+
+
+def plan_summary(state: dict) -> dict:
+    plan: SyncPlan = state["plan"]
+    return {"plan": plan.mode, "buckets": len(plan.buckets), "bytes": plan.total_bytes,
+            "pieces": sum(len(b) for b in plan.buckets), "vllm_params": len(plan.expect),
+            "expert_fast_path": state["expert_fast"], "expert_fast_reason": state["expert_fast_reason"]}
 
 
 def push_weights(model: nn.Module, engine: Any, sync_cfg: Any, state: dict, raise_on_error: bool = True) -> dict:
@@ -115,9 +160,7 @@ def push_weights(model: nn.Module, engine: Any, sync_cfg: Any, state: dict, rais
         from colo.sync.baseline import push_weights_baseline
 
         return push_weights_baseline(model, engine, sync_cfg, raise_on_error=raise_on_error)
-    if "plan" not in state:
-        prepare(model, ray.get(engine.describe.remote()), sync_cfg, state, buffers="shared")
-        state["link"] = IpcLink(engine, state["buffers"])
+    prepare_push(model, engine, sync_cfg, state)
     return _push(state, state["link"], sync_cfg, raise_on_error)
 
 
@@ -125,11 +168,7 @@ def broadcast_weights(model: nn.Module, engines: list, group: WeightGroup | None
                       raise_on_error: bool = True) -> dict:
     """Disaggregated: called on every trainer rank (the gathers are collective); rank 0, which holds
     `group`, packs and broadcasts to all engines, the other ranks only take part in the gathers."""
-    if "plan" not in state:
-        prepare(model, ray.get(engines[0].describe.remote()), sync_cfg, state,
-                buffers="private" if group is not None else None)
-        if group is not None:
-            state["link"] = BroadcastLink(engines, state["buffers"], group)
+    prepare_broadcast(model, engines, group, sync_cfg, state)
     if group is None:
         t0, timings = time.perf_counter(), {"gather": 0.0}
         for _ in state["source"].iter_units(state["expert_fast"], timings):
@@ -176,9 +215,13 @@ def _push(state: dict, link: IpcLink | BroadcastLink, sync_cfg: Any, raise_on_er
             if i == 0:
                 wait(slot, in_pack=True)  # the load that last read this buffer must be done before we overwrite it
             piece = plan.buckets[k][i]
-            out = _pack_piece(bufs.tensors[slot], piece, tensors[piece["src"]], source.shapes[piece["src"]])
-            if digest:
-                sent_digest[piece["dst"]] = sent_digest.get(piece["dst"], 0.0) + piece_digest(out, piece["dst_offset"])
+            if "fill" in piece:  # zeros into the engine's declared pad rows: no bytes, digest contribution 0
+                if digest:
+                    sent_digest.setdefault(piece["dst"], 0.0)
+            else:
+                out = _pack_piece(bufs.tensors[slot], piece, tensors[piece["src"]], source.shapes[piece["src"]])
+                if digest:
+                    sent_digest[piece["dst"]] = sent_digest.get(piece["dst"], 0.0) + piece_digest(out, piece["dst_offset"])
             pos += 1
             if i == len(plan.buckets[k]) - 1:
                 if cuda:

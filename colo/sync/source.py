@@ -1,7 +1,9 @@
 """Tensors out of an FSDP2-sharded HF model, one FSDP unit at a time.
 
 colo.trainer.fsdp applies fully_shard to each `layer.mlp.experts`, each decoder layer, then the root;
-every param is a DTensor sharded Shard(0) over all ranks. Per unit:
+every param is a DTensor sharded Shard(0) over all ranks. Persistent buffers (DeepSeek's and GLM's
+`e_score_correction_bias`: state the engine needs, not trained) are plain tensors on every rank and
+travel with the unit that owns them. Per unit:
 - dense units: `FSDPModule.unshard()` — one batched all-gather for all of the unit's params, in the
   mixed-precision param dtype (bf16), then `reshard()` once the unit's pieces are packed. Never one
   `full_tensor()` per param (that is one collective per tensor, the baseline's cost).
@@ -22,15 +24,27 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from colo.sync.mapping import Arch, find_expert_param
+from colo.sync.mapping import Arch, expert_param, find_expert_param
 
 
 @dataclass
 class Unit:
     path: str  # FSDP module path ("" = root); for an unsharded model the single unit ""
     module: nn.Module
-    names: list[str]  # full param names owned by this unit (not by a nested unit)
+    names: list[str]  # full param (and persistent buffer) names owned by this unit (not by a nested unit)
     is_experts: bool
+
+
+def sync_tensors(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """What a sync sends: every parameter, then every persistent buffer (in the state dict, so in the
+    checkpoint: vLLM holds them as parameters). Non-persistent buffers (RoPE tables) are derived."""
+    out = list(model.named_parameters())
+    mods = dict(model.named_modules())
+    for name, buf in model.named_buffers():
+        mpath, _, leaf = name.rpartition(".")
+        if leaf not in mods[mpath]._non_persistent_buffers_set:
+            out.append((name, buf))
+    return out
 
 
 def _is_fsdp(m: nn.Module) -> bool:
@@ -53,7 +67,9 @@ class ParamSource:
         mods = dict(model.named_modules())
         unit_paths = [p for p, m in mods.items() if _is_fsdp(m)] or [""]
         owned: dict[str, list[str]] = {p: [] for p in unit_paths}
-        for name, _ in model.named_parameters():
+        tensors = dict(sync_tensors(model))
+        self.buffers = {n for n, _ in model.named_buffers()} & set(tensors)
+        for name in tensors:
             owner = max((p for p in unit_paths if p == "" or name.startswith(p + ".")), key=len)
             owned[owner].append(name)
         suffix = "." + arch.experts_module
@@ -61,7 +77,10 @@ class ParamSource:
         self.shapes: dict[str, tuple[int, ...]] = {}
         for u in self.units:
             for n in u.names:
-                self.shapes[n] = tuple(model.get_parameter(n).shape)  # DTensor: global shape
+                self.shapes[n] = tuple(tensors[n].shape)  # DTensor: global shape
+
+    def _tensor(self, name: str) -> torch.Tensor:
+        return self.model.get_buffer(name) if name in self.buffers else self.model.get_parameter(name)
 
     def expert_fast_path(self, describe: dict) -> tuple[bool, str]:
         """True when every expert unit's local shard is exactly what the colocated engine holds.
@@ -69,20 +88,22 @@ class ParamSource:
         Collective when torch.distributed is initialized (all ranks must call it)."""
         ok, why = True, "expert shards match the engine's experts"
         if not any(u.is_experts for u in self.units):
-            ok, why = False, "no FSDP expert units (unsharded model)"
+            ok, why = False, "no FSDP expert units (a dense model, or an unsharded one)"
         rank = dist.get_rank() if dist.is_initialized() else 0
         for u in (u for u in self.units if u.is_experts):
             for name in u.names:
-                p = self.model.get_parameter(name)
-                leaf = name.rpartition(".")[2]
-                fused = next((f for f in self.arch.fused_experts if f[0] == leaf), None)
-                if fused is None:
+                p = self._tensor(name)
+                ex = expert_param(self.arch, name)
+                if ex is None:
                     ok, why = False, f"{name}: not a fused expert param"
                     break
                 if not isinstance(p, DTensor) or p.device_mesh.ndim != 1 or not p.placements[0].is_shard(0):
                     ok, why = False, f"{name}: not a dim-0 sharded DTensor"
                     break
-                dst = find_expert_param(describe["params"], u.path, fused[1])
+                vmodule = name.rpartition(".")[0]
+                for old, new in self.arch.renames:
+                    vmodule = vmodule.replace(old, new)
+                dst = find_expert_param(describe["params"], vmodule, ex.vllm)
                 held = describe.get("experts", {}).get(dst.rpartition(".")[0] if dst else "", None)
                 start, stop = _shard_range(p.shape[0], p.device_mesh.size(), p.device_mesh.get_local_rank())
                 if held != list(range(start, stop)):
@@ -122,7 +143,7 @@ class ParamSource:
             local = expert_fast and u.is_experts
             out: dict[str, tuple[torch.Tensor, int]] = {}
             for n in u.names:
-                p = self.model.get_parameter(n)
+                p = self._tensor(n)
                 moved = gathered  # bytes of this tensor came out of an all-gather
                 if isinstance(p, DTensor):
                     if local:

@@ -84,7 +84,8 @@ def materialize(model: nn.Module, device: torch.device, *, seed: int) -> None:
 
     Deterministic for (seed, rank, world size): each rank draws its own shards from a generator
     seeded with seed and rank, so no rank ever holds or draws a full tensor. Norm weights are 1 and
-    biases 0, like HF's init; std is the config's initializer_range.
+    biases 0, like HF's init; std is the config's initializer_range. Persistent buffers (DeepSeek's
+    e_score_correction_bias) start at 0, as HF inits them.
     """
     rank = dist.get_rank() if dist.is_initialized() else 0
     model.to_empty(device=device)
@@ -98,7 +99,16 @@ def materialize(model: nn.Module, device: torch.device, *, seed: int) -> None:
             local.zero_()
         else:
             local.normal_(0.0, std, generator=gen)
+    for name, buf in persistent_buffers(model):
+        buf.zero_()
     rebuild_buffers(model)
+
+
+def persistent_buffers(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """Buffers in the state dict (and so in the checkpoint): loaded like parameters, never re-created."""
+    mods = dict(model.named_modules())
+    return [(n, b) for n, b in model.named_buffers()
+            if n.rpartition(".")[2] not in mods[n.rpartition(".")[0]]._non_persistent_buffers_set]
 
 
 @torch.no_grad()
@@ -106,7 +116,8 @@ def rebuild_buffers(model: nn.Module) -> None:
     """Recompute non-persistent buffers (RoPE inv_freq) that to_empty left as garbage.
 
     They are not in any state dict, so neither a checkpoint load nor a weight broadcast restores
-    them; a silent garbage inv_freq gives finite but wrong logits. Any other buffer is refused.
+    them; a silent garbage inv_freq gives finite but wrong logits. Persistent buffers come with the
+    state dict; any other non-persistent buffer is refused.
     """
     done: set[str] = set()
     for mname, m in model.named_modules():
@@ -118,7 +129,8 @@ def rebuild_buffers(model: nn.Module) -> None:
                 # replace (not copy_ into) so a buffer still on meta becomes real too
                 m._buffers[bname] = buf.to("cpu" if old.is_meta else old.device)
                 done.add(f"{mname}.{bname}" if mname else bname)
-    left = [n for n, _ in model.named_buffers() if n not in done]
+    persistent = {n for n, _ in persistent_buffers(model)}
+    left = [n for n, _ in model.named_buffers() if n not in done and n not in persistent]
     if left:
         raise NotImplementedError(f"colo cannot re-create these buffers after meta init: {left}")
 
@@ -148,6 +160,14 @@ def build_sharded(
     del full
     rebuild_buffers(model)
     return model
+
+
+def num_experts(config) -> int:
+    """Routed experts per MoE layer under each family's config name; 0 for a dense model."""
+    for key in ("num_experts", "num_local_experts", "n_routed_experts"):
+        if getattr(config, key, None):
+            return int(getattr(config, key))
+    return 0
 
 
 def expert_shard_range(num_experts: int, world_size: int, rank: int) -> tuple[int, int]:

@@ -30,7 +30,7 @@ from colo.logs import actor_output
 from colo.shm import sweep
 from colo.sync.transport import device_uuid
 from colo.trainer import checkpoint
-from colo.trainer.fsdp import DTYPES, build_sharded, expert_shard_range
+from colo.trainer.fsdp import DTYPES, build_sharded, expert_shard_range, num_experts
 from colo.trainer.offload import Offloader, state_bytes
 
 
@@ -71,6 +71,7 @@ class Trainer:
 
     # ---- setup -------------------------------------------------------------------------------
     def setup(self) -> dict:
+        """Join the process group (gloo on CPU, nccl on GPU), then build the model and optimizer."""
         t0 = time.perf_counter()
         c = self.cfg
         want = str(getattr(c.placement, "device", "auto"))
@@ -91,6 +92,11 @@ class Trainer:
         from torch.distributed.device_mesh import init_device_mesh
 
         self.mesh = init_device_mesh(self.device.type, (self.world_size,))
+        return {**self._build(), "seconds": time.perf_counter() - t0}
+
+    def _build(self) -> dict:
+        """Model (FSDP2), optional frozen reference copy and AdamW for self.cfg (collective)."""
+        c = self.cfg
         seed = int(c.trainer.seed)
         torch.manual_seed(seed)
         self.param_dtype = DTYPES[str(c.model.dtype)]
@@ -99,20 +105,19 @@ class Trainer:
         self.model = build_sharded(
             str(c.model.path), gradient_checkpointing=bool(
                 getattr(c.trainer, "gradient_checkpointing", False)), **build)
+        self.ref_model = None
         if float(c.algo.kl_coef) > 0:
             # frozen copy of the initial policy; never built when the KL term is off
             self.ref_model = build_sharded(str(c.model.path), **build).requires_grad_(False)
         self._offloader = Offloader(self.device)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=float(c.trainer.lr),
                                            weight_decay=float(c.trainer.weight_decay))
-        num_experts = int(getattr(self.model.config, "num_experts", 0) or 0)
+        experts = num_experts(self.model.config)
         return {"rank": self.rank, "world_size": self.world_size, "device": str(self.device),
                 "device_uuid": device_uuid(self.device),  # the id the colocated engine reports
                 "params": sum(p.numel() for p in self.model.parameters()),
                 **state_bytes([self.model], None),
-                "experts": expert_shard_range(num_experts, self.world_size, self.rank)
-                if num_experts else None,
-                "seconds": time.perf_counter() - t0}
+                "experts": expert_shard_range(experts, self.world_size, self.rank) if experts else None}
 
     # ---- forward pieces ----------------------------------------------------------------------
     def _check_ready(self) -> None:
@@ -304,6 +309,22 @@ class Trainer:
         from colo.sync.sender import push_weights  # lazy: the sync path imports vLLM-side helpers
 
         return push_weights(self.model, engine, self.cfg.sync, self._sync_state)
+
+    def prepare_sync(self, engines: list) -> dict:
+        """Plan the weight sync against the engines' description now, before any step (collective): a
+        model the sync cannot map fails here, naming every unmapped trainer tensor and every vLLM param
+        nothing writes, all at once. Colocated: `engines` is this rank's engine; disaggregated: all."""
+        self._check_ready()
+        from colo.sync.sender import check_names, plan_summary, prepare_broadcast, prepare_push
+
+        if str(self.cfg.placement.mode) == "colocated":
+            if str(getattr(self.cfg.sync, "mode", "direct")) == "load_weights":
+                return check_names(self.model, engines[0])  # the straightforward path keeps no plan
+            state = prepare_push(self.model, engines[0], self.cfg.sync, self._sync_state)
+        else:
+            state = prepare_broadcast(self.model, engines, getattr(self, "_weight_group", None), self.cfg.sync,
+                                      self._sync_state)
+        return plan_summary(state)
 
     # Disaggregated: rank 0 opens a broadcast group (colo.sync.broadcast) that every engine worker joins;
     # the driver calls open_weight_group, then join_weight_group here and on the engines at the same time.
