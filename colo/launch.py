@@ -60,7 +60,7 @@ def _run(args: argparse.Namespace) -> int:
     path = args.config or (str(DEFAULT_CONFIG) if DEFAULT_CONFIG.is_file() else None)
     overrides = list(args.overrides) + (["run.resume=true"] if args.resume else [])
     cfg = config.load_config(path, overrides)
-    config.validate(cfg)
+    config.validate(cfg, check_gpus=not args.dry_run, check_memory=not args.dry_run)
     if args.dry_run:
         from colo.placement import plan_placement
 
@@ -68,6 +68,11 @@ def _run(args: argparse.Namespace) -> int:
         print(f"# resolved config ({path or 'built-in defaults'} + env + overrides)")
         print(config.to_yaml(resolved), end="")
         print(f"\n{plan_placement(resolved).table()}")
+        plan = config.memory_plan(cfg, resolved.placement.device)
+        if plan is not None:
+            print(f"\n{plan.table()}")
+            if plan.gpu_bytes is not None and not plan.fits:  # the table above shows why
+                raise config.ConfigError(config.checks.refusal(cfg, plan, config.model_config_json(cfg)))
         print("\n(dry run: nothing was written or started)")
         return 0
     cfg = prepare_run(cfg)
