@@ -2,7 +2,7 @@
 
     python -m colo.launch                                       # configs/tiny-cpu.yaml, CPU, ~minutes
     python -m colo.launch --dry-run                             # resolved config + placement, starts nothing
-    python -m colo.launch --config configs/qwen3-30b-a3b-4gpu.yaml trainer.lr=1e-6 loop.steps=50
+    python -m colo.launch --config configs/qwen3-30b-a3b-4xh200.yaml trainer.lr=1e-6 loop.steps=50
     COLO_TRAIN_GPU_FRACTION=0.3 COLO_VLLM_GPU_FRACTION=0.6 python -m colo.launch --config ...
     python -m colo.launch --resume                              # continue the newest run of the config
 

@@ -1,7 +1,7 @@
 """The RL loop: one step, phase by phase, on every GPU at once.
 
     python -m colo.launch                                        # tiny CPU job, learns in minutes
-    python -m colo.launch --config configs/qwen3-30b-a3b-4gpu.yaml
+    python -m colo.launch --config configs/qwen3-30b-a3b-4xh200.yaml
 
 Each GPU holds a trainer (FSDP2 rank r) and a vLLM engine (DP rank r). Per step:
 

@@ -367,6 +367,53 @@ def _shard_bytes(params: tuple[ParamSpec, ...], world: int, nbytes: int, experts
                if experts is None or p.expert == experts)
 
 
+def trainer_terms(m: ModelShape, s: Settings) -> dict[str, float]:
+    """The trainer's allocations on its largest rank (bytes), and the four moments one of which is the train
+    phase's peak (each includes the state and the sync buffers):
+
+    - no_grad: the old-log-prob pass: 10 B per logit, the root and last layer still gathered
+    - backward: the start of a micro-batch's backward once earlier micro-batches left their grads: every
+      layer's saved activations, 14 B per logit, gathered units and one unit's reduce-scatter buffers
+    - entropy: right after backward, every grad and the entropy's 14 B per logit, nothing gathered
+    - step: grads and the optimizer step's temporaries
+    """
+    W = s.trainer_world
+    params = _shard_bytes(m.params, W, 4)
+    state_bytes = 2 if s.optimizer_dtype == "bfloat16" else 4
+    optim_full = 2 * _shard_bytes(m.params, W, state_bytes)
+    optim = 0 if s.optimizer_offload else optim_full
+    biggest = max(p.rows_on(W) * (p.numel // p.shape[0]) for p in m.params)
+    if s.optimizer_offload:
+        step_tmp = biggest * (2 * state_bytes + 3 * 4)  # one param's states streamed in, fp32 math on them
+    elif s.optimizer_dtype == "bfloat16":
+        step_tmp = biggest * 4 * 4  # StreamedAdamW on the GPU: fp32 m, v and two temporaries of one param
+    else:
+        step_tmp = params  # foreach AdamW: sqrt(exp_avg_sq) of every param at once (torch/optim/adam.py)
+    ref = params if s.ref_model else 0
+    resident = s.bucket_bytes * s.buffers + OFFLOADED_REST
+    act = activation_bytes(m, s)
+    tok_v = s.micro_batch_size * s.max_model_len * m.vocab
+    # FSDP2 units in bf16 (world 1 too: it still copies into bf16 buffers): the root (embeddings, lm_head)
+    # stays gathered through forward and backward, a layer's unit is gathered and the next prefetched;
+    # backward also holds a unit's unsharded bf16 grads and their fp32 copy for the reduce-scatter.
+    units = _units(m)
+    root, unit = units[0], max(units[1:], default=0)
+    last = sum(u for u in units[1:][-2:])  # the last layer and its expert unit stay gathered after forward
+    dense_units = sorted(_units(m, experts=False))
+    state = params + optim + ref + resident
+    out = {"params": params, "grads": params, "optim": optim, "optim_full": optim_full, "ref": ref,
+           "resident": resident, "step_tmp": step_tmp, "activations": act["layers"], "logits": act["logits"],
+           "gathered": s.param_bytes * (root + 2 * unit), "reduce": (s.param_bytes + 4) * unit,
+           # sync: dense units gathered in bf16 (one packed, the next prefetched); expert shards read locally
+           "sync_gather": s.param_bytes * sum(dense_units[-2:])}
+    out["no_grad"] = state + 10 * tok_v + s.param_bytes * (root + last)
+    out["backward"] = state + params + act["layers"] + act["logits"] + out["gathered"] + out["reduce"]
+    out["entropy"] = state + params + LOGITS_BYTES * tok_v
+    out["step"] = state + params + step_tmp
+    out["sync"] = params + optim + ref + resident + out["sync_gather"]
+    return out
+
+
 def plan_memory(config_json: dict[str, Any], s: Settings, gpu_bytes: Optional[float],
                 gpu_source: str = "placement.gpu_memory") -> MemoryPlan:
     """The plan for one setting; see the module docstring for the phases and where each figure comes from."""
@@ -385,46 +432,15 @@ def plan_memory(config_json: dict[str, Any], s: Settings, gpu_bytes: Optional[fl
         s.max_model_len * m.kv_bytes_per_token
     kv = budget - v_weights - reserve
     kv_tokens = kv / m.kv_bytes_per_token
-    # ---- trainer, per rank (the largest FSDP2 shard)
-    params = _shard_bytes(m.params, W, 4)
-    grads = params
-    state_bytes = 2 if s.optimizer_dtype == "bfloat16" else 4
-    optim_full = 2 * _shard_bytes(m.params, W, state_bytes)
-    optim = 0 if s.optimizer_offload else optim_full
-    biggest = max(p.rows_on(W) * (p.numel // p.shape[0]) for p in m.params)
-    if s.optimizer_offload:
-        step_tmp = biggest * (2 * state_bytes + 3 * 4)  # one param's states streamed in, fp32 math on them
-    elif s.optimizer_dtype == "bfloat16":
-        step_tmp = biggest * 4 * 4  # colo's per-param bf16 AdamW: fp32 copies of m, v and two temporaries
-    else:
-        step_tmp = params  # foreach AdamW: sqrt(exp_avg_sq) of every param at once (torch/optim/adam.py)
-    ref = params if s.ref_model else 0
-    buffers = s.bucket_bytes * s.buffers
-    act = activation_bytes(m, s)
-    # FSDP2 units in bf16: the root (embeddings, lm_head) stays gathered through forward and backward; a
-    # layer and its expert unit are gathered, the next ones prefetched; backward also holds a unit's
-    # unsharded bf16 grads and their fp32 copy for the reduce-scatter.
-    units = _units(m)
-    root, unit = units[0], max(units[1:], default=0)
-    gathered = s.param_bytes * (root + 2 * unit)  # world 1 too: FSDP2 still copies into bf16 buffers
-    reduce = (s.param_bytes + 4) * unit
-    # sync: dense units gathered in bf16 (one packed, the next prefetched); expert shards are read locally
-    dense_units = sorted(_units(m, experts=False))
-    sync_gather = s.param_bytes * sum(dense_units[-2:])
-    resident = buffers + OFFLOADED_REST  # what the trainer keeps on the GPU while offloaded
-
+    t = trainer_terms(m, s)
     if s.mode == "disaggregated":
-        return _plan_disaggregated(m, s, gpu_bytes, gpu_source, v_weights, reserve, kv, kv_tokens, params, grads,
-                                   optim, step_tmp, ref, buffers, act, gathered, reduce, sync_gather, notes)
-
-    train_state = params + grads + optim + ref
-    fwd_bwd = train_state + resident + act["layers"] + act["logits"] + gathered + reduce
-    step = train_state + resident + step_tmp
-    train_peak = max(fwd_bwd, step)
+        return _plan_disaggregated(m, s, gpu_bytes, gpu_source, v_weights, reserve, kv, kv_tokens, t, notes)
+    params, grads, optim, ref, resident = t["params"], t["grads"], t["optim"], t["ref"], t["resident"]
+    train_peak = max(t["backward"], t["entropy"], t["step"])
     slack = ALLOC_SLACK * (train_peak - resident)
     phases = ("start", "rollout", "asleep", "train", "step", "sync")
-    # trainer.offload=false: state and the allocator's cache from train stay through rollout
-    kept = resident if s.offload else params + optim + ref + resident + slack
+    # trainer.offload=false: the state stays through rollout (train_step released the allocator's cache)
+    kept = resident if s.offload else params + optim + ref + resident
     rows: list[tuple[str, dict[str, float]]] = [
         ("overhead (CUDA contexts, NCCL; calibrated)", {p: OVERHEAD for p in phases}),
         ("vLLM reserve (activations; calibrated)", {p: reserve for p in phases}),
@@ -439,16 +455,18 @@ def plan_memory(config_json: dict[str, Any], s: Settings, gpu_bytes: Optional[fl
         ("reference model fp32 (kl_coef > 0)", {"start": ref, "train": ref, "step": ref, "sync": ref}),
         ("sync buffers + rest", {"train": resident, "step": resident, "sync": resident}),
         (f"activations {s.micro_batch_size}x{s.max_model_len} tok, checkpointing "
-         f"{'on' if s.gradient_checkpointing else 'off'}", {"train": act["layers"]}),
-        (f"logits {s.micro_batch_size}x{s.max_model_len}x{m.vocab}", {"train": act["logits"]}),
-        ("gathered FSDP units bf16 + reduce-scatter", {"train": gathered + reduce}),
-        ("optimizer step temporaries", {"step": step_tmp}),
-        ("sync gather (dense units bf16)", {"sync": sync_gather}),
+         f"{'on' if s.gradient_checkpointing else 'off'}", {"train": t["activations"]}),
+        (f"logits {s.micro_batch_size}x{s.max_model_len}x{m.vocab}", {"train": t["logits"]}),
+        ("gathered FSDP units bf16 + reduce-scatter", {"train": t["gathered"] + t["reduce"]}),
+        # with few layers the entropy after backward (all grads + 14 B per logit) can top backward's start
+        ("peak at the entropy after backward instead", {"train": max(0.0, t["entropy"] - t["backward"])}),
+        ("optimizer step temporaries", {"step": t["step_tmp"]}),
+        ("sync gather (dense units bf16)", {"sync": t["sync_gather"]}),
         ("allocator cache (calibrated)", {"train": slack, "step": slack}),
     ]
     rows = [(n, {p: b for p, b in v.items() if b}) for n, v in rows]
     rows = [(n, v) for n, v in rows if v]
-    on_host = params + optim_full + ref if s.offload else (optim_full if s.optimizer_offload else 0)
+    on_host = params + t["optim_full"] + ref if s.offload else (t["optim_full"] if s.optimizer_offload else 0)
     host = {"trainer state offloaded": on_host,
             "vLLM weights asleep (level 1)": v_weights if s.sleep_level == 1 else 0}
     plan = MemoryPlan(m, s, gpu_bytes, gpu_source, phases, rows, kv_tokens, host, notes)
@@ -471,23 +489,22 @@ def _units(m: ModelShape, experts: Optional[bool] = None) -> list[int]:
 
 
 def _plan_disaggregated(m: ModelShape, s: Settings, gpu_bytes: Optional[float], gpu_source: str,
-                        v_weights: float, reserve: float, kv: float, kv_tokens: float, params: float, grads: float,
-                        optim: float, step_tmp: float, ref: float, buffers: float, act: dict[str, int],
-                        gathered: float, reduce: float, sync_gather: float, notes: list[str]) -> MemoryPlan:
+                        v_weights: float, reserve: float, kv: float, kv_tokens: float, t: dict[str, float],
+                        notes: list[str]) -> MemoryPlan:
     """Trainer GPUs hold the trainer all the time (nothing sleeps); engine GPUs hold vLLM at its fraction."""
     phases = ("trainer GPU", "engine GPU")
-    state = params + grads + optim + ref
-    peak = state + buffers + OFFLOADED_REST + max(act["layers"] + act["logits"] + gathered + reduce, step_tmp)
+    state = t["params"] + t["grads"] + t["optim"] + t["ref"]
+    peak = max(t["backward"], t["entropy"], t["step"])
     rows = [("overhead (CUDA contexts, NCCL; calibrated)", {p: OVERHEAD for p in phases}),
             ("vLLM weights (bf16, / TP)", {"engine GPU": v_weights}),
             ("vLLM KV cache", {"engine GPU": max(kv, 0.0)}),
             ("vLLM reserve (activations)", {"engine GPU": reserve}),
             ("trainer state (params, grads, AdamW, ref)", {"trainer GPU": state}),
-            ("sync buffers + rest", {"trainer GPU": buffers + OFFLOADED_REST}),
-            ("activations + logits + gathered units, or step temporaries", {"trainer GPU": peak - state - buffers
-                                                                            - OFFLOADED_REST}),
-            ("allocator cache (calibrated)", {"trainer GPU": ALLOC_SLACK * (peak - buffers)})]
-    return MemoryPlan(m, s, gpu_bytes, gpu_source, phases, rows, kv_tokens, {"none (nothing is offloaded)": 0}, notes)
+            ("sync buffers + rest", {"trainer GPU": t["resident"]}),
+            ("activations, logits, gathered units (or step temporaries)", {"trainer GPU": peak - state - t["resident"]}),
+            ("allocator cache (calibrated)", {"trainer GPU": ALLOC_SLACK * (peak - t["resident"])})]
+    host = {"AdamW state (trainer.optimizer_offload)": t["optim_full"] if s.optimizer_offload else 0}
+    return MemoryPlan(m, s, gpu_bytes, gpu_source, phases, rows, kv_tokens, host, notes)
 
 
 # ------------------------------------------------------------------------------------------- GPU sizes
