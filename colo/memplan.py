@@ -150,7 +150,7 @@ def _build_shape(c: dict[str, Any]) -> ModelShape:
     sparse_step = int(c.get("decoder_sparse_step") or 1)
     mlp_only = set(c.get("mlp_only_layers") or [])
     qk_norm = mtype.startswith("qwen3")
-    bias = bool(c.get("attention_bias", mtype.startswith("qwen2")))
+    bias = mtype.startswith("qwen2") or bool(c.get("attention_bias", False))  # Qwen2's q/k/v always have one
     out: list[ParamSpec] = [ParamSpec("model.embed_tokens.weight", (V, H), False)]
     moe_layers = 0
     for i in range(L):

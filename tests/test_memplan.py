@@ -24,7 +24,9 @@ FAMILIES = {
                       shared_expert_intermediate_size=96, decoder_sparse_step=2),
     "mixtral": dict(TINY, architectures=["MixtralForCausalLM"], model_type="mixtral", num_local_experts=8,
                     intermediate_size=64),
-    "qwen3_dense": dict(TINY, architectures=["Qwen3ForCausalLM"], model_type="qwen3", tie_word_embeddings=True),
+    "qwen3_dense": {k: v for k, v in dict(TINY, architectures=["Qwen3ForCausalLM"], model_type="qwen3",
+                                          tie_word_embeddings=True).items()
+                    if k not in ("num_experts", "num_experts_per_tok", "moe_intermediate_size")},
 }
 
 
