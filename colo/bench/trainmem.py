@@ -40,14 +40,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return ap.parse_args(argv)
 
 
-def _model_dir(preset: str, layers: int) -> tuple[str, dict]:
+def _model_dir(preset: str, layers: int, overrides: dict | None = None) -> tuple[str, dict]:
     from colo.models.tiny import PRESETS, preset_config
 
     cfg = preset_config(preset)
     cfg.num_hidden_layers = cfg.max_window_layers = layers
+    for k, v in (overrides or {}).items():
+        setattr(cfg, k, v)
     out = tempfile.mkdtemp(prefix="colo-trainmem-")
     cfg.save_pretrained(out)
-    return out, dict(PRESETS[preset], num_hidden_layers=layers, max_window_layers=layers)
+    return out, dict(PRESETS[preset], num_hidden_layers=layers, max_window_layers=layers, **(overrides or {}))
 
 
 class Meter:
@@ -77,6 +79,7 @@ class Meter:
 
 
 def run(args: argparse.Namespace) -> dict:
+    """One measurement (see the module docstring); `args.overrides` (optional) changes the preset's config."""
     from colo.algo.loss import gather_logprobs, policy_loss, token_entropy
     from colo.memplan import Settings, activation_bytes, model_shape, plan_memory
     from colo.trainer.fsdp import build_sharded
@@ -94,7 +97,7 @@ def run(args: argparse.Namespace) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh(device.type, (1,))
-    path, config_json = _model_dir(args.preset, args.layers)
+    path, config_json = _model_dir(args.preset, args.layers, getattr(args, "overrides", None))
     model = build_sharded(path, dummy=True, mesh=mesh, device=device, gradient_checkpointing=args.gc)
     opt = make_optimizer(model.parameters(), lr=1e-6, weight_decay=0.0, state_dtype=args.optimizer_dtype,
                          on_host=args.optimizer_offload, device=device)

@@ -74,6 +74,18 @@ class StreamedAdamW(torch.optim.Optimizer):
         super().__init__(params, dict(lr=lr, weight_decay=weight_decay, betas=betas, eps=eps))
         self.state_dtype, self.keeps_state_on_host, self.device = state_dtype, on_host, device
         self._gen: dict[torch.device, torch.Generator] = {}
+        # torch's load_state_dict casts every state tensor to its param's dtype and device (fp32, the GPU):
+        # put a resumed state back where and how this optimizer keeps it
+        self.register_load_state_dict_post_hook(lambda opt: opt._relayout())
+
+    @torch.no_grad()
+    def _relayout(self) -> None:
+        for p, st in self.state.items():
+            for key in ("exp_avg", "exp_avg_sq"):
+                if key in st:
+                    fresh = self._new_state(p)[key]
+                    _local(fresh).copy_(_local(st[key]))
+                    st[key] = fresh
 
     def _new_state(self, p: torch.Tensor) -> dict[str, torch.Tensor]:
         local = _local(p)
