@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from colo import config as C
-from colo.memplan import GiB, Settings, format_changes, model_shape, parse_gpu_memory, plan_memory, ways_to_fit
+from colo.memfit import format_changes, ways_to_fit
+from colo.memplan import GiB, Settings, model_shape, parse_gpu_memory, plan_memory
 from colo.models.tiny import PRESETS
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -19,7 +19,6 @@ import os
 import socket
 import tempfile
 import time
-from pathlib import Path
 
 import torch
 import torch.distributed as dist

@@ -16,7 +16,8 @@ from typing import Any
 
 from colo.config import (AUTO, CHOICES, DATA_SUFFIXES, ColoConfig, ConfigError, _default, _did_you_mean,
                          _resolve_run_dir)
-from colo.memplan import MemoryPlan, Settings, format_changes, parse_gpu_memory, plan_memory, ways_to_fit
+from colo.memfit import format_changes, ways_to_fit
+from colo.memplan import MemoryPlan, Settings, parse_gpu_memory, plan_memory
 
 
 def validate(cfg: ColoConfig, *, check_resources: bool = True, check_gpus: bool = True,

@@ -1,0 +1,66 @@
+"""What each way to fit costs per train step, as a ratio against the default, measured in one run.
+
+    python -m colo.bench.fit [--steps 6] [--device cpu|cuda] [--json]
+
+Per option, the same train step as colo.bench.trainmem (onload, old-log-prob pass, one PPO micro-batch,
+optimizer step, offload) on one FSDP2 rank of a small Qwen3-MoE (4 layers, hidden 256, 16 experts top 4,
+vocab 4096; micro batch 4 x 256 tokens on CPU), `--steps` steps each; the figure is the median of steps
+2..N. Options: the default (torch AdamW, fp32 state on the device), trainer.gradient_checkpointing,
+trainer.optimizer_offload (state on the host, streamed per parameter), trainer.optimizer_dtype=bfloat16,
+and the last two together. On CPU "host" and "device" are the same memory, so optimizer_offload's ratio
+there is the cost of the per-parameter loop, not of the transfers; a GPU figure comes with a GPU run.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+
+import torch
+
+OPTIONS = {
+    "default": {},
+    "gradient_checkpointing": {"gc": True},
+    "optimizer_offload": {"optimizer_offload": True},
+    "optimizer_dtype=bfloat16": {"optimizer_dtype": "bfloat16"},
+    "optimizer_offload + bfloat16": {"optimizer_offload": True, "optimizer_dtype": "bfloat16"},
+}
+SHAPE = dict(hidden_size=256, intermediate_size=512, moe_intermediate_size=128, num_experts=16, num_experts_per_tok=4,
+             vocab_size=4096, num_attention_heads=4, num_key_value_heads=2, head_dim=64)
+
+
+def main(argv: list[str] | None = None) -> None:
+    from colo.bench import trainmem
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--mb", type=int, default=4)
+    ap.add_argument("--seq", type=int, default=256)
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args(argv)
+    out: dict[str, dict] = {}
+    for name, opts in OPTIONS.items():
+        targs = trainmem.parse_args(["--preset", "tiny", "--layers", "4", "--mb", str(args.mb), "--seq", str(args.seq),
+                                     "--steps", str(args.steps), "--device", args.device])
+        targs.gc = opts.get("gc", False)
+        targs.optimizer_offload = opts.get("optimizer_offload", False)
+        targs.optimizer_dtype = opts.get("optimizer_dtype", "float32")
+        targs.overrides = SHAPE
+        r = trainmem.run(targs)
+        secs = r["step_seconds"][1:]
+        out[name] = {"step_s": round(statistics.median(secs), 4), "all_s": r["step_seconds"]}
+    base = out["default"]["step_s"]
+    for v in out.values():
+        v["ratio"] = round(v["step_s"] / base, 3)
+    if args.json:
+        print(json.dumps({"device": args.device, "mb": args.mb, "seq": args.seq, "options": out,
+                          "torch": torch.__version__}))
+        return
+    print(f"train step on {args.device} (median of steps 2..{args.steps}), ratio against the default:")
+    for name, v in out.items():
+        print(f"  {name:30s} {v['step_s']:.3f} s  {v['ratio']:.2f}x")
+
+
+if __name__ == "__main__":
+    main()
