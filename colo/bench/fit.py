@@ -4,8 +4,9 @@
 
 Per option, the same train step as colo.bench.trainmem (onload, old-log-prob pass, one PPO micro-batch,
 optimizer step, offload) on one FSDP2 rank of a small Qwen3-MoE (4 layers, hidden 256, 16 experts top 4,
-vocab 4096; micro batch 4 x 256 tokens on CPU), `--steps` steps each; the figure is the median of steps
-2..N. Options: the default (torch AdamW, fp32 state on the device), trainer.gradient_checkpointing,
+vocab 4096; micro batch 2 x 128 tokens by default). All options live in one process and take their steps
+in turns (round r: one step of each), so load from other jobs hits them alike; the ratio is the median
+over rounds 2..N of (option's step / the default's step in the same round). Options: the default (torch AdamW, fp32 state on the device), trainer.gradient_checkpointing,
 trainer.optimizer_offload (state on the host, streamed per parameter), trainer.optimizer_dtype=bfloat16,
 and the last two together. On CPU "host" and "device" are the same memory, so optimizer_offload's ratio
 there is the cost of the per-parameter loop, not of the transfers; a GPU figure comes with a GPU run.
@@ -35,29 +36,35 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--mb", type=int, default=4)
-    ap.add_argument("--seq", type=int, default=256)
+    ap.add_argument("--mb", type=int, default=2)
+    ap.add_argument("--seq", type=int, default=128)
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
-    out: dict[str, dict] = {}
+    device = torch.device(args.device, 0) if args.device == "cuda" else torch.device("cpu")
+    trainmem.init_world(device)
+    steppers = {}
     for name, opts in OPTIONS.items():
         targs = trainmem.parse_args(["--preset", "tiny", "--layers", "4", "--mb", str(args.mb), "--seq", str(args.seq),
-                                     "--steps", str(args.steps), "--device", args.device])
+                                     "--device", args.device])
         targs.gc = opts.get("gc", False)
         targs.optimizer_offload = opts.get("optimizer_offload", False)
         targs.optimizer_dtype = opts.get("optimizer_dtype", "float32")
         targs.overrides = SHAPE
-        r = trainmem.run(targs)
-        secs = r["step_seconds"][1:]
-        out[name] = {"step_s": round(statistics.median(secs), 4), "all_s": r["step_seconds"]}
-    base = out["default"]["step_s"]
-    for v in out.values():
-        v["ratio"] = round(v["step_s"] / base, 3)
+        steppers[name] = trainmem.Stepper(targs, device)
+    secs: dict[str, list[float]] = {name: [] for name in OPTIONS}
+    for _ in range(args.steps):  # interleaved: round r of every option runs under the same machine load
+        for name, st in steppers.items():
+            secs[name].append(st.step()["seconds"])
+    out: dict[str, dict] = {}
+    for name, xs in secs.items():  # per round against the default's time in that round, then the median
+        ratios = [x / d for x, d in zip(xs[1:], secs["default"][1:])]
+        out[name] = {"step_s": round(statistics.median(xs[1:]), 4), "ratio": round(statistics.median(ratios), 3),
+                     "all_s": [round(x, 3) for x in xs]}
     if args.json:
-        print(json.dumps({"device": args.device, "mb": args.mb, "seq": args.seq, "options": out,
+        print(json.dumps({"device": args.device, "mb": args.mb, "seq": args.seq, "steps": args.steps, "options": out,
                           "torch": torch.__version__}))
         return
-    print(f"train step on {args.device} (median of steps 2..{args.steps}), ratio against the default:")
+    print(f"train step on {args.device} (rounds 2..{args.steps}, median; ratio per round against the default):")
     for name, v in out.items():
         print(f"  {name:30s} {v['step_s']:.3f} s  {v['ratio']:.2f}x")
 

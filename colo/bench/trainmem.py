@@ -77,15 +77,8 @@ class Meter:
         return None
 
 
-def run(args: argparse.Namespace) -> dict:
-    """One measurement (see the module docstring); `args.overrides` (optional) changes the preset's config."""
-    from colo.algo.loss import gather_logprobs, policy_loss, token_entropy
-    from colo.memplan import Settings, activation_bytes, model_shape, plan_memory
-    from colo.trainer.fsdp import build_sharded
-    from colo.trainer.offload import Offloader
-    from colo.trainer.optim import make_optimizer
-
-    device = torch.device(args.device, 0) if args.device == "cuda" else torch.device("cpu")
+def init_world(device: torch.device) -> None:
+    """A process group of one rank (gloo on CPU, NCCL on CUDA), as FSDP2 needs one."""
     if device.type == "cuda":
         torch.cuda.set_device(device)
     with socket.socket() as s:
@@ -93,50 +86,78 @@ def run(args: argparse.Namespace) -> dict:
         port = s.getsockname()[1]
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method=f"tcp://127.0.0.1:{port}",
                             rank=0, world_size=1)
-    from torch.distributed.device_mesh import init_device_mesh
 
-    mesh = init_device_mesh(device.type, (1,))
-    path, config_json = _model_dir(args.preset, args.layers, getattr(args, "overrides", None))
-    model = build_sharded(path, dummy=True, mesh=mesh, device=device, gradient_checkpointing=args.gc)
-    opt = make_optimizer(model.parameters(), lr=1e-6, weight_decay=0.0, state_dtype=args.optimizer_dtype,
-                         on_host=args.optimizer_offload, device=device)
-    off = Offloader(device)
-    V = int(config_json["vocab_size"])
-    gen = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, V, (args.mb, args.seq), generator=gen)  # (b, T)
-    am = torch.ones_like(ids)
-    mask = torch.ones(args.mb, args.seq)
-    mask[:, : args.seq // 8] = 0  # a prompt part, as rollouts have
-    adv = torch.randn(args.mb, generator=gen)
-    steps = []
-    for step in range(args.steps):
+
+class Stepper:
+    """One sharded model with its optimizer and the Trainer's step, runnable one step at a time (colo.bench.fit
+    interleaves several, so that a busy machine slows every option alike)."""
+
+    def __init__(self, args: argparse.Namespace, device: torch.device) -> None:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        from colo.trainer.fsdp import build_sharded
+        from colo.trainer.offload import Offloader
+        from colo.trainer.optim import make_optimizer
+
+        self.device, self.steps = device, 0
+        path, self.config_json = _model_dir(args.preset, args.layers, getattr(args, "overrides", None))
+        mesh = init_device_mesh(device.type, (1,))
+        self.model = build_sharded(path, dummy=True, mesh=mesh, device=device, gradient_checkpointing=args.gc)
+        self.opt = make_optimizer(self.model.parameters(), lr=1e-6, weight_decay=0.0, state_dtype=args.optimizer_dtype,
+                                  on_host=args.optimizer_offload, device=device)
+        self.off = Offloader(device)
+        gen = torch.Generator().manual_seed(0)
+        self.ids = torch.randint(0, int(self.config_json["vocab_size"]), (args.mb, args.seq), generator=gen)  # (b, T)
+        self.am = torch.ones_like(self.ids)
+        self.mask = torch.ones(args.mb, args.seq)
+        self.mask[:, : args.seq // 8] = 0  # a prompt part, as rollouts have
+        self.adv = torch.randn(args.mb, generator=gen)
+
+    def step(self) -> dict:
+        """Onload (after the first), old log-probs, one PPO micro-batch, optimizer step, offload."""
+        from colo.algo.loss import gather_logprobs, policy_loss, token_entropy
+
+        d, model, opt = self.device, self.model, self.opt
+        ids, am, mask = self.ids.to(d), self.am.to(d), self.mask.to(d)
         t0 = time.perf_counter()
-        with Meter(device) as m:
-            if step:
-                off.onload([model], opt)
+        with Meter(d) as m:
+            if self.steps:
+                self.off.onload([model], opt)
             m.stage("onload")
-            pos = (am.cumsum(-1) - 1).clamp(min=0).to(device)
+            pos = (am.cumsum(-1) - 1).clamp(min=0)
             with torch.no_grad():  # Trainer._logprobs: old log-probs
-                old = gather_logprobs(model(input_ids=ids.to(device), attention_mask=am.to(device), position_ids=pos,
-                                            use_cache=False).logits, ids.to(device))
+                old = gather_logprobs(model(input_ids=ids, attention_mask=am, position_ids=pos, use_cache=False).logits,
+                                      ids)
             m.stage("old_logprobs")
             # Trainer._ppo_micro
-            logits = model(input_ids=ids.to(device), attention_mask=am.to(device), position_ids=pos, use_cache=False).logits
-            lp = gather_logprobs(logits, ids.to(device))
-            loss, _ = policy_loss(lp, old, adv.to(device), mask.to(device), clip_low=0.2, clip_high=0.28,
+            logits = model(input_ids=ids, attention_mask=am, position_ids=pos, use_cache=False).logits
+            lp = gather_logprobs(logits, ids)
+            loss, _ = policy_loss(lp, old, self.adv.to(d), mask, clip_low=0.2, clip_high=0.28,
                                   token_count=float(mask.sum()))
             loss.backward()
             with torch.no_grad():
-                float((token_entropy(logits.detach()) * mask.to(device)).sum())
+                float((token_entropy(logits.detach()) * mask).sum())
             del logits, lp, loss
             m.stage("fwd_bwd")
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             opt.step()
             opt.zero_grad(set_to_none=True)
             m.stage("step")
-            off.offload([model], opt)
+            self.off.offload([model], opt)
             m.stage("offload")
-        steps.append({"stages": m.out, "seconds": time.perf_counter() - t0})
+        self.steps += 1
+        return {"stages": m.out, "seconds": time.perf_counter() - t0}
+
+
+def run(args: argparse.Namespace) -> dict:
+    """One measurement (see the module docstring); `args.overrides` (optional) changes the preset's config."""
+    from colo.memplan import Settings, activation_bytes, model_shape, plan_memory
+
+    device = torch.device(args.device, 0) if args.device == "cuda" else torch.device("cpu")
+    init_world(device)
+    st = Stepper(args, device)
+    config_json, model = st.config_json, st.model
+    steps = [st.step() for _ in range(args.steps)]
     s = Settings(num_gpus=1, vllm_fraction=0.3, micro_batch_size=args.mb, max_model_len=args.seq,
                  gradient_checkpointing=args.gc, optimizer_offload=args.optimizer_offload,
                  optimizer_dtype=args.optimizer_dtype)
