@@ -90,11 +90,12 @@ def _worker(rank: int, world: int, port: int, model_dir: str, paths: list[str], 
             load_sharded(model, model_dir)
         rebuild_buffers(model)
         seconds = time.perf_counter() - t0
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # before the digests touch anything
         dist.barrier()
-        digests = {n: hashlib.blake2b(p.to_local().detach().contiguous().numpy().tobytes(), digest_size=16).hexdigest()
+        # hashed in place (the buffer protocol of the numpy view): no copy inflates a later path's peak
+        digests = {n: hashlib.blake2b(p.to_local().detach().contiguous().numpy(), digest_size=16).hexdigest()
                    for n, p in model.named_parameters()}
-        report[path] = {"seconds": seconds, "rss_before": before, "rss_after": _rss(),
-                        "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        report[path] = {"seconds": seconds, "rss_before": before, "rss_after": _rss(), "peak_rss": peak,
                         "digests": digests}
         del model
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(report))
