@@ -141,9 +141,10 @@ def connect_weight_group(trainer0: Any, engines: list, tp_size: int) -> None:
 
 def gather(refs: list, who: list[str], timeout: float | None = None, engines: list | None = None,
            paired: bool = True) -> list:
-    """ray.get of all refs that fails on the first failure, naming the actor that died. `engines`: the
-    engines the callees talk to (the sync), so a dead one they report is named by its index; `paired`:
-    callee i talks to engine i only (colocated), the fallback when Ray's error does not carry the id.
+    """ray.get of all refs that fails on the first failure, naming the actor: ActorDied when it is gone,
+    ActorError when its method raised. `engines`: the engines the callees talk to (the sync), so an engine
+    that died or raised under a trainer's call is named by its index; `paired`: callee i talks to engine i
+    only (colocated), the fallback when Ray's error does not carry the dead engine's id.
 
     Results are taken in completion order, not rank order: when rank 1 dies, rank 0 may be blocked in a
     collective waiting for it (gloo's default timeout is 30 min), so ray.get(rank 0) first would hang."""
@@ -167,7 +168,9 @@ def gather(refs: list, who: list[str], timeout: float | None = None, engines: li
                 dead = i if dead is None and paired else dead
                 name = "an engine" if dead is None else f"engine DP rank {dead}"
                 raise ActorDied(f"{name} (seen by {who[i]} during the weight sync)") from e
-            raise
+            raised = _raising_engine(e, engines) if who[i].startswith("trainer") else None
+            name = who[i] if raised is None else f"engine DP rank {raised} (seen by {who[i]} during the weight sync)"
+            raise ActorError(name, e) from e
         except ray.exceptions.RayActorError as e:
             raise ActorDied(who[i]) from e
     return [out[i] for i in range(len(refs))]
@@ -179,6 +182,29 @@ def _engine_index(err: Exception, engines: list | None) -> int | None:
         if dead is not None and dead == e._actor_id.hex():
             return k
     return None
+
+
+def _raising_engine(err: Exception, engines: list | None) -> int | None:
+    """The engine whose method raised inside a trainer's call. Ray folds the chain of remote errors into
+    one message with a header per actor ("ray::RolloutEngine.load_bucket() (pid=.., actor_id=<hex>, ..)");
+    the actor id is the one stable name in it (the nested RayTaskError objects are not kept)."""
+    text = str(err)
+    for k, e in enumerate(engines or []):
+        if f"actor_id={e._actor_id.hex()}" in text:
+            return k
+    return None
+
+
+class ActorError(RuntimeError):
+    """An actor's method raised (the actor lives on). `name` says which actor, e.g. "engine DP rank 0";
+    the message is one line: the original exception's type and first line. The remote traceback stays in
+    the RayTaskError this is raised from (its __cause__)."""
+
+    def __init__(self, name: str, err: Exception) -> None:
+        cause = getattr(err, "cause", None) or err  # Ray keeps the innermost original exception here
+        first = (str(cause).strip().splitlines() or [""])[0]
+        super().__init__(f"{name} raised {type(cause).__name__}: {first}")
+        self.name = name
 
 
 class ActorDied(RuntimeError):

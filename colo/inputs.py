@@ -28,6 +28,7 @@ class RunInputs:
     sft_pairs: list[tuple[str, str]] = field(default_factory=list)
     chat_template: bool = False
     seed: int = 0
+    system_prompt: str | None = None
 
     def sft_batch(self, k: int, step: int) -> dict[str, torch.Tensor]:
         """k supervised examples (prompt → answer + EOS), loss on the answer tokens only.
@@ -36,7 +37,7 @@ class RunInputs:
         rng = random.Random(f"sft:{self.seed}:{step}")
         tok, samples = self.tokenizer, []
         for prompt, answer in (rng.choice(self.sft_pairs) for _ in range(k)):
-            _, p = encode_prompt(tok, prompt, self.chat_template)
+            _, p = encode_prompt(tok, prompt, self.chat_template, self.system_prompt)
             r = tok(completion(answer, self.chat_template), add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
             samples.append({"prompt_ids": p, "response_ids": r, "logprobs": [0.0] * len(r)})
         batch = build_batch(samples, torch.zeros(k), pad_id=tok.pad_token_id)  # right-padded, loss on r
@@ -49,15 +50,55 @@ def open_inputs(cfg: ColoConfig) -> RunInputs:
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(cfg.model.path)
-    chat = bool(cfg.data.chat_template and getattr(tok, "chat_template", None))
-    keys = (cfg.data.prompt_key, cfg.data.answer_key)
+    chat = uses_chat_template(cfg, tok)
+    keys, system = (cfg.data.prompt_key, cfg.data.answer_key), cfg.data.system_prompt
     try:
-        train = PromptDataset(cfg.data.path, *keys, tok, chat, seed=cfg.run.seed)
+        train = PromptDataset(cfg.data.path, *keys, tok, chat, seed=cfg.run.seed, system_prompt=system)
         evals: list[dict] = []
         if cfg.data.eval_path:
-            ev = PromptDataset(cfg.data.eval_path, *keys, tok, chat, shuffle=False)
+            ev = PromptDataset(cfg.data.eval_path, *keys, tok, chat, shuffle=False, system_prompt=system)
             evals = [ev.item(i) for i in range(min(len(ev), cfg.data.eval_size))]
         pairs = sft_examples(cfg.data.path, *keys) if cfg.loop.sft_warmup_steps else []
     except (OSError, ValueError) as e:  # read_rows names the file, the row and the field
         raise ConfigError(f"data: {e}") from e
-    return RunInputs(Path(cfg.run.dir), tok, train, evals, pairs, chat, cfg.run.seed)
+    return RunInputs(Path(cfg.run.dir), tok, train, evals, pairs, chat, cfg.run.seed, system)
+
+
+def uses_chat_template(cfg: ColoConfig, tokenizer: Any) -> bool:
+    """Chat models (a tokenizer with a chat template) get it, unless data.chat_template is off; base models
+    get raw text. A system prompt without a template is refused: there is no place to put it."""
+    chat = bool(cfg.data.chat_template and getattr(tokenizer, "chat_template", None))
+    if cfg.data.system_prompt and not chat:
+        why = ("data.chat_template is false" if not cfg.data.chat_template else
+               f"the tokenizer of model.path={cfg.model.path} has no chat template (a base model)")
+        raise ConfigError(f"data.system_prompt is set but {why}; fix: drop data.system_prompt (or put the "
+                          "instruction into the prompts)")
+    return chat
+
+
+def preview_prompt(cfg: ColoConfig) -> str:
+    """The first training prompt as the model will see it, for --dry-run: from the checkpoint's own
+    tokenizer (an auto: preset's is built in memory) and the first row of data.path (an auto: task's is
+    generated). Raises OSError/ValueError when either cannot be had on this machine."""
+    from colo.algo.data import read_rows
+    from colo.config import AUTO
+
+    if cfg.model.path.startswith(AUTO):
+        from colo.models.tiny import TOKENIZER_VOCAB
+        from colo.models.tokenizer import build_tokenizer
+
+        tok = build_tokenizer(TOKENIZER_VOCAB)
+    else:
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(cfg.model.path, local_files_only=True)
+    if cfg.data.path.startswith(AUTO):
+        from colo.algo.tasks import generate
+
+        prompt = generate(cfg.data.path[len(AUTO):], 1, 0, cfg.run.seed)[0][0][0]
+    else:
+        prompt = str(read_rows(cfg.data.path, [cfg.data.prompt_key, cfg.data.answer_key])[0][cfg.data.prompt_key])
+    chat = uses_chat_template(cfg, tok)
+    text, ids = encode_prompt(tok, prompt, chat, cfg.data.system_prompt)
+    how = "in the tokenizer's chat template" if chat else "raw text (no chat template)"
+    return f"# first prompt, {how}, {len(ids)} tokens:\n{text!r}"

@@ -5,6 +5,7 @@
     python -m colo.launch --config configs/qwen3-30b-a3b-4xh200.yaml trainer.lr=1e-6 loop.steps=50
     COLO_TRAIN_GPU_FRACTION=0.3 COLO_VLLM_GPU_FRACTION=0.6 python -m colo.launch --config ...
     python -m colo.launch --resume                              # continue the newest run of the config
+                                                                # (its saved config; env + overrides on top)
 
 Arguments are parsed and the config is checked before torch, Ray or vLLM is imported, so `--help`
 and config mistakes answer in well under a second. A config mistake prints one line and exits 2,
@@ -34,11 +35,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--dry-run", action="store_true",
                     help="print the resolved config and the per-GPU placement plan, start nothing")
     ap.add_argument("--resume", action="store_true",
-                    help="continue from the newest checkpoint in run.dir (same as run.resume=true)")
+                    help="continue the run in run.dir (its newest match) from its newest checkpoint, with "
+                         "its saved config; env vars and key=value apply on top (same as run.resume=true)")
     ap.add_argument("--debug", action="store_true", help="show tracebacks for config errors")
     ap.add_argument("overrides", nargs="*", metavar="key=value",
                     help="dotted overrides, e.g. trainer.lr=1e-6 placement.num_gpus=4")
-    return ap.parse_args(argv)
+    return ap.parse_intermixed_args(argv)  # key=value may follow --dry-run / --resume, as users write it
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -60,6 +62,12 @@ def _run(args: argparse.Namespace) -> int:
     path = args.config or (str(DEFAULT_CONFIG) if DEFAULT_CONFIG.is_file() else None)
     overrides = list(args.overrides) + (["run.resume=true"] if args.resume else [])
     cfg = config.load_config(path, overrides)
+    resumed = None
+    if cfg.run.resume:  # the run's own saved config, this command's env and overrides on top
+        from colo.config.resume import load_resumed
+
+        resumed = load_resumed(cfg.run.dir, overrides)
+        cfg, path = resumed.cfg, str(resumed.base)
     config.validate(cfg, check_gpus=not args.dry_run, check_memory=not args.dry_run)
     if args.dry_run:
         from colo.placement import plan_placement
@@ -71,11 +79,19 @@ def _run(args: argparse.Namespace) -> int:
         plan = config.memory_plan(cfg, resolved.placement.device)
         if plan is not None:
             print(f"\n{plan.table()}")
-            if plan.gpu_bytes is not None and not plan.fits:  # the table above shows why
-                raise config.ConfigError(config.checks.refusal(cfg, plan, config.model_config_json(cfg)))
+        print(f"\n{_prompt_preview(cfg)}")  # auto: paths as given: a preset is built in memory
+        if resumed:
+            print(f"\n{resumed.describe(resolved)}")
+        note = config.gpu_count_note(cfg)
+        if note:
+            print(f"\n{note}")
+        if plan is not None and plan.gpu_bytes is not None and not plan.fits:  # the plan table shows why
+            raise config.ConfigError(config.checks.refusal(cfg, plan, config.model_config_json(cfg)))
         print("\n(dry run: nothing was written or started)")
         return 0
     cfg = prepare_run(cfg)
+    if resumed:
+        print(resumed.describe(cfg), flush=True)
     print(f"colo: run dir {cfg.run.dir}", flush=True)
     from colo import loop  # heavy: torch, Ray, vLLM
 
@@ -84,11 +100,12 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def prepare_run(cfg: ColoConfig) -> ColoConfig:
-    """Resolve the config, create run.dir, generate auto: model/data into it, save config.yaml.
+    """Resolve the config, create run.dir, generate auto: model/data into it, save the config: config.yaml
+    at the start of a run, config.resume-<n>.yaml at its n-th resume (config.yaml is never rewritten).
 
     Returns the resolved config (concrete device, absolute paths) that the loop and actors get;
-    `--config <run.dir>/config.yaml --resume` reproduces it. Generation is idempotent, so a resumed
-    run reuses the model and data it started with."""
+    `--resume run.dir=<run.dir>` continues from it. Generation is idempotent, so a resumed run reuses the
+    model and data it started with."""
     from colo import config
 
     resolved = config.resolve(cfg)  # may download a Hub model: still before anything is written
@@ -104,13 +121,31 @@ def prepare_run(cfg: ColoConfig) -> ColoConfig:
             from colo.algo.tasks import make_task
 
             make_task(value[len(config.AUTO):], run_dir / "data", seed=cfg.run.seed)
-    config.save_resolved(resolved, run_dir)
+    if cfg.run.resume:
+        from colo.config.resume import next_resume_config
+
+        config.save_resolved(resolved, run_dir, next_resume_config(run_dir).name)
+    else:
+        config.save_resolved(resolved, run_dir)
     return resolved
 
 
+def _prompt_preview(cfg: ColoConfig) -> str:
+    from colo import config
+    from colo.inputs import preview_prompt
+
+    try:
+        return preview_prompt(cfg)
+    except config.ConfigError:
+        raise
+    except (OSError, ValueError) as e:  # a Hub model or dataset not on this machine: the plan still stands
+        return f"# first prompt: not shown ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
+
+
 def check_user_data(cfg: ColoConfig, resolved: ColoConfig) -> None:
-    """Read every row of the user's data files before the run dir exists: validate() only looks at the
-    first row, and a bad row found after config.yaml is written would force --resume on the rerun."""
+    """Read every row of the user's data files (or datasets) before the run dir exists: validate() only looks
+    at the first row, and a bad row found after config.yaml is written would force --resume on the rerun.
+    A system prompt needs a chat template: checked here too, with the checkpoint's tokenizer."""
     from colo import config
     from colo.algo.data import read_rows
 
@@ -121,6 +156,12 @@ def check_user_data(cfg: ColoConfig, resolved: ColoConfig) -> None:
                 read_rows(getattr(resolved.data, key), [cfg.data.prompt_key, cfg.data.answer_key])
             except (OSError, ValueError) as e:  # read_rows names the file, the row and the field
                 raise config.ConfigError(f"data: {e}") from e
+    if cfg.data.system_prompt and not cfg.model.path.startswith(config.AUTO):  # presets have a template
+        from transformers import AutoTokenizer
+
+        from colo.inputs import uses_chat_template
+
+        uses_chat_template(cfg, AutoTokenizer.from_pretrained(resolved.model.path))
 
 
 if __name__ == "__main__":

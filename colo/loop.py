@@ -22,8 +22,10 @@ of step s come from the weights of step s-1), which is what makes the two modes 
 
 Resume is exact: a checkpoint holds model, AdamW and RNG state plus the data position, and rollout seeds
 depend only on (run.seed, step), so `--resume` reproduces an uninterrupted run (bit-identical on CPU,
-tests/test_loop.py). A raising reward function or a dead engine ends the run with status 1 after saving
-the last trained step; after a dead trainer only the periodic checkpoints remain.
+tests/test_loop.py). A raising reward function, or an engine that dies or raises (in generate, sleep,
+wake_up or a sync), ends the run with status 1 after saving the last trained step: one `colo: error:`
+line on the terminal, the traceback in <run.dir>/error.log. After a trainer died or raised only the
+periodic checkpoints remain.
 """
 
 from __future__ import annotations
@@ -42,9 +44,9 @@ import torch
 from colo.algo.advantages import grpo_advantages
 from colo.algo.batch import build_batch, shard_batch
 from colo.algo.rewards import RewardError, RewardRunner
-from colo.cluster import ActorDied, Cluster, gather, on_engines, on_trainers, start_cluster
-from colo.config import ColoConfig
-from colo.metrics import MetricsWriter, ProgressLine
+from colo.cluster import ActorDied, ActorError, Cluster, gather, on_engines, on_trainers, start_cluster
+from colo.config import ColoConfig, to_dict
+from colo.metrics import MetricsWriter, ProgressLine, WandbSettings
 from colo.inputs import RunInputs, open_inputs
 from colo.placement import plan_placement
 
@@ -209,10 +211,17 @@ def restore(c: Cluster, inputs: RunInputs, writer: MetricsWriter) -> Position | 
     return Position(extra["step"], extra["data"])
 
 
-def fail(c: Cluster, inputs: RunInputs, pos: Position, e: Exception, keep_policy: bool) -> int:
-    """Report a run-ending failure, checkpointing the trainers when they still hold a whole policy; status 1."""
-    traceback.print_exc()
-    lines = [f"colo: error: {e}"]
+def fail(c: Cluster, inputs: RunInputs, pos: Position, e: Exception, keep_policy: bool,
+         progress: ProgressLine | None = None) -> int:
+    """Report a run-ending failure, checkpointing the trainers when they still hold a whole policy; status 1.
+
+    The terminal gets one `colo: error:` line (who failed and why), the checkpoint and the --resume hint;
+    the whole traceback (the driver's and, for an actor that raised, the remote one) is appended to
+    <run.dir>/error.log, which that line names."""
+    if progress:  # ends the bar's line: the error starts a line of its own
+        progress.close()
+    log = log_error(inputs.run_dir, e)
+    lines = [f"colo: error: {e} (traceback: {log})"]
     if keep_policy and pos.step >= 0:
         try:  # bounded: a rank stuck in a collective with a dead peer must not hang the exit
             save(c, inputs, pos, timeout=SAVE_ON_FAILURE_S)
@@ -223,6 +232,15 @@ def fail(c: Cluster, inputs: RunInputs, pos: Position, e: Exception, keep_policy
                      f"continue with: python -m colo.launch --resume run.dir={inputs.run_dir}")
     print("\n".join(lines), file=sys.stderr, flush=True)
     return 1
+
+
+def log_error(run_dir: Path, e: Exception) -> Path:
+    """Append the failure's full traceback to <run_dir>/error.log (earlier failures of the run stay)."""
+    path = run_dir / "error.log"
+    text = "".join(traceback.format_exception(e))  # the chain: an actor's RayTaskError holds its remote traceback
+    with path.open("a") as f:
+        f.write(f"==== {time.strftime('%Y-%m-%d %H:%M:%S')} colo: error: {e}\n{text}\n")
+    return path
 
 
 SAVE_ON_FAILURE_S = 900.0  # a DCP save of a 30B model takes minutes; a hung collective takes forever
@@ -245,12 +263,14 @@ def checkpoints(run_dir: Path) -> list[Path]:
 def run(cfg: ColoConfig) -> int:
     """Run a whole job on a resolved config (colo.launch.prepare_run); returns the exit status.
 
-    A reward function that raises or an actor that dies ends the run with status 1 after a checkpoint of
-    the last completed step, when the trainers still hold one (not after a trainer died)."""
+    A reward function that raises or an actor that dies or raises ends the run with status 1 after a
+    checkpoint of the last completed step, when the trainers still hold one (not after a trainer failed)."""
     inputs = open_inputs(cfg)
     ray.init(**ray_init_kwargs(cfg))
     cluster = start_cluster(cfg, plan_placement(cfg))
-    writer, rewards, progress = MetricsWriter(inputs.run_dir), RewardRunner(list(cfg.algo.rewards)), None
+    wandb = WandbSettings(cfg.run.wandb_project, cfg.run.wandb_mode, to_dict(cfg))
+    writer = MetricsWriter(inputs.run_dir, loggers=list(cfg.run.loggers), wandb=wandb)
+    rewards, progress = RewardRunner(list(cfg.algo.rewards)), None
     pos = Position(-1, inputs.train_data.state_dict())
     try:
         restored = restore(cluster, inputs, writer) if cfg.run.resume else None
@@ -276,9 +296,11 @@ def run(cfg: ColoConfig) -> int:
                 save(cluster, inputs, pos)
         on_trainers(cluster, "export_hf", [str(inputs.run_dir / "export")] * len(cluster.trainers))
     except RewardError as e:
-        return fail(cluster, inputs, pos, e, keep_policy=True)
-    except ActorDied as e:  # after an engine died the trainers still hold the policy: keep it
-        return fail(cluster, inputs, pos, e, keep_policy=e.name.startswith("engine"))
+        return fail(cluster, inputs, pos, e, keep_policy=True, progress=progress)
+    except (ActorDied, ActorError) as e:
+        # After an engine died or raised, the trainers still hold the policy: keep it. After a trainer did,
+        # its shards are gone or may be half-updated (and its peers may sit in a collective): do not save.
+        return fail(cluster, inputs, pos, e, keep_policy=e.name.startswith("engine"), progress=progress)
     finally:
         writer.close()
         if progress:

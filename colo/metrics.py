@@ -1,8 +1,14 @@
-"""Run outputs: metrics.jsonl, TensorBoard scalars, a PNG plot at close, and a progress bar.
+"""Run outputs: metrics.jsonl, TensorBoard scalars, W&B, a PNG plot at close, and a progress bar.
 
-    run_dir/metrics.jsonl   one JSON object per step: {"step": 3, "reward/mean": 0.4, ...}
-    run_dir/tb/             TensorBoard event files (tensorboard --logdir run_dir/tb)
+    run_dir/metrics.jsonl   one JSON object per step: {"step": 3, "reward/mean": 0.4, ...}  (always)
+    run_dir/tb/             TensorBoard event files (tensorboard --logdir run_dir/tb)       (run.loggers)
+    run_dir/wandb/          Weights & Biases run files; online runs upload as they go          (run.loggers)
     run_dir/metrics.png     reward (and eval reward) per step; stacked per-phase timings timing/*_s
+
+W&B plots against colo's own `step` (define_metric), not its internal counter: W&B's step must be a
+non-negative, increasing integer, while colo logs the warm-up as step -1 and a resumed run logs the
+steps after its checkpoint again. Those redone steps then appear twice in W&B (it cannot drop records);
+metrics.jsonl and TensorBoard keep one of each.
 
 The plot is drawn from metrics.jsonl, not from memory, so after a resume it still covers the whole
 run. On resume, pass `resume_step` or call `resume_from(step)` once the checkpoint's step is known:
@@ -16,6 +22,8 @@ from __future__ import annotations
 import json
 import math
 import numbers
+import secrets
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -56,13 +64,16 @@ def read_metrics(path: str | Path) -> list[dict]:
 class MetricsWriter:
     """Appends one record per step; call close() at the end to flush and draw the plot."""
 
-    def __init__(self, run_dir: str | Path, resume_step: int | None = None) -> None:
+    def __init__(self, run_dir: str | Path, resume_step: int | None = None,
+                 loggers: tuple[str, ...] | list[str] = ("jsonl", "tensorboard"),
+                 wandb: WandbSettings | None = None) -> None:
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.jsonl_path = self.run_dir / "metrics.jsonl"
         self.plot_path = self.run_dir / "metrics.png"
         self._jsonl = self.jsonl_path.open("a")
-        self._tb = self._summary_writer(None)
+        self._tb = self._summary_writer(None) if "tensorboard" in loggers else None
+        self._wandb = WandbLogger(self.run_dir, wandb or WandbSettings()) if "wandb" in loggers else None
         if resume_step is not None:
             self.resume_from(resume_step)
 
@@ -77,8 +88,9 @@ class MetricsWriter:
         keep = [r for r in read_metrics(self.jsonl_path) if r.get("step", -1) <= step]
         self.jsonl_path.write_text("".join(json.dumps(r) + "\n" for r in keep))
         self._jsonl = self.jsonl_path.open("a")
-        self._tb.close()
-        self._tb = self._summary_writer(step + 1)
+        if self._tb is not None:
+            self._tb.close()
+            self._tb = self._summary_writer(step + 1)
 
     def log(self, step: int, metrics: dict[str, Any]) -> dict[str, Any]:
         """Write one step's record; returns it as written (plain Python values)."""
@@ -86,9 +98,12 @@ class MetricsWriter:
         record.update({k: _plain(v) for k, v in metrics.items() if k != "step"})
         self._jsonl.write(json.dumps(record) + "\n")
         self._jsonl.flush()  # a crash loses at most the step being written
-        for k, v in record.items():
-            if k != "step" and isinstance(v, (int, float)):  # bools as 0/1
-                self._tb.add_scalar(k, float(v), step)
+        scalars = {k: float(v) for k, v in record.items() if k != "step" and isinstance(v, (int, float))}  # bools 0/1
+        if self._tb is not None:
+            for k, v in scalars.items():
+                self._tb.add_scalar(k, v, step)
+        if self._wandb is not None:
+            self._wandb.log(step, scalars)
         return record
 
     def close(self) -> Path | None:
@@ -96,8 +111,11 @@ class MetricsWriter:
         if self._jsonl.closed:
             return self.plot_path if self.plot_path.exists() else None
         self._jsonl.close()
-        self._tb.flush()
-        self._tb.close()
+        if self._tb is not None:
+            self._tb.flush()
+            self._tb.close()
+        if self._wandb is not None:
+            self._wandb.close()
         rows = read_metrics(self.jsonl_path)
         if not rows:
             return None
@@ -109,6 +127,33 @@ class MetricsWriter:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+@dataclass
+class WandbSettings:
+    project: str = "colo"
+    mode: str = "offline"  # online | offline (colo.config.resolve turns run.wandb_mode=auto into one)
+    config: dict[str, Any] = field(default_factory=dict)  # the resolved colo config, shown with the run
+
+
+class WandbLogger:
+    """One W&B run per colo run dir: its id is kept in <run_dir>/wandb_id, so --resume continues it."""
+
+    def __init__(self, run_dir: Path, settings: WandbSettings) -> None:
+        import wandb  # not at module level: a run without the wandb logger never imports it
+
+        id_file = run_dir / "wandb_id"
+        run_id = id_file.read_text().strip() if id_file.exists() else secrets.token_hex(4)
+        id_file.write_text(run_id + "\n")
+        self.run = wandb.init(project=settings.project, mode=settings.mode, dir=str(run_dir), id=run_id,
+                              name=run_dir.name, resume="allow", config=settings.config)
+        self.run.define_metric("*", step_metric="step")
+
+    def log(self, step: int, scalars: dict[str, float]) -> None:
+        self.run.log({"step": step, **scalars})
+
+    def close(self) -> None:
+        self.run.finish()
 
 
 def _series(rows: list[dict], key: str) -> tuple[list[int], list[float]]:

@@ -1,4 +1,5 @@
-"""Shared test set-up: a clean COLO_* environment, GPU tests skipped without CUDA, a CLI runner.
+"""Shared test set-up: a clean COLO_* environment, GPU tests skipped without CUDA, a CLI runner, and the
+default job run once per session (test_loop.py and test_readme.py both read it).
 
 Markers (strict, declared in pyproject.toml): `gpu` (everything under tests/gpu/ gets it and is
 skipped when torch sees no CUDA device) and `slow`.
@@ -64,3 +65,11 @@ def run_cli(*args: str, cwd: Path | str | None = None, env: dict[str, str] | Non
     p = subprocess.run([sys.executable, "-m", "colo.launch", *args], cwd=cwd or ROOT,
                        env=env or clean_env(), capture_output=True, text=True, timeout=timeout)
     return CliResult(p.returncode, p.stdout, p.stderr, time.perf_counter() - t0)
+
+
+@pytest.fixture(scope="session")
+def default_job(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, CliResult]:
+    """The default job (`python -m colo.launch`, README command 1) to the end, once per session: what
+    tests/test_loop.py checks learning on and tests/test_readme.py counts as that README command's run."""
+    run_dir = tmp_path_factory.mktemp("default-job") / "run"
+    return run_dir, run_cli(f"run.dir={run_dir}", timeout=900)  # measured ~90 s on an idle 2-core machine

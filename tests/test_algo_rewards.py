@@ -124,3 +124,29 @@ def test_submit_runs_off_thread_and_raises_on_result(user_mod):
     inline = RewardRunner([f"{user_mod}:where"], max_workers=0)
     assert inline.submit(["a"], ["a"], [""]).result().total == [1.0]  # caller's thread
     runner.close()
+
+
+# (response, reference, what the regex rewards say: exact_match, numeric) -> math says the truth
+MATH_CASES = [
+    ("so the answer is \\boxed{\\frac{1}{2}}", "0.5", 0.0, 0.0, 1.0),        # fraction vs decimal
+    ("So x = \\boxed{\\{1,2\\}}", "\\{2,1\\}", 0.0, 0.0, 1.0),               # sets: order does not matter
+    ("\\boxed{2\\sqrt{2}}", "\\sqrt{8}", 0.0, 0.0, 1.0),                     # equal radicals
+    ("\\boxed{x^2+2x+1}", "(x+1)^2", 0.0, 0.0, 1.0),                         # equal polynomials
+    ("The answer is \\boxed{3}. Check: 3+9=12", "12", 0.0, 1.0, 0.0),       # numeric reads the last number
+    ("\\boxed{10\\text{ cm}}", "10", 0.0, 1.0, 1.0),                         # units
+    ("\\boxed{7}", "8", 0.0, 0.0, 0.0),
+    ("blue", "blue", 1.0, 0.0, 1.0),                                         # not math: string equality
+    ("She sold \\boxed{72} clips.", "48/2 = 24 in May, 48+24 = 72 in all.\n#### 72", 0.0, 1.0, 1.0),  # GSM8K
+]
+
+
+def test_math_reward_is_right_where_the_regex_rewards_are_wrong():
+    responses, answers = [c[0] for c in MATH_CASES], [c[1] for c in MATH_CASES]
+    prompts = [""] * len(MATH_CASES)
+    assert exact_match(responses, answers, prompts) == [c[2] for c in MATH_CASES]
+    assert numeric(responses, answers, prompts) == [c[3] for c in MATH_CASES]
+    runner = RewardRunner(["math"])  # resolved by name, scored off the caller's thread as the loop may
+    try:
+        assert runner.submit(responses, answers, prompts).result().total == [c[4] for c in MATH_CASES]
+    finally:
+        runner.close()

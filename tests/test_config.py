@@ -326,3 +326,21 @@ def test_resolve_fills_in_run_dir_and_generated_paths(tmp_path: Path) -> None:
         write(tmp_path / "runs" / stamp / "config.yaml", "{}\n")
     resumed = C.resolve(load_config(None, cpu(f"run.dir={tmp_path}/runs/{{time}}", "run.resume=true"), {}))
     assert resumed.run.dir == str(tmp_path / "runs" / "20250102-000000")
+
+
+def test_loggers_checked_and_wandb_mode_resolved(tmp_path: Path) -> None:
+    for bad, hint in ((["jsonl", "tensorbord"], "did you mean 'tensorboard'"), (["wandb"], "jsonl")):
+        cfg = load_config(None, [f"run.loggers=[{','.join(bad)}]"], {})
+        with pytest.raises(ConfigError, match=hint):
+            C.validate(cfg, check_resources=False)
+    cfg = load_config(None, ["run.loggers=[jsonl,wandb]", f"run.dir={tmp_path}/r"], {})
+    C.validate(cfg, check_resources=False)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.delenv("WANDB_API_KEY", raising=False)
+        assert C.resolve(cfg, download=False).run.wandb_mode == "offline"  # no key: nothing is uploaded
+        mp.setenv("WANDB_API_KEY", "x" * 40)
+        assert C.resolve(cfg, download=False).run.wandb_mode == "online"
+    cfg.run.wandb_mode = "offline"
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("WANDB_API_KEY", "x" * 40)
+        assert C.resolve(cfg, download=False).run.wandb_mode == "offline"  # explicit wins

@@ -118,3 +118,55 @@ def test_epochs_are_permutations_and_resume_is_exact(tmp_path: Path, tok) -> Non
     with pytest.raises(ValueError, match="seed"):
         other.load_state_dict(state)
     assert [x["answer"] for b in other.sequential(4) for x in b] == [str(i) for i in range(10)]
+
+
+def test_hf_datasets_from_save_to_disk_with_renamed_columns(tmp_path: Path, tok) -> None:
+    import datasets
+
+    from colo.algo.data import DataSource
+    from colo.config import ConfigError, load_config, validate
+
+    rows = {"question": ["Question: 1+2=? Answer:", "Question: 4-1=? Answer:"], "final": ["3", "3"],
+            "extra": ["x", "y"]}
+    datasets.Dataset.from_dict(rows).save_to_disk(tmp_path / "single")
+    datasets.DatasetDict({"train": datasets.Dataset.from_dict(rows),
+                          "test": datasets.Dataset.from_dict({k: v[:1] for k, v in rows.items()})}
+                         ).save_to_disk(tmp_path / "dict")
+    assert DataSource.parse("openai/gsm8k:main:train") == DataSource("hub", "openai/gsm8k", "main", "train")
+    assert DataSource.parse(f"{tmp_path}/dict:test") == DataSource("disk", f"{tmp_path}/dict", None, "test")
+    for spec, n in ((f"{tmp_path}/single", 2), (f"{tmp_path}/dict:train", 2), (f"{tmp_path}/dict:test", 1)):
+        ds = PromptDataset(spec, "question", "final", tok, seed=0)
+        assert len(ds) == n and ds.next_batch(1)[0]["answer"] == "3"
+    with pytest.raises(ValueError, match=r"splits \['test', 'train'\].*fix: .*dict:test"):
+        read_rows(f"{tmp_path}/dict", ["question", "final"])
+    with pytest.raises(ValueError, match="no column 'prompt'"):
+        read_rows(f"{tmp_path}/single", ["prompt", "final"])
+    # the config check sees the same: before anything is written or started
+    good = load_config(None, [f"data.path={tmp_path}/dict:train", "data.prompt_key=question",
+                              "data.answer_key=final", "data.eval_path=null", f"run.dir={tmp_path}/r"], {})
+    validate(good)
+    for path, hint in ((f"{tmp_path}/dict", "needs a split"), (f"{tmp_path}/single:train", "no splits")):
+        with pytest.raises(ConfigError, match=hint):
+            validate(load_config(None, [f"data.path={path}", "data.prompt_key=question", "data.answer_key=final",
+                                        f"run.dir={tmp_path}/r"], {}))
+
+
+def test_chat_template_and_system_prompt(tok) -> None:
+    from colo.algo.data import encode_prompt
+    from colo.models.tokenizer import build_tokenizer
+
+    text, ids = encode_prompt(tok, "Question: 1+2=? Answer:", True, "Answer briefly.")
+    assert text == ("<|im_start|>system\nAnswer briefly.<|im_end|>\n<|im_start|>user\nQuestion: 1+2=? Answer:"
+                    "<|im_end|>\n<|im_start|>assistant\n")
+    assert tok.decode(ids) == text
+    assert encode_prompt(tok, "Q", True)[0] == "<|im_start|>user\nQ<|im_end|>\n<|im_start|>assistant\n"
+    base = build_tokenizer(512)
+    base.chat_template = None  # a base model's tokenizer
+    from colo.config import ConfigError, load_config
+    from colo.inputs import uses_chat_template
+
+    cfg = load_config(None, [], {})
+    assert uses_chat_template(cfg, tok) and not uses_chat_template(cfg, base)  # base models: raw text
+    cfg.data.system_prompt = "Answer briefly."
+    with pytest.raises(ConfigError, match="no chat template"):
+        uses_chat_template(cfg, base)

@@ -71,8 +71,8 @@ def test_hub_model_offline_names_alternatives(tmp_path: Path) -> None:
 
 def test_dry_run_prints_resolved_config_and_plan(tmp_path: Path) -> None:
     env = clean_env(COLO_TRAIN_GPU_FRACTION="0.3", COLO_VLLM_GPU_FRACTION="0.5")
-    r = run_cli("--dry-run", "trainer.lr=0.01", f"run.dir={tmp_path}/runs/{{time}}", env=env,
-                cwd=tmp_path)
+    r = run_cli("--dry-run", "trainer.lr=0.01", f"run.dir={tmp_path}/runs/{{time}}",
+                "data.system_prompt=Reply with the number.", env=env, cwd=tmp_path)
     assert r.returncode == 0, r.stderr
     text, _, plan = r.stdout.partition("\nplacement plan:")
     cfg = yaml.safe_load(text)
@@ -85,6 +85,9 @@ def test_dry_run_prints_resolved_config_and_plan(tmp_path: Path) -> None:
                                        ["1", "pg1/0", "trainer+engine", "1", "1", "0", "0"]]
     assert all(r_[7:] == ["0.3", "0.5", "kv_cache=256MiB"] for r_ in rows)
     assert "gpu  bundle  role            trainer_rank  dp_rank  tp_rank  ep_rank" in plan
+    # the first prompt as the model will see it: the tiny preset's chat template with the system prompt
+    assert ("# first prompt, in the tokenizer's chat template, " in r.stdout and "'<|im_start|>system\\nReply "
+            "with the number.<|im_end|>\\n<|im_start|>user\\nQuestion: " in r.stdout)
     assert list(tmp_path.iterdir()) == []  # a dry run writes nothing
 
 
@@ -121,7 +124,7 @@ def test_placement_errors_through_cli(tmp_path: Path) -> None:
                                      (8, "qwen3-30b-a3b-8xh100"), (32, "qwen3-235b-a22b-32xh200")])
 def test_dry_run_shape_of_gpu_configs(n: int, name: str, tmp_path: Path) -> None:
     """The 30B configs on a GPU host, rehearsed here through validate(check_resources=False) and the
-    plan (a dry run on this machine stops at the missing CUDA GPUs, tested above)."""
+    plan (tests/test_readme.py dry-runs the README's GPU commands, which notes the missing GPUs)."""
     from colo.config import load_config, validate
     from colo.placement import plan_placement
 
@@ -148,3 +151,43 @@ def test_prepare_run_generates_model_data_and_config(tmp_path: Path) -> None:
     saved = load_config(str(run / "config.yaml"), ["run.resume=true"], {})
     validate(saved)
     assert saved.model.path == r.model.path and saved.placement.device == "cpu"
+
+
+def test_resume_starts_from_the_runs_saved_config(tmp_path: Path) -> None:
+    """--resume: the run's newest saved config < COLO_* env < key=value; what differs from the saved run
+    is named with its source; config.yaml is never rewritten, each resume adds config.resume-<n>.yaml;
+    a copied run dir resumes from its own model and data. (tests/test_readme.py runs it end to end.)"""
+    import shutil
+
+    from colo.config import load_config, resolve
+    from colo.config.resume import load_resumed, saved_configs
+    from colo.launch import prepare_run
+
+    pattern = f"{tmp_path}/r/{{time}}"
+    cfg = load_config(str(ROOT / "configs" / "tiny-cpu.yaml"), [f"run.dir={pattern}", "loop.steps=3"],
+                      {"COLO_TRAINER__LR": "1e-3"})
+    run = Path(prepare_run(cfg).run.dir)
+    first = (run / "config.yaml").read_text()
+    # no env, no override: the saved run as it was (not tiny-cpu.yaml's lr 4e-4)
+    r = load_resumed(pattern, ["run.resume=true"], {})
+    assert r.cfg.trainer.lr == 1e-3 and r.cfg.loop.steps == 3 and r.cfg.run.resume
+    assert r.describe(resolve(r.cfg)) == f"colo: resume: {run / 'config.yaml'}, unchanged"
+    # env and command line on top, each change named once with where it came from
+    r = load_resumed(str(run), ["loop.steps=5", "run.resume=true", "loop.eval_every=10"],
+                     {"COLO_TRAINER__LR": "4e-4", "COLO_ROLLOUT__N": "8"})
+    resumed = prepare_run(r.cfg)
+    assert r.describe(resumed) == (f"colo: resume: {run / 'config.yaml'}; trainer.lr 0.001 -> 0.0004 (environment "
+                                   "COLO_TRAINER__LR); loop.steps 3 -> 5 (command line)")
+    assert (run / "config.yaml").read_text() == first
+    assert saved_configs(run) == [run / "config.yaml", run / "config.resume-1.yaml"]
+    # the next resume starts from the newest config
+    r = load_resumed(str(run), ["run.resume=true"], {})
+    assert r.base == run / "config.resume-1.yaml" and (r.cfg.trainer.lr, r.cfg.loop.steps) == (4e-4, 5)
+    copy = tmp_path / "copy"
+    shutil.copytree(run, copy)
+    r = load_resumed(str(copy), ["run.resume=true"], {})
+    moved = r.changes(resolve(r.cfg))
+    assert moved == [f"model.path {run}/model -> {copy}/model (moved with run.dir)",
+                     f"data.path {run}/data/arith_train.jsonl -> {copy}/data/arith_train.jsonl (moved with run.dir)",
+                     f"data.eval_path {run}/data/arith_eval.jsonl -> {copy}/data/arith_eval.jsonl (moved with run.dir)",
+                     f"run.dir {run} -> {copy} (the run's directory now, saved as {run})"], moved

@@ -1,6 +1,6 @@
 """The RL loop end to end through the real CLI (`python -m colo.launch`), as a user runs it.
 
-    pytest -q tests/test_loop.py            # ~5 min on 2 cores: one default job, one resume, 4 failures
+    pytest -q tests/test_loop.py            # ~6 min on 2 cores: one default job, one resume, 5 failures
 
 - learning: the default job (configs/tiny-cpu.yaml: 70 warm-up SFT steps + 140 GRPO steps on two
   trainer/engine pairs) raises the held-out eval reward, verifies every weight sync, keeps the
@@ -8,8 +8,9 @@
   export that transformers loads and that scores like the run's last eval).
 - resume: a copy of that run cut back to its step-19 checkpoint, resumed with --resume, reproduces the
   uninterrupted run's steps 20-24 (measured: bit-identical on CPU).
-- failures: a raising reward function, an engine or a trainer killed mid-run, a dataset row without its
-  answer: each exits non-zero within a bounded time, names the culprit, and keeps what it can.
+- failures: a raising reward function, an engine or a trainer killed mid-run, an engine that raises
+  mid-rollout, a dataset row without its answer: each exits non-zero within a bounded time, names the
+  culprit in one `colo: error:` line (traceback in <run.dir>/error.log), and keeps what it can.
 The failure runs use a small job (2 warm-up steps, 4 prompts x 4 samples): start-up dominates (~30 s).
 """
 from __future__ import annotations
@@ -70,6 +71,14 @@ def _killer(actor_name):
 
 kill_engine_1 = _killer("colo-engine-1")
 kill_trainer_1 = _killer("colo-trainer-1")
+
+
+def sleep_engine_0(responses, answers, prompts):
+    # with loop.eval_every=1, call 3 is step 0's eval: engine 0 is put to sleep behind the loop's back, so
+    # its next call, step 1's rollout generate, raises inside the engine (it refuses to generate asleep)
+    if _nth_call() == 3:
+        ray.get(ray.get_actor("colo-engine-0").sleep.remote(1))
+    return exact_match(responses, answers, prompts)
 '''
 
 
@@ -85,9 +94,9 @@ def _steps(run_dir: Path) -> list[int]:
 
 
 @pytest.fixture(scope="module")
-def learned(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict]]:
-    run_dir = tmp_path_factory.mktemp("learn") / "run"
-    r = run_cli(f"run.dir={run_dir}", timeout=600)  # measured ~90 s on an idle 2-core machine
+def learned(default_job) -> tuple[Path, list[dict]]:
+    """README command 1, the default job, run once per session (tests/conftest.py; test_readme.py uses it too)."""
+    run_dir, r = default_job
     assert r.returncode == 0, _tail(r)
     return run_dir, read_metrics(run_dir / "metrics.jsonl")
 
@@ -224,6 +233,31 @@ def test_engine_death_names_rank_checkpoints_then_resumes(reward_env: dict, tmp_
     # the checkpoint is whole: the job continues from it to the end
     r = run_cli("--resume", f"run.dir={run_dir}", "loop.steps=4", "algo.rewards=[exact_match]", env=reward_env,
                 timeout=300)
+    assert r.returncode == 0, _tail(r)
+    rows = read_metrics(run_dir / "metrics.jsonl")
+    assert [x["step"] for x in rows] == [-1, 0, 1, 2, 3] and all(x["sync/verified"] for x in rows), rows
+    assert (run_dir / "export" / "config.json").exists()
+
+
+def test_engine_error_one_line_traceback_logged_checkpoints_then_resumes(reward_env: dict, tmp_path: Path) -> None:
+    """An engine that raises (and lives on) ends the run like a dead one: one line naming the engine and
+    the cause, the traceback in <run.dir>/error.log, the trained step saved, and --resume goes on."""
+    run_dir = tmp_path / "run"
+    r = _fail_run(run_dir, reward_env, "algo.rewards=[failing_rewards:sleep_engine_0]", "loop.eval_every=1")
+    errors = [ln for ln in r.stderr.splitlines() if ln.startswith("colo: error:")]
+    assert len(errors) == 1, _tail(r)
+    assert errors[0].startswith("colo: error: engine DP rank 0 raised RuntimeError: generate() on rank 0 while "
+                                "['kv_cache', 'weights'] still sleep"), errors
+    assert errors[0].endswith(f"(traceback: {run_dir / 'error.log'})"), errors
+    assert "Traceback (most recent call last)" not in r.stderr, "the driver's traceback belongs in error.log"
+    log = (run_dir / "error.log").read_text()
+    assert "Traceback (most recent call last)" in log and "ray::RolloutEngine.generate()" in log, log
+    assert "in generate" in log and "ActorError: engine DP rank 0 raised RuntimeError" in log, log
+    # step 0 trained (and was evaluated), step 1's rollout failed: step 0 is saved, the hint points at it
+    assert _extra(run_dir, 0)["step"] == 0 and _steps(run_dir) == [-1, 0]
+    assert f"newest checkpoint {run_dir / 'checkpoints' / 'step_000000'}" in r.stderr
+    assert f"--resume run.dir={run_dir}" in r.stderr
+    r = run_cli("--resume", f"run.dir={run_dir}", "algo.rewards=[exact_match]", env=reward_env, timeout=300)
     assert r.returncode == 0, _tail(r)
     rows = read_metrics(run_dir / "metrics.jsonl")
     assert [x["step"] for x in rows] == [-1, 0, 1, 2, 3] and all(x["sync/verified"] for x in rows), rows

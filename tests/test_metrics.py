@@ -73,3 +73,49 @@ def test_progress_line(capsys):
     p.close()
     assert line == "reward=0.500, eval=0.700"
     assert "reward=0.500" in capsys.readouterr().err
+
+
+def _wandb_records(path):
+    """Decode a W&B transaction log (<run>/run-<id>.wandb): a ':W&B' header, then LevelDB-log records
+    (crc32, uint16 length, type: 1 full / 2 first / 3 middle / 4 last) in 32 KiB blocks, each a protobuf
+    Record. W&B 0.31 ships no reader for it, so the test carries this one."""
+    from wandb.proto import wandb_internal_pb2 as pb
+
+    data, block, pos, pending, out = path.read_bytes(), 32768, 7, b"", []
+    assert data[:4] == b":W&B"
+    while pos + 7 <= len(data):
+        if block - pos % block < 7:  # a block's tail too short for a record header is zero padding
+            pos += block - pos % block
+            continue
+        length, kind = int.from_bytes(data[pos + 4:pos + 6], "little"), data[pos + 6]
+        chunk, pos = data[pos + 7:pos + 7 + length], pos + 7 + length
+        if kind == 0:
+            break
+        pending = chunk if kind in (1, 2) else pending + chunk
+        if kind in (1, 4):
+            rec = pb.Record()
+            rec.ParseFromString(pending)
+            out.append(rec)
+    return out
+
+
+def test_wandb_offline_logs_the_same_scalars_and_the_config(tmp_path):
+    from colo.metrics import WandbSettings
+
+    settings = WandbSettings(project="colo-test", mode="offline", config={"trainer": {"lr": 4e-4}})
+    with MetricsWriter(tmp_path, loggers=["jsonl", "wandb"], wandb=settings) as w:
+        w.log(-1, {"sft/loss_last": 1.5})
+        for i in range(2):
+            w.log(i, _step(i))
+    run_id = (tmp_path / "wandb_id").read_text().strip()
+    (log,) = list((tmp_path / "wandb").glob(f"offline-run-*-{run_id}/run-{run_id}.wandb"))
+    recs = _wandb_records(log)
+    history = [{i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in r.history.item}
+               for r in recs if r.WhichOneof("record_type") == "history"]
+    assert [h["step"] for h in history] == [-1, 0, 1]  # colo's step, the warm-up included
+    assert history[2]["reward/mean"] == 0.1 and history[2]["timing/train_s"] == 1.5
+    assert history[2]["sync/verified"] == 1.0 and "grad_norm" not in history[2]  # nan is not logged
+    (run,) = [r.run for r in recs if r.WhichOneof("record_type") == "run"]
+    config = {i.key: json.loads(i.value_json) for i in run.config.update}
+    assert config["trainer"] == {"lr": 4e-4}
+    assert not (tmp_path / "tb").exists()  # tensorboard was not asked for

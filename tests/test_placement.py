@@ -193,3 +193,47 @@ def test_more_gpus_than_the_cluster_has(ray_four_gpus) -> None:
     with pytest.raises(ConfigError, match="Ray cluster has 4 GPU"):
         create_disaggregated_placement(plan_of(*DISAGGREGATED[:2], "placement.num_gpus=6",
                                                "placement.trainer_gpus=2", "rollout.tp_size=2"))
+
+
+# colo.cluster.gather reads Ray's errors to name who failed; the loop reports that name (tests/test_loop.py
+# runs it against real engines). The actors here play the two roles only so that an engine's error can be
+# raised inside a trainer's call on demand, with no vLLM to start.
+
+def _roles():
+    import ray
+
+    @ray.remote(num_cpus=0)
+    class Engine:
+        def load_bucket(self, bad: bool) -> int:
+            if bad:
+                raise ValueError("bucket 3 does not fit\nsecond line")
+            return 1
+
+    @ray.remote(num_cpus=0)
+    class Trainer:
+        def sync(self, engines: list, bad: int) -> list:
+            return ray.get([e.load_bucket.remote(i == bad) for i, e in enumerate(engines)])
+
+        def step(self) -> None:
+            raise KeyError("no such batch")
+
+    return Engine, Trainer
+
+
+def test_gather_names_the_actor_that_raised(ray_four_gpus) -> None:
+    from colo.cluster import ActorError, gather
+
+    Engine, Trainer = _roles()
+    engines, trainers = [Engine.remote(), Engine.remote()], [Trainer.remote(), Trainer.remote()]
+    who = ["trainer rank 0", "trainer rank 1"]
+    assert gather([t.sync.remote(engines, -1) for t in trainers], who, engines=engines) == [[1, 1], [1, 1]]
+    # engine 1 raises under trainer 0's call (disaggregated: one trainer talks to every engine)
+    with pytest.raises(ActorError) as err:
+        gather([trainers[0].sync.remote(engines, 1)], who[:1], engines=engines, paired=False)
+    assert str(err.value) == ("engine DP rank 1 (seen by trainer rank 0 during the weight sync) raised "
+                              "ValueError: bucket 3 does not fit")
+    assert err.value.name.startswith("engine DP rank 1") and "second line" in str(err.value.__cause__)
+    with pytest.raises(ActorError, match=r"^trainer rank 1 raised KeyError: 'no such batch'$"):
+        gather([trainers[1].step.remote()], who[1:], engines=engines)
+    with pytest.raises(ActorError, match=r"^engine DP rank 0 raised ValueError: bucket 3 does not fit$"):
+        gather([engines[0].load_bucket.remote(True)], ["engine DP rank 0"])

@@ -100,6 +100,23 @@ def test_logprobs_match_transformers(engine, model_dir) -> None:
     assert worst < 0.03, f"vLLM vs transformers log-prob gap {worst}"  # bf16 weights, fp32 reference
 
 
+def test_batch_beyond_one_scheduler_step_generates_reproducibly(engine) -> None:
+    """More prompt tokens than one vLLM scheduler step takes, every request seeded: with chunked prefill
+    the prompt at the step's edge was split, and rewinding its seeded CPU generator crashed the engine
+    ("CPU Generator does not use offset"). Without chunking it waits for the next step whole."""
+    e, info = engine
+    sched = info["scheduler"]
+    assert sched["chunked_prefill"] is False and sched["max_num_batched_tokens"] >= 256  # >= max_model_len
+    P, n = 20, 4  # 20-token prompts, 4 samples each: each sample is a request with its own prefill
+    count = sched["max_num_batched_tokens"] // (P * n) + 8
+    prompts = [[(7 * i + j) % 500 + 3 for j in range(P)] for i in range(count)]
+    assert len(prompts) * n * P > sched["max_num_batched_tokens"] + 2 * P  # the first step cannot take them all
+    out = ray.get(e.generate.remote(prompts, n=n, max_tokens=3, temperature=1.0, top_p=1.0, seed=11))
+    assert len(out) == len(prompts) * n and all(1 <= len(s["response_ids"]) <= 3 for s in out)
+    again = ray.get(e.generate.remote(prompts, n=n, max_tokens=3, temperature=1.0, top_p=1.0, seed=11))
+    assert [s["response_ids"] for s in again] == [s["response_ids"] for s in out]
+
+
 def test_greedy_is_deterministic_across_calls_and_samples(engine) -> None:
     e, _ = engine
     a = ray.get(e.generate.remote(PROMPTS, n=2, max_tokens=16, temperature=0.0, top_p=0.9, seed=None))

@@ -1,4 +1,11 @@
-"""Prompt data: JSONL/Parquet rows -> tokenized prompt batches, shuffled per epoch, resumable.
+"""Prompt data: JSONL/Parquet files or Hugging Face datasets -> tokenized prompt batches, shuffled per
+epoch, resumable.
+
+Sources (`data.path`, `data.eval_path`; DataSource.parse):
+    /data/train.jsonl | .parquet        a file, one row per prompt
+    /data/gsm8k_disk[:split]            a dir written by datasets' save_to_disk (a DatasetDict needs :split)
+    openai/gsm8k:main:train             a Hub dataset id[:config]:split, through datasets' cache
+                                        (HF_DATASETS_OFFLINE=1 / HF_HUB_OFFLINE=1 use the cache only)
 
     ds = PromptDataset("arith_train.jsonl", "prompt", "answer", tokenizer, chat_template=False, seed=0)
     batch = ds.next_batch(8)     # [{"prompt_ids": [int], "prompt_text": str, "answer": str}] * 8
@@ -17,13 +24,95 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 
+FILE_SUFFIXES = (".jsonl", ".json", ".ndjson", ".parquet")  # .json is JSON lines
+_REPO_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
+
+
+@dataclass(frozen=True)
+class DataSource:
+    kind: str  # "file" | "disk" (save_to_disk dir) | "hub"
+    path: str  # file or dir path, or the Hub id
+    config: str | None = None  # hub: the dataset's config (e.g. gsm8k's "main")
+    split: str | None = None  # disk (DatasetDict) and hub: which split
+
+    @classmethod
+    def parse(cls, value: str) -> DataSource:
+        """What a data.path value names; nothing is read. A value that exists on disk is a path even if it
+        holds ':'; otherwise ':'-separated parts after the first are [config:]split."""
+        path = Path(value).expanduser()
+        if path.is_dir():
+            return cls("disk", str(path))
+        if path.exists() or path.suffix in FILE_SUFFIXES:
+            return cls("file", str(path))
+        base, *rest = value.split(":")
+        if Path(base).expanduser().is_dir() and len(rest) == 1:
+            return cls("disk", str(Path(base).expanduser()), split=rest[0])
+        if _REPO_ID.fullmatch(base) and not base.startswith(".") and len(rest) <= 2:
+            config, split = (rest[0], rest[1]) if len(rest) == 2 else (None, rest[0] if rest else "train")
+            return cls("hub", base, config=config or None, split=split)
+        return cls("file", str(path))  # missing: read_rows / the config check say so
+
+    def resolved(self) -> str:
+        """The same source with an absolute path (what the run dir's config.yaml records)."""
+        if self.kind == "hub":
+            return self.spec()
+        return DataSource(self.kind, str(Path(self.path).resolve()), self.config, self.split).spec()
+
+    def spec(self) -> str:
+        return ":".join(x for x in (self.path, self.config, self.split) if x)
+
+
+def dataset_columns(source: DataSource) -> list[str]:
+    """Column names of a save_to_disk dir (memory-mapped: cheap), for the config check."""
+    return list(_open_dataset(source).column_names)
+
+
+def _open_dataset(source: DataSource) -> Any:
+    import datasets
+
+    if source.kind == "hub":
+        try:
+            return datasets.load_dataset(source.path, source.config, split=source.split)
+        except (ValueError, FileNotFoundError, ConnectionError, OSError) as e:
+            raise ValueError(f"Hugging Face dataset {source.spec()}: {type(e).__name__}: "
+                             f"{str(e).splitlines()[0] if str(e) else ''} (no network and not in the datasets "
+                             "cache? save it with save_to_disk where the Hub is reachable and point data.path "
+                             "at that dir)") from e
+    try:
+        ds = datasets.load_from_disk(source.path)
+    except FileNotFoundError as e:
+        raise ValueError(f"{source.path}: not a dataset written by save_to_disk ({e})") from e
+    if isinstance(ds, datasets.DatasetDict):
+        if source.split is None or source.split not in ds:
+            what = "needs a split" if source.split is None else f"has no split {source.split!r}"
+            raise ValueError(f"{source.path} is a DatasetDict with splits {sorted(ds)}, so data.path {what}; "
+                             f"fix: {source.path}:{sorted(ds)[0]}")
+        ds = ds[source.split]
+    elif source.split is not None:
+        raise ValueError(f"{source.path} is a single dataset (no splits), but data.path names split "
+                         f"{source.split!r}; fix: drop ':{source.split}'")
+    return ds
+
+
 def read_rows(path: str | os.PathLike, required: Sequence[str]) -> list[dict[str, Any]]:
-    """All rows of a .jsonl/.json-lines or .parquet file; every row must have every `required` field."""
+    """All rows of a .jsonl/.json-lines or .parquet file, or of a Hugging Face dataset (DataSource);
+    every row must have every `required` field."""
+    source = DataSource.parse(str(path))
+    if source.kind != "file":
+        ds = _open_dataset(source)
+        missing = [k for k in required if k not in ds.column_names]
+        if missing:
+            raise ValueError(f"{source.spec()}: no column {missing[0]!r} (columns: {sorted(ds.column_names)}); "
+                             "fix: data.prompt_key=/data.answer_key= to name them")
+        rows = ds.select_columns(list(required)).to_list()  # only the two columns: datasets can be wide
+        return _check_rows(rows, [f"row {i}" for i in range(len(rows))], required, source.spec())
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"data file not found: {path}")
@@ -49,23 +138,32 @@ def read_rows(path: str | os.PathLike, required: Sequence[str]) -> list[dict[str
                 where.append(f"row {len(rows) - 1} (line {lineno})")
     else:
         raise ValueError(f"{path}: unsupported data format {path.suffix!r}; use .jsonl or .parquet")
+    return _check_rows(rows, where, required, str(path))
+
+
+def _check_rows(rows: list[dict], where: list[str], required: Sequence[str], name: str) -> list[dict]:
     for row, at in zip(rows, where):
         for key in required:
-            if row.get(key) is None:  # Parquet fills absent values with None: treat as missing too
-                raise ValueError(f"{path}: {at}: missing field {key!r} (row has fields {sorted(row)})")
+            if row.get(key) is None:  # Parquet and datasets fill absent values with None: missing too
+                raise ValueError(f"{name}: {at}: missing field {key!r} (row has fields {sorted(row)})")
     if not rows:
-        raise ValueError(f"{path}: no rows")
+        raise ValueError(f"{name}: no rows")
     return rows
 
 
-def encode_prompt(tokenizer: Any, prompt: str, chat_template: bool) -> tuple[str, list[int]]:
-    """(text the model sees, its token ids): the chat template applied when enabled. Rollout prompts and
-    the warm-up's supervised examples both go through here, so they are tokenized identically."""
+def encode_prompt(tokenizer: Any, prompt: str, chat_template: bool,
+                  system_prompt: str | None = None) -> tuple[str, list[int]]:
+    """(text the model sees, its token ids): the chat template applied when enabled, with the system
+    prompt as its first message when given. Rollout prompts and the warm-up's supervised examples both go
+    through here, so they are tokenized identically."""
     if not chat_template:
+        if system_prompt:  # colo.inputs refuses this combination before anything starts
+            raise ValueError("a system prompt needs a chat template")
         text = prompt
     else:
-        text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
-                                             tokenize=False)
+        system = [{"role": "system", "content": system_prompt}] if system_prompt else []
+        text = tokenizer.apply_chat_template(system + [{"role": "user", "content": prompt}],
+                                             add_generation_prompt=True, tokenize=False)
     # A rendered chat template already carries any BOS; a raw prompt gets the tokenizer's specials.
     return text, list(tokenizer(text, add_special_tokens=not chat_template)["input_ids"])
 
@@ -75,7 +173,7 @@ class PromptDataset:
 
     def __init__(self, path: str | os.PathLike, prompt_key: str = "prompt", answer_key: str = "answer",
                  tokenizer: Any = None, chat_template: bool = False, seed: int = 0,
-                 shuffle: bool = True) -> None:
+                 shuffle: bool = True, system_prompt: str | None = None) -> None:
         """`tokenizer`: a transformers tokenizer or a path to load one from (AutoTokenizer)."""
         if tokenizer is None:
             raise ValueError("PromptDataset needs a tokenizer (object or path)")
@@ -85,12 +183,13 @@ class PromptDataset:
             tokenizer = AutoTokenizer.from_pretrained(tokenizer)
         if chat_template and not getattr(tokenizer, "chat_template", None):
             raise ValueError(f"chat_template=True but tokenizer {tokenizer.name_or_path!r} has no chat template")
-        self.path = Path(path)
+        self.path = str(path)  # a file, or a dataset source spec (DataSource)
         rows = read_rows(self.path, [prompt_key, answer_key])
         self.prompts = [str(r[prompt_key]) for r in rows]
         self.answers = [str(r[answer_key]) for r in rows]
         self.tokenizer = tokenizer
         self.chat_template = chat_template
+        self.system_prompt = system_prompt
         self.seed = seed
         self.shuffle = shuffle
         self.epoch = 0
@@ -103,10 +202,10 @@ class PromptDataset:
 
     def prompt_text(self, i: int) -> str:
         """Row i's prompt as the model sees it (chat template applied when enabled)."""
-        return encode_prompt(self.tokenizer, self.prompts[i], self.chat_template)[0]
+        return encode_prompt(self.tokenizer, self.prompts[i], self.chat_template, self.system_prompt)[0]
 
     def item(self, i: int) -> dict[str, Any]:
-        text, ids = encode_prompt(self.tokenizer, self.prompts[i], self.chat_template)
+        text, ids = encode_prompt(self.tokenizer, self.prompts[i], self.chat_template, self.system_prompt)
         return {"prompt_ids": ids, "prompt_text": text, "answer": self.answers[i]}
 
     def _epoch_order(self, epoch: int) -> list[int]:

@@ -12,6 +12,8 @@ Built-ins (names usable in `algo.rewards`):
     numeric      1.0 when the last number in the response equals the reference's last number
                  within NUMERIC_REL_TOL / NUMERIC_ABS_TOL
     format       1.0 when the response stopped on its own (not truncated) with a non-empty answer
+    math         1.0 when HF's math-verify finds the answer mathematically equal to the reference
+                 (LaTeX, fractions, sets, intervals, units, \\boxed{}; colo.algo.math_reward)
 
 `RewardRunner` resolves names once, at construction, so a typo fails before any GPU time is spent.
     runner(responses, answers, prompts)          -> list[float]  weighted sum, in the caller's thread
@@ -31,6 +33,8 @@ import re
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+
+from colo.algo import math_reward
 
 RewardFn = Callable[..., list[float]]
 
@@ -108,7 +112,8 @@ def format(responses: list[str], answers: list[str], prompts: list[str],  # noqa
             for r, fr in zip(responses, reasons)]
 
 
-BUILTINS: dict[str, RewardFn] = {"exact_match": exact_match, "numeric": numeric, "format": format}
+BUILTINS: dict[str, RewardFn] = {"exact_match": exact_match, "numeric": numeric, "format": format,
+                                 "math": math_reward.math}
 
 
 def resolve(name: str) -> RewardFn:

@@ -42,8 +42,9 @@ CHOICES = {  # must match the consumers: colo.algo.loss.LOSS_AGGS, colo.sync, co
     "sync.mode": ("direct", "load_weights"),
     "rollout.vllm_weight_transfer": ("none", "ipc"),
     "trainer.optimizer_dtype": ("float32", "bfloat16"),
+    "run.wandb_mode": ("auto", "online", "offline"),
 }
-DATA_SUFFIXES = (".jsonl", ".json", ".ndjson", ".parquet")  # .json is JSON lines (colo.algo.data)
+LOGGERS = ("jsonl", "tensorboard", "wandb")
 
 
 class ConfigError(Exception):
@@ -190,8 +191,9 @@ class SyncConfig:
 @dataclass
 class DataConfig:
     path: str = "auto:arith"
-    """Training prompts: JSONL/Parquet with prompt and answer fields, or "auto:<task>" (arith |
-    reverse), a synthetic task from colo.algo.tasks written to <run.dir>/data."""
+    """Training prompts with prompt and answer fields: a JSONL/Parquet file, a Hugging Face dataset (a
+    save_to_disk dir[:split], or a Hub id[:config]:split such as openai/gsm8k:main:train), or
+    "auto:<task>" (arith | reverse), a synthetic task from colo.algo.tasks written to <run.dir>/data."""
     eval_path: Optional[str] = None
     """Held-out prompts for eval (same formats as path; auto:<task> = its eval split); null: no eval."""
     prompt_key: str = "prompt"
@@ -201,7 +203,11 @@ class DataConfig:
     prompts_per_step: int = 16
     """Prompts per RL step (each sampled rollout.n times)."""
     chat_template: bool = True
-    """Wrap prompts in the tokenizer's chat template when it has one."""
+    """Wrap prompts in the tokenizer's chat template when it has one (chat models); a tokenizer without
+    one (a base model) gets the raw prompt text."""
+    system_prompt: Optional[str] = None
+    """System message put before every prompt in the chat template (needs a tokenizer with a chat
+    template and data.chat_template: true); null: none."""
     eval_size: int = 64
     """Eval prompts used from eval_path (the first ones, greedy, one sample each)."""
 
@@ -232,7 +238,17 @@ class RunConfig:
     seed: int = 0
     """Seed for data order, sampling and the generated model/data."""
     resume: bool = False
-    """Continue from the newest checkpoint in run.dir (also: --resume)."""
+    """Continue the run in run.dir from its newest checkpoint (also: --resume), with the run's newest
+    saved config; COLO_* variables and key=value overrides apply on top, and each setting that differs
+    from the saved run is listed in one line."""
+    loggers: list[str] = field(default_factory=lambda: ["jsonl", "tensorboard"])
+    """Where each step's scalars go: jsonl (metrics.jsonl, always on: resume, plot and summary read it),
+    tensorboard (<run.dir>/tb), wandb (Weights & Biases, with the resolved config; run.wandb_mode)."""
+    wandb_project: str = "colo"
+    """W&B project of the run (run name: the run dir's name; a resumed run continues the same W&B run)."""
+    wandb_mode: str = "auto"
+    """W&B mode: online, offline (files under <run.dir>/wandb, upload later with `wandb sync`), or auto:
+    online when WANDB_API_KEY is set, else offline."""
 
 
 @dataclass
@@ -312,9 +328,10 @@ def to_yaml(cfg: ColoConfig) -> str:  # noqa: D103
     return OmegaConf.to_yaml(OmegaConf.structured(cfg))
 
 
-def save_resolved(cfg: ColoConfig, run_dir: str | os.PathLike) -> Path:
-    """Write <run_dir>/config.yaml; `--config` on that file reproduces the run."""
-    path = Path(run_dir) / "config.yaml"
+def save_resolved(cfg: ColoConfig, run_dir: str | os.PathLike, name: str = "config.yaml") -> Path:
+    """Write <run_dir>/<name>; `--config` on that file reproduces the run (colo.config.resume names the
+    files of resumes)."""
+    path = Path(run_dir) / name
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(to_yaml(cfg))
     return path
@@ -396,6 +413,8 @@ def resolve(cfg: ColoConfig, *, download: bool = True) -> ColoConfig:
     <run.dir>/data/<task>_{train,eval}.jsonl); Hub ids become the local snapshot when download."""
     out = from_dict(to_dict(cfg))
     out.placement.device = resolve_device(cfg)
+    if cfg.run.wandb_mode == "auto":  # W&B reads the key itself; colo only decides whether to go online
+        out.run.wandb_mode = "online" if os.environ.get("WANDB_API_KEY") else "offline"
     run_dir = Path(_resolve_run_dir(cfg.run.dir, cfg.run.resume)).resolve()  # actors may chdir
     out.run.dir = str(run_dir)
     if cfg.model.path.startswith(AUTO):
@@ -408,8 +427,10 @@ def resolve(cfg: ColoConfig, *, download: bool = True) -> ColoConfig:
         value = getattr(cfg.data, key)
         if value and value.startswith(AUTO):
             setattr(out.data, key, str(run_dir / "data" / f"{value[len(AUTO):]}_{split}.jsonl"))
-        elif value:
-            setattr(out.data, key, str(Path(value).expanduser().resolve()))
+        elif value:  # a file or save_to_disk dir made absolute; a Hub dataset id stays as it is
+            from colo.algo.data import DataSource
+
+            setattr(out.data, key, DataSource.parse(value).resolved())
     return out
 
 
@@ -438,5 +459,5 @@ def _resolve_run_dir(pattern: str, resume: bool) -> str:
 
 # The checks live in colo/config/checks.py (this file would pass 600 lines with them); re-exported here
 # because callers treat them as part of the config API. Imported last: checks.py imports from here.
-from colo.config.checks import (expert_parallel_size, hub_download, memory_plan,  # noqa: E402,F401
-                                model_config_json, resolve_device, validate)
+from colo.config.checks import (expert_parallel_size, gpu_count_note, hub_download,  # noqa: E402,F401
+                                memory_plan, model_config_json, resolve_device, validate)

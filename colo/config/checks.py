@@ -14,8 +14,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from colo.config import (AUTO, CHOICES, DATA_SUFFIXES, ColoConfig, ConfigError, _default, _did_you_mean,
-                         _resolve_run_dir)
+from colo.config import (AUTO, CHOICES, LOGGERS, ColoConfig, ConfigError, _default,
+                         _did_you_mean, _resolve_run_dir)
 from colo.memfit import format_changes, ways_to_fit
 from colo.memplan import MemoryPlan, Settings, parse_gpu_memory, plan_memory
 
@@ -24,7 +24,8 @@ def validate(cfg: ColoConfig, *, check_resources: bool = True, check_gpus: bool 
              check_memory: bool = True) -> None:
     """Raise ConfigError on the first problem. check_resources=False checks values only (no files,
     no Hub, no GPU count), e.g. for a config meant for another machine; check_gpus=False skips only the
-    CUDA GPU count and check_memory=False the memory plan (`--dry-run` prints the plan and refuses itself)."""
+    CUDA GPU count (`--dry-run` plans a GPU job on any machine and says so with gpu_count_note), and
+    check_memory=False the memory plan (`--dry-run` prints the plan and refuses itself)."""
     _check_values(cfg)
     if not check_resources:
         return
@@ -83,6 +84,10 @@ def _check_values(cfg: ColoConfig) -> None:
         if get(key) < low:
             raise ConfigError(f"{key}={get(key)} must be >= {low}; fix: e.g. {key}={_default(key)}")
     _check_placement_mode(cfg)
+    _check_loggers(cfg.run.loggers)
+    if cfg.data.system_prompt and not cfg.data.chat_template:
+        raise ConfigError("data.system_prompt is set but data.chat_template is false, and a system prompt "
+                          "lives in the chat template; fix: data.chat_template=true or drop data.system_prompt")
     if p.device in ("cpu", "cuda"):  # "auto" is checked once validate() has resolved it
         _check_tensor_parallel_device(cfg, p.device)
         _check_vllm_weight_transfer(cfg, p.device)
@@ -112,6 +117,22 @@ def _check_values(cfg: ColoConfig) -> None:
         if preset not in WITH_WEIGHTS and not cfg.model.dummy_weights:
             raise ConfigError(f"model.path={cfg.model.path} has a config but no weights; "
                               "fix: model.dummy_weights=true (random weights)")
+
+
+def _check_loggers(loggers: list[str]) -> None:
+    unknown = [x for x in loggers if x not in LOGGERS]
+    if unknown:
+        raise ConfigError(f"run.loggers: unknown logger {unknown[0]!r}{_did_you_mean(unknown[0], list(LOGGERS))}; "
+                          f"fix: a list of {list(LOGGERS)}, e.g. run.loggers=[jsonl,tensorboard,wandb]")
+    if "jsonl" not in loggers:
+        raise ConfigError("run.loggers leaves out jsonl, but metrics.jsonl is the run's record (resume, the plot "
+                          f"and the end-of-run summary read it); fix: run.loggers=[jsonl,{','.join(loggers)}]")
+    if "wandb" in loggers:
+        import importlib.util
+
+        if importlib.util.find_spec("wandb") is None:
+            raise ConfigError("run.loggers has wandb but the wandb package is not installed; fix: "
+                              "pip install wandb, or drop wandb from run.loggers")
 
 
 def _check_placement_mode(cfg: ColoConfig) -> None:
@@ -304,13 +325,25 @@ def _check_data(cfg: ColoConfig, key: str) -> None:
                               f"{_did_you_mean(value[len(AUTO):], list(TASKS))}; fix: one of "
                               f"{[AUTO + t for t in TASKS]}")
         return
-    path = Path(value).expanduser()
-    fix = (f"fix: point {key} at a JSONL or Parquet file with '{cfg.data.prompt_key}' and "
-           f"'{cfg.data.answer_key}' fields, or use {key}=auto:arith")
+    from colo.algo.data import FILE_SUFFIXES, DataSource, dataset_columns  # light: datasets only when used
+
+    source = DataSource.parse(value)
+    if source.kind == "hub":
+        return  # read (through the datasets cache) by colo.launch.check_user_data, before the run dir exists
+    path = Path(source.path)
+    fix = (f"fix: point {key} at a JSONL or Parquet file, or a save_to_disk dataset dir, with "
+           f"'{cfg.data.prompt_key}' and '{cfg.data.answer_key}' fields, or use {key}=auto:arith")
+    if source.kind == "disk":
+        try:
+            fields = set(dataset_columns(source))
+        except Exception as e:  # not a dataset dir, a DatasetDict without a split, ...
+            raise ConfigError(f"{key}={value}: {str(e).splitlines()[0]}") from e
+        _check_fields(cfg, key, value, fields)
+        return
     if not path.is_file():
         raise ConfigError(f"{key}={value} does not exist or is not a file; {fix}")
-    if path.suffix not in DATA_SUFFIXES:
-        raise ConfigError(f"{key}={value}: unknown format {path.suffix!r}, not {DATA_SUFFIXES}; {fix}")
+    if path.suffix not in FILE_SUFFIXES:
+        raise ConfigError(f"{key}={value}: unknown format {path.suffix!r}, not {FILE_SUFFIXES}; {fix}")
     try:
         if path.suffix == ".parquet":
             import pyarrow.parquet as pq
@@ -323,6 +356,10 @@ def _check_data(cfg: ColoConfig, key: str) -> None:
     except Exception as e:  # unreadable (permissions, not UTF-8, corrupt Parquet, bad JSON line)
         raise ConfigError(f"{key}={value} is unreadable: {type(e).__name__}: "
                           f"{str(e).splitlines()[0] if str(e) else ''}; {fix}") from e
+    _check_fields(cfg, key, value, fields)
+
+
+def _check_fields(cfg: ColoConfig, key: str, value: str, fields: set[str]) -> None:
     missing = [k for k in (cfg.data.prompt_key, cfg.data.answer_key) if k not in fields]
     if missing:
         raise ConfigError(f"{key}={value}: the first row has no field {missing[0]!r} (has "
@@ -338,6 +375,19 @@ def _check_rewards(cfg: ColoConfig) -> None:
         except ValueError as e:
             raise ConfigError(f"algo.rewards: {e}; fix: algo.rewards=[exact_match] or a "
                               "module:function importable from here") from e
+
+
+def gpu_count_note(cfg: ColoConfig) -> str | None:
+    """For --dry-run: one line when the CUDA GPUs the job asks for are not all on this machine (a run
+    refuses that; a dry run plans the job anyway, e.g. on a laptop); None when they are, or on CPU."""
+    try:
+        _check_gpus(cfg, resolve_device(cfg))
+    except ConfigError:
+        import torch
+
+        return (f"colo: note: the GPU count was not checked: placement.num_gpus={cfg.placement.num_gpus} but "
+                f"this machine has {torch.cuda.device_count()} CUDA GPU(s); a run here would refuse it")
+    return None
 
 
 def _check_gpus(cfg: ColoConfig, device: str) -> None:

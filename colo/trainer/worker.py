@@ -229,7 +229,8 @@ class Trainer:
 
         Returns global metrics (identical on every rank): loss (mean over updates), grad_norm
         (mean, and /max), entropy, clip_frac, approx_kl, tis_mean, pg_loss, [kl_ref] as global token
-        means, and logprob_diff/mean = |trainer - vLLM| log-prob on sampled tokens, pre-update.
+        means, logprob_diff/mean = |trainer - vLLM| log-prob on sampled tokens, pre-update, and
+        trainer/lr, the learning rate the optimizer stepped with.
         """
         self._check_ready()
         t, a = self.cfg.trainer, self.cfg.algo
@@ -264,7 +265,8 @@ class Trainer:
         updates = max(1, int(t.epochs)) * M
         tokens = max(tot.pop("tokens"), 1.0)
         out = {"loss": tot.pop("loss") / updates, "grad_norm": sum(norms) / len(norms),
-               "grad_norm/max": max(norms), "updates": updates}
+               "grad_norm/max": max(norms), "updates": updates,
+               "trainer/lr": float(self.optimizer.param_groups[0]["lr"])}  # as the optimizer ran it
         if "logprob_diff" in tot:
             out["logprob_diff/mean"] = tot.pop("logprob_diff") / max(tot.pop("diff_tokens"), 1.0)
         out.update({k: v / tokens for k, v in tot.items()})

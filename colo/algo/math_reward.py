@@ -1,0 +1,68 @@
+"""The `math` reward: answer checking with Hugging Face's math-verify (LaTeX, fractions, sets, intervals,
+units, \\boxed{} extraction), where colo's regex rewards compare strings or last numbers.
+
+    algo.rewards: [math]                 # 1.0 when the response's answer equals the reference mathematically
+
+    math(["... so the answer is \\boxed{\\frac{1}{2}}"], ["0.5"], [""])  -> [1.0]   (exact_match: 0.0)
+
+Why a process pool: math-verify bounds each parse and comparison with signal.alarm (sympy can take
+minutes on a pathological expression), and signals work only in a process's main thread. colo scores
+rewards in the driver, possibly in a worker thread (RewardRunner.submit), so the checks run in worker
+processes instead, where they are the main thread and the timeouts hold. The pool is started once
+("spawn": never fork a process that runs Ray and vLLM threads) and reused for the whole run.
+
+The reference answer is parsed as LaTeX (wrapped in \\boxed{} unless it has its own \\boxed or $...$; of a
+GSM8K solution, only the part after its final "####"),
+so "\\{1,2\\}", "\\sqrt{8}" or "x^2+1" work as plain dataset answers. A sample also scores 1.0 when colo's
+exact_match does: a non-math answer ("blue") parses as a product of symbols, or not at all, and string
+equality is then the only sensible check.
+"""
+from __future__ import annotations
+
+import atexit
+import multiprocessing
+from concurrent.futures import ProcessPoolExecutor
+
+WORKERS = 2  # math-verify is pure Python: one process per core of the 2-core default host is plenty
+TIMEOUT_S = 5  # per parse and per comparison (math-verify's own default); a timeout scores 0
+_pool: ProcessPoolExecutor | None = None
+
+
+def _get_pool() -> ProcessPoolExecutor:
+    global _pool
+    if _pool is None:
+        _pool = ProcessPoolExecutor(WORKERS, mp_context=multiprocessing.get_context("spawn"))
+        atexit.register(_pool.shutdown, wait=False, cancel_futures=True)
+    return _pool
+
+
+def _gold_latex(answer: str) -> str:
+    """The reference as LaTeX math-verify reads. GSM8K-style references (a worked solution ending in
+    "#### 72") contribute what follows the last "####"."""
+    if "####" in answer:
+        answer = answer.rpartition("####")[2].strip().replace(",", "")
+    return answer if ("\\boxed" in answer or "$" in answer) else f"\\boxed{{{answer}}}"
+
+
+def _grade(pairs: list[tuple[str, str]]) -> list[bool]:
+    """In a worker process: per (response, answer), whether math-verify finds them equal."""
+    from math_verify import parse, verify
+
+    out = []
+    for response, answer in pairs:
+        gold = parse(_gold_latex(answer), parsing_timeout=TIMEOUT_S)
+        pred = parse(response, parsing_timeout=TIMEOUT_S) if gold else []
+        out.append(bool(pred) and verify(gold, pred, timeout_seconds=TIMEOUT_S))
+    return out
+
+
+def math(responses: list[str], answers: list[str], prompts: list[str]) -> list[float]:  # noqa: A001
+    """1.0 when math-verify finds the response's final answer equal to the reference, else 0.0."""
+    from colo.algo.rewards import exact_match
+
+    pairs = list(zip(responses, answers))
+    per = -(-len(pairs) // WORKERS) or 1
+    chunks = [pairs[i: i + per] for i in range(0, len(pairs), per)]
+    graded = [v for fut in [_get_pool().submit(_grade, c) for c in chunks] for v in fut.result()]
+    same = exact_match(responses, answers, prompts)
+    return [float(v or s) for v, s in zip(graded, same)]
