@@ -2,7 +2,7 @@
 
     python -m colo.launch                                       # configs/tiny-cpu.yaml, CPU, ~minutes
     python -m colo.launch --dry-run                             # resolved config + placement, starts nothing
-    python -m colo.launch --config configs/qwen3-30b-a3b-4gpu.yaml trainer.lr=1e-6 loop.steps=50
+    python -m colo.launch --config configs/qwen3-30b-a3b-4xh200.yaml trainer.lr=1e-6 loop.steps=50
     COLO_TRAIN_GPU_FRACTION=0.3 COLO_VLLM_GPU_FRACTION=0.6 python -m colo.launch --config ...
     python -m colo.launch --resume                              # continue the newest run of the config
                                                                 # (its saved config; env + overrides on top)
@@ -71,7 +71,7 @@ def _run(args: argparse.Namespace) -> int:
 
         resumed = load_resumed(cfg.run.dir, overrides)
         cfg, path = resumed.cfg, str(resumed.base)
-    config.validate(cfg, check_gpus=not args.dry_run)
+    config.validate(cfg, check_gpus=not args.dry_run, check_memory=not args.dry_run)
     if args.dry_run:
         from colo.placement import plan_placement
 
@@ -79,12 +79,18 @@ def _run(args: argparse.Namespace) -> int:
         print(f"# resolved config ({path or 'built-in defaults'} + env + overrides)")
         print(config.to_yaml(resolved), end="")
         print(f"\n{plan_placement(resolved).table()}")
+        plan = config.memory_plan(cfg, resolved.placement.device)
+        if plan is not None:
+            print(f"\n{plan.table()}")
         print(f"\n{_prompt_preview(cfg)}")  # auto: paths as given: a preset is built in memory
         if resumed:
             print(f"\n{resumed.describe(resolved)}")
         note = config.gpu_count_note(cfg)
-        print(f"\n{note}\n(dry run: nothing was written or started)" if note else
-              "\n(dry run: nothing was written or started)")
+        if note:
+            print(f"\n{note}")
+        if plan is not None and plan.gpu_bytes is not None and not plan.fits:  # the plan table shows why
+            raise config.ConfigError(config.checks.refusal(cfg, plan, config.model_config_json(cfg)))
+        print("\n(dry run: nothing was written or started)")
         return 0
     cfg = prepare_run(cfg)
     if resumed:

@@ -1,7 +1,7 @@
 """The RL loop: one step, phase by phase, on every GPU at once.
 
     python -m colo.launch                                        # tiny CPU job, learns in minutes
-    python -m colo.launch --config configs/qwen3-30b-a3b-4gpu.yaml
+    python -m colo.launch --config configs/qwen3-30b-a3b-4xh200.yaml
 
 Each GPU holds a trainer (FSDP2 rank r) and a vLLM engine (DP rank r). Per step:
 
@@ -171,9 +171,15 @@ def sync_all(c: Cluster) -> dict:
 def check_sync(c: Cluster) -> list[dict]:
     """Every trainer plans its sync against the engines' description (docs: the weight path), before the
     warm-up or any rollout; a model that does not map raises MappingError listing every problem at once."""
-    if c.colocated:
-        return on_trainers(c, "prepare_sync", [[e] for e in c.engines])
-    return on_trainers(c, "prepare_sync", [c.engines] * len(c.trainers))
+    try:
+        if c.colocated:
+            return on_trainers(c, "prepare_sync", [[e] for e in c.engines])
+        return on_trainers(c, "prepare_sync", [c.engines] * len(c.trainers))
+    except ActorError as e:  # a trainer raised: the model's own MappingError is the news, not the actor
+        cause = getattr(e.__cause__, "cause", None)
+        if isinstance(cause, MappingError):
+            raise cause from e
+        raise
 
 
 def offloads(c: Cluster, cfg: ColoConfig) -> bool:

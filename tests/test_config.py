@@ -113,8 +113,8 @@ def test_shipped_configs() -> None:
     tiny = load_config(str(ROOT / "configs" / "tiny-cpu.yaml"), [], {})
     assert (tiny.placement.device, tiny.placement.num_gpus, tiny.model.path) == ("cpu", 2, "auto:tiny")
     assert tiny.data.path == "auto:arith" and tiny.rollout.enforce_eager
-    for n in (4, 8):
-        cfg = load_config(str(ROOT / "configs" / f"qwen3-30b-a3b-{n}gpu.yaml"), [], {})
+    for n, name in ((4, "qwen3-30b-a3b-4xh200"), (8, "qwen3-30b-a3b-8xh200")):
+        cfg = load_config(str(ROOT / "configs" / f"{name}.yaml"), [], {})
         assert (cfg.model.path, cfg.placement.num_gpus, cfg.placement.device) == \
             ("Qwen/Qwen3-30B-A3B", n, "cuda")
         validate(cfg, check_resources=False)

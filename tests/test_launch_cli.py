@@ -59,9 +59,14 @@ def test_errors_through_cli(tmp_path: Path) -> None:
 
 def test_hub_model_offline_names_alternatives(tmp_path: Path) -> None:
     env = clean_env(HF_HUB_OFFLINE="1", HF_HOME=str(tmp_path / "hf"))
-    r = run_cli("--config", "configs/qwen3-30b-a3b-4gpu.yaml", "--dry-run", env=env)
-    assert_config_error(r, "Qwen/Qwen3-30B-A3B", "HF_HUB_OFFLINE", "not in the local HF cache",
-                        "model.path=auto:qwen3-30b-a3b model.dummy_weights=true")
+    r = run_cli("--config", "configs/qwen3-30b-a3b-4xh200.yaml", "model.path=Qwen/Qwen3-Coder-30B-A3B-Instruct",
+                "--dry-run", env=env)
+    assert_config_error(r, "Qwen/Qwen3-Coder-30B-A3B-Instruct", "HF_HUB_OFFLINE", "not in the local HF cache",
+                        "model.dummy_weights=true")
+    # a Hub id whose config.json colo ships is planned offline, and the plan says so in one line
+    r = run_cli("--config", "configs/qwen3-30b-a3b-4xh200.yaml", "--dry-run", env=env)
+    assert r.returncode == 0, r.stderr
+    assert r.stderr.count("colo's copy of its config.json (preset qwen3-30b-a3b)") == 1
 
 
 def test_dry_run_prints_resolved_config_and_plan(tmp_path: Path) -> None:
@@ -115,19 +120,20 @@ def test_placement_errors_through_cli(tmp_path: Path) -> None:
     assert list(tmp_path.iterdir()) == []
 
 
-@pytest.mark.parametrize("n", [4, 8])
-def test_dry_run_shape_of_gpu_configs(n: int, tmp_path: Path) -> None:
+@pytest.mark.parametrize("n, name", [(4, "qwen3-30b-a3b-4xh200"), (8, "qwen3-30b-a3b-8xh200"),
+                                     (8, "qwen3-30b-a3b-8xh100"), (32, "qwen3-235b-a22b-32xh200")])
+def test_dry_run_shape_of_gpu_configs(n: int, name: str, tmp_path: Path) -> None:
     """The 30B configs on a GPU host, rehearsed here through validate(check_resources=False) and the
     plan (tests/test_readme.py dry-runs the README's GPU commands, which notes the missing GPUs)."""
     from colo.config import load_config, validate
     from colo.placement import plan_placement
 
-    cfg = load_config(str(ROOT / "configs" / f"qwen3-30b-a3b-{n}gpu.yaml"), [], {})
+    cfg = load_config(str(ROOT / "configs" / f"{name}.yaml"), [], {})
     validate(cfg, check_resources=False)
     plan = plan_placement(cfg)
     assert (plan.ep_size, plan.dp_size) == (n, n)
     assert [row.ep_rank for row in plan.rows] == list(range(n))
-    assert plan.rows[0].vllm_memory == "gpu_memory_utilization=0.4"
+    assert plan.rows[0].vllm_memory == f"gpu_memory_utilization={cfg.placement.vllm_gpu_fraction:g}"
 
 
 def test_prepare_run_generates_model_data_and_config(tmp_path: Path) -> None:

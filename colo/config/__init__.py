@@ -41,6 +41,7 @@ CHOICES = {  # must match the consumers: colo.algo.loss.LOSS_AGGS, colo.sync, co
     "algo.loss_agg": ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean"),
     "sync.mode": ("direct", "load_weights"),
     "rollout.vllm_weight_transfer": ("none", "ipc"),
+    "trainer.optimizer_dtype": ("float32", "bfloat16"),
     "run.wandb_mode": ("auto", "online", "offline"),
 }
 LOGGERS = ("jsonl", "tensorboard", "wandb")
@@ -54,7 +55,9 @@ class ConfigError(Exception):
 class ModelConfig:
     path: str = "auto:tiny"
     """Local HF checkpoint dir, Hub repo id ("Qwen/Qwen3-30B-A3B"; HF_HUB_OFFLINE honoured), or
-    "auto:<preset>" (tiny | qwen3-30b-a3b | qwen3-30b-a3b-L12), generated into <run.dir>/model."""
+    "auto:<preset>" (tiny | qwen3-30b-a3b | qwen3-30b-a3b-L12 | qwen3-30b-a3b-L2 | qwen3-235b-a22b), generated
+    into <run.dir>/model. Offline, the plan of Qwen/Qwen3-30B-A3B and Qwen/Qwen3-235B-A22B uses colo's copy of
+    their config.json (colo.models.tiny.HUB_PRESETS) and says so."""
     dtype: str = "bfloat16"
     """Parameter dtype of the trainer's compute copy and of vLLM: bfloat16 | float16 | float32."""
     dummy_weights: bool = False
@@ -88,6 +91,10 @@ class PlacementConfig:
     device: str = "auto"
     """cpu | cuda | auto (cuda when torch sees a GPU). On cpu, engines are independent replicas with
     expert-parallel size 1 (vLLM's MoE data-parallel group does not run on CPU)."""
+    gpu_memory: str = "auto"
+    """Memory of one GPU for the memory plan (colo.memplan): a size (80GiB, 141GB) or a GPU model (H100,
+    H100-80GB, H200, H200-141GB, A100-80GB). auto: the machine's GPU 0 when it has one, else the fit is not
+    checked. The machine's GPU wins over this setting when both exist."""
 
 
 @dataclass
@@ -110,7 +117,14 @@ class TrainerConfig:
     seed: int = 0
     """Seed of the trainer's torch RNG (random init for dummy weights, dropout if any)."""
     gradient_checkpointing: bool = False
-    """Recompute each decoder layer's activations in backward (less memory, ~30% more compute)."""
+    """Recompute each decoder layer's activations in backward (less memory, ~30% more compute). The memory
+    plan (`--dry-run`) names it when activations at micro_batch_size x rollout.max_model_len do not fit."""
+    optimizer_offload: bool = False
+    """Keep AdamW's state in host memory for good; each optimizer step streams one parameter's state to the
+    GPU and back (colo.trainer.optim). Frees 8 bytes per parameter of the GPU (4 with bfloat16 state)."""
+    optimizer_dtype: str = "float32"
+    """float32 | bfloat16: dtype of AdamW's exp_avg and exp_avg_sq. bfloat16 halves the state (updated in
+    fp32, stored with stochastic rounding; colo.trainer.optim)."""
     sft_lr: float = 0.0
     """Learning rate of the supervised warm-up (loop.sft_warmup_steps); 0: trainer.lr."""
 
@@ -449,4 +463,4 @@ def _resolve_run_dir(pattern: str, resume: bool) -> str:
 # The checks live in colo/config/checks.py (this file would pass 600 lines with them); re-exported here
 # because callers treat them as part of the config API. Imported last: checks.py imports from here.
 from colo.config.checks import (expert_parallel_size, gpu_count_note, hub_download,  # noqa: E402,F401
-                                model_config_json, resolve_device, validate)
+                                memory_plan, model_config_json, resolve_device, validate)

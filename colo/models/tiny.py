@@ -10,7 +10,9 @@ Presets:
 - `qwen3-30b-a3b`: the real Qwen3-30B-A3B config. No weights are written: big runs init randomly at run
   time (trainer meta-device init, vLLM `load_format="dummy"`). The tokenizer is the small BPE, while
   config vocab_size stays 151936, so token ids < 512 are all a prompt ever uses.
-- `qwen3-30b-a3b-L12`: the same with 12 layers (fits one GPU for sync benchmarks).
+- `qwen3-30b-a3b-L12`: the same with 12 layers (fits one GPU for sync benchmarks); `-L2`: 2 layers.
+- `qwen3-235b-a22b`: the real Qwen3-235B-A22B config (94 layers, hidden 4096, 128 experts, 8 active), no
+  weights. It and `qwen3-30b-a3b` also stand in for their Hub ids' config.json when planning offline.
 
 On-disk expert layout (measured, transformers 5.19): `save_pretrained` reverts v5's fused module
 params to the original per-expert names — `model.layers.{l}.mlp.experts.{e}.{gate,up,down}_proj.weight`
@@ -86,7 +88,14 @@ PRESETS: dict[str, dict] = {
     "qwen3-30b-a3b-L12": dict(_QWEN3_30B_A3B, num_hidden_layers=12, max_window_layers=12),
     # 1.9B parameters: small enough for full trainer state (fp32 + Adam, ~30 GB) beside vLLM on one GPU
     "qwen3-30b-a3b-L2": dict(_QWEN3_30B_A3B, num_hidden_layers=2, max_window_layers=2),
+    # Qwen3-235B-A22B's config.json (235.1B parameters): for planning and random-weight rehearsals
+    "qwen3-235b-a22b": dict(_QWEN3_30B_A3B, hidden_size=4096, intermediate_size=12288, num_hidden_layers=94,
+                            max_window_layers=94, num_attention_heads=64, num_key_value_heads=4, head_dim=128,
+                            moe_intermediate_size=1536, num_experts=128, num_experts_per_tok=8),
 }
+# Hub ids whose config.json colo ships as a preset: planning (`--dry-run`, the checks) uses it when the Hub
+# cannot be reached and the model is not in the local cache. Only the tokenizer ids differ (colo's small BPE).
+HUB_PRESETS = {"Qwen/Qwen3-30B-A3B": "qwen3-30b-a3b", "Qwen/Qwen3-235B-A22B": "qwen3-235b-a22b"}
 WITH_WEIGHTS = {"tiny"}
 TOKENIZER_VOCAB = 512
 

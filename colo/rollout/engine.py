@@ -33,6 +33,7 @@ trainer's recompute must divide its logits by the same temperature for the impor
 """
 from __future__ import annotations
 
+import json
 import os
 import time
 from pathlib import Path
@@ -53,6 +54,12 @@ def cores_for_rank(allowed: list[int], rank: int, dp_size: int) -> list[int]:
     per = max(1, len(allowed) // max(1, dp_size))
     start = (rank * per) % len(allowed)
     return [allowed[(start + i) % len(allowed)] for i in range(per)]
+
+
+def _has_linear_attention(model_path: str) -> bool:
+    """The checkpoint mixes in layers that are not softmax attention (Qwen3-Next's linear attention)."""
+    cfg = json.loads((Path(model_path) / "config.json").read_text())
+    return any(t not in ("full_attention", "sliding_attention") for t in cfg.get("layer_types") or [])
 
 
 def check_model_dir(path: str) -> None:
@@ -139,6 +146,10 @@ class Engine:
             # seeds; vLLM then sizes max_num_batched_tokens >= max_model_len, so every prompt fits
             # one step. GPU engines keep chunked prefill: CUDA generators rewind. docs/vllm-notes.md.
             kwargs["enable_chunked_prefill"] = False
+            if _has_linear_attention(m.path):
+                # vLLM keeps the prefix cache of a hybrid (linear-attention) model only with chunked prefill
+                # ("Chunked prefill is required for mamba cache mode 'align'"): such CPU engines go without
+                kwargs["enable_prefix_caching"] = False
             if self.tp_size > 1:
                 kwargs["distributed_executor_backend"] = "mp"
         elif self.disaggregated:

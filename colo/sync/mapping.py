@@ -62,6 +62,7 @@ _EXPERTS = (Experts("gate_up_proj", "w13_weight", ("gate_proj.weight", "up_proj.
             Experts("down_proj", "w2_weight", ("down_proj.weight",)))
 
 QWEN3_MOE = Arch(stacked=_ATTN + _MLP, experts=_EXPERTS)
+HUB_LAYOUT = Arch(experts=_EXPERTS)  # on disk: names as in memory, experts per expert (colo.trainer.load)
 # an always-on shared expert (a dense MLP vLLM fuses like any other) and its sigmoid gate, which keeps its name
 QWEN2_MOE = Arch(stacked=_ATTN + _MLP + _fused("mlp.shared_expert", "mlp.shared_expert"), experts=_EXPERTS)
 # transformers 5 names the MoE block `mlp` in memory; the Hub checkpoint and vLLM call it block_sparse_moe

@@ -1,8 +1,8 @@
 """Build the policy and shard it with FSDP2: per MoE expert block, per decoder layer, then root.
 
-    HF checkpoint ─ rank 0: from_pretrained (fp32, CPU) ──────────────┐ broadcast, each rank keeps
-    config ─ every rank: from_config on meta ─ parallelize ─ to_empty ─┴ its dim-0 shard (DTensor)
-                                                                  └ dummy: random-init local shards
+    config ─ every rank: from_config on meta ─ parallelize ─ to_empty ─┬ HF checkpoint: each rank reads its
+                                                                      │ own dim-0 rows (colo.trainer.load)
+                                                                      └ dummy: random-init local shards
 
 Invariants the weight sync (colo.sync.source) relies on:
 - every parameter is a DTensor sharded `Shard(0)` over one 1-D mesh of all ranks;
@@ -10,8 +10,9 @@ Invariants the weight sync (colo.sync.source) relies on:
   and `down_proj` (E, H, I) shards on rank r are exactly experts [r*ceil(E/W), ...) in torch.chunk
   order, and can be read without an all-gather.
 
-Why meta + broadcast rather than from_pretrained on every rank: a fp32 copy of Qwen3-30B-A3B is
-120 GB; eight ranks each holding one would not fit a 560 GiB host. Only rank 0 holds it here.
+Why not from_pretrained: it builds the whole model in fp32 on the host (120 GB for Qwen3-30B-A3B, 940 GB
+for Qwen3-235B-A22B); eight ranks each holding one would not fit a 560 GiB host, and even rank 0 alone
+(colo's first loader, which broadcast from there) needs the full fp32 copy. Each rank reads its shard.
 """
 
 from __future__ import annotations
@@ -19,7 +20,6 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
@@ -27,18 +27,11 @@ from torch.distributed.tensor import DTensor
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
-def build_model(model_path: str, *, dummy: bool, device: torch.device | str) -> nn.Module:
-    """The unsharded HF causal LM: fp32 on CPU from `model_path`, or on meta from its config.
-
-    `dummy=True` returns a meta-device model (no memory); materialize it after `parallelize` with
-    `materialize(model, device, seed=...)`. `device` is where FSDP will keep the shards; loading
-    always happens on CPU first because fully_shard moves each rank's shard there itself.
-    """
+def meta_model(model_path: str) -> nn.Module:
+    """The unsharded HF causal LM on the meta device (no memory), fp32, from the checkpoint's config.json;
+    parallelize() shards it, then to_empty() + load_sharded() or materialize() fill each rank's shards."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    if not dummy:
-        # no device_map: it needs `accelerate`; without one, from_pretrained loads on CPU
-        return AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
     config = AutoConfig.from_pretrained(model_path)
     with torch.device("meta"):
         return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
@@ -145,19 +138,16 @@ def build_sharded(
     seed: int = 0,
     gradient_checkpointing: bool = False,
 ) -> nn.Module:
-    """The whole build: meta model on every rank, sharded, then weights from rank 0 or random."""
-    model = build_model(model_path, dummy=True, device=device)
+    """The whole build: meta model on every rank, sharded, then each rank's rows of the checkpoint, or random."""
+    model = meta_model(model_path)
     parallelize(model, mesh, param_dtype=param_dtype, gradient_checkpointing=gradient_checkpointing)
     if dummy:
         materialize(model, device, seed=seed)
         return model
     model.to_empty(device=device)
-    full = build_model(model_path, dummy=False, device=device).state_dict() \
-        if dist.get_rank() == 0 else {}
-    # broadcast_from_rank0 sends one tensor at a time, so peak extra memory is one full tensor
-    set_model_state_dict(model, full, options=StateDictOptions(
-        full_state_dict=True, broadcast_from_rank0=True, strict=True))
-    del full
+    from colo.trainer.load import load_sharded
+
+    load_sharded(model, model_path)
     rebuild_buffers(model)
     return model
 

@@ -48,7 +48,8 @@ def _rewrap(like: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
 
 
 def _optim_tensors(optimizer: torch.optim.Optimizer | None):
-    if optimizer is None:
+    # colo.trainer.optim.StreamedAdamW(on_host=True) keeps its state in host memory for good: nothing to move
+    if optimizer is None or getattr(optimizer, "keeps_state_on_host", False):
         return
     for p, st in optimizer.state.items():
         for k, v in st.items():

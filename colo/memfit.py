@@ -1,0 +1,88 @@
+"""Ways to fit: settings that colo.memplan accepts, searched and planned, not guessed.
+
+    for changes, plan in ways_to_fit(config_json, settings, gpu_bytes):
+        print(format_changes(changes), plan.worst)   # trainer.gradient_checkpointing=true ... ("train", 7e10)
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+from typing import Any, Optional
+
+from colo.memplan import MemoryPlan, Settings, model_shape, plan_memory
+
+
+def ways_to_fit(config_json: dict[str, Any], s: Settings, gpu_bytes: float, limit: int = 3
+                ) -> list[tuple[dict[str, Any], MemoryPlan]]:
+    """Change sets that the plan accepts, cheapest first; each one is planned, not guessed. A set that adds
+    changes to an accepted one is left out.
+
+    Cost order, from the per-step costs measured in docs/benchmarks.md ("Ways to fit"): the vLLM fraction
+    (free while the KV cache holds one sequence), trainer.offload, gradient checkpointing (recompute), a
+    smaller micro batch, optimizer state on the host, bf16 optimizer state, and last more GPUs (the
+    experts must divide by the count)."""
+    m = model_shape(config_json)
+    fractions = sorted({round(x * 0.05, 2) for x in range(2, 19)} | {s.vllm_fraction})
+    mbs = sorted({s.micro_batch_size} | {b for b in (1, 2, 4, 8) if b < s.micro_batch_size}, reverse=True)
+    gpus = [s.num_gpus] + [n for n in (2 * s.num_gpus, 4 * s.num_gpus, 8 * s.num_gpus)
+                           if s.mode != "colocated" or not m.experts or m.experts % n == 0]
+    levers = [("offload", True, 0.3), ("gradient_checkpointing", True, 1.0), ("optimizer_offload", True, 1.2),
+              ("optimizer_dtype", "bfloat16", 1.5)]
+    levers = [lv for lv in levers if getattr(s, lv[0]) != lv[1]]
+    found: list[tuple[float, dict[str, Any], MemoryPlan]] = []
+    for n_i, n in enumerate(gpus):
+        for mb in mbs:
+            for mask in range(1 << len(levers)):
+                chosen = [lv for i, lv in enumerate(levers) if mask >> i & 1]
+                trial = replace(s, num_gpus=n, micro_batch_size=mb, **{k: v for k, v, _ in chosen})
+                best = _best_fraction(config_json, trial, gpu_bytes, fractions)
+                if best is None:
+                    continue
+                f, plan = best
+                cost = (4.0 * n_i + math.log2(s.micro_batch_size / mb) * 0.8 + sum(c for *_, c in chosen)
+                        + (f != s.vllm_fraction) * 0.1)
+                found.append((cost, _diff(s, replace(trial, vllm_fraction=f)), plan))
+    found.sort(key=lambda x: x[0])
+    out: list[tuple[dict[str, Any], MemoryPlan]] = []
+    for _, changes, plan in found:
+        if any(c.items() <= changes.items() for c, _ in out):
+            continue
+        out.append((changes, plan))
+        if len(out) == limit:
+            break
+    return out
+
+
+def _best_fraction(config_json: dict[str, Any], s: Settings, gpu_bytes: float, fractions: list[float]
+                   ) -> Optional[tuple[float, MemoryPlan]]:
+    """The vLLM fraction that fits with the largest KV cache (the current one when it fits)."""
+    here = plan_memory(config_json, s, gpu_bytes)
+    if here.fits:
+        return s.vllm_fraction, here
+    if any(here.total(p) > gpu_bytes for p in here.phases if p not in FRACTION_PHASES):
+        return None  # vLLM's fraction cannot help while it sleeps
+    fits = [(f, p) for f in fractions if (p := plan_memory(config_json, replace(s, vllm_fraction=f), gpu_bytes)).fits]
+    return fits[-1] if fits else None
+
+
+FRACTION_PHASES = ("start", "rollout", "engine GPU")  # the phases vLLM's fraction changes
+
+
+KEYS = {"num_gpus": "placement.num_gpus", "vllm_fraction": "placement.vllm_gpu_fraction",
+        "micro_batch_size": "trainer.micro_batch_size", "gradient_checkpointing": "trainer.gradient_checkpointing",
+        "offload": "trainer.offload", "optimizer_offload": "trainer.optimizer_offload",
+        "optimizer_dtype": "trainer.optimizer_dtype"}
+
+
+def _diff(old: Settings, new: Settings) -> dict[str, Any]:
+    return {KEYS[k]: getattr(new, k) for k in KEYS if getattr(new, k) != getattr(old, k)}
+
+
+def format_changes(changes: dict[str, Any], train_fraction: Optional[float] = None) -> str:
+    """`key=value ...` as a user types it; a vLLM fraction that would push the two fractions over 1 also
+    names the trainer's (a Ray scheduling share on GPU, not a memory limit)."""
+    parts = [f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in changes.items()]
+    f = changes.get("placement.vllm_gpu_fraction")
+    if f is not None and train_fraction is not None and train_fraction + f > 1.0:
+        parts.append(f"placement.train_gpu_fraction={round(1.0 - f, 2)}")
+    return " ".join(parts)

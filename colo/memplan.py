@@ -1,0 +1,523 @@
+"""Memory plan of a GPU job: bytes per GPU and per phase, from the model's config.json and the settings.
+
+    plan = plan_memory(config_json, Settings.from_config(cfg), gpu_bytes=parse_gpu_memory("H100"))
+    print(plan.table())                 # rows: vLLM weights, KV cache, trainer params, grads, ...
+    plan.fits, plan.worst               # False, ("train", 96.1e9)
+    colo.memfit.ways_to_fit(config_json, settings, gpu_bytes)   # [(changes, plan)], each one re-planned
+
+Pure: no torch, no GPU, no files (config.json comes in as a dict), so a laptop plans a 32-GPU job.
+
+Per GPU, colocated (one trainer rank and one vLLM engine of a DP+EP group per GPU), the phases of a step:
+
+    start    vLLM starts while the trainer holds its fp32 params (colo.cluster starts both at once; the
+             trainer is set up first): vLLM asks for vllm_gpu_fraction x GPU of what is left
+    rollout  vLLM awake (weights + KV cache + its activation reserve = vllm_gpu_fraction x GPU), trainer
+             offloaded (only its sync buffers stay) or, with trainer.offload=false, resident
+    asleep   vLLM asleep (level 2: weights and KV freed), trainer offloaded: what never leaves the GPU
+    train    trainer onloaded: fp32 params, grads, AdamW state, gathered FSDP units, activations and
+             logits of one micro-batch (forward/backward), then the optimizer step's temporaries
+    sync     vLLM's weights awake again, the trainer still holds params + optimizer state, gathers dense
+             units into bf16 and packs them into the sync buffers (train_step released its cache first)
+
+Where the figures come from (docs/benchmarks.md, "Memory plan: calibration", holds the table):
+- First principles: parameter counts (checked against transformers' own models in tests), FSDP2's dim-0
+  shard on the largest rank, AdamW's two fp32 states, foreach AdamW's one fp32 temporary per parameter
+  (torch/optim/adam.py `_foreach_sqrt`), activations per token per layer read off the HF Qwen3-MoE code
+  (what autograd saves), logits as bf16 + fp32 copies of (tokens x vocab).
+- Calibrated on the measured `qwen3-30b-a3b-L2` loop (1xH200 and 1xH100, vLLM at 0.3, same figures on
+  both): OVERHEAD (CUDA contexts, NCCL, what vLLM holds outside its fraction), the vLLM reserve that
+  survives sleep (its profiling activations; fitted on L2 and on the tiny model's sleep figures), and
+  ALLOC_SLACK, the caching allocator's reserve over allocated bytes in the train phase.
+"""
+from __future__ import annotations
+
+import functools
+import json
+import math
+import re
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Optional
+
+if TYPE_CHECKING:
+    from colo.config import ColoConfig
+
+GiB = 2**30
+GPUS_PER_NODE = 8  # host memory is reported per node of this many GPUs (multi-node placement: its own issue)
+
+# Total memory as torch/vLLM see it (bytes). H100 and H200: measured here (vLLM's fraction 0.4 took 31.68 GiB
+# of an H100 80GB HBM3 and 55.92 GiB of an H200, docs/benchmarks.md); A100-80GB: the same 80 GB class.
+GPU_MODELS: dict[str, float] = {
+    "H100": 79.2 * GiB, "H100-80GB": 79.2 * GiB, "H100-SXM": 79.2 * GiB, "A100-80GB": 79.2 * GiB,
+    "H200": 139.8 * GiB, "H200-141GB": 139.8 * GiB,
+}
+
+# ---- calibrated constants (each fitted on the measured figures named; the rest is first principles) ----
+OVERHEAD = 3.25 * GiB
+"""Per GPU, outside vLLM's fraction and the trainer's tensors: the CUDA contexts of the trainer and of vLLM's
+worker, NCCL's buffers, cached-but-free blocks. Fitted: L2 loop rollout on 1xH200, 47.3 GiB used = 0.3 x
+139.8 (vLLM) + 2.1 (trainer's peak while offloaded) + 3.25; on 1xH100 the same sum gives 29.1 (measured
+28.9-29.3)."""
+VLLM_RESERVE_BASE = 0.22 * GiB
+VLLM_RESERVE_PER_WIDTH = 2.25e-4 * GiB
+"""What vLLM keeps through sleep inside its fraction (the profile run's activations, sampler buffers):
+BASE + PER_WIDTH x (hidden + top_k x 2 x moe_intermediate), the width a token's activations take. Fitted on
+two points: L2 (width 14336): rollout - asleep = 47.3 - 8.8 = 38.5 GiB freed of 0.3 x 139.8 = 41.9, so 3.45
+GiB stay (H100: 29.1 - 8.8 = 20.3 of 23.76, 3.46); tiny (width 384): 0.31 GiB (sleep freed 55.61 of 55.92 +
+0.49 context). For other widths (Qwen3-235B-A22B: 28672) it is an extrapolation."""
+ALLOC_SLACK = 0.26
+"""The trainer's caching allocator reserves this much more than it allocates in the train phase (onload's
+fresh tensors next to activations of many sizes fragment it). Fitted: L2 loop, device used grew 8.8 -> 52.9
+GiB while the trainer's allocated peak grew 2.1 -> 37.0 GiB: 44.1 / 34.9 = 1.26."""
+OFFLOADED_REST = 0.1 * GiB
+"""Trainer allocations that stay on the GPU when it is offloaded, besides the sync buffers (L2: 2.1 GiB
+peak with 2 x 1 GiB buffers)."""
+
+
+@dataclass(frozen=True)
+class ParamSpec:
+    name: str
+    shape: tuple[int, ...]
+    expert: bool  # a fused (E, ...) expert tensor: dim 0 is the expert index
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    def rows_on(self, world: int) -> int:
+        """Rows of the largest FSDP2 dim-0 shard (torch.chunk: ceil(d0 / world), rank 0 has the most)."""
+        return -(-self.shape[0] // world)
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What the plan needs from config.json."""
+    architecture: str
+    params: tuple[ParamSpec, ...]
+    layers: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+    experts: int  # 0: dense
+    top_k: int
+    moe_intermediate: int
+    intermediate: int  # dense MLP width (dense layers, or a shared expert)
+    moe_layers: int
+    qk_norm: bool
+
+    @property
+    def numel(self) -> int:
+        return sum(p.numel for p in self.params)
+
+    @property
+    def expert_numel(self) -> int:
+        return sum(p.numel for p in self.params if p.expert)
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """vLLM's bf16 KV cache: K and V for every layer."""
+        return 2 * self.layers * self.kv_heads * self.head_dim * 2
+
+    @property
+    def width(self) -> int:
+        return self.hidden + (self.top_k * 2 * self.moe_intermediate if self.experts else 2 * self.intermediate)
+
+
+def model_shape(c: dict[str, Any]) -> ModelShape:
+    return _model_shape(json.dumps(c, sort_keys=True, default=str))
+
+
+@functools.lru_cache(maxsize=16)
+def _model_shape(text: str) -> ModelShape:  # cached: ways_to_fit plans one model a thousand times
+    return _build_shape(json.loads(text))
+
+
+def _build_shape(c: dict[str, Any]) -> ModelShape:
+    """Every trainer parameter of an HF decoder LM (Qwen3-MoE, Qwen2-MoE, Mixtral, Qwen3/Llama dense), in
+    transformers v5's in-memory layout (experts fused: gate_up_proj (E, 2I, H), down_proj (E, H, I))."""
+    arch = (c.get("architectures") or ["?"])[0]
+    mtype = str(c.get("model_type", ""))
+    H, L, V = int(c["hidden_size"]), int(c["num_hidden_layers"]), int(c["vocab_size"])
+    nh = int(c["num_attention_heads"])
+    nkv = int(c.get("num_key_value_heads") or nh)
+    hd = int(c.get("head_dim") or H // nh)
+    E = int(c.get("num_experts") or c.get("num_local_experts") or c.get("n_routed_experts") or 0)
+    k = int(c.get("num_experts_per_tok") or 0)
+    I_moe = int(c.get("moe_intermediate_size") or c.get("intermediate_size") or 0)
+    I_dense = int(c.get("intermediate_size") or 0)
+    shared = int(c.get("shared_expert_intermediate_size") or 0)
+    sparse_step = int(c.get("decoder_sparse_step") or 1)
+    mlp_only = set(c.get("mlp_only_layers") or [])
+    qk_norm = mtype.startswith("qwen3")
+    bias = mtype.startswith("qwen2") or bool(c.get("attention_bias", False))  # Qwen2's q/k/v always have one
+    out: list[ParamSpec] = [ParamSpec("model.embed_tokens.weight", (V, H), False)]
+    moe_layers = 0
+    for i in range(L):
+        p = f"model.layers.{i}."
+        att = [("q_proj", nh * hd, H), ("k_proj", nkv * hd, H), ("v_proj", nkv * hd, H)]
+        for n, rows, cols in att:
+            out.append(ParamSpec(f"{p}self_attn.{n}.weight", (rows, cols), False))
+            if bias:
+                out.append(ParamSpec(f"{p}self_attn.{n}.bias", (rows,), False))
+        out.append(ParamSpec(f"{p}self_attn.o_proj.weight", (H, nh * hd), False))
+        if qk_norm:
+            out += [ParamSpec(f"{p}self_attn.q_norm.weight", (hd,), False),
+                    ParamSpec(f"{p}self_attn.k_norm.weight", (hd,), False)]
+        if E and i not in mlp_only and (i + 1) % sparse_step == 0:
+            moe_layers += 1
+            out += [ParamSpec(f"{p}mlp.experts.gate_up_proj", (E, 2 * I_moe, H), True),
+                    ParamSpec(f"{p}mlp.experts.down_proj", (E, H, I_moe), True),
+                    ParamSpec(f"{p}mlp.gate.weight", (E, H), False)]
+            if shared:
+                out += [ParamSpec(f"{p}mlp.shared_expert.{n}.weight", s, False) for n, s in
+                        (("gate_proj", (shared, H)), ("up_proj", (shared, H)), ("down_proj", (H, shared)))]
+                out.append(ParamSpec(f"{p}mlp.shared_expert_gate.weight", (1, H), False))
+        else:
+            out += [ParamSpec(f"{p}mlp.{n}.weight", s, False) for n, s in
+                    (("gate_proj", (I_dense, H)), ("up_proj", (I_dense, H)), ("down_proj", (H, I_dense)))]
+        out += [ParamSpec(f"{p}input_layernorm.weight", (H,), False),
+                ParamSpec(f"{p}post_attention_layernorm.weight", (H,), False)]
+    out.append(ParamSpec("model.norm.weight", (H,), False))
+    if not c.get("tie_word_embeddings", False):
+        out.append(ParamSpec("lm_head.weight", (V, H), False))
+    return ModelShape(arch, tuple(out), L, H, nh, nkv, hd, V, E, k, I_moe, shared or I_dense, moe_layers, qk_norm)
+
+
+# --------------------------------------------------------------------------------------------- settings
+
+
+@dataclass(frozen=True)
+class Settings:
+    """The settings the plan depends on (a ColoConfig reduced to numbers; Settings.from_config)."""
+    num_gpus: int
+    vllm_fraction: float
+    micro_batch_size: int
+    max_model_len: int
+    mode: str = "colocated"
+    trainer_gpus: int = 0
+    tp_size: int = 1
+    gradient_checkpointing: bool = False
+    offload: bool = True
+    optimizer_offload: bool = False
+    optimizer_dtype: str = "float32"
+    param_bytes: int = 2  # the compute dtype's bytes (bf16)
+    ref_model: bool = False  # algo.kl_coef > 0: a frozen fp32 copy of the policy
+    bucket_bytes: int = GiB
+    buffers: int = 2
+    batch_seqs: int = 128  # sequences one engine generates per step (prompts x n / engines)
+    sleep_level: int = 2
+
+    @classmethod
+    def from_config(cls, cfg: ColoConfig) -> Settings:
+        p, t, r = cfg.placement, cfg.trainer, cfg.rollout
+        engines = p.num_gpus if p.mode == "colocated" else max(1, (p.num_gpus - p.trainer_gpus) // r.tp_size)
+        return cls(num_gpus=p.num_gpus, vllm_fraction=p.vllm_gpu_fraction, micro_batch_size=t.micro_batch_size,
+                   max_model_len=r.max_model_len, mode=p.mode, trainer_gpus=p.trainer_gpus, tp_size=r.tp_size,
+                   gradient_checkpointing=bool(t.gradient_checkpointing), offload=bool(t.offload),
+                   optimizer_offload=bool(getattr(t, "optimizer_offload", False)),
+                   optimizer_dtype=str(getattr(t, "optimizer_dtype", "float32")),
+                   param_bytes=4 if cfg.model.dtype == "float32" else 2, ref_model=cfg.algo.kl_coef > 0,
+                   bucket_bytes=cfg.sync.bucket_mb * 2**20, buffers=cfg.sync.buffers,
+                   batch_seqs=-(-cfg.data.prompts_per_step * r.n // engines),
+                   sleep_level=1 if r.sleep_level == 1 else 2)
+
+    @property
+    def trainer_world(self) -> int:
+        return self.num_gpus if self.mode == "colocated" else self.trainer_gpus
+
+
+# ------------------------------------------------------------------------------------------ activations
+
+
+def layer_activation_bytes(m: ModelShape, tokens: int, moe: bool) -> int:
+    """Bytes autograd saves in one decoder layer's forward for `tokens` tokens (bf16 compute), read off
+    transformers' Qwen3-MoE code: RMSNorms keep an fp32 copy and the bf16 result (6 B per element); q and k
+    keep the projection, q/k-norm's fp32 + bf16 copies and RoPE's rotate_half (12 B); SDPA keeps q, k, v and
+    its output; every (token, expert) pair keeps the gathered input (2H), gate_up's output (4I: silu holds
+    a view of it), silu(gate) and act*up (2I each) and the weighted down output (2H)."""
+    H, q, kv = m.hidden, m.heads * m.head_dim, m.kv_heads * m.head_dim
+    norms = 2 * 6 * H
+    attn = (12 if m.qk_norm else 6) * (q + kv) + 2 * kv + 2 * q
+    if moe:
+        mlp = m.top_k * (4 * H + 8 * m.moe_intermediate) + 2 * H + 8 * m.experts
+        if m.intermediate and m.intermediate != m.moe_intermediate and m.experts and _has_shared(m):
+            mlp += 8 * m.intermediate
+    else:
+        mlp = 8 * m.intermediate
+    return tokens * (norms + attn + mlp)
+
+
+def _has_shared(m: ModelShape) -> bool:
+    return any(".shared_expert." in p.name for p in m.params)
+
+
+LOGITS_BYTES = 14
+"""Bytes per (token x vocab) of one micro-batch in the train phase: the bf16 logits (2, alive until the
+step's entropy), the fp32 copy gather_logprobs saves for logsumexp's backward (4) and backward's fp32
+temporaries (exp(x - lse), the grad; 8). Measured on 1xH200 (colo.bench.trainmem, qwen3-30b-a3b width, 2
+and 4 layers, 1 x 4096 tokens): the entropy after backward (bf16 logits + log_softmax, exp, product in
+fp32: 14) peaked at state + grads + 8.11 GiB = 14.0 B x 622M, within 0.2%; the no-grad old-log-prob pass
+(2 + 4 + logsumexp's one temporary 4 = 10 B) at state + 10 B x 622M + the root and last layer gathered,
+within 0.3%."""
+
+
+def activation_bytes(m: ModelShape, s: Settings) -> dict[str, int]:
+    """Peak activation memory of one micro-batch of micro_batch_size x max_model_len tokens."""
+    tokens = s.micro_batch_size * s.max_model_len
+    per_layer = [layer_activation_bytes(m, tokens, moe=i < m.moe_layers) for i in range(m.layers)]
+    if s.gradient_checkpointing:
+        # non-reentrant checkpoint per decoder layer: each layer keeps its input, and backward recomputes
+        # one layer at a time
+        layers = m.layers * tokens * m.hidden * s.param_bytes + max(per_layer)
+    else:
+        layers = sum(per_layer)
+    return {"layers": layers, "logits": LOGITS_BYTES * tokens * m.vocab}
+
+
+# ---------------------------------------------------------------------------------------------- the plan
+
+
+@dataclass
+class MemoryPlan:
+    """Bytes per GPU (the largest rank) per phase; `rows` are (component, {phase: bytes})."""
+    model: ModelShape
+    settings: Settings
+    gpu_bytes: Optional[float]
+    gpu_source: str
+    phases: tuple[str, ...]
+    rows: list[tuple[str, dict[str, float]]]
+    kv_tokens: float  # tokens vLLM's KV cache holds per engine (colocated / engine GPU)
+    host_per_gpu: dict[str, float]
+    notes: list[str] = field(default_factory=list)
+
+    def total(self, phase: str) -> float:
+        return sum(v.get(phase, 0.0) for _, v in self.rows)
+
+    @property
+    def totals(self) -> dict[str, float]:
+        return {p: self.total(p) for p in self.phases}
+
+    @property
+    def worst(self) -> tuple[str, float]:
+        phase = max(self.phases, key=self.total)
+        return phase, self.total(phase)
+
+    @property
+    def kv_ok(self) -> bool:
+        """vLLM refuses to start when its KV cache cannot hold one max_model_len sequence."""
+        return self.kv_tokens >= self.settings.max_model_len
+
+    @property
+    def fits(self) -> bool:
+        return self.gpu_bytes is not None and self.worst[1] <= self.gpu_bytes and self.kv_ok
+
+    def problem(self) -> str:
+        """Why it does not fit, in a few words ('' when it fits or no GPU size is known)."""
+        if self.gpu_bytes is None:
+            return ""
+        phase, need = self.worst
+        if need > self.gpu_bytes:
+            top = max(self.rows, key=lambda r: r[1].get(phase, 0.0))
+            return (f"the {phase} phase needs {need / GiB:.1f} GiB per GPU of {self.gpu_bytes / GiB:.1f} "
+                    f"(largest: {top[0]} {top[1][phase] / GiB:.1f} GiB)")
+        if not self.kv_ok:
+            return (f"vLLM's KV cache holds {max(self.kv_tokens, 0):.0f} tokens, less than one "
+                    f"rollout.max_model_len={self.settings.max_model_len} sequence")
+        return ""
+
+    def table(self) -> str:
+        s, m = self.settings, self.model
+        gpu = "GPU size unknown" if self.gpu_bytes is None else \
+            f"{self.gpu_bytes / GiB:.1f} GiB per GPU ({self.gpu_source})"
+        moe = f", {m.experts} experts ({m.top_k} active)" if m.experts else ""
+        head = (f"memory plan: {m.architecture} {m.numel / 1e9:.2f}B params{moe}, {s.num_gpus} GPUs "
+                f"{s.mode}, {gpu}; GiB per GPU on the largest rank")
+        cols = ("component",) + self.phases
+        body = [(name,) + tuple("-" if p not in v else f"{v[p] / GiB:.2f}" for p in self.phases)
+                for name, v in self.rows]
+        body.append(("total",) + tuple(f"{self.total(p) / GiB:.2f}" for p in self.phases))
+        if self.gpu_bytes is not None:
+            body.append(("free",) + tuple(f"{(self.gpu_bytes - self.total(p)) / GiB:.2f}" for p in self.phases))
+        widths = [max(len(r[i]) for r in (cols, *body)) for i in range(len(cols))]
+        fmt = lambda r: "  ".join(x.ljust(w) if i == 0 else x.rjust(w)  # noqa: E731
+                                  for i, (x, w) in enumerate(zip(r, widths)))
+        lines = [head, fmt(cols)] + [fmt(r) for r in body]
+        kv_need = s.batch_seqs * s.max_model_len
+        lines.append(f"KV cache: {max(self.kv_tokens, 0):,.0f} tokens per engine = "
+                     f"{max(self.kv_tokens, 0) / s.max_model_len:.1f} sequences of max_model_len {s.max_model_len}"
+                     f" (the step's {s.batch_seqs} sequences per engine at full length: {kv_need:,}"
+                     f"{'' if self.kv_tokens >= kv_need else '; vLLM runs them in waves'})")
+        host = sum(self.host_per_gpu.values())
+        per_node = min(s.num_gpus, GPUS_PER_NODE)
+        parts = ", ".join(f"{k} {v / GiB:.1f}" for k, v in self.host_per_gpu.items() if v)
+        lines.append(f"host memory: {host / GiB:.1f} GiB per GPU ({parts or 'none'}), {host * per_node / GiB:.1f} GiB "
+                     f"per node of {per_node} GPUs")
+        lines += self.notes
+        if self.gpu_bytes is None:
+            lines.append("fit not checked: no GPU here and placement.gpu_memory=auto; fix: "
+                         "placement.gpu_memory=H100 (or H200, 80GiB, ...)")
+        else:
+            lines.append("fits" if self.fits else f"does NOT fit: {self.problem()}")
+        return "\n".join(lines)
+
+
+def _shard_bytes(params: tuple[ParamSpec, ...], world: int, nbytes: int, experts: Optional[bool] = None) -> int:
+    return sum(p.rows_on(world) * (p.numel // p.shape[0]) * nbytes for p in params
+               if experts is None or p.expert == experts)
+
+
+def trainer_terms(m: ModelShape, s: Settings) -> dict[str, float]:
+    """The trainer's allocations on its largest rank (bytes), and the four moments one of which is the train
+    phase's peak (each includes the state and the sync buffers):
+
+    - no_grad: the old-log-prob pass: 10 B per logit, the root and last layer still gathered
+    - backward: the start of a micro-batch's backward once earlier micro-batches left their grads: every
+      layer's saved activations, 14 B per logit, gathered units and one unit's reduce-scatter buffers
+    - entropy: right after backward, every grad and the entropy's 14 B per logit, nothing gathered
+    - step: grads and the optimizer step's temporaries
+    """
+    W = s.trainer_world
+    params = _shard_bytes(m.params, W, 4)
+    state_bytes = 2 if s.optimizer_dtype == "bfloat16" else 4
+    optim_full = 2 * _shard_bytes(m.params, W, state_bytes)
+    optim = 0 if s.optimizer_offload else optim_full
+    biggest = max(p.rows_on(W) * (p.numel // p.shape[0]) for p in m.params)
+    if s.optimizer_offload:
+        step_tmp = biggest * (2 * state_bytes + 3 * 4)  # one param's states streamed in, fp32 math on them
+    elif s.optimizer_dtype == "bfloat16":
+        step_tmp = biggest * 4 * 4  # StreamedAdamW on the GPU: fp32 m, v and two temporaries of one param
+    else:
+        step_tmp = params  # foreach AdamW: sqrt(exp_avg_sq) of every param at once (torch/optim/adam.py)
+    ref = params if s.ref_model else 0
+    resident = s.bucket_bytes * s.buffers + OFFLOADED_REST
+    act = activation_bytes(m, s)
+    tok_v = s.micro_batch_size * s.max_model_len * m.vocab
+    # FSDP2 units in bf16 (world 1 too: it still copies into bf16 buffers): the root (embeddings, lm_head)
+    # stays gathered through forward and backward, a layer's unit is gathered and the next prefetched;
+    # backward also holds a unit's unsharded bf16 grads and their fp32 copy for the reduce-scatter.
+    units = _units(m)
+    root, unit = units[0], max(units[1:], default=0)
+    last = sum(u for u in units[1:][-2:])  # the last layer and its expert unit stay gathered after forward
+    dense_units = sorted(_units(m, experts=False))
+    state = params + optim + ref + resident
+    out = {"params": params, "grads": params, "optim": optim, "optim_full": optim_full, "ref": ref,
+           "resident": resident, "step_tmp": step_tmp, "activations": act["layers"], "logits": act["logits"],
+           "gathered": s.param_bytes * (root + 2 * unit), "reduce": (s.param_bytes + 4) * unit,
+           # sync: dense units gathered in bf16 (one packed, the next prefetched); expert shards read locally
+           "sync_gather": s.param_bytes * sum(dense_units[-2:])}
+    out["no_grad"] = state + 10 * tok_v + s.param_bytes * (root + last)
+    out["backward"] = state + params + act["layers"] + act["logits"] + out["gathered"] + out["reduce"]
+    out["entropy"] = state + params + LOGITS_BYTES * tok_v
+    out["step"] = state + params + step_tmp
+    out["sync"] = params + optim + ref + resident + out["sync_gather"]
+    return out
+
+
+def plan_memory(config_json: dict[str, Any], s: Settings, gpu_bytes: Optional[float],
+                gpu_source: str = "placement.gpu_memory") -> MemoryPlan:
+    """The plan for one setting; see the module docstring for the phases and where each figure comes from."""
+    m = model_shape(config_json)
+    W = s.trainer_world
+    notes: list[str] = []
+    # ---- vLLM, per GPU: dense weights replicated, experts split over EP (colocated) or TP (disaggregated)
+    dense = sum(p.numel for p in m.params if not p.expert)
+    vocab_pad = (-m.vocab) % 64 * m.hidden * (1 if config_json.get("tie_word_embeddings") else 2)
+    if s.mode == "colocated":
+        v_weights = 2 * (dense + vocab_pad) + 2 * m.expert_numel / s.num_gpus
+    else:
+        v_weights = 2 * (dense + vocab_pad + m.expert_numel) / s.tp_size
+    reserve = VLLM_RESERVE_BASE + VLLM_RESERVE_PER_WIDTH * m.width
+    budget = s.vllm_fraction * gpu_bytes if gpu_bytes is not None else v_weights + reserve + \
+        s.max_model_len * m.kv_bytes_per_token
+    kv = budget - v_weights - reserve
+    kv_tokens = kv / m.kv_bytes_per_token
+    t = trainer_terms(m, s)
+    if s.mode == "disaggregated":
+        return _plan_disaggregated(m, s, gpu_bytes, gpu_source, v_weights, reserve, kv, kv_tokens, t, notes)
+    params, grads, optim, ref, resident = t["params"], t["grads"], t["optim"], t["ref"], t["resident"]
+    train_peak = max(t["backward"], t["entropy"], t["step"])
+    slack = ALLOC_SLACK * (train_peak - resident)
+    phases = ("start", "rollout", "asleep", "train", "step", "sync")
+    # trainer.offload=false: the state stays through rollout (train_step released the allocator's cache)
+    kept = resident if s.offload else params + optim + ref + resident
+    rows: list[tuple[str, dict[str, float]]] = [
+        ("overhead (CUDA contexts, NCCL; calibrated)", {p: OVERHEAD for p in phases}),
+        ("vLLM reserve (activations; calibrated)", {p: reserve for p in phases}),
+        ("vLLM weights (bf16, experts / EP)", {"start": v_weights, "rollout": v_weights, "sync": v_weights}),
+        ("vLLM KV cache", {"start": max(kv, 0.0), "rollout": max(kv, 0.0)}),
+        ("trainer while vLLM runs" + (" (offloaded: sync buffers)" if s.offload else " (offload=false)"),
+         {"rollout": kept, "asleep": kept}),
+        ("trainer params fp32", {"start": params, "train": params, "step": params, "sync": params}),
+        ("trainer grads fp32", {"train": grads, "step": grads}),
+        (f"AdamW state {s.optimizer_dtype}" + (" (on host)" if s.optimizer_offload else ""),
+         {"train": optim, "step": optim, "sync": optim}),
+        ("reference model fp32 (kl_coef > 0)", {"start": ref, "train": ref, "step": ref, "sync": ref}),
+        ("sync buffers + rest", {"train": resident, "step": resident, "sync": resident}),
+        (f"activations {s.micro_batch_size}x{s.max_model_len} tok, checkpointing "
+         f"{'on' if s.gradient_checkpointing else 'off'}", {"train": t["activations"]}),
+        (f"logits {s.micro_batch_size}x{s.max_model_len}x{m.vocab}", {"train": t["logits"]}),
+        ("gathered FSDP units bf16 + reduce-scatter", {"train": t["gathered"] + t["reduce"]}),
+        # with few layers the entropy after backward (all grads + 14 B per logit) can top backward's start
+        ("peak at the entropy after backward instead", {"train": max(0.0, t["entropy"] - t["backward"])}),
+        ("optimizer step temporaries", {"step": t["step_tmp"]}),
+        ("sync gather (dense units bf16)", {"sync": t["sync_gather"]}),
+        ("allocator cache (calibrated)", {"train": slack, "step": slack}),
+    ]
+    rows = [(n, {p: b for p, b in v.items() if b}) for n, v in rows]
+    rows = [(n, v) for n, v in rows if v]
+    on_host = params + t["optim_full"] + ref if s.offload else (t["optim_full"] if s.optimizer_offload else 0)
+    host = {"trainer state offloaded": on_host,
+            "vLLM weights asleep (level 1)": v_weights if s.sleep_level == 1 else 0}
+    plan = MemoryPlan(m, s, gpu_bytes, gpu_source, phases, rows, kv_tokens, host, notes)
+    notes.append(f"loading: each rank reads its own {params / GiB:.1f} GiB fp32 shard from the safetensors "
+                 f"files; the end-of-run export gathers the model in bf16 on rank 0's host "
+                 f"({2 * m.numel / GiB:.0f} GiB)")
+    return plan
+
+
+def _units(m: ModelShape, experts: Optional[bool] = None) -> list[int]:
+    """Elements of each FSDP unit, root first (colo.trainer.fsdp: per expert block, per layer, root)."""
+    root = sum(p.numel for p in m.params if not p.name.startswith("model.layers."))
+    layers: dict[str, int] = {}
+    for p in m.params:
+        if p.name.startswith("model.layers."):
+            key = ".".join(p.name.split(".")[:3]) + (".experts" if p.expert else "")
+            layers[key] = layers.get(key, 0) + p.numel
+    units = [v for k, v in layers.items() if experts is None or k.endswith(".experts") == experts]
+    return ([root] if experts in (None, False) else []) + units
+
+
+def _plan_disaggregated(m: ModelShape, s: Settings, gpu_bytes: Optional[float], gpu_source: str,
+                        v_weights: float, reserve: float, kv: float, kv_tokens: float, t: dict[str, float],
+                        notes: list[str]) -> MemoryPlan:
+    """Trainer GPUs hold the trainer all the time (nothing sleeps); engine GPUs hold vLLM at its fraction."""
+    phases = ("trainer GPU", "engine GPU")
+    state = t["params"] + t["grads"] + t["optim"] + t["ref"]
+    peak = max(t["backward"], t["entropy"], t["step"])
+    rows = [("overhead (CUDA contexts, NCCL; calibrated)", {p: OVERHEAD for p in phases}),
+            ("vLLM weights (bf16, / TP)", {"engine GPU": v_weights}),
+            ("vLLM KV cache", {"engine GPU": max(kv, 0.0)}),
+            ("vLLM reserve (activations)", {"engine GPU": reserve}),
+            ("trainer state (params, grads, AdamW, ref)", {"trainer GPU": state}),
+            ("sync buffers + rest", {"trainer GPU": t["resident"]}),
+            ("activations, logits, gathered units (or step temporaries)", {"trainer GPU": peak - state - t["resident"]}),
+            ("allocator cache (calibrated)", {"trainer GPU": ALLOC_SLACK * (peak - t["resident"])})]
+    host = {"AdamW state (trainer.optimizer_offload)": t["optim_full"] if s.optimizer_offload else 0}
+    return MemoryPlan(m, s, gpu_bytes, gpu_source, phases, rows, kv_tokens, host, notes)
+
+
+# ------------------------------------------------------------------------------------------- GPU sizes
+
+
+def parse_gpu_memory(value: str) -> float:
+    """Bytes from "80GiB", "80GB", "81920MiB", "79.2 GiB" or a GPU model name in GPU_MODELS; ValueError else."""
+    text = str(value).strip()
+    for name, size in GPU_MODELS.items():
+        if text.upper() == name.upper():
+            return size
+    hit = re.fullmatch(r"([0-9]*\.?[0-9]+)\s*(GiB|GB|MiB|MB|TiB|TB)", text, flags=re.IGNORECASE)
+    if not hit:
+        raise ValueError(f"{value!r} is neither a size (80GiB, 141GB) nor a GPU model {sorted(GPU_MODELS)}")
+    units = {"gib": GiB, "gb": 1e9, "mib": 2**20, "mb": 1e6, "tib": 2**40, "tb": 1e12}
+    return float(hit.group(1)) * units[hit.group(2).lower()]

@@ -1,0 +1,135 @@
+"""The trainer's AdamW, and two ways to make its state smaller on the GPU.
+
+    opt = make_optimizer(model.parameters(), lr=1e-6, weight_decay=0.0, state_dtype="float32", on_host=False,
+                         device=device)
+
+- default (float32, on the device): torch.optim.AdamW. On CUDA it runs the foreach kernels, whose step
+  holds one fp32 temporary per parameter (sqrt(exp_avg_sq), torch/optim/adam.py): 20 bytes per parameter
+  at the step's peak, which the memory plan (colo.memplan) counts.
+- `state_dtype="bfloat16"`: exp_avg and exp_avg_sq stored in bf16 (4 instead of 8 bytes per parameter),
+  updated in fp32 one parameter at a time and written back with stochastic rounding. Round-to-nearest
+  would freeze exp_avg_sq: multiplying by beta2 = 0.999 moves a bf16 value by less than half its last
+  bit, so it never decays; stochastic rounding keeps the expectation exact.
+- `on_host=True`: the state lives in host memory (pinned on CUDA) for good; each step streams one
+  parameter's state to the device, updates it there and copies it back. Colocated runs already move the
+  state host <-> device once per RL step when trainer.offload=true; with the state on the host that
+  traffic moves into the optimizer step instead, and the GPU never holds more than one parameter's state.
+  colo.trainer.offload leaves such state where it is (`keeps_state_on_host`).
+
+State tensors keep the parameter's DTensor sharding (a DTensor around the local shard, wherever it lives),
+so torch.distributed.checkpoint saves and reshards them like torch.optim.AdamW's.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+
+import torch
+from torch.distributed.tensor import DTensor
+
+STATE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def make_optimizer(params: Iterable[torch.nn.Parameter], *, lr: float, weight_decay: float,
+                   state_dtype: str = "float32", on_host: bool = False,
+                   device: torch.device | str = "cpu") -> torch.optim.Optimizer:
+    """torch's AdamW for the default; colo's StreamedAdamW when the state is bf16 or on the host."""
+    if state_dtype not in STATE_DTYPES:
+        raise ValueError(f"optimizer state dtype {state_dtype!r} is not one of {sorted(STATE_DTYPES)}")
+    if state_dtype == "float32" and not on_host:
+        return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
+    return StreamedAdamW(params, lr=lr, weight_decay=weight_decay, state_dtype=STATE_DTYPES[state_dtype],
+                         on_host=on_host, device=torch.device(device))
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _like(param: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+    """A state tensor with `param`'s sharding around `local` (not DTensor.from_local: that would move it
+    to the mesh's device)."""
+    return DTensor(local, param._spec, requires_grad=False) if isinstance(param, DTensor) else local
+
+
+def round_to_bf16(x: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """Stochastic rounding fp32 -> bf16: add uniform noise below bf16's last bit, then truncate.
+
+    fp32 bits are sign-magnitude, so the noise moves the magnitude up by [0, 1) bf16 units for either
+    sign and truncation rounds it down: the result is the upper neighbour with probability equal to the
+    distance from the lower one, E[result] = x."""
+    bits = x.contiguous().view(torch.int32)
+    noise = torch.randint(0, 1 << 16, x.shape, dtype=torch.int32, device=x.device, generator=generator)
+    return ((bits + noise) & -65536).view(torch.float32).to(torch.bfloat16)
+
+
+class StreamedAdamW(torch.optim.Optimizer):
+    """AdamW (decoupled weight decay, torch's defaults) with fp32 math, one parameter at a time, state in
+    `state_dtype` on the host or on the parameter's device. Same update as torch.optim.AdamW in fp32."""
+
+    def __init__(self, params: Iterable[torch.nn.Parameter], *, lr: float, weight_decay: float = 0.01,
+                 betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
+                 state_dtype: torch.dtype = torch.float32, on_host: bool = False,
+                 device: torch.device = torch.device("cpu")) -> None:
+        super().__init__(params, dict(lr=lr, weight_decay=weight_decay, betas=betas, eps=eps))
+        self.state_dtype, self.keeps_state_on_host, self.device = state_dtype, on_host, device
+        self._gen: dict[torch.device, torch.Generator] = {}
+        # torch's load_state_dict casts every state tensor to its param's dtype and device (fp32, the GPU):
+        # put a resumed state back where and how this optimizer keeps it
+        self.register_load_state_dict_post_hook(lambda opt: opt._relayout())
+
+    @torch.no_grad()
+    def _relayout(self) -> None:
+        for p, st in self.state.items():
+            for key in ("exp_avg", "exp_avg_sq"):
+                if key in st:
+                    fresh = self._new_state(p)[key]
+                    _local(fresh).copy_(_local(st[key]))
+                    st[key] = fresh
+
+    def _new_state(self, p: torch.Tensor) -> dict[str, torch.Tensor]:
+        local = _local(p)
+        where = "cpu" if self.keeps_state_on_host else local.device
+        pin = self.keeps_state_on_host and self.device.type == "cuda"
+        zeros = [torch.zeros(local.shape, dtype=self.state_dtype, device=where, pin_memory=pin) for _ in range(2)]
+        return {"step": torch.tensor(0.0), "exp_avg": _like(p, zeros[0]), "exp_avg_sq": _like(p, zeros[1])}
+
+    def _generator(self, device: torch.device) -> torch.Generator | None:
+        if self.state_dtype != torch.bfloat16:
+            return None
+        if device not in self._gen:  # fixed seed: a run's rounding noise is reproducible
+            self._gen[device] = torch.Generator(device=device).manual_seed(0x5EED)
+        return self._gen[device]
+
+    @torch.no_grad()
+    def step(self, closure=None):  # noqa: ANN001, ANN201 (torch's signature)
+        loss = closure() if closure is not None else None
+        for group in self.param_groups:
+            lr, wd, eps = group["lr"], group["weight_decay"], group["eps"]
+            b1, b2 = group["betas"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                st = self.state[p]
+                if not st:
+                    st.update(self._new_state(p))
+                st["step"] += 1
+                t = float(st["step"])
+                w, g = _local(p), _local(p.grad)  # (rows, ...) this rank's shard
+                if w.numel() == 0:
+                    continue
+                m = _local(st["exp_avg"]).to(w.device, torch.float32, non_blocking=True)
+                v = _local(st["exp_avg_sq"]).to(w.device, torch.float32, non_blocking=True)
+                g32 = g.float()
+                m.lerp_(g32, 1 - b1)
+                v.mul_(b2).addcmul_(g32, g32, value=1 - b2)
+                w.mul_(1 - lr * wd)
+                denom = (v.sqrt() / math.sqrt(1 - b2 ** t)).add_(eps)
+                w.addcdiv_(m.to(w.dtype), denom.to(w.dtype), value=-lr / (1 - b1 ** t))
+                gen = self._generator(w.device)
+                for key, new in (("exp_avg", m), ("exp_avg_sq", v)):
+                    out = round_to_bf16(new, gen) if gen is not None else new.to(self.state_dtype)
+                    _local(st[key]).copy_(out, non_blocking=True)
+        if self.keeps_state_on_host and self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # the host copies must land before the next step reads them
+        return loss
