@@ -188,7 +188,7 @@ def _engine_index(err: Exception, engines: list | None) -> int | None:
 
 def _raising_engine(err: Exception, engines: list | None) -> int | None:
     """The engine whose method raised inside a trainer's call. Ray folds the chain of remote errors into
-    one message with a header per actor ("ray::RolloutEngine.load_bucket() (pid=.., actor_id=<hex>, ..)");
+    one message with a header per actor ("ray::Engine.load_bucket() (pid=.., actor_id=<hex>, ..)");
     the actor id is the one stable name in it (the nested RayTaskError objects are not kept)."""
     text = str(err)
     for k, e in enumerate(engines or []):

@@ -46,7 +46,7 @@ def alive(pid: int) -> bool:
     return True
 
 
-def _tree(pid: int) -> list[int]:
+def process_tree(pid: int) -> list[int]:
     """pid and all its descendants (Linux /proc)."""
     out, todo = [], [pid]
     while todo:
@@ -63,7 +63,7 @@ def _tree(pid: int) -> list[int]:
 def mapped_segments(pid: int, children: bool = True) -> set[str]:
     """Names of /dev/shm files that `pid` (or one of its descendants) has mapped, colo's own excepted."""
     names: set[str] = set()
-    for p in _tree(pid) if children else [pid]:
+    for p in process_tree(pid) if children else [pid]:
         try:
             maps = Path(f"/proc/{p}/maps").read_text()
         except OSError:

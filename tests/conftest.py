@@ -16,6 +16,10 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
+# what every RL step of a run logs to metrics.jsonl, in both placement modes (test_loop, test_readme)
+STEP_KEYS = ["step", "reward/mean", "reward/std", "response_len/mean", "loss", "entropy", "clip_frac",
+             "grad_norm", "logprob_diff/mean", "sync/tensors", "sync/bytes", "sync/verified"] + [
+    f"timing/{p}_s" for p in ("rollout", "reward", "sleep", "train", "sync", "wake", "step")]
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

