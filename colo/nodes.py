@@ -13,7 +13,8 @@ rank 0's node (colo.sync.broadcast), so its port needs no choosing at all.
 
 gloo binds the address its host name resolves to, often 127.0.0.1 or 127.0.1.1 (/etc/hosts): peers on
 other nodes could not connect. Each actor therefore names the interface that holds its node IP
-(GLOO_SOCKET_IFNAME, read by torch's gloo when a group is created) before any gloo group exists.
+(GLOO_SOCKET_IFNAME, read by torch's gloo when a group is created) before any gloo group exists, and
+gives vLLM the node IP (VLLM_HOST_IP) before vLLM starts (node_env).
 
 When a run fails, `lost_nodes` asks which of its nodes are gone (dead to Ray's GCS, or not answering a
 task pinned to them within a few seconds), so the error names the node and the ranks that were on it.
@@ -157,15 +158,18 @@ def interface_of(ip: str) -> str | None:
     return None
 
 
-def gloo_env() -> dict[str, str]:
-    """{"GLOO_SOCKET_IFNAME": <interface of this node's Ray IP>} for an actor to set before it creates a
-    gloo group; {} outside Ray or when the interface is not found (gloo's own choice then)."""
+def node_env() -> dict[str, str]:
+    """What an actor sets before it creates a gloo group or starts vLLM, so both use this node's Ray IP:
+    GLOO_SOCKET_IFNAME (the interface holding it; gloo would bind what the host name resolves to) and
+    VLLM_HOST_IP (vLLM otherwise asks the routing table for a way to 8.8.8.8, which a node without a
+    default route lacks). {} outside Ray."""
     import ray
 
     if not ray.is_initialized():
         return {}
-    name = interface_of(ray.util.get_node_ip_address())
-    return {"GLOO_SOCKET_IFNAME": name} if name else {}
+    ip = ray.util.get_node_ip_address()
+    name = interface_of(ip)
+    return {"VLLM_HOST_IP": ip, **({"GLOO_SOCKET_IFNAME": name} if name else {})}
 
 
 @dataclass(frozen=True)

@@ -43,7 +43,7 @@ SAME = ["reward/mean", "reward/std", "response_len/mean", "loss", "entropy", "cl
 
 @pytest.fixture(scope="module")
 def cluster():
-    with TwoNodes(head_gpus=1, worker_gpus=1, cpus=2) as c:
+    with TwoNodes(head_gpus=1, worker_gpus=1, cpus=3) as c:
         print(f"\ntwo-node cluster: {c.kind}, head {c.head_ip}, worker {c.worker_ip}", file=sys.stderr)
         yield c
 

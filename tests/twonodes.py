@@ -68,6 +68,7 @@ class TwoNodes:
         self.ns = self.veth = None
         self.procs: list[subprocess.Popen] = []
         self.worker: subprocess.Popen | None = None
+        self._noted: dict[int, float] = {}  # pid -> create time of processes seen in our nodes' trees
         # short: Ray's unix socket paths under it must stay within 107 bytes
         self.tmp = Path(tempfile.mkdtemp(prefix="cmn", dir="/tmp"))
 
@@ -150,17 +151,20 @@ class TwoNodes:
         return next(k.pid for k in kids if k.name() == "raylet")
 
     def kill_worker_raylet(self) -> None:
+        """SIGKILL the worker node's raylet. Its process tree is noted first: once the raylet is gone,
+        `ray start --block` ends and its other children would no longer be reachable through it."""
+        self._noted.update(_tree(self.worker))
         os.kill(self.worker_raylet_pid(), signal.SIGKILL)
 
     def stop_worker(self) -> None:
         if self.worker is not None:
-            _stop_tree(self.worker)
+            _stop_tree(self.worker, self._noted)
             self.procs.remove(self.worker)
             self.worker = None
 
     def stop(self) -> None:
         for p in reversed(self.procs):
-            _stop_tree(p)
+            _stop_tree(p, self._noted)
         self.procs.clear()
         self._net_down()
         shutil.rmtree(self.tmp, ignore_errors=True)
@@ -176,13 +180,20 @@ class TwoNodes:
         self.stop()
 
 
-def _stop_tree(p: subprocess.Popen) -> None:
-    """SIGTERM to `ray start --block` (it stops the node's processes), then SIGKILL to whatever of its
-    process tree is left, by pid; the tree is read first, while the parent still links it."""
+def _tree(p: subprocess.Popen) -> dict[int, float]:
+    """pid -> create time of p and its descendants (the time tells a reused pid from ours)."""
     try:
-        kids = psutil.Process(p.pid).children(recursive=True)
+        procs = [psutil.Process(p.pid)]
+        procs += procs[0].children(recursive=True)
+        return {q.pid: q.create_time() for q in procs}
     except psutil.NoSuchProcess:
-        kids = []
+        return {}
+
+
+def _stop_tree(p: subprocess.Popen, noted: dict[int, float]) -> None:
+    """SIGTERM to `ray start --block` (it stops the node's processes), then SIGKILL to whatever is left of
+    its process tree as it is now and as it was noted earlier (kill_worker_raylet), by pid and create time."""
+    tree = {**_tree(p)}
     if p.poll() is None:
         p.terminate()
         try:
@@ -190,8 +201,10 @@ def _stop_tree(p: subprocess.Popen) -> None:
         except subprocess.TimeoutExpired:
             p.kill()
             p.wait(timeout=5)
-    for k in kids:
+    for pid, created in {**noted, **tree}.items():
         try:
-            k.kill()
+            q = psutil.Process(pid)
+            if q.create_time() == created:
+                q.kill()
         except psutil.NoSuchProcess:
             pass

@@ -104,9 +104,9 @@ class Engine:
             self._setup_gpu_tp_env()
         else:
             self._setup_gpu_env(dp_master_addr or ray.util.get_node_ip_address(), dp_master_port, dp_local_rank)
-        from colo.nodes import gloo_env
+        from colo.nodes import node_env
 
-        os.environ.update(gloo_env())  # the weight group's gloo (CPU) binds the node's interface, not loopback
+        os.environ.update(node_env())  # vLLM and the weight group's gloo (CPU) on the node's IP, not a loopback
 
         self.vllm_ipc = self.cfg.rollout.vllm_weight_transfer == "ipc"
         if self.vllm_ipc:  # vLLM's IPC handles hold classes: msgpack to the engine core refuses them otherwise
