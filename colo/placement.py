@@ -10,7 +10,8 @@ colocated: one Ray placement group per GPU, a trainer rank and a vLLM rank in ea
 Invariant the loop relies on: trainer rank r, engine DP rank r (and on GPU, EP rank r) all live in
 pgs[r], so they share one device; pgs are ordered by (node, GPU id) so rank order follows the
 hardware. With rows placed on nodes (colo.nodes.on_nodes: filled node by node), each bundle also asks
-for its node's "node:<ip>" resource, and the node order is the plan's. Why one PG per GPU and not one PG with N bundles: vLLM's Ray executor places its worker
+for its node's "node:<ip>" resource, and the node order is the plan's.
+Why one PG per GPU and not one PG with N bundles: vLLM's Ray executor places its worker
 in "bundle 0" of the placement group it is handed (VLLM_RAY_BUNDLE_INDICES), so each engine needs a
 PG whose bundle 0 is its own GPU (DESIGN.md, measured in ../shared/gpu/dpep.py).
 

@@ -106,7 +106,8 @@ def test_node_loss_then_resume_matches_one_node(cluster: TwoNodes, single: Path,
     assert (f"colo: nodes: {cluster.head_ip}: trainer rank 0, engine DP rank 0; "
             f"{cluster.worker_ip}: trainer rank 1, engine DP rank 1") in out
     error = next((ln for ln in err.splitlines() if ln.startswith("colo: error:")), err[-2000:])
-    assert error.startswith(f"colo: error: node {cluster.worker_ip} died; on it: trainer rank 1, engine DP rank 1"), error
+    want = f"colo: error: node {cluster.worker_ip} died; on it: trainer rank 1, engine DP rank 1"
+    assert error.startswith(want), error
     newest = sorted(p for p in (run_dir / "checkpoints").glob("step_*") if (p / "extra.json").exists())[-1]
     assert (f"colo: newest checkpoint {newest}; continue with: python -m colo.launch --resume "
             f"run.dir={run_dir}") in err, err[-2000:]

@@ -130,7 +130,8 @@ def test_every_command_is_classified() -> None:
     assert not unknown, f"README commands tests/test_readme.py does not know how to run: {unknown}"
     kinds = [c.kind for c in commands]
     # the README as of this test: 5 CPU jobs, 1 CPU dry run, 3 GPU commands, 5 set-up commands
-    assert all(kinds.count(k) >= 1 for k in ("cpu-run", "dry-run", "gpu", "setup", "cluster-node", "cluster-run")), kinds
+    want = ("cpu-run", "dry-run", "gpu", "setup", "cluster-node", "cluster-run")
+    assert all(kinds.count(k) >= 1 for k in want), kinds
     assert any(c.args == ["placement.mode=disaggregated", "placement.trainer_gpus=1"] for c in _of("cpu-run"))
     assert {c.via for c in _of("gpu")} >= {"ray job submit", "sbatch"}
 
