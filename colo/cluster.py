@@ -12,8 +12,6 @@ so `ray.get_actor` finds them from driver-side code (debugging, the failure test
 
 from __future__ import annotations
 
-import random
-import socket
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -21,6 +19,7 @@ from typing import Any
 import ray
 
 from colo.config import ColoConfig, to_dict
+from colo.nodes import Lost, free_port, gpu_nodes, locate, lost_nodes, on_nodes  # noqa: F401 (free_port: re-export)
 from colo.placement import PlacementPlan, create_disaggregated_placement, create_placement, scheduling
 
 
@@ -34,38 +33,17 @@ class Cluster:
     placement_groups: list
     setup: dict = field(default_factory=dict)  # start-up seconds: trainer_setup_s, engine_start_s, cluster_s
     mode: str = "colocated"
+    ranks_by_node: dict = field(default_factory=dict)  # Ray node id -> (node IP, ["trainer rank 0", ...])
+    lost: list = field(default_factory=list)  # names of the actors on nodes found lost (node_loss)
 
     @property
     def colocated(self) -> bool:
         return self.mode == "colocated"
 
-
-def free_port() -> int:
-    """A free TCP port for a server that another process will open a moment later.
-
-    Taken from below the kernel's ephemeral range: a port handed out by bind(0) is an ephemeral one,
-    and in the gap before the server binds it, any outgoing connection (Ray, gloo, vLLM start dozens)
-    may be given the same number; CI hit exactly that (EADDRINUSE in init_process_group)."""
-    lo = _ephemeral_low()
-    for _ in range(200):
-        port = _RNG.randrange(max(1024, lo - 12000), lo) if lo > 2048 else 0
-        with socket.socket() as s:
-            try:
-                s.bind(("", port))
-            except OSError:
-                continue
-            return s.getsockname()[1]
-    raise RuntimeError(f"no free TCP port below the ephemeral range ({lo}) after 200 tries")
-
-
-_RNG = random.SystemRandom()  # independent of any seeding the job does: two runs must not pick alike
-
-
-def _ephemeral_low() -> int:
-    try:
-        return int(open("/proc/sys/net/ipv4/ip_local_port_range").read().split()[0])
-    except (OSError, ValueError, IndexError):
-        return 32768  # Linux default
+    def actors(self) -> list[tuple[str, Any]]:
+        """(name, handle) of every actor, named as ranks_by_node names them."""
+        return [(f"trainer rank {r}", t) for r, t in enumerate(self.trainers)] + \
+            [(f"engine DP rank {e}", a) for e, a in enumerate(self.engines)]
 
 
 def start_cluster(cfg: ColoConfig, plan: PlacementPlan, trainer_cls: Any = None, engine_cls: Any = None) -> Cluster:
@@ -88,22 +66,35 @@ def start_cluster(cfg: ColoConfig, plan: PlacementPlan, trainer_cls: Any = None,
     RolloutEngine = engine_cls or RolloutEngine  # noqa: N806
     t0 = time.perf_counter()
     colocated, cuda = plan.mode == "colocated", cfg.placement.device == "cuda"
+    if not plan.node_order:  # ranks fill the cluster's GPU nodes in order (colo.nodes)
+        plan = on_nodes(plan, gpu_nodes())
     if colocated:
         trainer_pgs = engine_pgs = create_placement(plan)
         train_gpus, engine_gpus = cfg.placement.train_gpu_fraction, cfg.placement.vllm_gpu_fraction
-        dp_port = free_port()
     else:
         trainer_pgs, engine_pgs = create_disaggregated_placement(plan)
-        train_gpus, engine_gpus, dp_port = 1, 1, 0  # engines are no DP group: no DP port
-    cfg_dict, world, master_port = to_dict(cfg), len(trainer_pgs), free_port()
+        train_gpus, engine_gpus = 1, 1
+    # addresses and ports from the nodes that use them: trainer rank 0's node hosts the torch.distributed
+    # rendezvous, engine 0's node vLLM's DP master (colocated GPU only: CPU engines and disaggregated TP
+    # engines form no DP group)
+    at_trainer, at_engine = locate(trainer_pgs), locate(engine_pgs)
+    master_addr, master_port = at_trainer[0]["node_ip"], at_trainer[0]["port"]
+    dp_addr, dp_port = (at_engine[0]["node_ip"], at_engine[0]["port"]) if colocated else ("", 0)
+    local = [sum(w["node_id"] == at_engine[e]["node_id"] for w in at_engine[:e]) for e in range(len(at_engine))]
+    cfg_dict, world = to_dict(cfg), len(trainer_pgs)
     trainers = [TrainWorker.options(num_gpus=train_gpus, num_cpus=1, name=f"colo-trainer-{r}",
-                                    scheduling_strategy=scheduling(pg)).remote(cfg_dict, r, world, "127.0.0.1",
+                                    scheduling_strategy=scheduling(pg)).remote(cfg_dict, r, world, master_addr,
                                                                                master_port)
                 for r, pg in enumerate(trainer_pgs)]
     engines = [RolloutEngine.options(num_gpus=0 if cuda else engine_gpus, num_cpus=0, name=f"colo-engine-{e}",
-                                     scheduling_strategy=scheduling(pg)).remote(cfg_dict, e, len(engine_pgs),
-                                                                                dp_port)
+                                     scheduling_strategy=scheduling(pg)).remote(
+                                         cfg_dict, e, len(engine_pgs), dp_port, dp_master_addr=dp_addr,
+                                         dp_local_rank=local[e])
                for e, pg in enumerate(engine_pgs)]
+    ranks_by_node: dict[str, tuple[str, list[str]]] = {}
+    for name, w in [(f"trainer rank {r}", w) for r, w in enumerate(at_trainer)] + \
+            [(f"engine DP rank {e}", w) for e, w in enumerate(at_engine)]:
+        ranks_by_node.setdefault(w["node_id"], (w["node_ip"], []))[1].append(name)
     setups = gather([t.setup.remote() for t in trainers], [f"trainer rank {r}" for r in range(world)])
     t_train = time.perf_counter() - t0
     readies = gather([e.ready.remote() for e in engines], [f"engine DP rank {e}" for e in range(len(engines))])
@@ -128,7 +119,7 @@ def start_cluster(cfg: ColoConfig, plan: PlacementPlan, trainer_cls: Any = None,
         setup["weight_group_s"] = time.perf_counter() - t
         pgs = trainer_pgs + engine_pgs
     setup["cluster_s"] = time.perf_counter() - t0
-    return Cluster(trainers, engines, pgs, setup, mode=plan.mode)
+    return Cluster(trainers, engines, pgs, setup, mode=plan.mode, ranks_by_node=ranks_by_node)
 
 
 def connect_weight_group(trainer0: Any, engines: list, tp_size: int) -> None:
@@ -207,6 +198,28 @@ class ActorError(RuntimeError):
         first = (str(cause).strip().splitlines() or [""])[0]
         super().__init__(f"{name} raised {type(cause).__name__}: {first}")
         self.name = name
+
+
+class NodeLost(RuntimeError):
+    """One or more of the job's nodes died or cannot be reached; `name` is "node <ip>" (the first one)."""
+
+    def __init__(self, lost: list[Lost], seen: Exception) -> None:
+        super().__init__("; ".join(n.describe() for n in lost) + f" (first noticed as: {seen})")
+        self.name = f"node {lost[0].ip}"
+        self.trainers = [r for n in lost for r in n.ranks if r.startswith("trainer")]
+
+
+def node_loss(c: Cluster, err: Exception) -> NodeLost | None:
+    """After an actor died or raised: NodeLost when any of the job's nodes is gone, else None. Asked only
+    on failure (a probe of each node, seconds at most); records the lost actors in c.lost."""
+    try:
+        lost = lost_nodes(c.ranks_by_node)
+    except Exception:  # noqa: BLE001 (Ray itself in trouble: the original error is still the best news)
+        return None
+    if not lost:
+        return None
+    c.lost = [r for n in lost for r in n.ranks]
+    return NodeLost(lost, err)
 
 
 class ActorDied(RuntimeError):

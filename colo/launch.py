@@ -6,6 +6,7 @@
     COLO_TRAIN_GPU_FRACTION=0.3 COLO_VLLM_GPU_FRACTION=0.6 python -m colo.launch --config ...
     python -m colo.launch --resume                              # continue the newest run of the config
                                                                 # (its saved config; env + overrides on top)
+    python -m colo.launch run.ray_address=10.0.0.1:6379 ...     # join a Ray cluster (also: RAY_ADDRESS)
 
 Arguments are parsed and the config is checked before torch, Ray or vLLM is imported, so `--help`
 and config mistakes answer in well under a second. A config mistake prints one line and exits 2,
@@ -76,9 +77,16 @@ def _run(args: argparse.Namespace) -> int:
         from colo.placement import plan_placement
 
         resolved = config.resolve(cfg, download=False)
+        placement, cluster_note = plan_placement(resolved), None
+        if resolved.run.ray_address:  # the node of every rank, from the cluster itself
+            from colo.nodes import plan_on_cluster
+
+            placement, cluster_note = plan_on_cluster(placement, resolved.run.ray_address)
         print(f"# resolved config ({path or 'built-in defaults'} + env + overrides)")
         print(config.to_yaml(resolved), end="")
-        print(f"\n{plan_placement(resolved).table()}")
+        print(f"\n{placement.table()}")
+        if cluster_note:
+            print(cluster_note)
         plan = config.memory_plan(cfg, resolved.placement.device)
         if plan is not None:
             print(f"\n{plan.table()}")

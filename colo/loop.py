@@ -45,7 +45,8 @@ import torch
 from colo.algo.advantages import grpo_advantages
 from colo.algo.batch import build_batch, shard_batch
 from colo.algo.rewards import RewardError, RewardRunner
-from colo.cluster import ActorDied, ActorError, Cluster, gather, on_engines, on_trainers, start_cluster
+from colo.cluster import (ActorDied, ActorError, Cluster, NodeLost, gather, node_loss, on_engines, on_trainers,
+                          start_cluster)
 from colo.config import ColoConfig, to_dict
 from colo.metrics import MetricsWriter, ProgressLine, WandbSettings
 from colo.inputs import RunInputs, open_inputs
@@ -271,6 +272,9 @@ def ray_init_kwargs(cfg: ColoConfig) -> dict:
     actors' output stays in <run.dir>/logs unless the run is verbose (colo.logs)."""
     kw: dict = {"include_dashboard": False, "log_to_driver": cfg.run.verbose,
                 "logging_level": logging.INFO if cfg.run.verbose else logging.ERROR}
+    if cfg.run.ray_address:  # join: the cluster's nodes bring their own (logical) GPUs and CPUs
+        return {"address": cfg.run.ray_address, "log_to_driver": kw["log_to_driver"],
+                "logging_level": kw["logging_level"]}
     if cfg.placement.device == "cpu":
         kw.update(num_gpus=cfg.placement.num_gpus, num_cpus=max(4, 2 * cfg.placement.num_gpus))
     return kw
@@ -293,6 +297,9 @@ def run(cfg: ColoConfig) -> int:
     ray.init(**ray_init_kwargs(cfg))
     link_ray_logs(inputs.run_dir)
     cluster = start_cluster(cfg, plan_placement(cfg))
+    if len(cluster.ranks_by_node) > 1:  # a run over several nodes says where each rank is
+        print("colo: nodes: " + "; ".join(f"{ip}: {', '.join(names)}" for ip, names in cluster.ranks_by_node.values()),
+              flush=True)
     wandb = WandbSettings(cfg.run.wandb_project, cfg.run.wandb_mode, to_dict(cfg))
     writer = MetricsWriter(inputs.run_dir, loggers=list(cfg.run.loggers), wandb=wandb)
     rewards, progress = RewardRunner(list(cfg.algo.rewards)), None
@@ -331,6 +338,10 @@ def run(cfg: ColoConfig) -> int:
     except RewardError as e:
         return fail(cluster, inputs, pos, e, keep_policy=True, progress=progress)
     except (ActorDied, ActorError) as e:
+        # A lost node is the news, not the actor that noticed it first (a trainer whose gloo peer vanished).
+        lost = node_loss(cluster, e)
+        if lost is not None:
+            return fail(cluster, inputs, pos, lost, keep_policy=not lost.trainers, progress=progress)
         # After an engine died or raised, the trainers still hold the policy: keep it. After a trainer did,
         # its shards are gone or may be half-updated (and its peers may sit in a collective): do not save.
         return fail(cluster, inputs, pos, e, keep_policy=e.name.startswith("engine"), progress=progress)
@@ -341,7 +352,8 @@ def run(cfg: ColoConfig) -> int:
         rewards.close()
         # best effort, bounded: unlink the trainers' sync buffers and stop vLLM's engine cores (ray.shutdown
         # kills actors without their atexit hooks, which would leave segments in /dev/shm)
-        ends = [a.shutdown.remote() for a in cluster.trainers + cluster.engines]
+        gone = set(cluster.lost)  # actors on a lost node: a call would wait out the timeout
+        ends = [a.shutdown.remote() for name, a in cluster.actors() if name not in gone]
         ray.wait(ends, num_returns=len(ends), timeout=30)
         ray.shutdown()
     return 0

@@ -9,7 +9,9 @@ colocated: one Ray placement group per GPU, a trainer rank and a vLLM rank in ea
 
 Invariant the loop relies on: trainer rank r, engine DP rank r (and on GPU, EP rank r) all live in
 pgs[r], so they share one device; pgs are ordered by (node, GPU id) so rank order follows the
-hardware. Why one PG per GPU and not one PG with N bundles: vLLM's Ray executor places its worker
+hardware. With rows placed on nodes (colo.nodes.on_nodes: filled node by node), each bundle also asks
+for its node's "node:<ip>" resource, and the node order is the plan's.
+Why one PG per GPU and not one PG with N bundles: vLLM's Ray executor places its worker
 in "bundle 0" of the placement group it is handed (VLLM_RAY_BUNDLE_INDICES), so each engine needs a
 PG whose bundle 0 is its own GPU (DESIGN.md, measured in ../shared/gpu/dpep.py).
 
@@ -31,6 +33,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from colo.config import ColoConfig, ConfigError, expert_parallel_size, resolve_device
+from colo.nodes import locate, pin
 
 if TYPE_CHECKING:
     from ray.util.placement_group import PlacementGroup
@@ -49,6 +52,7 @@ class PlacementRow:
     vllm_memory: str  # "gpu_memory_utilization=0.4" (GPU) or "kv_cache=256MiB" (CPU); "-": no engine
     role: str  # colocated "trainer+engine"; disaggregated "trainer" or "engine"
     tp_rank: int  # rank within the engine's tensor-parallel group (-1: no engine on this GPU)
+    node: str = ""  # IP of the node this GPU is on (colo.nodes.on_nodes); "": wherever Ray puts it
 
 
 @dataclass(frozen=True)
@@ -80,10 +84,11 @@ class PlacementPlan:
         def rank(x: int) -> str:
             return "-" if x < 0 else str(x)
 
-        head = ("gpu", "bundle", "role", "trainer_rank", "dp_rank", "tp_rank", "ep_rank", "train_frac",
-                "vllm_frac", "vllm_memory")
-        body = [(str(r.gpu), r.bundle, r.role, rank(r.trainer_rank), rank(r.dp_rank), rank(r.tp_rank),
-                 rank(r.ep_rank), f"{r.train_fraction:g}", f"{r.vllm_fraction:g}", r.vllm_memory)
+        nodes = any(r.node for r in self.rows)  # a column only when a cluster was asked (colo.nodes)
+        head = ("gpu", *("node",) * nodes, "bundle", "role", "trainer_rank", "dp_rank", "tp_rank", "ep_rank",
+                "train_frac", "vllm_frac", "vllm_memory")
+        body = [(str(r.gpu), *(r.node,) * nodes, r.bundle, r.role, rank(r.trainer_rank), rank(r.dp_rank),
+                 rank(r.tp_rank), rank(r.ep_rank), f"{r.train_fraction:g}", f"{r.vllm_fraction:g}", r.vllm_memory)
                 for r in self.rows]
         widths = [max(len(x) for x in col) for col in zip(head, *body)]
         lines = ["  ".join(x.ljust(w) for x, w in zip(row, widths)).rstrip() for row in (head, *body)]
@@ -97,8 +102,17 @@ class PlacementPlan:
             layout = (f"dp_size={self.dp_size} ep_size={self.ep_size}, " +
                       ("one vLLM DP+EP group over all GPUs" if self.device == "cuda" else
                        "independent vLLM replicas (CPU: DP size 1 each, EP size 1)"))
-        return (f"placement plan: {self.mode}, {self.num_gpus} {kind}, bundle {self.bundle()} each, "
+        where = ""
+        if nodes:
+            count = len({r.node for r in self.rows})
+            where = f", on {count} node{'s' if count != 1 else ''} of the Ray cluster"
+        return (f"placement plan: {self.mode}, {self.num_gpus} {kind}{where}, bundle {self.bundle()} each, "
                 f"{layout}\n" + "\n".join(lines))
+
+    @property
+    def node_order(self) -> list[str]:
+        """The nodes of the rows in the order ranks fill them ([] when no row names one)."""
+        return list(dict.fromkeys(r.node for r in self.rows if r.node))
 
 
 def plan_placement(cfg: ColoConfig) -> PlacementPlan:
@@ -149,12 +163,13 @@ def init_ray(plan: PlacementPlan, **kwargs: Any) -> None:
 
 
 def create_placement(plan: PlacementPlan, timeout_s: float = 120.0) -> list[PlacementGroup]:
-    """colocated: one ready placement group per GPU, ordered by (node id, GPU id). Raises ConfigError
+    """colocated: one ready placement group per GPU, ordered by (node, GPU id). Raises ConfigError
     when the Ray cluster lacks the GPUs, RuntimeError when the groups do not become ready in time."""
     if plan.mode != "colocated":
         raise ValueError(f"create_placement is for placement.mode=colocated, not {plan.mode}; "
                          "use create_disaggregated_placement")
-    return _in_hardware_order(_ready_groups(plan, [[plan.bundle()]] * plan.num_gpus, timeout_s))
+    specs = [[{**plan.bundle(), **pin(r.node)}] for r in plan.rows]
+    return _in_hardware_order(_ready_groups(plan, specs, timeout_s), plan.node_order)
 
 
 def create_disaggregated_placement(plan: PlacementPlan, timeout_s: float = 120.0
@@ -166,9 +181,13 @@ def create_disaggregated_placement(plan: PlacementPlan, timeout_s: float = 120.0
     if plan.mode != "disaggregated":
         raise ValueError(f"create_disaggregated_placement is for placement.mode=disaggregated, not "
                          f"{plan.mode}; use create_placement")
-    specs = [[plan.bundle()]] * plan.trainer_world + [[plan.bundle()] * plan.tp_size] * plan.num_engines
+    trainers = [r for r in plan.rows if r.trainer_rank >= 0]
+    engines = [[r for r in plan.rows if r.dp_rank == e] for e in range(plan.num_engines)]
+    specs = [[{**plan.bundle(), **pin(r.node)}] for r in trainers] + \
+        [[{**plan.bundle(), **pin(r.node)} for r in rows] for rows in engines]
     pgs = _ready_groups(plan, specs, timeout_s)
-    return (_in_hardware_order(pgs[:plan.trainer_world]), _in_hardware_order(pgs[plan.trainer_world:]))
+    return (_in_hardware_order(pgs[:plan.trainer_world], plan.node_order),
+            _in_hardware_order(pgs[plan.trainer_world:], plan.node_order))
 
 
 def _ready_groups(plan: PlacementPlan, specs: list[list[dict[str, float]]],
@@ -195,23 +214,16 @@ def _ready_groups(plan: PlacementPlan, specs: list[list[dict[str, float]]],
     return pgs
 
 
-def _in_hardware_order(pgs: list[PlacementGroup]) -> list[PlacementGroup]:
+def _in_hardware_order(pgs: list[PlacementGroup], node_order: list[str]) -> list[PlacementGroup]:
+    """Groups sorted by (node, GPU id): nodes in the plan's order when it names them (colo.nodes), else
+    by node id, which still keeps each node's groups together."""
     where = locate(pgs)
-    order = sorted(range(len(pgs)), key=lambda i: (where[i]["node_id"], where[i]["gpu_ids"]))
+
+    def node_key(w: dict[str, Any]) -> tuple[int, str]:
+        return (node_order.index(w["node_ip"]), "") if w["node_ip"] in node_order else (len(node_order), w["node_id"])
+
+    order = sorted(range(len(pgs)), key=lambda i: (node_key(where[i]), where[i]["gpu_ids"]))
     return [pgs[i] for i in order]
-
-
-def locate(pgs: list[PlacementGroup]) -> list[dict[str, Any]]:
-    """{"node_id", "gpu_ids"} of each group's bundle 0, seen from a task running inside it (Ray pins a
-    bundle's GPU when the group is created, so every actor placed there sees the same ids)."""
-    import ray
-
-    @ray.remote(num_cpus=0, num_gpus=0.01)
-    def where() -> dict[str, Any]:
-        ctx = ray.get_runtime_context()
-        return {"node_id": ctx.get_node_id(), "gpu_ids": list(ray.get_gpu_ids())}
-
-    return ray.get([where.options(scheduling_strategy=scheduling(pg)).remote() for pg in pgs])
 
 
 def scheduling(pg: PlacementGroup, bundle_index: int = 0) -> PlacementGroupSchedulingStrategy:

@@ -14,7 +14,13 @@ The test reads the README itself and sorts each command into one of:
   (`model.path=auto:qwen3-30b-a3b model.dummy_weights=true`, the README's own rehearsal) and a reader's data
   path (/data/...) for a small JSONL;
 - setup: set-up lines that CI runs before this suite (launch/setup.sh, the suite itself) or that need a GPU
-  host (the `gpu` extra); listed by exact text in SETUP.
+  host (the `gpu` extra); listed by exact text in SETUP;
+- cluster node: `bash launch/ray-cluster.sh head|worker ...`: tests/test_multinode.py starts both nodes of
+  its two-node cluster with this script (tests/twonodes.py);
+- cluster run: a colo.launch command with RAY_ADDRESS: tests/test_multinode.py runs it against its two-node
+  cluster (the address swapped for the cluster's); `ray job submit ... -- <colo.launch command>` and
+  `sbatch ... launch/slurm.sbatch <colo.launch arguments>` need a GPU cluster: their colo.launch command is
+  a GPU command here (checked as far as `--dry-run`), and the scripts are checked by `bash -n`.
 A command that fits none fails test_every_command_is_classified: teach this file how to run it.
 
 The CPU jobs double as the tests of issue 17: the first short job of each placement mode takes a step of
@@ -57,7 +63,8 @@ class Command:
     text: str  # as in the README, continuation lines joined, comment dropped
     env: dict[str, str] = field(default_factory=dict)
     args: list[str] = field(default_factory=list)  # after `python -m colo.launch`
-    kind: str = "unknown"  # cpu-run | dry-run | gpu | setup | unknown
+    kind: str = "unknown"  # cpu-run | dry-run | gpu | setup | cluster-node | cluster-run | unknown
+    via: str = ""  # the wrapper a GPU command goes through: "ray job submit", "sbatch"
 
 
 def readme_commands() -> list[Command]:
@@ -81,10 +88,22 @@ def _classify(words: list[str]) -> Command:
     while words and re.fullmatch(r"[A-Z_][A-Z0-9_]*=.*", words[0]):
         name, _, value = words.pop(0).partition("=")
         cmd.env[name] = value
+    if words[:2] == ["bash", "launch/ray-cluster.sh"] and words[2:3] in (["head"], ["worker"]):
+        cmd.kind = "cluster-node"
+        return cmd
+    if words[:3] == ["ray", "job", "submit"] and "--" in words:
+        cmd.via, words = "ray job submit", words[words.index("--") + 1:]
+    elif words[:1] == ["sbatch"] and "launch/slurm.sbatch" in words:
+        cmd.via, words = "sbatch", [".venv/bin/python", "-m", "colo.launch",
+                                    *words[words.index("launch/slurm.sbatch") + 1:]]
     if words[:1] and words[0] in LAUNCH and words[1:3] == ["-m", "colo.launch"]:
         cmd.args = words[3:]
         gpu = _setting(cmd, "placement.device") == "cuda"
         cmd.kind = "gpu" if gpu else "dry-run" if "--dry-run" in cmd.args else "cpu-run"
+        if "RAY_ADDRESS" in cmd.env:
+            cmd.kind = "cluster-run"
+        elif cmd.via and not gpu:
+            cmd.kind = "unknown"  # a wrapped CPU job: nothing here runs it
     return cmd
 
 
@@ -112,8 +131,19 @@ def test_every_command_is_classified() -> None:
     assert not unknown, f"README commands tests/test_readme.py does not know how to run: {unknown}"
     kinds = [c.kind for c in commands]
     # the README as of this test: 5 CPU jobs, 1 CPU dry run, 3 GPU commands, 5 set-up commands
-    assert all(kinds.count(k) >= 1 for k in ("cpu-run", "dry-run", "gpu", "setup")), kinds
+    want = ("cpu-run", "dry-run", "gpu", "setup", "cluster-node", "cluster-run")
+    assert all(kinds.count(k) >= 1 for k in want), kinds
     assert any(c.args == ["placement.mode=disaggregated", "placement.trainer_gpus=1"] for c in _of("cpu-run"))
+    assert {c.via for c in _of("gpu")} >= {"ray job submit", "sbatch"}
+
+
+def test_cluster_scripts_parse() -> None:
+    """launch/ray-cluster.sh runs in tests/test_multinode.py; the Slurm template needs Slurm: bash -n both."""
+    import subprocess
+
+    for script in ("launch/ray-cluster.sh", "launch/slurm.sbatch"):
+        p = subprocess.run(["bash", "-n", str(ROOT / script)], capture_output=True, text=True)
+        assert p.returncode == 0, f"{script}: {p.stderr}"
 
 
 # --------------------------------------------------------------------------------------------- GPU

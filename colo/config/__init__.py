@@ -252,6 +252,10 @@ class RunConfig:
     wandb_mode: str = "auto"
     """W&B mode: online, offline (files under <run.dir>/wandb, upload later with `wandb sync`), or auto:
     online when WANDB_API_KEY is set, else offline."""
+    ray_address: str = ""
+    """Join this Ray cluster ("<head ip>:6379") instead of starting a local one; also set by RAY_ADDRESS
+    (`ray job submit` sets it for the job). The driver then needs no GPU: the GPU count is the cluster's,
+    and ranks are placed node by node over its GPU nodes (docs/architecture.md, "Several nodes")."""
 
 
 @dataclass
@@ -283,6 +287,9 @@ def load_config(config_path: str | None, overrides: list[str],
     layers: list[tuple[str, Any, str]] = []  # (source, values, key when it is one key)
     if config_path:
         layers.append((f"config file {config_path}", _read_yaml(config_path), ""))
+    if env.get("RAY_ADDRESS"):  # Ray's own variable (ray job submit sets it): below COLO_* and key=value
+        layers.append(("environment variable RAY_ADDRESS",
+                       OmegaConf.from_dotlist([f"run.ray_address={env['RAY_ADDRESS']}"]), "run.ray_address"))
     for name, key, value in env_overrides(env):
         layers.append((f"environment variable {name}", OmegaConf.from_dotlist([f"{key}={value}"]), key))
     for item in overrides:

@@ -451,8 +451,8 @@ def _check_gpus(cfg: ColoConfig, device: str) -> None:
             raise ConfigError(f"placement.num_gpus={n} is more than this CPU machine emulates ({limit} "
                               f"Ray logical GPUs = 4 x {os.cpu_count()} CPUs); fix: placement.num_gpus=2")
         return
-    if os.environ.get("RAY_ADDRESS"):
-        return  # joining a Ray cluster: colo.placement.create_placement checks its GPUs
+    if cfg.run.ray_address:
+        return  # joining a Ray cluster: the driver needs no GPU; colo.nodes checks the cluster's GPUs
     import torch
 
     have = torch.cuda.device_count()

@@ -81,6 +81,8 @@ def load_resumed(pattern: str, overrides: list[str], env: Mapping[str, str] | No
     saved = load_config(str(base), [], {})
     cfg = load_config(str(base), overrides, env)
     sources = {key: f"environment {name}" for name, key, _ in env_overrides(env)}
+    if env.get("RAY_ADDRESS"):  # a re-formed cluster may have a new head address
+        sources["run.ray_address"] = "environment RAY_ADDRESS"
     sources.update({item.split("=", 1)[0]: "command line" for item in overrides if "=" in item})
     old_dir = Path(saved.run.dir)
     if old_dir != run_dir:  # moved or copied: its own model and data, not the old place's

@@ -78,8 +78,10 @@ class Engine:
     """One vLLM engine; methods are called directly by the driver (docs/contract.md "Actors").
     `RolloutEngine` below is its Ray actor."""
 
-    def __init__(self, cfg: dict, rank: int, dp_size: int, dp_master_port: int,
-                 dp_master_addr: str = "127.0.0.1") -> None:
+    def __init__(self, cfg: dict, rank: int, dp_size: int, dp_master_port: int, dp_master_addr: str = "",
+                 dp_local_rank: int | None = None) -> None:
+        """dp_master_addr: the node of engine DP rank 0 ("": this node's IP, right for a single engine);
+        dp_local_rank: this engine's index among the DP engines on its node (colo.cluster counts them)."""
         t0 = time.perf_counter()
         self.cfg: ColoConfig = from_dict(cfg)
         self.log = actor_output(self.cfg.run.dir, self.cfg.run.verbose, "engine", rank)  # before vLLM says a word
@@ -101,7 +103,10 @@ class Engine:
         elif self.disaggregated:
             self._setup_gpu_tp_env()
         else:
-            self._setup_gpu_env(dp_master_addr, dp_master_port)
+            self._setup_gpu_env(dp_master_addr or ray.util.get_node_ip_address(), dp_master_port, dp_local_rank)
+        from colo.nodes import node_env
+
+        os.environ.update(node_env())  # vLLM and the weight group's gloo (CPU) on the node's IP, not a loopback
 
         self.vllm_ipc = self.cfg.rollout.vllm_weight_transfer == "ipc"
         if self.vllm_ipc:  # vLLM's IPC handles hold classes: msgpack to the engine core refuses them otherwise
@@ -189,12 +194,13 @@ class Engine:
         os.environ.pop("CUDA_VISIBLE_DEVICES", None)
         os.environ.update(VLLM_RAY_PER_WORKER_GPUS="1", VLLM_RAY_BUNDLE_INDICES=",".join(map(str, range(self.tp_size))))
 
-    def _setup_gpu_env(self, master_addr: str, master_port: int) -> None:
+    def _setup_gpu_env(self, master_addr: str, master_port: int, local_rank: int | None) -> None:
         os.environ.pop("CUDA_VISIBLE_DEVICES", None)
-        local_gpus = max(1, int(_node_resources().get("GPU", 1)))
+        if local_rank is None:  # started alone (benchmarks, tests): ranks assumed packed node by node
+            local_rank = self.rank % max(1, int(_node_resources().get("GPU", 1)))
         os.environ.update(
             VLLM_RAY_PER_WORKER_GPUS=str(self.cfg.placement.vllm_gpu_fraction), VLLM_RAY_BUNDLE_INDICES="0",
-            VLLM_DP_RANK=str(self.rank), VLLM_DP_RANK_LOCAL=str(self.rank % local_gpus),
+            VLLM_DP_RANK=str(self.rank), VLLM_DP_RANK_LOCAL=str(local_rank),
             VLLM_DP_SIZE=str(self.dp_size), VLLM_DP_MASTER_IP=master_addr, VLLM_DP_MASTER_PORT=str(master_port))
 
     # ------------------------------------------------------------------------------------------ info

@@ -88,6 +88,9 @@ class Trainer:
             # Ray narrows CUDA_VISIBLE_DEVICES to this actor's GPU: it is always index 0 here
             self.device, backend = torch.device("cuda", 0), "nccl"
             torch.cuda.set_device(self.device)
+        from colo.nodes import node_env
+
+        os.environ.update(node_env())  # gloo on the node's own interface: peers on other nodes reach it
         dist.init_process_group(backend, init_method=self.init_method, rank=self.rank,
                                 world_size=self.world_size)
         from torch.distributed.device_mesh import init_device_mesh

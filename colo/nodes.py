@@ -1,0 +1,236 @@
+"""Node addressing: which node each rank runs on, and the addresses and ports its peers dial.
+
+    nodes = gpu_nodes()                            # alive Ray nodes with GPUs, in a fixed order (by IP)
+    plan = on_nodes(plan, nodes)                   # rows filled node by node; row.node = that node's IP
+    # placement: each GPU's bundle asks for {"node:<ip>": 0.001}, so Ray puts it exactly there
+    where = locate(pgs)                            # from a task inside each group: node IP, GPU ids, a port
+    trainer rank 0's (node_ip, port) -> torch.distributed rendezvous; engine 0's -> vLLM's DP master
+
+Every address is the node's own (Ray's node IP), and every port is picked on the node that will listen
+on it: on one machine "127.0.0.1" and a port free on the driver happen to work, on two machines neither
+does (a worker dialling 127.0.0.1 reaches itself). The weight group's TCPStore binds port 0 on trainer
+rank 0's node (colo.sync.broadcast), so its port needs no choosing at all.
+
+gloo binds the address its host name resolves to, often 127.0.0.1 or 127.0.1.1 (/etc/hosts): peers on
+other nodes could not connect. Each actor therefore names the interface that holds its node IP
+(GLOO_SOCKET_IFNAME, read by torch's gloo when a group is created) before any gloo group exists, and
+gives vLLM the node IP (VLLM_HOST_IP) before vLLM starts (node_env).
+
+When a run fails, `lost_nodes` asks which of its nodes are gone (dead to Ray's GCS, or not answering a
+task pinned to them within a few seconds), so the error names the node and the ranks that were on it.
+"""
+from __future__ import annotations
+
+import ipaddress
+import random
+import socket
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any
+
+from colo.config import ConfigError
+
+if TYPE_CHECKING:
+    from ray.util.placement_group import PlacementGroup
+
+    from colo.placement import PlacementPlan
+
+PIN = 0.001  # of a node's "node:<ip>" resource (1.0 per node): any number of bundles fit, none elsewhere
+PROBE_S = 10.0  # a node whose raylet does not run a trivial task in this long counts as unreachable
+
+
+@dataclass(frozen=True)
+class Node:
+    node_id: str
+    ip: str
+    gpus: int  # Ray's GPU resource of the node (logical GPUs on CPU)
+
+
+def gpu_nodes() -> list[Node]:
+    """Alive nodes with at least one GPU, ordered by IP address (then id): the order ranks fill them in.
+    A head without GPUs (a driver-only head, `ray job submit` to a CPU head) is left out."""
+    import ray
+
+    nodes = [Node(n["NodeID"], n["NodeManagerAddress"], int(n.get("Resources", {}).get("GPU", 0)))
+             for n in ray.nodes() if n.get("Alive")]
+    return sorted((n for n in nodes if n.gpus > 0), key=lambda n: (_ip_key(n.ip), n.node_id))
+
+
+def _ip_key(ip: str) -> tuple[int, int | str]:
+    try:
+        return (0, int(ipaddress.ip_address(ip)))
+    except ValueError:
+        return (1, ip)
+
+
+def on_nodes(plan: PlacementPlan, nodes: list[Node]) -> PlacementPlan:
+    """The plan with each row's node: GPUs are filled node by node in row order, so FSDP ranks and
+    engine DP ranks are consecutive per node (rank r and r+1 share a node unless one fills up between
+    them). Disaggregated: trainers first, then engines, each engine's TP GPUs on one node (a node
+    without room for a whole engine is skipped). Raises ConfigError when the GPUs do not fit."""
+    free = {n.ip: n.gpus for n in nodes}
+    order = [n.ip for n in nodes]
+    rows, cursor = list(plan.rows), 0
+
+    def take(count: int) -> str:
+        nonlocal cursor
+        while cursor < len(order) and free[order[cursor]] < count:
+            cursor += 1  # what is left on this node is too small: go on to the next
+        if cursor == len(order):
+            total = sum(n.gpus for n in nodes)
+            fix = (f"placement.num_gpus={total} or add GPU nodes" if total < plan.num_gpus else
+                   "placement.trainer_gpus that fills whole nodes, or a smaller rollout.tp_size")
+            raise ConfigError(
+                f"placement.num_gpus={plan.num_gpus} ({plan.mode}) does not fit the Ray cluster's GPU nodes "
+                f"{', '.join(f'{n.ip}: {n.gpus}' for n in nodes) or 'none'}" +
+                (f" (each engine's {plan.tp_size} GPUs on one node)" if plan.tp_size > 1 else "") + f"; fix: {fix}")
+        free[order[cursor]] -= count
+        return order[cursor]
+
+    out: list = []
+    i = 0
+    while i < len(rows):
+        row = rows[i]
+        width = plan.tp_size if row.role == "engine" else 1  # an engine's TP rows come together
+        node = take(width)
+        out += [replace(r, node=node) for r in rows[i:i + width]]
+        i += width
+    return replace(plan, rows=tuple(out))
+
+
+def pin(node_ip: str) -> dict[str, float]:
+    """The bundle resource that puts a bundle on this node (Ray gives each node "node:<ip>": 1)."""
+    return {f"node:{node_ip}": PIN} if node_ip else {}
+
+
+def locate(pgs: list[PlacementGroup]) -> list[dict[str, Any]]:
+    """{"node_id", "node_ip", "gpu_ids", "port"} of each group's bundle 0, from a task running inside it:
+    Ray pins a bundle's GPU when the group is created, so every actor placed there sees the same ids;
+    `port` is free on that node, for a server an actor of the group starts a moment later."""
+    import ray
+
+    from colo.placement import scheduling
+
+    @ray.remote(num_cpus=0, num_gpus=0.01)
+    def where() -> dict[str, Any]:
+        ctx = ray.get_runtime_context()
+        return {"node_id": ctx.get_node_id(), "node_ip": ray.util.get_node_ip_address(),
+                "gpu_ids": list(ray.get_gpu_ids()), "port": free_port()}
+
+    return ray.get([where.options(scheduling_strategy=scheduling(pg)).remote() for pg in pgs])
+
+
+def free_port() -> int:
+    """A free TCP port on this node for a server that another process will open a moment later.
+
+    Taken from below the kernel's ephemeral range: a port handed out by bind(0) is an ephemeral one,
+    and in the gap before the server binds it, any outgoing connection (Ray, gloo, vLLM start dozens)
+    may be given the same number; CI hit exactly that (EADDRINUSE in init_process_group). Call it on
+    the node that listens (colo.nodes.locate runs it there)."""
+    lo = _ephemeral_low()
+    for _ in range(200):
+        port = _RNG.randrange(max(1024, lo - 12000), lo) if lo > 2048 else 0
+        with socket.socket() as s:
+            try:
+                s.bind(("", port))
+            except OSError:
+                continue
+            return s.getsockname()[1]
+    raise RuntimeError(f"no free TCP port below the ephemeral range ({lo}) after 200 tries")
+
+
+_RNG = random.SystemRandom()  # independent of any seeding the job does: two runs must not pick alike
+
+
+def _ephemeral_low() -> int:
+    try:
+        return int(open("/proc/sys/net/ipv4/ip_local_port_range").read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux default
+
+
+def interface_of(ip: str) -> str | None:
+    """The network interface that holds `ip` on this machine (None: not found, e.g. behind NAT)."""
+    import psutil
+
+    for name, addrs in psutil.net_if_addrs().items():
+        if any(a.address == ip for a in addrs if a.family in (socket.AF_INET, socket.AF_INET6)):
+            return name
+    return None
+
+
+def node_env() -> dict[str, str]:
+    """What an actor sets before it creates a gloo group or starts vLLM, so both use this node's Ray IP:
+    GLOO_SOCKET_IFNAME (the interface holding it; gloo would bind what the host name resolves to) and
+    VLLM_HOST_IP (vLLM otherwise asks the routing table for a way to 8.8.8.8, which a node without a
+    default route lacks). {} outside Ray."""
+    import ray
+
+    if not ray.is_initialized():
+        return {}
+    ip = ray.util.get_node_ip_address()
+    name = interface_of(ip)
+    return {"VLLM_HOST_IP": ip, **({"GLOO_SOCKET_IFNAME": name} if name else {})}
+
+
+@dataclass(frozen=True)
+class Lost:
+    ip: str
+    node_id: str
+    ranks: tuple[str, ...]  # "trainer rank 1", "engine DP rank 1", ...
+    dead: bool  # Ray's GCS marked it dead (False: alive to the GCS, but a task there did not run)
+
+    def describe(self) -> str:
+        how = "died" if self.dead else f"cannot be reached (no answer in {PROBE_S:g} s)"
+        return f"node {self.ip} {how}; on it: {', '.join(self.ranks)}"
+
+
+def lost_nodes(ranks_by_node: dict[str, tuple[str, list[str]]], timeout: float = PROBE_S) -> list[Lost]:
+    """Which of a job's nodes ({node_id: (ip, rank names)}) are gone: dead to the GCS, or not running a
+    trivial task pinned to them within `timeout` (a raylet that is hung or cut off)."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    alive = {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
+    lost = [Lost(ip, nid, tuple(names), True) for nid, (ip, names) in ranks_by_node.items() if nid not in alive]
+
+    @ray.remote(num_cpus=0)
+    def ping() -> bool:
+        return True
+
+    probes = {ping.options(scheduling_strategy=NodeAffinitySchedulingStrategy(nid, soft=False)).remote(): nid
+              for nid in ranks_by_node if nid in alive}
+    done, _ = ray.wait(list(probes), num_returns=len(probes), timeout=timeout) if probes else ([], [])
+    answered = set()
+    for ref in done:
+        try:
+            ray.get(ref)
+            answered.add(probes[ref])
+        except Exception:  # noqa: BLE001 (unschedulable: the node died while we asked)
+            pass
+    for ref, nid in probes.items():
+        if nid not in answered:
+            ip, names = ranks_by_node[nid]
+            dead = nid not in {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
+            lost.append(Lost(ip, nid, tuple(names), dead))
+    for ref in set(probes) - set(done):
+        ray.cancel(ref)
+    return lost
+
+
+def plan_on_cluster(plan: PlacementPlan, address: str) -> tuple[PlacementPlan, str | None]:
+    """For --dry-run with run.ray_address: the plan with the node of every row, read from the cluster
+    (joined as a driver for a moment, nothing started); (plan, note) when the cluster does not answer.
+    Raises ConfigError when the plan does not fit its GPU nodes, as the run would."""
+    import logging
+
+    import ray
+
+    try:
+        ray.init(address=address, logging_level=logging.ERROR, log_to_driver=False)
+    except (ConnectionError, RuntimeError, ValueError) as e:
+        first = (str(e).strip().splitlines() or [""])[0]
+        return plan, f"colo: note: the Ray cluster at {address} did not answer ({first}); nodes not shown"
+    try:
+        return on_nodes(plan, gpu_nodes()), None
+    finally:
+        ray.shutdown()
