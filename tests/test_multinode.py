@@ -11,12 +11,12 @@ the default loop
 (configs/tiny-cpu.yaml, 2 warm-up steps, 4 prompts x 4 samples, a checkpoint every step):
 - a single-node run (local Ray, as `python -m colo.launch` runs) of STEPS steps: the reference;
 - the same job joined to the cluster through RAY_ADDRESS: trainer rank 0 + engine 0 on the head, rank 1 +
-  engine 1 on the worker node. Once its step-2 checkpoint is written, the worker node's raylet is killed
+  engine 1 on the worker node. Once its step-1 checkpoint is written, the worker node's raylet is killed
   (by the pid this test started): the run ends with one error line naming the node and the ranks on it,
   and the newest checkpoint with the --resume command;
 - a fresh worker node joins (the cluster re-formed) and `--resume` finishes the run.
 A hard-coded 127.0.0.1 rendezvous (tried by hand) hangs the two-node run: rank 1 in the namespace dials
-its own loopback, and the test fails on its 400 s wait for the step-2 checkpoint.
+its own loopback, and the test fails on its 400 s wait for the step-1 checkpoint.
 Every weight sync of both runs is verified, and every step's metrics of the two-node run (before the
 node died and after the resume) equal the single-node run's exactly: same seed, same numbers, whichever
 node a rank sits on.
@@ -37,7 +37,7 @@ from colo.metrics import read_metrics
 
 pytestmark = pytest.mark.slow
 
-STEPS = 8
+STEPS = 4  # 2 warm-up + 4 RL steps: the node dies after step 1's checkpoint, the resume runs steps 2-3
 JOB = ["loop.sft_warmup_steps=2", "loop.eval_every=0", "loop.eval_samples=0", "loop.checkpoint_every=1",
        "data.prompts_per_step=4", "rollout.n=4", "data.eval_size=8"]
 # what depends on the sampled tokens and the weights: must not depend on where a rank runs
@@ -95,7 +95,7 @@ def test_node_loss_then_resume_matches_one_node(cluster: TwoNodes, single: Path,
     proc = subprocess.Popen(args, cwd=ROOT, env=_joined_env(cluster), stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
     try:
-        _wait_for(run_dir / "checkpoints" / "step_000002" / "extra.json", proc, timeout=400)
+        _wait_for(run_dir / "checkpoints" / "step_000001" / "extra.json", proc, timeout=400)
         cluster.kill_worker_raylet()
         out, err = proc.communicate(timeout=180)
     finally:
