@@ -277,7 +277,7 @@ def test_engine_error_one_line_traceback_logged_checkpoints_then_resumes(reward_
 
 
 def test_killed_run_leaves_no_shared_memory_after_resume(tmp_path: Path) -> None:
-    """`kill -9` of a whole CPU run (driver, Ray, actors) leaves each trainer's sync
+    """`kill -9` of a whole CPU run (driver, Ray, actors, all at once) leaves each trainer's sync
     buffer in /dev/shm, where nothing else would ever remove it; --resume removes it and finishes the run."""
     import contextlib
     import signal
@@ -295,16 +295,22 @@ def test_killed_run_leaves_no_shared_memory_after_resume(tmp_path: Path) -> None
     while not (run_dir / "checkpoints" / "step_000001" / "extra.json").exists():
         assert p.poll() is None and time.monotonic() < deadline, "the run ended or hung before step 1's checkpoint"
         time.sleep(0.5)
-    # the whole run at once: the driver's process group and every process under it (Ray's raylet starts
-    # the actors in sessions of their own, which killpg misses; left alive, they exit cleanly and unlink)
+    # every process of the run at once, as a cgroup-wide kill (OOM killer, scheduler, container stop) does:
+    # stopped first, then killed, so none of them cleans up after another (each trainer's multiprocessing
+    # resource tracker, a child of its own, unlinks the trainer's segments when it sees the trainer die;
+    # Ray's actors sit in sessions of their own, which a killpg of the driver misses)
     run_pids = process_tree(p.pid)
-    os.killpg(p.pid, signal.SIGKILL)
-    for pid in run_pids:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
+    for sig in (signal.SIGSTOP, signal.SIGKILL):
+        for pid in run_pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, sig)
     p.wait(timeout=60)
-    left = [n for n in os.listdir(SHM) if owner_pid(n) and not alive(owner_pid(n))]
-    assert left, "expected the trainer's sync buffers"
+    ours = [n for n in os.listdir(SHM) if owner_pid(n) in run_pids]
+    deadline = time.monotonic() + 30  # a killed process counts as alive until it is reaped (a zombie)
+    while any(alive(owner_pid(n)) for n in ours) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    left = [n for n in ours if not alive(owner_pid(n))]
+    assert left, f"expected the trainer's sync buffers, found {ours}"
     r = run_cli("--resume", f"run.dir={run_dir}", timeout=300)
     assert r.returncode == 0, _tail(r)
     assert not [n for n in left if (SHM / n).exists()], "the resumed run did not sweep the killed run's segments"
