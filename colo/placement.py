@@ -11,7 +11,7 @@ Invariant the loop relies on: trainer rank r, engine DP rank r (and on GPU, EP r
 pgs[r], so they share one device; pgs are ordered by (node, GPU id) so rank order follows the
 hardware. Why one PG per GPU and not one PG with N bundles: vLLM's Ray executor places its worker
 in "bundle 0" of the placement group it is handed (VLLM_RAY_BUNDLE_INDICES), so each engine needs a
-PG whose bundle 0 is its own GPU (DESIGN.md, measured in ../shared/gpu/dpep.py).
+PG whose bundle 0 is its own GPU (measured: docs/vllm-notes.md, "DP+EP inside Ray").
 
 disaggregated: trainer ranks and engines on different GPUs; weights go from trainer rank 0 to the
 engines by broadcast, so no trainer needs to share a device with an engine.

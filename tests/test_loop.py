@@ -28,7 +28,8 @@ from colo.metrics import read_metrics
 
 pytestmark = pytest.mark.slow
 
-ITEM5_KEYS = ["step", "reward/mean", "reward/std", "response_len/mean", "loss", "entropy", "clip_frac",
+# what every RL step's metrics row carries (docs/contract.md, "Metrics")
+STEP_METRIC_KEYS = ["step", "reward/mean", "reward/std", "response_len/mean", "loss", "entropy", "clip_frac",
               "grad_norm", "logprob_diff/mean", "sync/tensors", "sync/bytes", "sync/verified"] + [
     f"timing/{p}_s" for p in ("rollout", "reward", "sleep", "train", "sync", "wake", "step")]
 # per-step values a resumed run must reproduce (all depend on the sampled tokens and the weights)
@@ -118,13 +119,14 @@ def test_default_job_learns(learned: tuple[Path, list[dict]]) -> None:
     greedy = [r["eval/reward"] for r in evals]
     assert sum(greedy[-3:]) / 3 >= warm["eval/reward"] - 0.02, f"greedy {warm['eval/reward']:.3f} -> {greedy}"
     for r in steps:
-        missing = [k for k in ITEM5_KEYS if k not in r or r[k] is None]
+        missing = [k for k in STEP_METRIC_KEYS if k not in r or r[k] is None]
         assert not missing, f"step {r['step']} lacks {missing}"
         assert r["sync/verified"] is True and r["sync/tensors"] > 0 and r["sync/bytes"] > 0, r
         assert 0 <= r["logprob_diff/mean"] < 0.05, f"step {r['step']}: vLLM/trainer gap {r['logprob_diff/mean']}"
         assert all(math.isfinite(r[k]) for k in ("loss", "entropy", "grad_norm")), r
+        # step_s is the step's own wall clock: it holds every phase (and the memory probes between them)
         phases = sum(r[f"timing/{p}_s"] for p in ("rollout", "reward", "sleep", "train", "sync", "wake"))
-        assert r["timing/step_s"] == pytest.approx(phases), r
+        assert phases <= r["timing/step_s"] < phases + 5.0, r
         # loop.memory_stats: every phase reports the trainer's memory (on CPU its resident set, > 100 MiB)
         assert all(0.1 < r[f"memory/{p}/trainer_rss_gb"] < 64 for p in ("rollout", "train", "sync", "wake")), r
 
@@ -353,8 +355,7 @@ def test_disaggregated_job_runs_the_same_loop(tmp_path: Path) -> None:
     rows = read_metrics(run_dir / "metrics.jsonl")
     assert [x["step"] for x in rows] == [-1, 0, 1, 2, 3] and all(x["sync/verified"] for x in rows), rows
     for row in rows[1:]:
-        assert all(k in row for k in ITEM5_KEYS), sorted(set(ITEM5_KEYS) - set(row))
-        assert row["timing/sleep_s"] < 0.01 and row["timing/wake_s"] < 0.01  # nothing sleeps: own GPUs
+        assert all(k in row for k in STEP_METRIC_KEYS), sorted(set(STEP_METRIC_KEYS) - set(row))
         assert row["sync/bytes"] > 0 and math.isfinite(row["loss"])
     assert (run_dir / "export" / "config.json").exists()
 
@@ -365,5 +366,5 @@ def test_disaggregated_engine_death_names_it_and_checkpoints(reward_env: dict, t
     run_dir = tmp_path / "run"
     r = _fail_run(run_dir, reward_env, "algo.rewards=[failing_rewards:kill_engine_1]",
                   "placement.mode=disaggregated", "placement.num_gpus=3", "placement.trainer_gpus=1")
-    assert "colo: error: engine DP rank 1 (seen by trainer rank 0 during the weight sync) died" in r.stderr, _tail(r)
+    assert "colo: error: engine 1 (seen by trainer rank 0 during the weight sync) died" in r.stderr, _tail(r)
     assert _extra(run_dir, 1)["step"] == 1 and _steps(run_dir) == [-1, 0]
