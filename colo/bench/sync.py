@@ -181,7 +181,7 @@ def vllm_ipc_reason(args: argparse.Namespace, device: str) -> str | None:
 
 
 def vllm_ipc_rounds(trainers: list, engines: list, reps: int, seed: int) -> dict:
-    """Time vLLM's packed IPC engine (baseline.push_weights_vllm_ipc), then check that it writes what colo's
+    """Time vLLM's packed IPC engine (yardsticks.push_weights_vllm_ipc), then check that it writes what colo's
     sync writes: perturb the trainer, sync with vLLM's engine, take every engine's parameter digests, sync
     with colo's (verified by coverage), take them again; they must be equal, and differ from before the
     perturbation (a path that loaded nothing fails)."""

@@ -4,7 +4,7 @@
     ray.get(engine.ready.remote())                        # {"rank", "device", "device_uuid", ...}
     samples = ray.get(engine.generate.remote(prompt_ids, n=8, max_tokens=256, temperature=1.0, top_p=1.0, seed=0))
 
-Sleep/wake order of one RL step (DESIGN.md): generate -> sleep(2) -> [train] -> wake_up(["weights"]) ->
+Sleep/wake order of one RL step (docs/architecture.md): generate -> sleep(2) -> [train] -> wake_up(["weights"]) ->
 begin_sync / load_bucket* / end_sync -> wake_up(["kv_cache", "scheduling"]) -> generate ...
 
 Two ways to run, picked by `placement.device`:

@@ -5,7 +5,7 @@
 FSDP2's dim-0 shard of HF's fused expert tensors on rank r is exactly what vLLM's expert parallelism
 (linear placement, same world size) keeps on rank r, so the sync reads experts from `to_local()` and
 all-gathers only the dense part. Verified by counting bytes (colo.sync.sender's counters, reported by
-push_weights): no expert byte comes out of a collective, every rank's expert bytes equal its own FSDP
+Sender.push): no expert byte comes out of a collective, every rank's expert bytes equal its own FSDP
 shard, and each engine receives exactly its own parameters over same-GPU CUDA IPC. Digest mode checks
 the bytes that arrived against the bytes that were packed, tensor by tensor.
 """
