@@ -97,7 +97,8 @@ def preview_prompt(cfg: ColoConfig) -> str:
 
         prompt = generate(cfg.data.path[len(AUTO):], 1, 0, cfg.run.seed)[0][0][0]
     else:
-        prompt = str(read_rows(cfg.data.path, [cfg.data.prompt_key, cfg.data.answer_key])[0][cfg.data.prompt_key])
+        rows = read_rows(cfg.data.path, [cfg.data.prompt_key, cfg.data.answer_key], cache_only=True)
+        prompt = str(rows[0][cfg.data.prompt_key])
     chat = uses_chat_template(cfg, tok)
     text, ids = encode_prompt(tok, prompt, chat, cfg.data.system_prompt)
     how = "in the tokenizer's chat template" if chat else "raw text (no chat template)"

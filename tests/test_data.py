@@ -141,6 +141,9 @@ def test_hf_datasets_from_save_to_disk_with_renamed_columns(tmp_path: Path, tok)
         read_rows(f"{tmp_path}/dict", ["question", "final"])
     with pytest.raises(ValueError, match="no column 'prompt'"):
         read_rows(f"{tmp_path}/single", ["prompt", "final"])
+    # --dry-run's preview reads a Hub dataset from the cache only: no network here, and no ~25 s of retries
+    with pytest.raises(ValueError, match=r"openai/gsm8k:main:train is not in this machine's datasets cache"):
+        read_rows("openai/gsm8k:main:train", ["question", "answer"], cache_only=True)
     # the config check sees the same: before anything is written or started
     good = load_config(None, [f"data.path={tmp_path}/dict:train", "data.prompt_key=question",
                               "data.answer_key=final", "data.eval_path=null", f"run.dir={tmp_path}/r"], {})

@@ -74,9 +74,15 @@ def dataset_columns(source: DataSource) -> list[str]:
     return list(_open_dataset(source).column_names)
 
 
-def _open_dataset(source: DataSource) -> Any:
+def _open_dataset(source: DataSource, cache_only: bool = False) -> Any:
     import datasets
 
+    if source.kind == "hub" and cache_only:
+        try:
+            return _load_from_cache(source)
+        except (ValueError, FileNotFoundError, ConnectionError, OSError) as e:
+            raise ValueError(f"Hugging Face dataset {source.spec()} is not in this machine's datasets cache "
+                             "(a dry run downloads nothing; the run itself will)") from e
     if source.kind == "hub":
         try:
             return datasets.load_dataset(source.path, source.config, split=source.split)
@@ -101,12 +107,26 @@ def _open_dataset(source: DataSource) -> Any:
     return ds
 
 
-def read_rows(path: str | os.PathLike, required: Sequence[str]) -> list[dict[str, Any]]:
+def _load_from_cache(source: DataSource) -> Any:
+    """load_dataset with the Hub switched off for this call: without a network, the online call retries for
+    ~25 s before it gives up, too long for --dry-run, which must not download anyway."""
+    import datasets
+    import huggingface_hub.constants as hub
+
+    saved = datasets.config.HF_HUB_OFFLINE, hub.HF_HUB_OFFLINE
+    datasets.config.HF_HUB_OFFLINE = hub.HF_HUB_OFFLINE = True
+    try:
+        return datasets.load_dataset(source.path, source.config, split=source.split)
+    finally:
+        datasets.config.HF_HUB_OFFLINE, hub.HF_HUB_OFFLINE = saved
+
+
+def read_rows(path: str | os.PathLike, required: Sequence[str], cache_only: bool = False) -> list[dict[str, Any]]:
     """All rows of a .jsonl/.json-lines or .parquet file, or of a Hugging Face dataset (DataSource);
-    every row must have every `required` field."""
+    every row must have every `required` field. cache_only: a Hub dataset only from the local cache."""
     source = DataSource.parse(str(path))
     if source.kind != "file":
-        ds = _open_dataset(source)
+        ds = _open_dataset(source, cache_only)
         missing = [k for k in required if k not in ds.column_names]
         if missing:
             raise ValueError(f"{source.spec()}: no column {missing[0]!r} (columns: {sorted(ds.column_names)}); "
