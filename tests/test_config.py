@@ -61,7 +61,7 @@ def test_fraction_env_vars_and_types() -> None:
     validate(cfg, check_resources=False)
 
 
-def test_issue_keys_exist_and_defaults() -> None:
+def test_documented_keys_exist_with_their_defaults() -> None:
     keys = C.all_keys()
     for key in ("model.path", "placement.num_gpus", "placement.train_gpu_fraction",
                 "placement.vllm_gpu_fraction", "trainer.lr", "data.path", "loop.steps", "run.dir"):
