@@ -13,7 +13,6 @@ from __future__ import annotations
 import dataclasses
 import glob
 import os
-import re
 import time
 from collections.abc import Mapping
 from pathlib import Path

@@ -43,7 +43,7 @@ from torch.distributed.tensor import DTensor
 from colo.config import SyncConfig
 from colo.dtypes import torch_dtype
 from colo.sync.mapping import Arch, MappingError, arch_for, direct_mapping, expert_param, find_expert_param
-from colo.sync.plan import SyncPlan, build_plan, build_reference_plan
+from colo.sync.plan import build_plan, build_reference_plan
 from colo.sync.transport import SenderBuffers, WeightGroup, align_up
 from colo.sync.verify import compare_digests, piece_digest
 from colo.trainer.fsdp import expert_shard_range
