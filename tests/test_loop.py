@@ -124,9 +124,10 @@ def test_default_job_learns(learned: tuple[Path, list[dict]]) -> None:
         assert r["sync/verified"] is True and r["sync/tensors"] > 0 and r["sync/bytes"] > 0, r
         assert 0 <= r["logprob_diff/mean"] < 0.05, f"step {r['step']}: vLLM/trainer gap {r['logprob_diff/mean']}"
         assert all(math.isfinite(r[k]) for k in ("loss", "entropy", "grad_norm")), r
-        # step_s is the step's own wall clock: it holds every phase (and the memory probes between them)
+        # step_s is the step's own wall clock: it holds every phase, plus only the memory probes between
+        # them (one Ray round trip each; the bound is loose for a busy 2-core machine)
         phases = sum(r[f"timing/{p}_s"] for p in ("rollout", "reward", "sleep", "train", "sync", "wake"))
-        assert phases <= r["timing/step_s"] < phases + 5.0, r
+        assert phases <= r["timing/step_s"] < phases + 30.0, r
         # loop.memory_stats: every phase reports the trainer's memory (on CPU its resident set, > 100 MiB)
         assert all(0.1 < r[f"memory/{p}/trainer_rss_gb"] < 64 for p in ("rollout", "train", "sync", "wake")), r
 
