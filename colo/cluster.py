@@ -1,6 +1,12 @@
-"""Start the Ray actors of a job. Colocated: per GPU r, TrainWorker rank r and RolloutEngine DP rank r in
-placement group r. Disaggregated: trainer ranks on GPUs of their own, engines (TP over their own GPUs)
-on the others, joined by the weight-broadcast group of trainer rank 0 (colo.sync.broadcast).
+"""Start the Ray actors of a job, and the typed handles the loop calls them through.
+
+    c = start_cluster(cfg, plan)                      # trainer_cls=/engine_cls=: subclasses (bench, tests)
+    c.trainer_group.train_step(shards)                # every rank at once; a failure names its actor
+    c.engine_group.sleep(2)
+
+Colocated: per GPU r, trainer rank r and engine r (vLLM DP rank r) in placement group r. Disaggregated:
+trainer ranks on GPUs of their own, engines (TP over their own GPUs) on the others, joined by the
+weight-broadcast group of trainer rank 0 (colo.sync.transport).
 
 Rank alignment is the invariant the whole weight path rests on (trainer rank r pushes over CUDA IPC /
 shared memory to the engine on the same GPU, and FSDP's expert shard r is engine r's expert slice), so it
@@ -14,13 +20,17 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import ray
 
 from colo.config import ColoConfig, to_dict
 from colo.nodes import Lost, free_port, gpu_nodes, locate, lost_nodes, on_nodes  # noqa: F401 (free_port: re-export)
 from colo.placement import PlacementPlan, create_disaggregated_placement, create_placement, scheduling
+
+if TYPE_CHECKING:  # the actor classes import torch / vLLM helpers: start_cluster imports them when called
+    from colo.rollout.engine import Engine
+    from colo.trainer.worker import Trainer
 
 
 @dataclass
@@ -41,12 +51,26 @@ class Cluster:
         return self.mode == "colocated"
 
     def actors(self) -> list[tuple[str, Any]]:
-        """(name, handle) of every actor, named as ranks_by_node names them."""
+        """(name, handle) of every actor, named as failures name them (ranks_by_node, lost nodes)."""
         return [(f"trainer rank {r}", t) for r, t in enumerate(self.trainers)] + \
-            [(f"engine DP rank {e}", a) for e, a in enumerate(self.engines)]
+            [(engine_name(e, self.colocated), a) for e, a in enumerate(self.engines)]
+
+    @property
+    def trainer_group(self) -> TrainerGroup:
+        return TrainerGroup(self.trainers, self.engines, self.colocated)
+
+    @property
+    def engine_group(self) -> EngineGroup:
+        return EngineGroup(self.engines, self.colocated)
 
 
-def start_cluster(cfg: ColoConfig, plan: PlacementPlan, trainer_cls: Any = None, engine_cls: Any = None) -> Cluster:
+def engine_name(e: int, colocated: bool) -> str:
+    """How failures name engine e: colocated engines are one vLLM DP group, disaggregated ones are not."""
+    return f"engine DP rank {e}" if colocated else f"engine {e}"
+
+
+def start_cluster(cfg: ColoConfig, plan: PlacementPlan, trainer_cls: type[Trainer] | None = None,
+                  engine_cls: type[Engine] | None = None) -> Cluster:
     """Create placement groups, then trainers and engines in them; returns once every actor is ready.
 
     Colocated: trainer rank r and engine r share placement group r, each with its GPU fraction. On GPU
@@ -57,13 +81,15 @@ def start_cluster(cfg: ColoConfig, plan: PlacementPlan, trainer_cls: Any = None,
     takes none (its TP workers go into the engine group's bundles), on CPU a TP-1 engine holds its
     logical GPU; then the weight-broadcast group is connected.
 
-    `trainer_cls` / `engine_cls`: Ray actor classes with TrainWorker's / RolloutEngine's interface (the
-    benchmark adds its baseline sync; tests add hooks)."""
-    from colo.rollout.engine import RolloutEngine
-    from colo.trainer.worker import TrainWorker
+    `trainer_cls` / `engine_cls`: plain subclasses of Trainer / Engine (colo.bench.engines adds the
+    yardsticks, tests add hooks); made into Ray actors here, like the product classes."""
+    from colo.rollout.engine import Engine
+    from colo.trainer.worker import Trainer
 
-    TrainWorker = trainer_cls or TrainWorker  # noqa: N806
-    RolloutEngine = engine_cls or RolloutEngine  # noqa: N806
+    trainer_cls, engine_cls = trainer_cls or Trainer, engine_cls or Engine
+    if not (issubclass(trainer_cls, Trainer) and issubclass(engine_cls, Engine)):
+        raise TypeError(f"start_cluster takes subclasses of Trainer and Engine, got {trainer_cls} and {engine_cls}")
+    TrainWorker, RolloutEngine = ray.remote(trainer_cls), ray.remote(engine_cls)  # noqa: N806
     t0 = time.perf_counter()
     colocated, cuda = plan.mode == "colocated", cfg.placement.device == "cuda"
     if not plan.node_order:  # ranks fill the cluster's GPU nodes in order (colo.nodes)
@@ -93,11 +119,11 @@ def start_cluster(cfg: ColoConfig, plan: PlacementPlan, trainer_cls: Any = None,
                for e, pg in enumerate(engine_pgs)]
     ranks_by_node: dict[str, tuple[str, list[str]]] = {}
     for name, w in [(f"trainer rank {r}", w) for r, w in enumerate(at_trainer)] + \
-            [(f"engine DP rank {e}", w) for e, w in enumerate(at_engine)]:
+            [(engine_name(e, colocated), w) for e, w in enumerate(at_engine)]:
         ranks_by_node.setdefault(w["node_id"], (w["node_ip"], []))[1].append(name)
     setups = gather([t.setup.remote() for t in trainers], [f"trainer rank {r}" for r in range(world)])
     t_train = time.perf_counter() - t0
-    readies = gather([e.ready.remote() for e in engines], [f"engine DP rank {e}" for e in range(len(engines))])
+    readies = gather([e.ready.remote() for e in engines], [engine_name(e, colocated) for e in range(len(engines))])
     if [s.get("rank") for s in setups] != list(range(world)) or \
             [e.get("rank") for e in readies] != list(range(len(engines))):
         raise RuntimeError(f"rank misalignment: trainers report {[s.get('rank') for s in setups]}, "
@@ -107,7 +133,7 @@ def start_cluster(cfg: ColoConfig, plan: PlacementPlan, trainer_cls: Any = None,
     if colocated:
         for r, (s, e) in enumerate(zip(setups, readies)):
             if cuda and s.get("device_uuid") != e.get("device_uuid"):
-                raise RuntimeError(f"trainer rank {r} is on GPU {s.get('device_uuid')} but engine DP rank {r} is "
+                raise RuntimeError(f"trainer rank {r} is on GPU {s.get('device_uuid')} but {engine_name(r, True)} is "
                                    f"on {e.get('device_uuid')}: CUDA IPC needs them on the same GPU")
         pgs = trainer_pgs
     else:
@@ -133,11 +159,12 @@ def connect_weight_group(trainer0: Any, engines: list, tp_size: int) -> None:
 
 
 def gather(refs: list, who: list[str], timeout: float | None = None, engines: list | None = None,
-           paired: bool = True) -> list:
+           paired: bool = True, colocated: bool = True) -> list:
     """ray.get of all refs that fails on the first failure, naming the actor: ActorDied when it is gone,
     ActorError when its method raised. `engines`: the engines the callees talk to (the sync), so an engine
     that died or raised under a trainer's call is named by its index; `paired`: callee i talks to engine i
-    only (colocated), the fallback when Ray's error does not carry the dead engine's id.
+    only (colocated), the fallback when Ray's error does not carry the dead engine's id; `colocated`: how
+    engines are named (colo.cluster.engine_name).
 
     Results are taken in completion order, not rank order: when rank 1 dies, rank 0 may be blocked in a
     collective waiting for it (gloo's default timeout is 30 min), so ray.get(rank 0) first would hang."""
@@ -159,10 +186,11 @@ def gather(refs: list, who: list[str], timeout: float | None = None, engines: li
             if isinstance(cause, ray.exceptions.RayActorError) and who[i].startswith("trainer"):
                 dead = _engine_index(cause, engines)  # trainers only call engines (the sync)
                 dead = i if dead is None and paired else dead
-                name = "an engine" if dead is None else f"engine DP rank {dead}"
+                name = "an engine" if dead is None else engine_name(dead, colocated)
                 raise ActorDied(f"{name} (seen by {who[i]} during the weight sync)") from e
             raised = _raising_engine(e, engines) if who[i].startswith("trainer") else None
-            name = who[i] if raised is None else f"engine DP rank {raised} (seen by {who[i]} during the weight sync)"
+            name = (who[i] if raised is None
+                    else f"{engine_name(raised, colocated)} (seen by {who[i]} during the weight sync)")
             raise ActorError(name, e) from e
         except ray.exceptions.RayActorError as e:
             raise ActorDied(who[i]) from e
@@ -230,13 +258,69 @@ class ActorDied(RuntimeError):
         self.name = name
 
 
-def on_trainers(c: Cluster, method: str, *args_per_rank, timeout: float | None = None) -> list:
-    """Call one method on every trainer; per-rank arguments are given as lists."""
-    refs = [getattr(t, method).remote(*(a[r] for a in args_per_rank)) for r, t in enumerate(c.trainers)]
-    return gather(refs, [f"trainer rank {r}" for r in range(len(refs))], timeout, engines=c.engines,
-                  paired=c.colocated)
+class TrainerGroup:
+    """Every trainer rank, called at once (the methods are collective); results in rank order. A failure
+    raises ActorDied / ActorError naming the trainer, or the engine it was talking to in a sync."""
+
+    def __init__(self, trainers: list, engines: list, colocated: bool) -> None:
+        self.trainers, self.engines, self.colocated = trainers, engines, colocated
+
+    def _gather(self, refs: list, timeout: float | None = None) -> list:
+        return gather(refs, [f"trainer rank {r}" for r in range(len(refs))], timeout, engines=self.engines,
+                      paired=self.colocated, colocated=self.colocated)
+
+    def sync_engines(self) -> list[list]:
+        """Per rank, the engines its sync writes: colocated, the one on its GPU; disaggregated, all."""
+        return [[e] for e in self.engines] if self.colocated else [self.engines] * len(self.trainers)
+
+    def memory(self) -> list[dict]:
+        return self._gather([t.memory.remote() for t in self.trainers])
+
+    def onload(self) -> list[dict]:
+        return self._gather([t.onload.remote() for t in self.trainers])
+
+    def offload(self) -> list[dict]:
+        return self._gather([t.offload.remote() for t in self.trainers])
+
+    def sft_step(self, shards: list[dict]) -> list[dict]:
+        return self._gather([t.sft_step.remote(b) for t, b in zip(self.trainers, shards)])
+
+    def train_step(self, shards: list[dict]) -> list[dict]:
+        return self._gather([t.train_step.remote(b) for t, b in zip(self.trainers, shards)])
+
+    def prepare_sync(self) -> list[dict]:
+        return self._gather([t.prepare_sync.remote(e) for t, e in zip(self.trainers, self.sync_engines())])
+
+    def sync_weights(self) -> list[dict]:
+        return self._gather([t.sync_weights.remote(e) for t, e in zip(self.trainers, self.sync_engines())])
+
+    def save_checkpoint(self, path: str, extra: dict, timeout: float | None = None) -> None:
+        self._gather([t.save_checkpoint.remote(path, extra) for t in self.trainers], timeout)
+
+    def load_checkpoint(self, path: str) -> dict:
+        return self._gather([t.load_checkpoint.remote(path) for t in self.trainers])[0]
+
+    def export_hf(self, path: str) -> None:
+        self._gather([t.export_hf.remote(path) for t in self.trainers])
 
 
-def on_engines(c: Cluster, method: str, *args) -> list:
-    refs = [getattr(e, method).remote(*args) for e in c.engines]
-    return gather(refs, [f"engine DP rank {r}" for r in range(len(refs))])
+class EngineGroup:
+    """Every engine, called at once; results in engine order; a failure names the engine."""
+
+    def __init__(self, engines: list, colocated: bool) -> None:
+        self.engines, self.colocated = engines, colocated
+
+    def _gather(self, refs: list) -> list:
+        return gather(refs, [engine_name(e, self.colocated) for e in range(len(refs))])
+
+    def generate(self, prompt_ids: list[list[list[int]]], n: int, max_tokens: int, temperature: float,
+                 top_p: float, seeds: list[int]) -> list[list[dict]]:
+        """Engine e generates for prompt_ids[e] with seed seeds[e]."""
+        return self._gather([e.generate.remote(p, n, max_tokens, temperature, top_p, s)
+                             for e, p, s in zip(self.engines, prompt_ids, seeds)])
+
+    def sleep(self, level: int) -> list[float]:
+        return self._gather([e.sleep.remote(level) for e in self.engines])
+
+    def wake_up(self, tags: list[str] | None) -> list[float]:
+        return self._gather([e.wake_up.remote(tags) for e in self.engines])

@@ -3,7 +3,7 @@
     python -m colo.launch                                        # tiny CPU job, learns in minutes
     python -m colo.launch --config configs/qwen3-30b-a3b-4xh200.yaml
 
-Each GPU holds a trainer (FSDP2 rank r) and a vLLM engine (DP rank r). Per step:
+Each GPU holds a trainer (FSDP2 rank r) and a vLLM engine (vLLM DP rank r). Per step:
 
     rollout  vLLM awake, trainer offloaded   prompts spread over engines, n samples each
     reward   driver (thread pool)            rewards → GRPO group-normalized advantages
@@ -45,15 +45,14 @@ import torch
 from colo.algo.advantages import grpo_advantages
 from colo.algo.batch import build_batch, shard_batch
 from colo.algo.rewards import RewardError, RewardRunner
-from colo.cluster import (ActorDied, ActorError, Cluster, NodeLost, gather, node_loss, on_engines, on_trainers,
-                          start_cluster)
+from colo.cluster import ActorDied, ActorError, Cluster, node_loss, start_cluster
 from colo.config import ColoConfig, to_dict
 from colo.metrics import MetricsWriter, ProgressLine, WandbSettings
 from colo.inputs import RunInputs, open_inputs
 from colo.logs import link_ray_logs, log_of
 from colo.shm import sweep
 from colo.summary import run_summary
-from colo.placement import plan_placement
+from colo.placement import init_ray, plan_placement
 from colo.sync.mapping import MappingError
 
 
@@ -78,7 +77,7 @@ class Timer:
 def memory_probe(c: Cluster) -> Callable[[], dict]:
     """Trainer.memory() of every rank, max over ranks (one Ray round trip per phase)."""
     def probe() -> dict:
-        reports = on_trainers(c, "memory")
+        reports = c.trainer_group.memory()
         return {k: max(r[k] for r in reports) for k in reports[0]}
     return probe
 
@@ -88,9 +87,8 @@ def generate(c: Cluster, prompts: list[dict], n: int, cfg: ColoConfig, *, greedy
     w = len(c.engines)
     chunks = [list(range(r, len(prompts), w)) for r in range(w)]  # round robin: counts differ by ≤ 1
     temp, top_p = (0.0, 1.0) if greedy else (cfg.rollout.temperature, cfg.rollout.top_p)
-    refs = [e.generate.remote([prompts[i]["prompt_ids"] for i in idx], n, cfg.rollout.max_tokens, temp, top_p,
-                              seed + r) for r, (e, idx) in enumerate(zip(c.engines, chunks))]
-    per_engine = gather(refs, [f"engine DP rank {r}" for r in range(w)])
+    per_engine = c.engine_group.generate([[prompts[i]["prompt_ids"] for i in idx] for idx in chunks], n,
+                                         cfg.rollout.max_tokens, temp, top_p, [seed + r for r in range(w)])
     samples = []
     for idx, outs in zip(chunks, per_engine):
         for s in outs:
@@ -117,6 +115,7 @@ class Position:
 
 def rl_step(step: int, c: Cluster, cfg: ColoConfig, inputs: RunInputs, rewards: RewardRunner, pos: Position) -> dict:
     t, n = Timer(memory_probe(c) if cfg.loop.memory_stats else None), cfg.rollout.n
+    trainers, engines, t_step = c.trainer_group, c.engine_group, time.perf_counter()
     with t("rollout"):
         prompts = inputs.train_data.next_batch(cfg.data.prompts_per_step)
         samples = generate(c, prompts, n, cfg, greedy=False, seed=cfg.run.seed * 100_003 + step * 1_009)
@@ -125,26 +124,26 @@ def rl_step(step: int, c: Cluster, cfg: ColoConfig, inputs: RunInputs, rewards: 
         adv = grpo_advantages(reward, n, std_normalize=cfg.algo.std_normalize)  # (N*G,)
     with t("sleep"):
         if c.colocated:
-            on_engines(c, "sleep", sleep_level(cfg))
+            engines.sleep(sleep_level(cfg))
     with t("train"):
         if offloads(c, cfg):
-            on_trainers(c, "onload")
+            trainers.onload()
         shards = shard_batch(build_batch(samples, adv, pad_id=inputs.tokenizer.pad_token_id), len(c.trainers))
-        train = on_trainers(c, "train_step", shards)[0]  # metrics are already all-reduced over ranks
+        train = trainers.train_step(shards)[0]  # metrics are already all-reduced over ranks
         pos.step, pos.data = step, inputs.train_data.state_dict()  # a failure from here on saves this step
     with t("sync"):
         if c.colocated:
-            on_engines(c, "wake_up", ["weights"])
+            engines.wake_up(["weights"])
         synced = sync_all(c)
         if offloads(c, cfg):
-            on_trainers(c, "offload")
+            trainers.offload()
     with t("wake"):
         if c.colocated:
-            on_engines(c, "wake_up", ["kv_cache", "scheduling"])
+            engines.wake_up(["kv_cache", "scheduling"])
     lens = torch.tensor([len(s["response_ids"]) for s in samples], dtype=torch.float32)
     metrics = {"step": step, "reward/mean": reward.mean().item(), "reward/std": reward.std().item(),
                "response_len/mean": lens.mean().item(), **train, **synced, **t.seconds, **t.memory}
-    metrics["timing/step_s"] = sum(t.seconds.values())
+    metrics["timing/step_s"] = time.perf_counter() - t_step  # wall clock: the phases plus what lies between
     return metrics
 
 
@@ -164,18 +163,14 @@ def sync_metrics(reports: list[dict]) -> dict:
 def sync_all(c: Cluster) -> dict:
     """Push the trainers' weights into the (awake) engines: colocated, each rank into the engine on its GPU;
     disaggregated, rank 0 broadcasts to every engine while the other ranks take part in the gathers."""
-    if c.colocated:
-        return sync_metrics(on_trainers(c, "sync_weights", c.engines))
-    return sync_metrics(on_trainers(c, "broadcast_weights", [c.engines] * len(c.trainers)))
+    return sync_metrics(c.trainer_group.sync_weights())
 
 
 def check_sync(c: Cluster) -> list[dict]:
     """Every trainer plans its sync against the engines' description (docs: the weight path), before the
     warm-up or any rollout; a model that does not map raises MappingError listing every problem at once."""
     try:
-        if c.colocated:
-            return on_trainers(c, "prepare_sync", [[e] for e in c.engines])
-        return on_trainers(c, "prepare_sync", [c.engines] * len(c.trainers))
+        return c.trainer_group.prepare_sync()
     except ActorError as e:  # a trainer raised: the model's own MappingError is the news, not the actor
         cause = getattr(e.__cause__, "cause", None)
         if isinstance(cause, MappingError):
@@ -206,7 +201,7 @@ def warm_up(c: Cluster, cfg: ColoConfig, inputs: RunInputs) -> dict:
     for i in range(cfg.loop.sft_warmup_steps):
         batch = inputs.sft_batch(cfg.data.prompts_per_step * cfg.rollout.n, i)
         shards = shard_batch(batch, len(c.trainers))
-        losses.append(on_trainers(c, "sft_step", shards)[0]["sft_loss"])
+        losses.append(c.trainer_group.sft_step(shards)[0]["sft_loss"])
     return {"sft/loss_first": losses[0], "sft/loss_last": losses[-1]} if losses else {}
 
 
@@ -214,8 +209,7 @@ def save(c: Cluster, inputs: RunInputs, pos: Position, timeout: float | None = N
     path = inputs.run_dir / "checkpoints" / f"step_{pos.step:06d}"
     if not (path / "extra.json").exists():  # a failure right after a periodic save: nothing new to write
         extra = {"step": pos.step, "data": pos.data}
-        w = len(c.trainers)
-        on_trainers(c, "save_checkpoint", [str(path)] * w, [extra] * w, timeout=timeout)
+        c.trainer_group.save_checkpoint(str(path), extra, timeout=timeout)
     return path
 
 
@@ -225,7 +219,7 @@ def restore(c: Cluster, inputs: RunInputs, writer: MetricsWriter) -> Position | 
         writer.resume_from(-2)  # an earlier attempt that never checkpointed: its records are redone
         return None
     last = str(checkpoints(inputs.run_dir)[-1])
-    extra = on_trainers(c, "load_checkpoint", [last] * len(c.trainers))[0]
+    extra = c.trainer_group.load_checkpoint(last)
     inputs.train_data.load_state_dict(extra["data"])
     writer.resume_from(extra["step"])  # drops records of steps after the checkpoint: they are redone
     return Position(extra["step"], extra["data"])
@@ -267,19 +261,6 @@ def log_error(run_dir: Path, e: Exception) -> Path:
 SAVE_ON_FAILURE_S = 900.0  # a DCP save of a 30B model takes minutes; a hung collective takes forever
 
 
-def ray_init_kwargs(cfg: ColoConfig) -> dict:
-    """On CPU, Ray's logical GPUs stand in for GPUs so placement runs the same code as on a GPU host. The
-    actors' output stays in <run.dir>/logs unless the run is verbose (colo.logs)."""
-    kw: dict = {"include_dashboard": False, "log_to_driver": cfg.run.verbose,
-                "logging_level": logging.INFO if cfg.run.verbose else logging.ERROR}
-    if cfg.run.ray_address:  # join: the cluster's nodes bring their own (logical) GPUs and CPUs
-        return {"address": cfg.run.ray_address, "log_to_driver": kw["log_to_driver"],
-                "logging_level": kw["logging_level"]}
-    if cfg.placement.device == "cpu":
-        kw.update(num_gpus=cfg.placement.num_gpus, num_cpus=max(4, 2 * cfg.placement.num_gpus))
-    return kw
-
-
 def checkpoints(run_dir: Path) -> list[Path]:
     """Complete checkpoints, oldest first: rank 0 writes extra.json after the DCP shards, so a save that
     was cut off (killed run) has none and is skipped."""
@@ -294,9 +275,12 @@ def run(cfg: ColoConfig) -> int:
     t_start = time.perf_counter()
     inputs = open_inputs(cfg)
     sweep()  # sync buffers and vLLM queues that killed runs left in this host's /dev/shm (colo.shm)
-    ray.init(**ray_init_kwargs(cfg))
+    plan = plan_placement(cfg)
+    # the actors' output stays in <run.dir>/logs unless the run is verbose (colo.logs)
+    init_ray(plan, address=cfg.run.ray_address, log_to_driver=cfg.run.verbose,
+             logging_level=logging.INFO if cfg.run.verbose else logging.ERROR)
     link_ray_logs(inputs.run_dir)
-    cluster = start_cluster(cfg, plan_placement(cfg))
+    cluster = start_cluster(cfg, plan)
     if len(cluster.ranks_by_node) > 1:  # a run over several nodes says where each rank is
         print("colo: nodes: " + "; ".join(f"{ip}: {', '.join(names)}" for ip, names in cluster.ranks_by_node.values()),
               flush=True)
@@ -321,7 +305,7 @@ def run(cfg: ColoConfig) -> int:
             setup = {f"setup/{k}": v for k, v in cluster.setup.items()}
             writer.log(-1, {**warm, **setup, **evaluate(cluster, cfg, inputs, rewards)})
         if offloads(cluster, cfg):
-            on_trainers(cluster, "offload")
+            cluster.trainer_group.offload()
         progress = ProgressLine(cfg.loop.steps, initial_step=pos.step + 1)
         for step in range(pos.step + 1, cfg.loop.steps):
             metrics = rl_step(step, cluster, cfg, inputs, rewards, pos)
@@ -332,7 +316,7 @@ def run(cfg: ColoConfig) -> int:
             progress.update(metrics)
             if cfg.loop.checkpoint_every and (step + 1) % cfg.loop.checkpoint_every == 0 or last:
                 save(cluster, inputs, pos)
-        on_trainers(cluster, "export_hf", [str(inputs.run_dir / "export")] * len(cluster.trainers))
+        cluster.trainer_group.export_hf(str(inputs.run_dir / "export"))
         progress.close()
         print(run_summary(inputs.run_dir, time.perf_counter() - t_start, list(cfg.run.loggers)), flush=True)
     except RewardError as e:

@@ -107,8 +107,7 @@ def locate(pgs: list[PlacementGroup]) -> list[dict[str, Any]]:
     Ray pins a bundle's GPU when the group is created, so every actor placed there sees the same ids;
     `port` is free on that node, for a server an actor of the group starts a moment later."""
     import ray
-
-    from colo.placement import scheduling
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
     @ray.remote(num_cpus=0, num_gpus=0.01)
     def where() -> dict[str, Any]:
@@ -116,7 +115,8 @@ def locate(pgs: list[PlacementGroup]) -> list[dict[str, Any]]:
         return {"node_id": ctx.get_node_id(), "node_ip": ray.util.get_node_ip_address(),
                 "gpu_ids": list(ray.get_gpu_ids()), "port": free_port()}
 
-    return ray.get([where.options(scheduling_strategy=scheduling(pg)).remote() for pg in pgs])
+    return ray.get([where.options(scheduling_strategy=PlacementGroupSchedulingStrategy(
+        placement_group=pg, placement_group_bundle_index=0)).remote() for pg in pgs])
 
 
 def free_port() -> int:

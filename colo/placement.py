@@ -13,7 +13,7 @@ hardware. With rows placed on nodes (colo.nodes.on_nodes: filled node by node), 
 for its node's "node:<ip>" resource, and the node order is the plan's.
 Why one PG per GPU and not one PG with N bundles: vLLM's Ray executor places its worker
 in "bundle 0" of the placement group it is handed (VLLM_RAY_BUNDLE_INDICES), so each engine needs a
-PG whose bundle 0 is its own GPU (DESIGN.md, measured in ../shared/gpu/dpep.py).
+PG whose bundle 0 is its own GPU (measured: docs/vllm-notes.md, "DP+EP inside Ray").
 
 disaggregated: trainer ranks and engines on different GPUs; weights go from trainer rank 0 to the
 engines by broadcast, so no trainer needs to share a device with an engine.
@@ -146,13 +146,17 @@ def plan_placement(cfg: ColoConfig) -> PlacementPlan:
                          trainer_world=trainers, num_engines=engines, tp_size=tp)
 
 
-def init_ray(plan: PlacementPlan, **kwargs: Any) -> None:
-    """Start (or join) Ray. CPU: a local instance with plan.num_gpus logical GPUs and enough logical
+def init_ray(plan: PlacementPlan, address: str = "", **kwargs: Any) -> None:
+    """Start (or join) Ray. `address` (run.ray_address): join that cluster, whose nodes bring their own
+    (logical) GPUs and CPUs. CPU: a local instance with plan.num_gpus logical GPUs and enough logical
     CPUs for every bundle (one per GPU, in both modes) plus the driver's tasks. GPU: ray.init() as
-    usual (RAY_ADDRESS honoured by Ray itself). No-op when Ray is already initialized."""
+    usual. No-op when Ray is already initialized."""
     import ray
 
     if ray.is_initialized():
+        return
+    if address:  # Ray refuses resource counts and dashboard settings for a cluster it joins
+        ray.init(address=address, **{k: v for k, v in kwargs.items() if k in ("log_to_driver", "logging_level")})
         return
     kwargs.setdefault("include_dashboard", False)
     if plan.device == "cpu":

@@ -61,7 +61,7 @@ def test_fraction_env_vars_and_types() -> None:
     validate(cfg, check_resources=False)
 
 
-def test_issue_keys_exist_and_defaults() -> None:
+def test_documented_keys_exist_with_their_defaults() -> None:
     keys = C.all_keys()
     for key in ("model.path", "placement.num_gpus", "placement.train_gpu_fraction",
                 "placement.vllm_gpu_fraction", "trainer.lr", "data.path", "loop.steps", "run.dir"):
@@ -83,7 +83,7 @@ def test_placement_mode_env_shortcut() -> None:
 
 
 def test_every_field_documented_in_code_and_docs() -> None:
-    tree = ast.parse((ROOT / "colo" / "config" / "__init__.py").read_text())
+    tree = ast.parse((ROOT / "colo" / "config" / "schema.py").read_text())
     docs = (ROOT / "docs" / "config.md").read_text()
     for cls in (n for n in tree.body if isinstance(n, ast.ClassDef) and n.name.endswith("Config")
                 and n.name != "ColoConfig"):
@@ -157,11 +157,6 @@ def test_wrong_types() -> None:
     (["rollout.max_tokens=4096"], "rollout.max_model_len"),
     (["trainer.micro_batch_size=0"], "must be >= 1"),
     (["algo.rewards=[]"], "algo.rewards"),
-    (["rollout.vllm_weight_transfer=nccl"], "rollout.vllm_weight_transfer='nccl' is not one of ['none', 'ipc']"),
-    (["rollout.vllm_weight_transfer=ipc", "placement.device=cpu"],
-     "needs colocated GPU engines (CUDA IPC), but placement is colocated on cpu; fix: rollout.vllm_weight_transfer=none"),
-    (["rollout.vllm_weight_transfer=ipc", "placement.device=cuda", "placement.mode=disaggregated",
-      "placement.num_gpus=2", "placement.trainer_gpus=1"], "but placement is disaggregated on cuda"),
 ])
 def test_bad_values(overrides: list[str], needle: str) -> None:
     assert needle in error_of(overrides, check_resources=False)

@@ -18,11 +18,11 @@ from pathlib import Path
 import pytest
 import ray
 
+from colo.bench.engines import BenchTrainer
 from colo.bench.sync import LOGPROB_ATOL, PERTURB_SCALE, compare, greedy
 from colo.cluster import start_cluster
 from colo.config import load_config, to_dict
-from colo.loop import ray_init_kwargs
-from colo.placement import plan_placement, scheduling
+from colo.placement import init_ray, plan_placement, scheduling
 
 pytestmark = pytest.mark.slow
 
@@ -52,13 +52,13 @@ def sync_and_compare(model: Path, workdir: Path, overrides: list[str]) -> dict:
 
     cfg = load_config(None, BASE + [f"model.path={model}", *overrides], {})
     plan = plan_placement(cfg)
-    ray.init(**ray_init_kwargs(cfg))
+    init_ray(plan, log_to_driver=False)
     try:
-        c = start_cluster(cfg, plan)
+        c = start_cluster(cfg, plan, trainer_cls=BenchTrainer)
         before = greedy(c.engines)
         ray.get([t.perturb_weights.remote(7, PERTURB_SCALE) for t in c.trainers])
-        first = ray.get([t.broadcast_weights.remote(c.engines) for t in c.trainers])
-        again = ray.get([t.broadcast_weights.remote(c.engines) for t in c.trainers])  # reuses plan + buffers
+        first = c.trainer_group.sync_weights()
+        again = c.trainer_group.sync_weights()  # reuses plan + buffers
         synced = greedy(c.engines)
         export = workdir / "export"
         ray.get([t.export_hf.remote(str(export)) for t in c.trainers])

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import gc
 import os
+import time
 from pathlib import Path
 
 import pytest
@@ -53,24 +54,54 @@ BASE = ["placement.device=cpu", "placement.num_gpus=2", "placement.cpus_per_bund
 LOGPROB_GAP = 0.05  # |trainer - vLLM| log-prob of sampled tokens, bf16 weights on both sides
 
 
-class FamilyTrainer(Trainer):
-    """TrainWorker that can rebuild itself on another checkpoint in the same process group, and keeps the
-    disaggregated link's plan and buffers apart from the colocated one's."""
+class Recorder:
+    """Records each call of the RL step's phase methods as (phase, start, end) on this actor's clock (one
+    host: one clock for every actor), so a test can check the order the loop called them in."""
+
+    def _timed(self, phase: str, fn, *args):
+        t0 = time.time()
+        try:
+            return fn(*args)
+        finally:
+            self.__dict__.setdefault("_calls", []).append((phase, t0, time.time()))
+
+    def calls(self) -> list[tuple[str, float, float]]:
+        """The calls recorded since the last calls()."""
+        out, self._calls = self.__dict__.get("_calls", []), []
+        return out
+
+
+class FamilyTrainer(Recorder, Trainer):
+    """TrainWorker that can rebuild itself on another checkpoint in the same process group, keeps the
+    disaggregated link's plan and buffers apart from the colocated one's, and records its phases."""
+
+    def onload(self) -> dict:
+        return self._timed("onload", super().onload)
+
+    def offload(self) -> dict:
+        return self._timed("offload", super().offload)
+
+    def train_step(self, batch: dict) -> dict:
+        return self._timed("train_step", super().train_step, batch)
+
+    def sync_weights(self, engines: list) -> dict:
+        return self._timed("sync_weights", super().sync_weights, engines)
 
     def reload(self, cfg: dict) -> dict:
         self.release_sync_buffers()
-        self._broadcast_state: dict = {}
+        self._apart = None  # the Sender of the disaggregated link to engine 3
+        self.offloaded = False  # the model built below is on the device
         self.cfg_dict, self.cfg = cfg, from_dict(cfg)
         self.model = self.ref_model = self.optimizer = None
         gc.collect()
         return self._build()
 
     def broadcast_apart(self, engines: list) -> dict:
-        colocated, self._sync_state = self._sync_state, getattr(self, "_broadcast_state", {})
-        try:
-            return self.broadcast_weights(engines)
-        finally:
-            self._broadcast_state, self._sync_state = self._sync_state, colocated
+        from colo.sync.sender import Sender
+
+        if getattr(self, "_apart", None) is None:
+            self._apart = Sender.broadcast(self.model, self.cfg.sync, engines, self._weight_group)
+        return self._apart.push()
 
 
     def forget_sync(self) -> None:
@@ -80,10 +111,8 @@ class FamilyTrainer(Trainer):
         """A colocated sync whose plan is broken on purpose around the padded embedding (both ranks call it)."""
         import copy
 
-        from colo.sync.sender import push_weights
-
-        state = copy.copy(self._sync_state)
-        state["plan"] = plan = copy.deepcopy(state["plan"])
+        tampered = copy.copy(self.sender)
+        tampered.plan = plan = copy.deepcopy(self.sender.plan)
         at = [(b, p) for b in plan.buckets for p in b if p["dst"] == EMBED]
         (fb, fill), (rb, real) = next(x for x in at if "fill" in x[1]), next(x for x in at if "fill" not in x[1])
         if fault == "fill_vocabulary_rows":
@@ -92,20 +121,41 @@ class FamilyTrainer(Trainer):
             rb.remove(real)
         elif fault == "no_fill":
             fb.remove(fill)
-        return push_weights(self.model, engine, self.cfg.sync, state, raise_on_error=False)
+        return tampered.push(raise_on_error=False)
 
     def sync_reference(self, engine) -> dict:
         """sync.mode=load_weights: checkpoint-named, unpadded tensors into vLLM's own loaders."""
-        from colo.sync.sender import push_weights
+        from colo.config import SyncConfig
+        from colo.sync.sender import Sender
 
-        return push_weights(self.model, engine, {"mode": "load_weights", "bucket_mb": 1}, {})
+        reference = Sender.colocated(self.model, SyncConfig(mode="load_weights", bucket_mb=1), engine)
+        try:
+            return reference.push()
+        finally:
+            reference.close()
 
 
 EMBED = "model.embed_tokens.weight"
 
 
-class FamilyEngine(Engine):
-    """RolloutEngine that can start vLLM again on another checkpoint (random weights when `dummy`)."""
+class FamilyEngine(Recorder, Engine):
+    """RolloutEngine that can start vLLM again on another checkpoint (random weights when `dummy`), and
+    records its phases."""
+
+    def generate(self, *args) -> list[dict]:
+        return self._timed("generate", super().generate, *args)
+
+    def sleep(self, level: int) -> float:
+        return self._timed(f"sleep {level}", super().sleep, level)
+
+    def wake_up(self, tags: list[str] | None = None) -> float:
+        return self._timed(f"wake_up {','.join(tags or ['all'])}", super().wake_up, tags)
+
+    def begin_sync(self, *args) -> None:
+        return self._timed("begin_sync", super().begin_sync, *args)
+
+    def end_sync(self, digest: bool) -> dict:
+        return self._timed("end_sync", super().end_sync, digest)
 
     def restart(self, cfg: dict, dummy: bool) -> float:
         import time
@@ -129,13 +179,13 @@ class Rig:
         path = os.pathsep.join([str(ROOT), str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")])
         ray.init(num_cpus=6, num_gpus=3, include_dashboard=False, log_to_driver=False,
                  runtime_env={"env_vars": {"PYTHONPATH": path}})
-        trainer_cls, engine_cls = ray.remote(FamilyTrainer), ray.remote(FamilyEngine)
-        self.cluster = start_cluster(first, plan_placement(first), trainer_cls=trainer_cls, engine_cls=engine_cls)
+        self.cluster = start_cluster(first, plan_placement(first), trainer_cls=FamilyTrainer, engine_cls=FamilyEngine)
         # engine 3 (the disk oracle, then the disaggregated target): a logical GPU of its own
         self.pg = ray.util.placement_group([{"GPU": 1, "CPU": 1}])
         ray.get(self.pg.ready())
         apart = self.apart_cfg(first)
-        self.remote = engine_cls.options(num_gpus=1, num_cpus=0, scheduling_strategy=scheduling(self.pg)).remote(
+        self.remote = ray.remote(FamilyEngine).options(num_gpus=1, num_cpus=0,
+                                                       scheduling_strategy=scheduling(self.pg)).remote(
             to_dict(apart), 0, 1, 0)
         ray.get(self.remote.ready.remote())
 
@@ -207,7 +257,7 @@ def test_family_syncs_equivalent_and_trains(rig: Rig, family: str) -> None:
     assert any(g[0] != w[0] for g, w in zip(dummy[0], want)), "random weights already give the disk tokens"
 
     # colocated: shared memory into engines 1 and 2, every param covered exactly, digests equal
-    reps = ray.get([t.sync_weights.remote(e) for t, e in zip(c.trainers, c.engines)])
+    reps = c.trainer_group.sync_weights()
     for r in reps:
         assert r["verified"] and r["digest_checked"] and r["plan"] == "direct", r["errors"]
     for e, got in enumerate(greedy(c.engines)):
@@ -231,13 +281,43 @@ def test_family_syncs_equivalent_and_trains(rig: Rig, family: str) -> None:
         warm = warm_up(c, cfg, inputs)
         assert warm["sft/loss_first"] > 0
         assert sync_all(c)["sync/verified"]
+        cfg.trainer.offload = True  # the whole colocated timeline (the trainers' own config keeps offload off)
+        c.trainer_group.offload()  # as colo.loop.run does after the warm-up
         pos = Position(-1, inputs.train_data.state_dict())
         for step in range(2):
+            ray.get([a.calls.remote() for a in c.trainers + c.engines])  # forget earlier calls
             m = rl_step(step, c, cfg, inputs, rewards, pos)
             assert m["sync/verified"] and m["sync/bytes"] > 0
             assert m["logprob_diff/mean"] < LOGPROB_GAP, (family, step, m["logprob_diff/mean"])
+            assert_step_order(ray.get([t.calls.remote() for t in c.trainers]),
+                              ray.get([e.calls.remote() for e in c.engines]))
+        c.trainer_group.onload()
     finally:
         rewards.close()
+
+
+# One colocated RL step as each actor saw it. A phase ends on every actor before the next begins on any:
+# vLLM frees the GPU before the trainer onloads, its weights are awake before the push, and its KV cache
+# comes back only after the trainer has left. On CPU sleep and wake free nothing, so only the order of
+# the calls can show a reordered step.
+STEP_ORDER = [("engine", "generate"), ("engine", "sleep 2"), ("trainer", "onload"), ("trainer", "train_step"),
+              ("engine", "wake_up weights"), ("trainer", "sync_weights"), ("trainer", "offload"),
+              ("engine", "wake_up kv_cache,scheduling")]
+
+
+def assert_step_order(trainers: list[list[tuple]], engines: list[list[tuple]]) -> None:
+    calls = {"trainer": trainers, "engine": engines}
+    spans = []
+    for kind, phase in STEP_ORDER:
+        got = [[(t0, t1) for p, t0, t1 in per if p == phase] for per in calls[kind]]
+        assert all(len(g) == 1 for g in got), f"{phase}: called {[len(g) for g in got]} times per {kind}"
+        spans.append((phase, min(g[0][0] for g in got), max(g[0][1] for g in got)))
+    for (a, _, a_end), (b, b_start, _) in zip(spans, spans[1:]):
+        assert a_end <= b_start, f"{b} began before {a} had ended on every actor: {spans}"
+    sync = next(s for s in spans if s[0] == "sync_weights")
+    for per in engines:  # the engine side of the sync lies inside the trainers' push
+        inside = [p for p, t0, t1 in per if p in ("begin_sync", "end_sync") and sync[1] <= t0 <= t1 <= sync[2]]
+        assert inside == ["begin_sync", "end_sync"], per
 
 
 @pytest.mark.parametrize("family", [name for name, fam in FAMILIES.items() if not fam.cpu])
@@ -289,7 +369,7 @@ def test_vocab_padding_is_checked_not_waved_through(rig: Rig, fault: str) -> Non
     the engines to the disk oracle's tokens."""
     rig.load("qwen3_moe")
     c = rig.cluster
-    ray.get([t.sync_weights.remote(e) for t, e in zip(c.trainers, c.engines)])  # the plan exists
+    c.trainer_group.sync_weights()  # the sender exists
     reps = ray.get([t.sync_tampered.remote(e, fault) for t, e in zip(c.trainers, c.engines)])
     v, pad = 347 * 128, 384 * 128
     want = {"fill_vocabulary_rows": [f"{EMBED}: fill of elements [0, {pad - v}) refused: not inside its padding rows ({v})",

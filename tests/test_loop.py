@@ -121,8 +121,10 @@ def test_default_job_learns(learned: tuple[Path, list[dict]]) -> None:
         assert r["sync/verified"] is True and r["sync/tensors"] > 0 and r["sync/bytes"] > 0, r
         assert 0 <= r["logprob_diff/mean"] < 0.05, f"step {r['step']}: vLLM/trainer gap {r['logprob_diff/mean']}"
         assert all(math.isfinite(r[k]) for k in ("loss", "entropy", "grad_norm")), r
+        # step_s is the step's own wall clock: it holds every phase, plus only the memory probes between
+        # them (one Ray round trip each; the bound is loose for a busy 2-core machine)
         phases = sum(r[f"timing/{p}_s"] for p in ("rollout", "reward", "sleep", "train", "sync", "wake"))
-        assert r["timing/step_s"] == pytest.approx(phases), r
+        assert phases <= r["timing/step_s"] < phases + 30.0, r
         # loop.memory_stats: every phase reports the trainer's memory (on CPU its resident set, > 100 MiB)
         assert all(0.1 < r[f"memory/{p}/trainer_rss_gb"] < 64 for p in ("rollout", "train", "sync", "wake")), r
 
@@ -355,5 +357,5 @@ def test_disaggregated_engine_death_names_it_and_checkpoints(reward_env: dict, t
     run_dir = tmp_path / "run"
     r = _fail_run(run_dir, reward_env, "algo.rewards=[failing_rewards:kill_engine_1]",
                   "placement.mode=disaggregated", "placement.num_gpus=3", "placement.trainer_gpus=1")
-    assert "colo: error: engine DP rank 1 (seen by trainer rank 0 during the weight sync) died" in r.stderr, _tail(r)
+    assert "colo: error: engine 1 (seen by trainer rank 0 during the weight sync) died" in r.stderr, _tail(r)
     assert _extra(run_dir, 1)["step"] == 1 and _steps(run_dir) == [-1, 0]

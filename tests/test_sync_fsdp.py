@@ -1,5 +1,6 @@
-"""colo.sync.source on a real FSDP2 model (gloo, 2 ranks): the packed vLLM-layout bytes equal those of
-the unsharded model, with the expert fast path (no all-gather) and without it.
+"""colo.sync.sender on a real FSDP2 model (gloo, 2 ranks): the bytes the Sender packs into its shared
+buffers, read back through the receiver's ReceiverBuffers, equal the unsharded model's in vLLM layout,
+with the expert fast path (no all-gather) and without it.
 
     PYTHONPATH=. /tmp/venv/bin/python -m pytest tests/test_sync_fsdp.py -q       (~40 s)
 """
@@ -12,11 +13,11 @@ import pytest
 import torch
 import torch.multiprocessing as tmp
 
+from colo.config import SyncConfig
+from colo.dtypes import torch_dtype
 from colo.sync.mapping import QWEN3_MOE, direct_segments
-from colo.sync.plan import build_plan, torch_dtype
-from colo.sync.sender import _pack_piece
-from colo.sync.source import ParamSource
-from colo.sync.transport import SenderBuffers
+from colo.sync.sender import Sender
+from colo.sync.transport import ReceiverBuffers
 
 E = 8
 
@@ -40,21 +41,30 @@ def _describe(model, held: list[int]) -> dict:
     return {"params": params, "experts": experts}
 
 
-def _assemble(model, plan, source, fast: bool) -> dict[str, torch.Tensor]:
-    """Run the sender's packing loop into one big buffer and unpack it like the receiver does."""
-    out = {n: torch.zeros(v, dtype=torch.bfloat16) for n, v in plan.expect.items()}
-    pieces = [p for b in plan.buckets for p in b]
-    big = SenderBuffers(max(plan.bucket_used) + 4096, 1, "cpu")
+def _assemble(model, describe: dict) -> tuple[dict[str, torch.Tensor], Sender]:
+    """One sync's packing by the product Sender (collective), each bucket read back from the shared buffer
+    as soon as it is packed, and unpacked into flat vLLM-named tensors like the receiver's direct copy."""
+    sender = Sender(model, SyncConfig(bucket_mb=1 / 16, buffers=2), describe, [None], placement="colocated")
+    out = {n: torch.zeros(v, dtype=torch.bfloat16) for n, v in sender.plan.expect.items()}
+    received = ReceiverBuffers("cpu")
+    received.set_active(sender.buffers.handles())
+
+    def unpack(k: int, slot: int) -> None:
+        buf = received.get(slot)
+        for p in sender.plan.wire(k):
+            if "fill" not in p:
+                dt = torch_dtype(p["dtype"])
+                v = buf[p["buf_offset"]: p["buf_offset"] + p["numel"] * dt.itemsize].view(dt)
+                out[p["dst"]][p["dst_offset"]: p["dst_offset"] + p["numel"]] = v
+
     timings: dict[str, float] = {}
     try:
-        for tensors in source.iter_units(fast, timings):
-            for p in [p for p in pieces if p["src"] in tensors]:
-                v = _pack_piece(big.tensors[0], p, tensors[p["src"]], source.shapes[p["src"]])
-                out[p["dst"]][p["dst_offset"]: p["dst_offset"] + p["numel"]] = v.view(torch_dtype(p["dtype"]))
+        sender.pack(timings, reuse=lambda slot: None, send=unpack)
     finally:
-        big.close()
+        received.set_active([])
+        sender.close()
     assert timings.get("full_tensor_fallbacks", 0) == 0, "a unit was not gathered by one batched unshard()"
-    return out
+    return out, sender
 
 
 def _reference(ref_model, describe) -> dict[str, torch.Tensor]:
@@ -79,7 +89,6 @@ def _worker(rank: int, world: int, port: int, path: str, results) -> None:
         mesh = init_device_mesh("cpu", (world,))
         model = build_sharded(path, dummy=False, mesh=mesh, device=torch.device("cpu"))
         ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-        source = ParamSource(model, QWEN3_MOE)
         res = {}
         per = E // world
         cases = {"replica": list(range(E)),  # CPU engines hold all experts: experts are gathered
@@ -87,15 +96,11 @@ def _worker(rank: int, world: int, port: int, path: str, results) -> None:
                  "ep_one_rank_off": list(range(E)) if rank == 1 else list(range(per))}
         for case, held in cases.items():
             d = _describe(model, held)
-            plan = build_plan(QWEN3_MOE, source.shapes, d, 64 * 1024)
-            fast, why = source.expert_fast_path(d)
-            if case == "ep_one_rank_off":
-                d = _describe(model, list(range(rank * per, (rank + 1) * per)))  # keep a valid plan shape
-                plan = build_plan(QWEN3_MOE, source.shapes, d, 64 * 1024)
-            got = _assemble(model, plan, source, fast)
+            got, sender = _assemble(model, d)
             want = _reference(ref, d)
             bad = sorted(n for n in want if not torch.equal(got[n], want[n]))
-            res[case] = {"fast": fast, "why": why, "bad": bad, "n": len(want)}
+            res[case] = {"fast": sender.expert_fast, "why": sender.expert_fast_reason, "bad": bad, "n": len(want),
+                         "buckets": len(sender.plan.buckets)}
         results[rank] = res
     finally:
         dist.destroy_process_group()
@@ -123,7 +128,7 @@ def results(tmp_path_factory):
 def test_gathered_experts_match_unsharded(results) -> None:
     for rank in (0, 1):
         r = results[rank]["replica"]
-        assert not r["fast"] and r["bad"] == [] and r["n"] > 10, r
+        assert not r["fast"] and r["bad"] == [] and r["n"] > 10 and r["buckets"] > 2, r  # buffers reused
 
 
 def test_expert_fast_path_reads_local_shard(results) -> None:

@@ -12,7 +12,7 @@ import torch
 from colo.sync.mapping import (ARCHS, GPT_OSS, MIXTRAL, QWEN3_MOE, MappingError, Segment, direct_mapping,
                                direct_segments, reference_segments)
 from colo.sync.plan import build_plan, pack_segments
-from colo.sync.sender import _pack_piece
+from colo.sync.sender import pack_piece
 from colo.sync.verify import Coverage
 
 V, VP, H = 347, 384, 8  # a vocabulary vLLM pads to a multiple of 64
@@ -100,7 +100,7 @@ def test_transposed_experts_pack_as_vllm_holds_them() -> None:
     buf = torch.zeros(4096, dtype=torch.uint8)
     for b in buckets:
         for p in b:
-            got = _pack_piece(buf, p, (w, 0), (e_, h, i2))
+            got = pack_piece(buf, p, (w, 0), (e_, h, i2))
             out[p["dst_offset"]: p["dst_offset"] + p["numel"]] = got
     assert torch.equal(out.view(e_, i2, h), w.transpose(1, 2))
     # an engine holding experts 2-3 only, fed from an FSDP shard holding rows [2, 4) (the expert fast path)
@@ -108,7 +108,7 @@ def test_transposed_experts_pack_as_vllm_holds_them() -> None:
     d["params"]["model.layers.0.mlp.experts.routed_experts.w13_weight"]["shape"] = [2, i2, h]
     (seg,) = direct_segments(GPT_OSS, {name: (e_, h, i2)}, d)
     piece = pack_segments([seg], {seg.dst: "float32"}, 4096)[0][0][0]
-    local = _pack_piece(buf, piece, (w[2:], 2), (e_, h, i2))
+    local = pack_piece(buf, piece, (w[2:], 2), (e_, h, i2))
     assert torch.equal(local.view(2, i2, h), w[2:].transpose(1, 2))
     _, errors = direct_mapping(GPT_OSS, {name: (e_, i2, h)}, d)  # HF block not transposed: refused by shape
     assert errors and "does not fit" in errors[0]

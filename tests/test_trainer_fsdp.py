@@ -23,9 +23,17 @@ from colo.algo.loss import gather_logprobs
 from colo.config import ColoConfig
 from colo.models.tiny import make_tiny_model
 from colo.trainer.fsdp import expert_shard_range
-from colo.trainer.worker import TrainWorker
+from colo.trainer.worker import Trainer
 
 EXPERTS = "model.layers.{}.mlp.experts.gate_up_proj"
+
+
+class ShardTrainer(Trainer):
+    """Trainer plus a read of one rank's shard (a test hook: the product trainer has no use for it)."""
+
+    def local_shard(self, name: str) -> torch.Tensor:
+        p = self.model.get_parameter(name)
+        return (p.to_local() if hasattr(p, "to_local") else p).detach().cpu().clone()
 
 
 def _cfg(model_dir: Path, dummy: bool = False) -> dict:
@@ -45,7 +53,7 @@ def _port() -> int:
 
 def _start(cfg: dict, world: int) -> list:
     port = _port()
-    ws = [TrainWorker.options(num_cpus=0).remote(cfg, r, world, "127.0.0.1", port)
+    ws = [ray.remote(ShardTrainer).options(num_cpus=0).remote(cfg, r, world, "127.0.0.1", port)
           for r in range(world)]
     ray.get([w.setup.remote() for w in ws])
     return ws
@@ -104,7 +112,9 @@ def batches(hf) -> list[tuple[dict, list[dict]]]:
 
 @pytest.fixture(scope="module")
 def cluster(model_dir: Path):
-    ray.init(num_cpus=4, num_gpus=0, include_dashboard=False, log_to_driver=False)
+    here = Path(__file__).resolve().parent  # workers import ShardTrainer from this module
+    ray.init(num_cpus=4, num_gpus=0, include_dashboard=False, log_to_driver=False,
+             runtime_env={"env_vars": {"PYTHONPATH": f"{here.parent}:{here}"}})
     pair = _start(_cfg(model_dir), 2)
     single = _start(_cfg(model_dir), 1)
     yield {"A": pair, "S": single}

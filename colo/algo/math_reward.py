@@ -3,7 +3,7 @@ units, \\boxed{} extraction), where colo's regex rewards compare strings or last
 
     algo.rewards: [math]                 # 1.0 when the response's answer equals the reference mathematically
 
-    math(["... so the answer is \\boxed{\\frac{1}{2}}"], ["0.5"], [""])  -> [1.0]   (exact_match: 0.0)
+    verified(["... so the answer is \\boxed{\\frac{1}{2}}"], ["0.5"])  -> [True]   (exact_match: 0.0)
 
 Why a process pool: math-verify bounds each parse and comparison with signal.alarm (sympy can take
 minutes on a pathological expression), and signals work only in a process's main thread. colo scores
@@ -56,13 +56,10 @@ def _grade(pairs: list[tuple[str, str]]) -> list[bool]:
     return out
 
 
-def math(responses: list[str], answers: list[str], prompts: list[str]) -> list[float]:  # noqa: A001
-    """1.0 when math-verify finds the response's final answer equal to the reference, else 0.0."""
-    from colo.algo.rewards import exact_match
-
+def verified(responses: list[str], answers: list[str]) -> list[bool]:
+    """Per response, whether math-verify finds its final answer equal to the reference (graded in the
+    process pool; colo.algo.rewards.math adds exact matches on top)."""
     pairs = list(zip(responses, answers))
     per = -(-len(pairs) // WORKERS) or 1
     chunks = [pairs[i: i + per] for i in range(0, len(pairs), per)]
-    graded = [v for fut in [_get_pool().submit(_grade, c) for c in chunks] for v in fut.result()]
-    same = exact_match(responses, answers, prompts)
-    return [float(v or s) for v, s in zip(graded, same)]
+    return [v for fut in [_get_pool().submit(_grade, c) for c in chunks] for v in fut.result()]

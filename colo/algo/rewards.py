@@ -95,6 +95,13 @@ def exact_match(responses: list[str], answers: list[str], prompts: list[str]) ->
     return [float(extract_answer(r) == _norm(a)) for r, a in zip(responses, answers)]
 
 
+def math_answer(responses: list[str], answers: list[str], prompts: list[str]) -> list[float]:
+    """The `math` reward: 1.0 when math-verify finds the response's final answer equal to the reference (or it matches
+    exactly), else 0.0."""
+    same = exact_match(responses, answers, prompts)
+    return [float(v or s) for v, s in zip(math_reward.verified(responses, answers), same)]
+
+
 def numeric(responses: list[str], answers: list[str], prompts: list[str]) -> list[float]:
     out = []
     for r, a in zip(responses, answers):
@@ -113,7 +120,7 @@ def format(responses: list[str], answers: list[str], prompts: list[str],  # noqa
 
 
 BUILTINS: dict[str, RewardFn] = {"exact_match": exact_match, "numeric": numeric, "format": format,
-                                 "math": math_reward.math}
+                                 "math": math_answer}
 
 
 def resolve(name: str) -> RewardFn:

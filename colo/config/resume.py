@@ -26,7 +26,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from colo.config import ColoConfig, _resolve_run_dir, env_overrides, load_config, to_dict
+from colo.config.loading import env_overrides, load_config, resolve_run_dir, to_dict
+from colo.config.schema import ColoConfig
 
 FIRST = "config.yaml"
 RESUME_RE = re.compile(r"config\.resume-(\d+)\.yaml")
@@ -76,7 +77,7 @@ def load_resumed(pattern: str, overrides: list[str], env: Mapping[str, str] | No
     """The config to resume the run at `pattern` (a run dir, or "{time}": the newest match) with; raises
     ConfigError when there is no run to resume."""
     env = os.environ if env is None else env
-    run_dir = Path(_resolve_run_dir(pattern, True)).resolve()
+    run_dir = Path(resolve_run_dir(pattern, True)).resolve()
     base = saved_configs(run_dir)[-1]
     saved = load_config(str(base), [], {})
     cfg = load_config(str(base), overrides, env)

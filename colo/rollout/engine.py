@@ -1,15 +1,15 @@
-"""RolloutEngine: the Ray actor that owns one vLLM `LLM`, DP rank r, colocated with trainer rank r.
+"""RolloutEngine: the Ray actor that owns one vLLM `LLM` (colocated: DP rank r, beside trainer rank r).
 
     engine = RolloutEngine.options(num_gpus=f, num_cpus=0, scheduling_strategy=pg_r).remote(cfg, r, W, port)
     ray.get(engine.ready.remote())                        # {"rank", "device", "device_uuid", ...}
     samples = ray.get(engine.generate.remote(prompt_ids, n=8, max_tokens=256, temperature=1.0, top_p=1.0, seed=0))
 
-Sleep/wake order of one RL step (DESIGN.md): generate -> sleep(2) -> [train] -> wake_up(["weights"]) ->
+Sleep/wake order of one RL step (docs/architecture.md): generate -> sleep(2) -> [train] -> wake_up(["weights"]) ->
 begin_sync / load_bucket* / end_sync -> wake_up(["kv_cache", "scheduling"]) -> generate ...
 
 Two ways to run, picked by `placement.device`:
 - cuda: one vLLM data-parallel group with expert parallelism over all ranks, set up the only way measured
-  to work inside Ray (shared/gpu/README.md, dpep.py): this actor takes 0 GPUs and drops
+  to work inside Ray (docs/vllm-notes.md, "DP+EP inside Ray"): this actor takes 0 GPUs and drops
   CUDA_VISIBLE_DEVICES; vLLM's Ray executor puts its single worker into bundle 0 of our placement group
   with VLLM_RAY_PER_WORKER_GPUS = the vLLM fraction. The worker, not this actor, owns the GPU, so the
   device UUID comes from the worker (colo_describe).
@@ -45,7 +45,7 @@ from colo.config import ColoConfig, from_dict
 from colo.logs import actor_output
 from colo.shm import register_mapped, sweep
 
-EXTENSION_CLS = "colo.rollout.extension.ColoWorkerExtension"
+EXTENSION_CLS = "colo.sync.receiver.ColoWorkerExtension"  # the weight sync's receiver
 
 
 def cores_for_rank(allowed: list[int], rank: int, dp_size: int) -> list[int]:
@@ -108,14 +108,8 @@ class Engine:
 
         os.environ.update(node_env())  # vLLM and the weight group's gloo (CPU) on the node's IP, not a loopback
 
-        self.vllm_ipc = self.cfg.rollout.vllm_weight_transfer == "ipc"
-        if self.vllm_ipc:  # vLLM's IPC handles hold classes: msgpack to the engine core refuses them otherwise
-            os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
-
-        from colo.rollout.vllm_compat import FIX, VllmCompatError, require_vllm, require_weight_transfer
+        from colo.rollout.vllm_compat import FIX, VllmCompatError, require_vllm
         self.info = require_vllm()
-        if self.vllm_ipc:
-            require_weight_transfer()
         if self.info.is_cpu != (self.device == "cpu"):
             raise VllmCompatError(f"placement.device is {self.device} but vLLM {self.info.version} "
                                   f"({self.info.distribution}) is a {'CPU' if self.info.is_cpu else 'GPU'} build; {FIX}")
@@ -127,6 +121,16 @@ class Engine:
         """The vLLM engine for self.cfg (set up once the environment is; a test may start another)."""
         from vllm import LLM
 
+        self.llm = LLM(**self._llm_kwargs())
+        if self.device == "cpu" and self.tp_size > 1:  # vLLM's multiprocess executor: its queues are in /dev/shm
+            register_mapped()
+        sched = self.llm.llm_engine.vllm_config.scheduler_config
+        self.scheduler = {"chunked_prefill": bool(sched.enable_chunked_prefill),
+                          "max_num_batched_tokens": int(sched.max_num_batched_tokens),
+                          "max_num_seqs": int(sched.max_num_seqs)}
+
+    def _llm_kwargs(self) -> dict[str, Any]:
+        """vllm.LLM's arguments for self.cfg (colo.bench.sync's engine adds vLLM's own weight transfer)."""
         m, ro = self.cfg.model, self.cfg.rollout
         kwargs: dict[str, Any] = dict(
             model=m.path, dtype=m.dtype, seed=self.cfg.run.seed + self.rank, enforce_eager=ro.enforce_eager,
@@ -136,8 +140,6 @@ class Engine:
             enable_sleep_mode=self.info.sleep_mode_available)
         if m.dummy_weights:
             kwargs["load_format"] = "dummy"
-        if self.vllm_ipc:
-            kwargs["weight_transfer_config"] = {"backend": "ipc"}
         if self.tp_size > 1:
             kwargs["tensor_parallel_size"] = self.tp_size
         if self.device == "cpu":
@@ -162,13 +164,7 @@ class Engine:
         else:
             kwargs.update(distributed_executor_backend="ray", enable_expert_parallel=True,
                           gpu_memory_utilization=self.cfg.placement.vllm_gpu_fraction)
-        self.llm = LLM(**kwargs)
-        if self.device == "cpu" and self.tp_size > 1:  # vLLM's multiprocess executor: its queues are in /dev/shm
-            register_mapped()
-        sched = self.llm.llm_engine.vllm_config.scheduler_config
-        self.scheduler = {"chunked_prefill": bool(sched.enable_chunked_prefill),
-                          "max_num_batched_tokens": int(sched.max_num_batched_tokens),
-                          "max_num_seqs": int(sched.max_num_seqs)}
+        return kwargs
 
     def _setup_cpu_env(self) -> None:
         import torch
@@ -285,7 +281,7 @@ class Engine:
     # summed over them, and each worker's coverage errors are kept, prefixed with its TP rank.
 
     def join_weight_group(self, address: dict, rank_base: int) -> list[int]:
-        """Disaggregated: every TP worker joins trainer rank 0's broadcast group (colo.sync.broadcast)."""
+        """Disaggregated: every TP worker joins trainer rank 0's broadcast group (colo.sync.transport)."""
         return self._rpc_all("colo_join_weight_group", address, rank_base)
 
     def begin_sync(self, handles: list[dict], expect: dict[str, int] | None, digest: bool = False) -> None:
@@ -302,23 +298,6 @@ class Engine:
         errors = [f"tp rank {t}: {e}" for t, r in enumerate(results) for e in r["errors"]]
         return {"tensors": sum(r["tensors"] for r in results), "bytes": sum(r["bytes"] for r in results),
                 "verified": not errors, "errors": errors, "digest": results[0]["digest"]}
-
-    def param_digest(self) -> list[dict[str, float]]:
-        """Per worker, a checksum of every vLLM parameter as it is now: tells whether two sync paths wrote
-        the same values (colo.bench.sync checks vLLM's IPC engine against colo's sync with it)."""
-        return self._rpc_all("colo_param_digest")
-
-    # vLLM's own weight-transfer engine (rollout.vllm_weight_transfer=ipc; vLLM 0.26's LLM methods), the
-    # yardstick colo.bench.sync times; colo's sync does not use it.
-
-    def vllm_start_weight_update(self) -> None:
-        self.llm.start_weight_update()
-
-    def vllm_update_weights(self, update_info: dict) -> None:
-        self.llm.update_weights({"update_info": update_info})
-
-    def vllm_finish_weight_update(self) -> None:
-        self.llm.finish_weight_update()
 
     def _rpc(self, method: str, *args: Any) -> Any:
         """TP worker 0's answer (describe: every worker of a TP engine holds the same names)."""

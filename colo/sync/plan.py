@@ -11,25 +11,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import torch
-
-from colo.sync.mapping import Arch, MappingError, Segment, direct_mapping
+from colo.dtypes import torch_dtype
+from colo.sync.mapping import Arch, MappingError, Segment, direct_mapping, numel, reference_segments
 from colo.sync.transport import align_up
 
 WIRE_KEYS = ("dst", "dst_offset", "numel", "dtype", "buf_offset")  # direct: element runs of vLLM params
 FILL_WIRE_KEYS = ("dst", "dst_offset", "numel", "dtype", "fill")  # direct: zeros into declared pad rows
 REFERENCE_WIRE_KEYS = ("name", "shape", "dtype", "buf_offset")  # reference: whole checkpoint tensors
-
-
-def torch_dtype(name: str) -> torch.dtype:
-    dt = getattr(torch, name, None)
-    if not isinstance(dt, torch.dtype):
-        raise ValueError(f"unknown dtype {name!r}")
-    return dt
-
-
-def dtype_name(dt: torch.dtype) -> str:
-    return str(dt).removeprefix("torch.")
 
 
 @dataclass
@@ -96,13 +84,6 @@ def pack_segments(segs: list[Segment], dtypes: dict[str, str], bucket_bytes: int
     return buckets, used
 
 
-def _numel(shape) -> int:
-    n = 1
-    for s in shape:
-        n *= int(s)
-    return n
-
-
 def build_plan(arch: Arch, trainer_shapes: dict[str, tuple[int, ...]], describe: dict, bucket_bytes: int) -> SyncPlan:
     """The direct-copy plan; raises MappingError naming, all at once, every trainer tensor without a
     destination and every vLLM param that nothing would write exactly."""
@@ -110,7 +91,7 @@ def build_plan(arch: Arch, trainer_shapes: dict[str, tuple[int, ...]], describe:
     if errors:
         raise MappingError("the trainer's parameters do not map onto the engine's exactly:\n  " + "\n  ".join(errors))
     params = describe["params"]
-    expect = {n: _numel(p["shape"]) for n, p in params.items()}
+    expect = {n: numel(p["shape"]) for n, p in params.items()}
     buckets, used = pack_segments(segs, {n: p["dtype"] for n, p in params.items()}, bucket_bytes)
     src_names = list(dict.fromkeys(s.src for s in segs))
     return SyncPlan(bucket_bytes=bucket_bytes, buckets=buckets, expect=expect, src_names=src_names, bucket_used=used)
@@ -122,12 +103,10 @@ def build_reference_plan(arch: Arch, trainer_shapes: dict[str, tuple[int, ...]],
 
     The plan for engines whose params are tensor-parallel shards: every TP worker receives the same full
     tensors and vLLM's loaders cut each worker's slice (and fuse q/k/v, gate/up) as they do from disk."""
-    from colo.sync.mapping import reference_segments
-
     segs, shapes = [], {}
     for name, shape in trainer_shapes.items():
         for ckpt, off, part_shape in reference_segments(arch, name, shape):
-            segs.append(Segment(name, off, ckpt, 0, _numel(part_shape)))
+            segs.append(Segment(name, off, ckpt, 0, numel(part_shape)))
             shapes[ckpt] = list(part_shape)
     buckets, used = pack_segments(segs, {s.dst: dtype for s in segs}, bucket_bytes, whole=True)
     for b in buckets:

@@ -1,31 +1,55 @@
-"""Reusable byte buffers shared between a trainer process and its colocated vLLM worker.
+"""The transport of the weight sync: reusable byte buffers, their handles, and the broadcast group.
+
+    sender (trainer rank r)                                  receiver (vLLM worker)
+    SenderBuffers(nbytes, B, device).handles() ──plain data──▶ ReceiverBuffers.set_active(handles)
+    buffer k: packed by the sender ───────────────────────────▶ ReceiverBuffers.get(k): the same bytes
 
 One interface, three transports:
 - CPU: POSIX shared memory (`multiprocessing.shared_memory`); the handle is the segment name.
 - CUDA: CUDA IPC via `torch.multiprocessing.reductions.reduce_tensor`; its arguments hold classes, a
-  dtype and the sender's device index, which vLLM's RPC refuses to serialize (measured, see
-  shared/gpu/README.md). We send names instead and rebuild them on the receiver, replacing the device
-  index by the receiver's own (the two processes may see the same GPU under different indices, so the
-  handle carries the device UUID and the receiver checks it).
-- broadcast (disaggregated mode, colo.sync.broadcast): sender and receivers each own a plain buffer;
-  the receiver allocates its own once and fills it by a broadcast from trainer rank 0 before unpacking.
+  dtype and the sender's device index, which vLLM's RPC refuses to serialize (measured,
+  docs/vllm-notes.md). We send `CudaIpcArgs` with names instead and rebuild them on the receiver,
+  replacing the device index by the receiver's own (the two processes may see the same GPU under
+  different indices, so the handle carries the device UUID and the receiver checks it).
+- broadcast (disaggregated mode): sender and receivers each own a plain buffer; the receiver allocates
+  its own once and fills it by a broadcast from trainer rank 0 (`WeightGroup`, below) before unpacking.
 
 Handles are plain dicts (contract.md): {"kind": "shm", "name", "nbytes", "buffer_id"} or
 {"kind": "cuda_ipc", "buffer_id", "nbytes", "device_uuid", "args"} or {"kind": "broadcast", "buffer_id", "nbytes"}.
+
+The broadcast group (disaggregated mode): one process group of trainer rank 0 + every engine worker.
+
+    host = WeightGroupHost(node_ip, world)            # trainer rank 0: a TCPStore on a port the OS picked
+    addr = host.address                               # {"host", "port", "world"} -> plain data to the engines
+    group = host.join(device)                         # rank 0; every engine worker calls join_group(addr, rank, device)
+    group.broadcast(buf[:nbytes])                     # root sends, the others receive into their own buffer
+
+Why a group of its own: the trainers already have their FSDP world (torch.distributed's default group) and
+each vLLM engine has its TP world; a torch default group cannot be widened to processes outside it. Like
+vLLM's own RLHF examples, we build a separate group from a TCPStore: on GPU vLLM's `PyNcclCommunicator`
+over a `StatelessProcessGroup` (what vLLM's NCCL weight-transfer engine uses), on CPU a gloo process group
+made directly from the store (so CI runs the same path without a GPU). The store's port is chosen by the
+OS when rank 0 binds it, and handed to the others: no port is guessed, so none can be taken in between.
+Ranks: trainer rank 0 is 0; engine e's TP worker t is 1 + e * tp_size + t.
 """
 from __future__ import annotations
 
 import _posixshmem
 import atexit
 import contextlib
+import datetime
 import mmap
 import os
 import secrets
 import weakref
+from dataclasses import dataclass
 from multiprocessing import shared_memory
+from typing import NamedTuple
 
 import torch
+import torch.distributed as dist
 
+from colo.dtypes import dtype_name, torch_dtype
 from colo.shm import segment_name
 
 ALIGN = 256  # byte alignment of every piece in a buffer (covers any dtype, and CUDA's 256-byte rule)
@@ -118,17 +142,48 @@ def _unlink_all(segs: list[shared_memory.SharedMemory], tensors: list[torch.Tens
             pass
 
 
+class CudaIpcArgs(NamedTuple):
+    """The arguments of torch.multiprocessing.reductions.rebuild_cuda_tensor, in its order, as plain data:
+    the one place colo depends on torch's CUDA-IPC layout (tests/test_sync_pack.py compares these
+    names with rebuild_cuda_tensor's signature, so a torch that changes it fails on CPU). Classes and the
+    dtype travel as None / names; the device index is replaced by the receiver's own."""
+
+    tensor_cls: None  # torch.Tensor on the receiver
+    tensor_size: list[int]
+    tensor_stride: list[int]
+    tensor_offset: int
+    storage_cls: None  # torch.storage.UntypedStorage on the receiver
+    dtype: str  # "bfloat16"
+    storage_device: int  # the sender's index; the receiver puts its own
+    storage_handle: bytes
+    storage_size_bytes: int
+    storage_offset_bytes: int
+    requires_grad: bool
+    ref_counter_handle: bytes
+    ref_counter_offset: int
+    event_handle: bytes
+    event_sync_required: bool
+
+
 def _cuda_ipc_args(buf: torch.Tensor) -> list:
     """reduce_tensor's argument tuple with classes and dtype replaced by names (plain data)."""
     from torch.multiprocessing.reductions import reduce_tensor
 
     _rebuild, args = reduce_tensor(buf)
-    args = list(args)
-    # (tensor_cls, size, stride, offset, storage_cls, dtype, device, handle, size_bytes, offset_bytes,
-    #  requires_grad, ref_counter_handle, ref_counter_offset, event_handle, event_sync_required)
-    args[0], args[1], args[2] = None, list(args[1]), list(args[2])
-    args[4], args[5] = None, str(args[5]).removeprefix("torch.")
-    return args
+    a = CudaIpcArgs(*args)
+    return list(a._replace(tensor_cls=None, tensor_size=list(a.tensor_size), tensor_stride=list(a.tensor_stride),
+                           storage_cls=None, dtype=dtype_name(a.dtype)))
+
+
+def _rebuild_cuda_ipc(args: list, device_index: int) -> torch.Tensor:
+    """The sender's buffer, mapped into this process on our own index of the same GPU."""
+    from torch.multiprocessing.reductions import rebuild_cuda_tensor
+
+    a = CudaIpcArgs(*args)
+    a = a._replace(tensor_cls=torch.Tensor, tensor_size=torch.Size(a.tensor_size),
+                   tensor_stride=tuple(a.tensor_stride), storage_cls=torch.storage.UntypedStorage,
+                   dtype=torch_dtype(a.dtype), storage_device=device_index)
+    return rebuild_cuda_tensor(*a)
 
 
 def open_buffer(handle: dict, device: torch.device | str) -> torch.Tensor:
@@ -154,19 +209,14 @@ def _open(handle: dict, device: torch.device) -> tuple[torch.Tensor, mmap.mmap |
             os.close(fd)
         return torch.frombuffer(mm, dtype=torch.uint8, count=int(handle["nbytes"])), mm
     if handle["kind"] == "cuda_ipc":
-        from torch.multiprocessing.reductions import rebuild_cuda_tensor
-
         if device.type != "cuda":
             raise ValueError("a cuda_ipc handle needs a CUDA receiver device")
         mine = device_uuid(device)
         if handle.get("device_uuid") and mine != handle["device_uuid"]:
             raise ValueError(f"cuda_ipc buffer lives on {handle['device_uuid']}, receiver is on {mine}: "
                              "trainer and engine are not colocated on one GPU")
-        args = list(handle["args"])
-        args[0], args[1], args[2] = torch.Tensor, torch.Size(args[1]), tuple(args[2])
-        args[4], args[5] = torch.storage.UntypedStorage, getattr(torch, args[5])
-        args[6] = device.index if device.index is not None else torch.cuda.current_device()
-        return rebuild_cuda_tensor(*args), None
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        return _rebuild_cuda_ipc(handle["args"], index), None
     raise ValueError(f"unknown buffer kind {handle['kind']!r}")
 
 
@@ -191,7 +241,7 @@ def close_transient(seg: mmap.mmap | None) -> None:
 def _handle_key(handle: dict) -> tuple:
     kind = handle["kind"]
     ident = (handle.get("name") if kind == "shm" else int(handle["nbytes"]) if kind == "broadcast"
-             else bytes(handle["args"][7]))
+             else bytes(CudaIpcArgs(*handle["args"]).storage_handle))
     return (handle["kind"], ident, int(handle["buffer_id"]))
 
 
@@ -228,3 +278,88 @@ class ReceiverBuffers:
 
     def get(self, buffer_id: int) -> torch.Tensor:
         return self._active[int(buffer_id)]
+
+
+# ---------------------------------------------------------------- the broadcast group (disaggregated)
+
+GROUP_PREFIX = "colo-weights"
+TIMEOUT = datetime.timedelta(minutes=10)  # a rank that never joins or never posts its receive fails the others
+
+
+@dataclass
+class WeightGroup:
+    """A member of the weight-broadcast group; `broadcast` is called by every member in the same order."""
+
+    rank: int
+    world: int
+    device: torch.device
+    _gloo: object | None = None  # dist.ProcessGroupGloo (CPU)
+    _nccl: object | None = None  # vllm PyNcclCommunicator (GPU)
+    _pending: object | None = None  # the last gloo Work not yet waited for
+
+    def broadcast(self, tensor: torch.Tensor, wait: bool = True) -> None:
+        """Root 0 sends `tensor`; the others receive into theirs. wait=False (root, gloo) returns at once;
+        the next `broadcast` or `wait()` completes it. On GPU the call is ordered on the current stream."""
+        self.wait()
+        if self._nccl is not None:
+            self._nccl.broadcast(tensor, src=0, stream=torch.cuda.current_stream(self.device))
+            return
+        opts = dist.BroadcastOptions()
+        opts.rootRank = 0
+        work = self._gloo.broadcast([tensor], opts)
+        if wait:
+            work.wait()
+        else:
+            self._pending = work
+
+    def wait(self) -> None:
+        if self._pending is not None:
+            work, self._pending = self._pending, None
+            work.wait()
+
+    def close(self) -> None:
+        self.wait()
+        self._gloo = self._nccl = None
+
+
+class WeightGroupHost:
+    """Rank 0's side of the rendezvous: owns the TCPStore the other members connect to."""
+
+    def __init__(self, host: str, world: int) -> None:
+        self.host, self.world = host, int(world)
+        # port 0: the OS picks a free port as it binds, so nothing can take it between choice and use
+        self.store = dist.TCPStore(host, 0, self.world, is_master=True, timeout=TIMEOUT, wait_for_workers=False)
+
+    @property
+    def address(self) -> dict:
+        return {"host": self.host, "port": int(self.store.port), "world": self.world}
+
+    def join(self, device: torch.device) -> WeightGroup:
+        return _make_group(self.store, 0, self.world, device)
+
+
+def join_group(address: dict, rank: int, device: torch.device) -> WeightGroup:
+    """A non-root member joins (blocks until every member has: gloo connects all pairs up front)."""
+    if not 0 < rank < int(address["world"]):
+        raise ValueError(f"weight-group rank {rank} outside 1..{int(address['world']) - 1}")
+    store = dist.TCPStore(address["host"], int(address["port"]), int(address["world"]), is_master=False,
+                          timeout=TIMEOUT)
+    return _make_group(store, rank, int(address["world"]), device)
+
+
+def _make_group(store: dist.Store, rank: int, world: int, device: torch.device) -> WeightGroup:
+    device = torch.device(device)
+    if device.type == "cuda":
+        from vllm.distributed.device_communicators.pynccl import PyNcclCommunicator
+        from vllm.distributed.utils import StatelessProcessGroup
+
+        if device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        pg = StatelessProcessGroup(rank=rank, world_size=world, store=dist.PrefixStore(GROUP_PREFIX, store))
+        comm = PyNcclCommunicator(pg, device=device)  # blocks until every member has joined
+        if comm.disabled:  # vLLM turns broadcasts into silent no-ops then: refuse instead
+            raise RuntimeError("vLLM's PyNcclCommunicator is disabled (VLLM_DISABLE_PYNCCL set, or no NCCL "
+                               "library found); fix: unset VLLM_DISABLE_PYNCCL / install NCCL")
+        return WeightGroup(rank, world, device, _nccl=comm)
+    gloo = dist.ProcessGroupGloo(dist.PrefixStore(GROUP_PREFIX, store), rank, world, TIMEOUT)
+    return WeightGroup(rank, world, device, _gloo=gloo)

@@ -4,7 +4,7 @@
                                                                       │ own dim-0 rows (colo.trainer.load)
                                                                       └ dummy: random-init local shards
 
-Invariants the weight sync (colo.sync.source) relies on:
+Invariants the weight sync (colo.sync.sender) relies on:
 - every parameter is a DTensor sharded `Shard(0)` over one 1-D mesh of all ranks;
 - each MoE layer's `layer.mlp.experts` is its own FSDP unit, so its fused `gate_up_proj` (E, 2I, H)
   and `down_proj` (E, H, I) shards on rank r are exactly experts [r*ceil(E/W), ...) in torch.chunk
@@ -23,9 +23,6 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
-
-DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-
 
 def meta_model(model_path: str) -> nn.Module:
     """The unsharded HF causal LM on the meta device (no memory), fp32, from the checkpoint's config.json;

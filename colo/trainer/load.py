@@ -28,9 +28,8 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
-_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64,
-           "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-           "BOOL": torch.bool}
+from colo.dtypes import SAFETENSORS, torch_dtype
+
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # old checkpoints carry RoPE buffers; colo rebuilds them
 
 
@@ -56,7 +55,8 @@ def read_index(model_dir: str | os.PathLike) -> dict[str, Entry]:
         for name, meta in header.items():
             if name == "__metadata__":
                 continue
-            out[name] = Entry(f, _DTYPES[meta["dtype"]], tuple(meta["shape"]), 8 + n + meta["data_offsets"][0])
+            dtype = torch_dtype(SAFETENSORS[meta["dtype"]])
+            out[name] = Entry(f, dtype, tuple(meta["shape"]), 8 + n + meta["data_offsets"][0])
     return out
 
 

@@ -27,7 +27,9 @@ from collections.abc import Iterable
 import torch
 from torch.distributed.tensor import DTensor
 
-STATE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+from colo.dtypes import torch_dtype
+
+STATE_DTYPES = ("float32", "bfloat16")  # config CHOICES["trainer.optimizer_dtype"]
 
 
 def make_optimizer(params: Iterable[torch.nn.Parameter], *, lr: float, weight_decay: float,
@@ -38,7 +40,7 @@ def make_optimizer(params: Iterable[torch.nn.Parameter], *, lr: float, weight_de
         raise ValueError(f"optimizer state dtype {state_dtype!r} is not one of {sorted(STATE_DTYPES)}")
     if state_dtype == "float32" and not on_host:
         return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
-    return StreamedAdamW(params, lr=lr, weight_decay=weight_decay, state_dtype=STATE_DTYPES[state_dtype],
+    return StreamedAdamW(params, lr=lr, weight_decay=weight_decay, state_dtype=torch_dtype(state_dtype),
                          on_host=on_host, device=torch.device(device))
 
 

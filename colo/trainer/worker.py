@@ -17,8 +17,6 @@ from __future__ import annotations
 
 import os
 import time
-from types import SimpleNamespace
-from typing import Any
 
 import ray
 import torch
@@ -26,26 +24,15 @@ import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 
 from colo.algo.loss import gather_logprobs, policy_loss, token_entropy
+from colo.config import ColoConfig, from_dict
+from colo.dtypes import torch_dtype
 from colo.logs import actor_output
 from colo.shm import sweep
-from colo.sync.transport import device_uuid
+from colo.sync.transport import WeightGroup, WeightGroupHost, device_uuid
 from colo.trainer import checkpoint
-from colo.trainer.fsdp import DTYPES, build_sharded, expert_shard_range, num_experts
+from colo.trainer.fsdp import build_sharded, expert_shard_range, num_experts
 from colo.trainer.offload import Offloader, state_bytes
 from colo.trainer.optim import make_optimizer
-
-
-def _namespace(d: Any) -> Any:
-    return SimpleNamespace(**{k: _namespace(v) for k, v in d.items()}) if isinstance(d, dict) else d
-
-
-def load_cfg(cfg: dict) -> Any:
-    """colo.config.from_dict when it exists, else attribute access over the plain dict."""
-    try:
-        from colo.config import from_dict
-    except ImportError:
-        return _namespace(cfg)
-    return from_dict(cfg)
 
 
 def _rows(batch: dict, idx: torch.Tensor, dummy: bool) -> dict[str, torch.Tensor]:
@@ -60,22 +47,23 @@ class Trainer:
     """The plain class; `TrainWorker` below is its Ray actor. Tests and benchmarks use either."""
 
     def __init__(self, cfg: dict, rank: int, world_size: int, master_addr: str, master_port: int):
-        self.cfg_dict = cfg
-        self.cfg = load_cfg(cfg)
+        self.cfg: ColoConfig = from_dict(cfg)  # plain data over Ray, the typed tree from here on
         self.log = actor_output(str(self.cfg.run.dir), bool(self.cfg.run.verbose), "trainer", rank)
         sweep()  # shared memory that dead processes of an earlier run left on this node (colo.shm)
         self.rank, self.world_size = rank, world_size
         self.init_method = f"tcp://{master_addr}:{master_port}"
         self.model = self.ref_model = self.optimizer = None
         self.offloaded = False
-        self._sync_state: dict = {}
+        self.sender = None  # colo.sync.sender.Sender, built by prepare_sync
+        self._group_host: WeightGroupHost | None = None
+        self._weight_group: WeightGroup | None = None  # disaggregated, rank 0: the broadcast group
 
     # ---- setup -------------------------------------------------------------------------------
     def setup(self) -> dict:
         """Join the process group (gloo on CPU, nccl on GPU), then build the model and optimizer."""
         t0 = time.perf_counter()
         c = self.cfg
-        want = str(getattr(c.placement, "device", "auto"))
+        want = c.placement.device
         if want == "cuda" and not torch.cuda.is_available():
             raise RuntimeError("placement.device is cuda but this TrainWorker sees no GPU")
         if want == "cpu" or not torch.cuda.is_available():
@@ -103,12 +91,11 @@ class Trainer:
         c = self.cfg
         seed = int(c.trainer.seed)
         torch.manual_seed(seed)
-        self.param_dtype = DTYPES[str(c.model.dtype)]
+        self.param_dtype = torch_dtype(c.model.dtype)
         build = dict(dummy=bool(c.model.dummy_weights), mesh=self.mesh, device=self.device,
                      param_dtype=self.param_dtype, seed=seed)
         self.model = build_sharded(
-            str(c.model.path), gradient_checkpointing=bool(
-                getattr(c.trainer, "gradient_checkpointing", False)), **build)
+            c.model.path, gradient_checkpointing=c.trainer.gradient_checkpointing, **build)
         self.ref_model = None
         if float(c.algo.kl_coef) > 0:
             # frozen copy of the initial policy; never built when the KL term is off
@@ -116,8 +103,7 @@ class Trainer:
         self._offloader = Offloader(self.device)
         self.optimizer = make_optimizer(self.model.parameters(), lr=float(c.trainer.lr),
                                         weight_decay=float(c.trainer.weight_decay),
-                                        state_dtype=str(getattr(c.trainer, "optimizer_dtype", "float32")),
-                                        on_host=bool(getattr(c.trainer, "optimizer_offload", False)),
+                                        state_dtype=c.trainer.optimizer_dtype, on_host=c.trainer.optimizer_offload,
                                         device=self.device)
         experts = num_experts(self.model.config)
         return {"rank": self.rank, "world_size": self.world_size, "device": str(self.device),
@@ -320,35 +306,33 @@ class Trainer:
 
         return {"trainer_rss_gb": psutil.Process().memory_info().rss / 2**30}
 
-    def sync_weights(self, engine: Any) -> dict:
-        """Colocated: push this rank's weights into the engine on the same GPU."""
-        self._check_ready()
-        from colo.sync.sender import push_weights  # lazy: the sync path imports vLLM-side helpers
-
-        return push_weights(self.model, engine, self.cfg.sync, self._sync_state)
-
+    # The weight sync (colo.sync.sender). `engines`: colocated, [the engine on this rank's GPU];
+    # disaggregated, every engine (rank 0 broadcasts to them; the other ranks only take part in the gathers).
     def prepare_sync(self, engines: list) -> dict:
         """Plan the weight sync against the engines' description now, before any step (collective): a
         model the sync cannot map fails here, naming every unmapped trainer tensor and every vLLM param
-        nothing writes, all at once. Colocated: `engines` is this rank's engine; disaggregated: all."""
+        nothing writes, all at once."""
         self._check_ready()
-        from colo.sync.sender import check_names, plan_summary, prepare_broadcast, prepare_push
+        from colo.sync.sender import Sender  # lazy: the sync path imports vLLM-side helpers
 
-        if str(self.cfg.placement.mode) == "colocated":
-            if str(getattr(self.cfg.sync, "mode", "direct")) == "load_weights":
-                return check_names(self.model, engines[0])  # the straightforward path keeps no plan
-            state = prepare_push(self.model, engines[0], self.cfg.sync, self._sync_state)
-        else:
-            state = prepare_broadcast(self.model, engines, getattr(self, "_weight_group", None), self.cfg.sync,
-                                      self._sync_state)
-        return plan_summary(state)
+        if self.sender is None:
+            if self.cfg.placement.mode == "colocated":
+                self.sender = Sender.colocated(self.model, self.cfg.sync, engines[0])
+            else:
+                if self.rank == 0 and self._weight_group is None:
+                    raise RuntimeError("a disaggregated sync before join_weight_group on trainer rank 0")
+                self.sender = Sender.broadcast(self.model, self.cfg.sync, engines, self._weight_group)
+        return self.sender.summary()
 
-    # Disaggregated: rank 0 opens a broadcast group (colo.sync.broadcast) that every engine worker joins;
+    def sync_weights(self, engines: list) -> dict:
+        """Push this rank's weights: the sync report (raises colo.sync.sender.SyncError when unverified)."""
+        self.prepare_sync(engines)
+        return self.sender.push()
+
+    # Disaggregated: rank 0 opens a broadcast group (colo.sync.transport) that every engine worker joins;
     # the driver calls open_weight_group, then join_weight_group here and on the engines at the same time.
     def open_weight_group(self, world: int) -> dict:
         """Rank 0: start the group's rendezvous; returns its address (plain data) for the engines."""
-        from colo.sync.broadcast import WeightGroupHost
-
         if self.rank != 0:
             raise RuntimeError(f"open_weight_group on trainer rank {self.rank}: only rank 0 broadcasts weights")
         self._group_host = WeightGroupHost(ray.util.get_node_ip_address(), world)
@@ -357,16 +341,6 @@ class Trainer:
     def join_weight_group(self) -> int:
         self._weight_group = self._group_host.join(self.device)
         return self._weight_group.rank
-
-    def broadcast_weights(self, engines: list) -> dict:
-        """Disaggregated: every rank takes part in the gathers; rank 0 broadcasts to every engine worker."""
-        self._check_ready()
-        from colo.sync.sender import broadcast_weights
-
-        group = getattr(self, "_weight_group", None)
-        if self.rank == 0 and group is None:
-            raise RuntimeError("broadcast_weights before join_weight_group on trainer rank 0")
-        return broadcast_weights(self.model, engines, group, self.cfg.sync, self._sync_state)
 
     def save_checkpoint(self, path: str, extra: dict) -> None:
         checkpoint.save(path, self.model, self.optimizer, extra)
@@ -378,45 +352,21 @@ class Trainer:
         was_offloaded = self.offloaded
         if was_offloaded:  # the gather is a device collective (NCCL cannot all-gather host memory)
             self.onload()
-        checkpoint.export_hf(path, self.model, str(self.cfg.model.path),
-                             DTYPES[str(self.cfg.model.dtype)])
+        checkpoint.export_hf(path, self.model, self.cfg.model.path, torch_dtype(self.cfg.model.dtype))
         if was_offloaded:
             self.offload()
-
-    def local_shard(self, name: str) -> torch.Tensor:
-        """This rank's shard of parameter `name` as a CPU tensor (tests, debugging)."""
-        p = self.model.get_parameter(name)
-        return (p.to_local() if hasattr(p, "to_local") else p).detach().cpu().clone()
-
-    @torch.no_grad()
-    def perturb_weights(self, seed: int, scale: float) -> int:
-        """Add noise to this rank's shards (no collectives); returns elements touched. The benchmark's --check
-        and the GPU tests use it so a sync that changes nothing cannot pass for one that works."""
-        gen = torch.Generator(device=self.device).manual_seed(seed * 1_000_003 + self.rank)
-        n = 0
-        for _, p in self.model.named_parameters():
-            local = p.to_local() if hasattr(p, "to_local") else p.data
-            if local.numel() == 0:  # uneven expert split: an empty shard
-                continue
-            std = local.float().std(correction=0).clamp_min(0.02)  # norms are all 1.0: std 0
-            noise = torch.randn(local.shape, generator=gen, device=local.device)
-            local.add_((noise * scale * std).to(local.dtype))
-            n += local.numel()
-        return n
 
     def release_sync_buffers(self) -> None:
         """Unlink the sync's shared-memory segments now: they are named files in /dev/shm, and
         ray.kill/ray.shutdown end actors without running atexit hooks (measured: one leaked per rank and run)."""
-        bufs = self._sync_state.pop("buffers", None)
-        if bufs is not None:
-            bufs.close()
-        self._sync_state.clear()
+        if self.sender is not None:
+            self.sender.close()
+            self.sender = None
 
     def shutdown(self) -> None:
         self.release_sync_buffers()
-        group = getattr(self, "_weight_group", None)
-        if group is not None:
-            group.close()
+        if self._weight_group is not None:
+            self._weight_group.close()
         if dist.is_initialized():
             dist.destroy_process_group()
 

@@ -36,10 +36,10 @@ def gpu_config(model_dir: str, num_gpus: int, **extra: Any) -> Any:
 
 
 def _trainer_cls() -> Any:
-    from colo.trainer.worker import Trainer
+    from colo.bench.engines import BenchTrainer
 
-    class GpuTestTrainer(Trainer):
-        """TrainWorker plus what only the tests need: memory probes."""
+    class GpuTestTrainer(BenchTrainer):
+        """The benchmark's trainer (perturb_weights) plus what only the tests need: memory probes."""
 
         def gpu_free(self) -> int:
             """Free bytes on this GPU (device-wide: counts every process on it, vLLM's worker too)."""

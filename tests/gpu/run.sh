@@ -2,7 +2,7 @@
 # The one command a GPU host runs: colo's GPU tests, then the weight-sync benchmark, each step under its
 # own `timeout` so one hang cannot eat the others, logs written to $OUT (default /tmp/colo-gpu-out).
 #
-#   export PYTHONPATH=/tmp/site:$PWD VLLM_USE_FLASHINFER_SAMPLER=0     # offline bundle (shared/gpu/README.md)
+#   export PYTHONPATH=/tmp/site:$PWD VLLM_USE_FLASHINFER_SAMPLER=0     # where vLLM and Ray are installed
 #   bash tests/gpu/run.sh [TOTAL_SECONDS=540]
 #   STEPS="bench loop" bash tests/gpu/run.sh 580    # a subset (a device call runs at most 10 minutes)
 #

@@ -63,11 +63,11 @@ def test_sync_over_cuda_ipc_changes_generation(pair):
     trainer, engine = pair["trainer"], pair["engine"]
     before = greedy([engine])[0]
     assert ray.get(trainer.perturb_weights.remote(1, PERTURB_SCALE)) > 0
-    rep = ray.get(trainer.sync_weights.remote(engine))
+    rep = ray.get(trainer.sync_weights.remote([engine]))
     print(f"\n[gpu] sync (first) {rep['seconds'] * 1e3:.1f} ms, {rep['bytes']} bytes, {rep['tensors']} pieces")
     assert rep["verified"], rep["errors"]
     assert rep["bytes"] == rep["loaded_bytes"] > 0
-    rep2 = ray.get(trainer.sync_weights.remote(engine))  # steady state: plan and IPC handles reused
+    rep2 = ray.get(trainer.sync_weights.remote([engine]))  # steady state: plan and IPC handles reused
     print(f"[gpu] sync (steady) {rep2['seconds'] * 1e3:.1f} ms")
     assert rep2["verified"] and rep2["bytes"] == rep["bytes"]
     synced = greedy([engine])[0]
@@ -102,7 +102,7 @@ def test_sleep_level2_then_sync_restores_generation(pair):
     share = _sleep_and_measure(pair, 2)
     assert share >= FREED_MIN
     tw = ray.get(engine.wake_up.remote(["weights"]))
-    rep = ray.get(trainer.sync_weights.remote(engine))  # the same IPC buffers, opened before the sleep
+    rep = ray.get(trainer.sync_weights.remote([engine]))  # the same IPC buffers, opened before the sleep
     tk = ray.get(engine.wake_up.remote(["kv_cache", "scheduling"]))
     print(f"[gpu] wake weights {tw:.3f} s, sync {rep['seconds'] * 1e3:.1f} ms, wake kv {tk:.3f} s")
     assert rep["verified"], rep["errors"]

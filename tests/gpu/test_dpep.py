@@ -4,8 +4,8 @@
 
 FSDP2's dim-0 shard of HF's fused expert tensors on rank r is exactly what vLLM's expert parallelism
 (linear placement, same world size) keeps on rank r, so the sync reads experts from `to_local()` and
-all-gathers only the dense part. Verified by counting bytes (colo.sync.source's counters, reported by
-push_weights): no expert byte comes out of a collective, every rank's expert bytes equal its own FSDP
+all-gathers only the dense part. Verified by counting bytes (colo.sync.sender's counters, reported by
+Sender.push): no expert byte comes out of a collective, every rank's expert bytes equal its own FSDP
 shard, and each engine receives exactly its own parameters over same-GPU CUDA IPC. Digest mode checks
 the bytes that arrived against the bytes that were packed, tensor by tensor.
 """
@@ -61,7 +61,7 @@ def test_expert_sync_gathers_no_expert_bytes(group):
     trainers, engines = group["trainers"], group["engines"]
     before = greedy(engines)
     ray.get([t.perturb_weights.remote(1, PERTURB_SCALE) for t in trainers])
-    reps = ray.get([t.sync_weights.remote(e) for t, e in zip(trainers, engines)])
+    reps = ray.get([t.sync_weights.remote([e]) for t, e in zip(trainers, engines)])
     described = ray.get([e.describe.remote() for e in engines])
     own = ray.get([t.expert_local_bytes.remote() for t in trainers])
     for r, (rep, d) in enumerate(zip(reps, described)):

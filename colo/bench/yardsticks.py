@@ -1,13 +1,18 @@
-"""The straightforward weight sync, as vLLM's FSDP+EP RL example does it: the yardstick and reference.
+"""The yardsticks colo.bench.sync times colo's weight sync against (benchmark code, not product code).
 
-Per sync: `full_tensor()` of every parameter (one all-gather per tensor, experts included), experts
-un-fused into per-expert checkpoint names, a fresh shared buffer + handle per bucket (opened anew by
-the receiver and let go after it), buckets packed and loaded one after another as the parameters are
-gathered, and vLLM's own weight loading for every tensor (`reload_weights` / `load_weights`, which
-re-runs vLLM's post-load processing).
+- `push_weights_baseline` (colocated): the straightforward sync, as vLLM's FSDP+EP RL example does it.
+  Per sync: `full_tensor()` of every parameter (one all-gather per tensor, experts included), experts
+  un-fused into per-expert checkpoint names, a fresh shared buffer + handle per bucket (opened anew by
+  the receiver and let go after it), buckets packed and loaded one after another as the parameters are
+  gathered, and vLLM's own weight loading for every tensor (`reload_weights` / `load_weights`, which
+  re-runs vLLM's post-load processing).
+- `broadcast_weights_baseline` (disaggregated): as vLLM's RLHF examples do it, one broadcast and one
+  load_weights per tensor.
+- `push_weights_vllm_ipc` (colocated GPU, vLLM 0.26): vLLM's own packed CUDA-IPC weight-transfer engine,
+  driven as its FSDP+EP example drives it (the engine side is colo.bench.sync.VllmIpcEngine).
 
-Also the `sync.mode: load_weights` reference mode of colo.sync.sender (colocated), and the disaggregated
-yardstick `broadcast_weights_baseline`: one broadcast and one load_weights per tensor.
+colo's own reference mode (`sync.mode: load_weights`) is not these: it runs through colo.sync.sender's
+plan, buffers and links like the direct mode.
 """
 from __future__ import annotations
 
@@ -19,10 +24,13 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from colo.config import SyncConfig
+from colo.dtypes import dtype_name
 from colo.sync.mapping import arch_for, reference_segments, reference_weights
-from colo.sync.plan import dtype_name, torch_dtype
-from colo.sync.source import sync_tensors
+from colo.sync.sender import SyncError, architecture, bucket_bytes, sync_tensors
 from colo.sync.transport import SenderBuffers, align_up
+
+DTYPE = torch.bfloat16  # what vLLM's examples send (the engines' dtype in every benchmark config)
 
 
 def full_tensor(p: torch.Tensor) -> torch.Tensor:
@@ -36,15 +44,13 @@ def reference_expect(arch: Any, params: list[tuple[str, torch.Tensor]]) -> dict[
             for ckpt, _, shape in reference_segments(arch, name, tuple(p.shape))}
 
 
-def push_weights_baseline(model: nn.Module, engine: Any, sync_cfg: Any, raise_on_error: bool = True) -> dict:
+def push_weights_baseline(model: nn.Module, engine: Any, sync_cfg: SyncConfig, raise_on_error: bool = True) -> dict:
     """Streams: memory stays at one bucket plus one parameter's full tensor (holding every gathered tensor
     and every bucket at once needed 2x the bf16 model on the trainer's GPU, beyond an H200 at full size)."""
-    from colo.sync.sender import SyncError, architecture, cfg_get
-
     t_start = time.perf_counter()
-    bucket_bytes = int(float(cfg_get(sync_cfg, "bucket_mb", 1024)) * 2**20)
+    limit = bucket_bytes(sync_cfg)
     arch = arch_for(architecture(model))
-    dtype = torch_dtype(cfg_get(sync_cfg, "dtype", "bfloat16"))
+    dtype = DTYPE
     timings = {"gather": 0.0, "pack": 0.0, "load": 0.0}
     params = sync_tensors(model)  # parameters and persistent buffers
     device = params[0][1].device
@@ -87,10 +93,10 @@ def push_weights_baseline(model: nn.Module, engine: Any, sync_cfg: Any, raise_on
         timings["gather"] += time.perf_counter() - t
         for ckpt, w in pieces:
             size = w.numel() * w.element_size()
-            if size > bucket_bytes:
-                raise SyncError(f"{ckpt}: {size} bytes does not fit a {bucket_bytes}-byte bucket in load_weights "
+            if size > limit:
+                raise SyncError(f"{ckpt}: {size} bytes does not fit a {limit}-byte bucket in load_weights "
                                 "mode; fix: a larger sync.bucket_mb")
-            if bucket and align_up(used) + size > bucket_bytes:
+            if bucket and align_up(used) + size > limit:
                 flush(bucket)
                 bucket, used = [], 0
             bucket.append((ckpt, w))
@@ -110,16 +116,14 @@ def push_weights_baseline(model: nn.Module, engine: Any, sync_cfg: Any, raise_on
     return report
 
 
-def broadcast_weights_baseline(model: nn.Module, engines: list, group: Any, sync_cfg: Any,
+def broadcast_weights_baseline(model: nn.Module, engines: list, group: Any, sync_cfg: SyncConfig,
                                raise_on_error: bool = True) -> dict:
     """The disaggregated yardstick, as vLLM's RLHF examples do it: per parameter, `full_tensor()` on every
     rank; rank 0 then sends each (per-expert un-fused) tensor in a broadcast of its own and waits until
     every engine has loaded it with vLLM's load_weights. `group` is None on ranks > 0 (gather only)."""
-    from colo.sync.sender import SyncError, architecture, cfg_get
-
     t_start = time.perf_counter()
     arch = arch_for(architecture(model))
-    dtype = torch_dtype(cfg_get(sync_cfg, "dtype", "bfloat16"))
+    dtype = DTYPE
     timings = {"gather": 0.0, "pack": 0.0, "load": 0.0}
     params = sync_tensors(model)  # parameters and persistent buffers
     if group is not None:  # every engine's receive buffer holds the largest single tensor
@@ -156,23 +160,21 @@ def broadcast_weights_baseline(model: nn.Module, engines: list, group: Any, sync
     return report
 
 
-def push_weights_vllm_ipc(model: nn.Module, engines: list, sync_cfg: Any) -> dict:
+def push_weights_vllm_ipc(model: nn.Module, engines: list, sync_cfg: SyncConfig) -> dict:
     """vLLM's own packed CUDA-IPC weight-transfer engine, driven as its FSDP+EP RL example drives it: every
     rank iterates `full_tensor()` of each parameter (experts un-fused) into vLLM's reusable packed
     buffer and all-gathers the buffer's IPC handle; rank 0 sends the merged handles of each chunk to every
     engine (`LLM.update_weights`, whose workers pick their own GPU's buffer and run vLLM's layerwise
-    `load_weights`), between `start_weight_update` and `finish_weight_update`. Needs the engines started
-    with rollout.vllm_weight_transfer=ipc and vLLM 0.26's API. It reports no coverage of its own:
+    `load_weights`), between `start_weight_update` and `finish_weight_update`. Needs engines of class
+    colo.bench.sync.VllmIpcEngine and vLLM 0.26's API. It reports no coverage of its own:
     colo.bench.sync compares the engines' parameters with what colo's sync writes (`param_digest`)."""
     from dataclasses import asdict
 
     from vllm.distributed.weight_transfer.ipc_engine import IPCTrainerSendWeightsArgs, IPCWeightTransferEngine
 
-    from colo.sync.sender import architecture, cfg_get
-
     t_start = time.perf_counter()
     arch = arch_for(architecture(model))
-    dtype = torch_dtype(cfg_get(sync_cfg, "dtype", "bfloat16"))
+    dtype = DTYPE
     sender = not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
     sent = {"tensors": 0, "bytes": 0, "chunks": 0}
 
@@ -190,7 +192,7 @@ def push_weights_vllm_ipc(model: nn.Module, engines: list, sync_cfg: Any) -> dic
 
     if sender:
         ray.get([e.vllm_start_weight_update.remote() for e in engines])
-    bucket = int(float(cfg_get(sync_cfg, "bucket_mb", 1024)) * 2**20)
+    bucket = bucket_bytes(sync_cfg)
     IPCWeightTransferEngine.trainer_send_weights(
         weights(), IPCTrainerSendWeightsArgs(send_mode=send, packed=True, packed_buffer_size_bytes=bucket))
     if sender:

