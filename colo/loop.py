@@ -42,7 +42,7 @@ from pathlib import Path
 import ray
 import torch
 
-from colo.algo.advantages import grpo_advantages
+from colo.algo.advantages import grpo_advantages_by_index, overlong_penalty
 from colo.algo.batch import build_batch, shard_batch
 from colo.algo.rewards import RewardError, RewardRunner
 from colo.cluster import ActorDied, ActorError, Cluster, gather, on_engines, on_trainers, start_cluster
@@ -121,14 +121,22 @@ def rl_step(step: int, c: Cluster, cfg: ColoConfig, inputs: RunInputs, rewards: 
         samples = generate(c, prompts, n, cfg, greedy=False, seed=cfg.run.seed * 100_003 + step * 1_009)
     with t("reward"):
         reward = score(rewards, prompts, samples, inputs.tokenizer)  # (N*G,)
-        adv = grpo_advantages(reward, n, std_normalize=cfg.algo.std_normalize)  # (N*G,)
+        lens = torch.tensor([len(s["response_ids"]) for s in samples], dtype=torch.float32)  # (N*G,)
+        if cfg.algo.overlong == "penalty":
+            reward = reward + overlong_penalty(lens, cfg.rollout.max_tokens, cfg.algo.overlong_buffer,
+                                               cfg.algo.overlong_penalty)
+        # by prompt_index, each group checked to hold n samples: a lost one must not shift a baseline
+        adv = grpo_advantages_by_index(reward, [s["prompt_index"] for s in samples],
+                                       std_normalize=cfg.algo.std_normalize, group_size=n)  # (N*G,)
     with t("sleep"):
         if c.colocated:
             on_engines(c, "sleep", sleep_level(cfg))
     with t("train"):
         if offloads(c, cfg):
             on_trainers(c, "onload")
-        shards = shard_batch(build_batch(samples, adv, pad_id=inputs.tokenizer.pad_token_id), len(c.trainers))
+        batch = build_batch(samples, adv, pad_id=inputs.tokenizer.pad_token_id,
+                            mask_truncated=cfg.algo.overlong == "filter")
+        shards = shard_batch(batch, len(c.trainers))
         train = on_trainers(c, "train_step", shards)[0]  # metrics are already all-reduced over ranks
         pos.step, pos.data = step, inputs.train_data.state_dict()  # a failure from here on saves this step
     with t("sync"):
@@ -140,9 +148,9 @@ def rl_step(step: int, c: Cluster, cfg: ColoConfig, inputs: RunInputs, rewards: 
     with t("wake"):
         if c.colocated:
             on_engines(c, "wake_up", ["kv_cache", "scheduling"])
-    lens = torch.tensor([len(s["response_ids"]) for s in samples], dtype=torch.float32)
+    truncated = sum(s["finish_reason"] == "length" for s in samples) / len(samples)
     metrics = {"step": step, "reward/mean": reward.mean().item(), "reward/std": reward.std().item(),
-               "response_len/mean": lens.mean().item(), **train, **synced, **t.seconds, **t.memory}
+               "response_len/mean": lens.mean().item(), "response/truncated_frac": truncated, **train, **synced, **t.seconds, **t.memory}
     metrics["timing/step_s"] = sum(t.seconds.values())
     return metrics
 
