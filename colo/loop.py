@@ -42,7 +42,7 @@ from pathlib import Path
 import ray
 import torch
 
-from colo.algo.advantages import grpo_advantages_by_index, overlong_penalty
+from colo.algo.advantages import step_advantages
 from colo.algo.batch import build_batch, shard_batch
 from colo.algo.rewards import RewardError, RewardRunner
 from colo.cluster import ActorDied, ActorError, Cluster, gather, on_engines, on_trainers, start_cluster
@@ -121,13 +121,7 @@ def rl_step(step: int, c: Cluster, cfg: ColoConfig, inputs: RunInputs, rewards: 
         samples = generate(c, prompts, n, cfg, greedy=False, seed=cfg.run.seed * 100_003 + step * 1_009)
     with t("reward"):
         reward = score(rewards, prompts, samples, inputs.tokenizer)  # (N*G,)
-        lens = torch.tensor([len(s["response_ids"]) for s in samples], dtype=torch.float32)  # (N*G,)
-        if cfg.algo.overlong == "penalty":
-            reward = reward + overlong_penalty(lens, cfg.rollout.max_tokens, cfg.algo.overlong_buffer,
-                                               cfg.algo.overlong_penalty)
-        # by prompt_index, each group checked to hold n samples: a lost one must not shift a baseline
-        adv = grpo_advantages_by_index(reward, [s["prompt_index"] for s in samples],
-                                       std_normalize=cfg.algo.std_normalize, group_size=n)  # (N*G,)
+        adv, penalty = step_advantages(samples, reward, n, cfg.algo, cfg.rollout.max_tokens)  # (N*G,) each
     with t("sleep"):
         if c.colocated:
             on_engines(c, "sleep", sleep_level(cfg))
@@ -148,9 +142,13 @@ def rl_step(step: int, c: Cluster, cfg: ColoConfig, inputs: RunInputs, rewards: 
     with t("wake"):
         if c.colocated:
             on_engines(c, "wake_up", ["kv_cache", "scheduling"])
-    truncated = sum(s["finish_reason"] == "length" for s in samples) / len(samples)
+    lens = torch.tensor([len(s["response_ids"]) for s in samples], dtype=torch.float32)
     metrics = {"step": step, "reward/mean": reward.mean().item(), "reward/std": reward.std().item(),
-               "response_len/mean": lens.mean().item(), "response/truncated_frac": truncated, **train, **synced, **t.seconds, **t.memory}
+               "response_len/mean": lens.mean().item(),
+               "response/truncated_frac": sum(s["finish_reason"] == "length" for s in samples) / len(samples),
+               **train, **synced, **t.seconds, **t.memory}
+    if cfg.algo.overlong == "penalty":  # reward/mean stays the reward functions' own
+        metrics["reward/overlong_penalty"] = penalty.mean().item()
     metrics["timing/step_s"] = sum(t.seconds.values())
     return metrics
 

@@ -14,6 +14,7 @@ exactly 0 advantage, never the float residue of `r - mean(r)` and never 0/0 from
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -98,3 +99,21 @@ def overlong_penalty(
     n = torch.as_tensor(lengths, dtype=torch.float32).flatten()  # (N,)
     start = max_tokens - buffer
     return (-factor * ((n - start).clamp(min=0.0) / buffer).clamp(max=1.0)).to(torch.float32)
+
+
+def step_advantages(
+    samples: Sequence[dict], rewards: torch.Tensor, n: int, algo: Any, max_tokens: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The loop's rewards -> advantages for one step's samples (any order): (advantages, penalties), (N*G,) each.
+
+    `algo` is the config's AlgoConfig. With algo.overlong=penalty the overlong penalty is added to each
+    sample's reward first; the advantages are grouped by prompt_index, each group checked to hold `n`.
+    """
+    lengths = [len(s["response_ids"]) for s in samples]
+    penalty = torch.zeros(len(samples), dtype=torch.float32)  # (N*G,)
+    if algo.overlong == "penalty":
+        penalty = overlong_penalty(lengths, max_tokens, int(algo.overlong_buffer), float(algo.overlong_penalty))
+    adv = grpo_advantages_by_index(torch.as_tensor(rewards, dtype=torch.float32) + penalty,
+                                   [s["prompt_index"] for s in samples], std_normalize=bool(algo.std_normalize),
+                                   group_size=n)
+    return adv, penalty
