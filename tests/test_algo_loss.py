@@ -297,3 +297,13 @@ def test_k3_is_clamped():
     assert m["kl_loss"].item() == pytest.approx(loss.item())
     loss.backward()
     assert torch.isfinite(logp.grad).all() and logp.grad[0, 1] == 0 and logp.grad[0, 2] == 0
+
+
+def test_scale_logits_never_modifies_its_input_and_keeps_the_gradient():
+    x = torch.randn(1, 3, 8, requires_grad=True)
+    y = x * 1.0  # a non-leaf fp32 tensor, like the model's logits
+    before = y.detach().clone()
+    out = scale_logits(y, 0.5)
+    assert torch.equal(y.detach(), before)
+    out.sum().backward()
+    torch.testing.assert_close(x.grad, torch.full_like(x, 2.0))
