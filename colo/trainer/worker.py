@@ -312,9 +312,8 @@ class Trainer:
         updates = max(1, int(t.epochs)) * M
         tokens = max(tot.pop("tokens"), 1.0)
         out = {k: tot.pop(k) / updates for k in ("loss", *ADDITIVE) if k in tot}  # mean over updates
-        out |= {"grad_norm": sum(norms) / len(norms),
-               "grad_norm/max": max(norms), "updates": updates,
-               "trainer/lr": float(self.optimizer.param_groups[0]["lr"])}  # as the optimizer ran it
+        out |= {"grad_norm": sum(norms) / len(norms), "grad_norm/max": max(norms), "updates": updates,
+                "trainer/lr": float(self.optimizer.param_groups[0]["lr"])}  # as the optimizer ran it
         if "logprob_diff" in tot:
             out["logprob_diff/mean"] = tot.pop("logprob_diff") / max(tot.pop("diff_tokens"), 1.0)
         out.update({k: v / tokens for k, v in tot.items()})
