@@ -42,7 +42,7 @@ from pathlib import Path
 import ray
 import torch
 
-from colo.algo.advantages import grpo_advantages
+from colo.algo.advantages import step_advantages
 from colo.algo.batch import build_batch, shard_batch
 from colo.algo.rewards import RewardError, RewardRunner
 from colo.cluster import ActorDied, ActorError, Cluster, node_loss, start_cluster
@@ -121,14 +121,16 @@ def rl_step(step: int, c: Cluster, cfg: ColoConfig, inputs: RunInputs, rewards: 
         samples = generate(c, prompts, n, cfg, greedy=False, seed=cfg.run.seed * 100_003 + step * 1_009)
     with t("reward"):
         reward = score(rewards, prompts, samples, inputs.tokenizer)  # (N*G,)
-        adv = grpo_advantages(reward, n, std_normalize=cfg.algo.std_normalize)  # (N*G,)
+        adv, penalty = step_advantages(samples, reward, n, cfg.algo, cfg.rollout.max_tokens)  # (N*G,) each
     with t("sleep"):
         if c.colocated:
             engines.sleep(sleep_level(cfg))
     with t("train"):
         if offloads(c, cfg):
             trainers.onload()
-        shards = shard_batch(build_batch(samples, adv, pad_id=inputs.tokenizer.pad_token_id), len(c.trainers))
+        batch = build_batch(samples, adv, pad_id=inputs.tokenizer.pad_token_id,
+                            mask_truncated=cfg.algo.overlong == "filter")
+        shards = shard_batch(batch, len(c.trainers))
         train = trainers.train_step(shards)[0]  # metrics are already all-reduced over ranks
         pos.step, pos.data = step, inputs.train_data.state_dict()  # a failure from here on saves this step
     with t("sync"):
@@ -142,7 +144,11 @@ def rl_step(step: int, c: Cluster, cfg: ColoConfig, inputs: RunInputs, rewards: 
             engines.wake_up(["kv_cache", "scheduling"])
     lens = torch.tensor([len(s["response_ids"]) for s in samples], dtype=torch.float32)
     metrics = {"step": step, "reward/mean": reward.mean().item(), "reward/std": reward.std().item(),
-               "response_len/mean": lens.mean().item(), **train, **synced, **t.seconds, **t.memory}
+               "response_len/mean": lens.mean().item(),
+               "response/truncated_frac": sum(s["finish_reason"] == "length" for s in samples) / len(samples),
+               **train, **synced, **t.seconds, **t.memory}
+    if cfg.algo.overlong == "penalty":  # reward/mean stays the reward functions' own
+        metrics["reward/overlong_penalty"] = penalty.mean().item()
     metrics["timing/step_s"] = time.perf_counter() - t_step  # wall clock: the phases plus what lies between
     return metrics
 

@@ -102,3 +102,13 @@ def test_shard_batch_generic_over_keys_and_trims_padding():
     shards = shard_batch(batch, 4)
     assert [s["input_ids"].shape for s in shards] == [(1, 6), (1, 3), (1, 2), (1, 2)]
     assert shards[3]["loss_mask"].sum() == 0 and shards[2]["loss_mask"].sum() == 2
+
+
+def test_mask_truncated_drops_only_length_stopped_samples_from_the_loss():
+    samples = [_sample(0, [1, 2], [3, 4]), {**_sample(0, [1, 2], [5, 6, 7]), "finish_reason": "length"}]
+    kept = build_batch(samples, [1.0, -1.0])
+    dropped = build_batch(samples, [1.0, -1.0], mask_truncated=True)
+    torch.testing.assert_close(kept["loss_mask"][1], torch.tensor([0., 0., 1., 1., 1.]))
+    torch.testing.assert_close(dropped["loss_mask"], torch.tensor([[0., 0., 1., 1., 0.], [0.] * 5]))
+    for key in ("input_ids", "attention_mask", "advantages", "rollout_logprobs"):
+        assert torch.equal(kept[key], dropped[key]), key  # still in the batch, just no loss

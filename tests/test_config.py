@@ -157,6 +157,11 @@ def test_wrong_types() -> None:
     (["rollout.max_tokens=4096"], "rollout.max_model_len"),
     (["trainer.micro_batch_size=0"], "must be >= 1"),
     (["algo.rewards=[]"], "algo.rewards"),
+    (["rollout.top_p=0.9"], "rollout.top_p=0.9: the engine's log-probs would be renormalized over the nucleus"),
+    (["algo.clip_ratio_c=0.5"], "algo.clip_ratio_c=0.5 must be > 1 (or 0: off); fix: algo.clip_ratio_c=3.0"),
+    (["algo.overlong=truncate"], "algo.overlong='truncate' is not one of ['none', 'filter', 'penalty']"),
+    (["algo.overlong=penalty", "rollout.max_tokens=64"],
+     "algo.overlong_buffer=256 must be in [1, rollout.max_tokens=64]"),
 ])
 def test_bad_values(overrides: list[str], needle: str) -> None:
     assert needle in error_of(overrides, check_resources=False)

@@ -14,6 +14,7 @@ exactly 0 advantage, never the float residue of `r - mean(r)` and never 0/0 from
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -55,12 +56,13 @@ def grpo_advantages_by_index(
     prompt_index: torch.Tensor | Sequence[int],
     std_normalize: bool = True,
     eps: float = 1e-6,
+    group_size: int | None = None,
 ) -> torch.Tensor:
     """Same as `grpo_advantages` for samples in any order, grouped by their `prompt_index`.
 
     Samples come back from several engines interleaved; this avoids making the caller reorder them.
-    Every group must have the same size (a missing sample would silently change a group's
-    baseline), which is checked.
+    Every group must have the same size, `group_size` when given (a missing sample would silently
+    change a group's baseline), which is checked.
     """
     r = torch.as_tensor(rewards, dtype=torch.float32).flatten()  # (M,)
     idx = torch.as_tensor(prompt_index, dtype=torch.long).flatten()  # (M,)
@@ -72,7 +74,46 @@ def grpo_advantages_by_index(
     _, counts = torch.unique_consecutive(idx[order], return_counts=True)
     if (counts != counts[0]).any():
         raise ValueError(f"unequal group sizes {sorted(set(counts.tolist()))}: a sample is missing")
+    if group_size is not None and int(counts[0]) != group_size:
+        raise ValueError(f"groups of {int(counts[0])} samples, expected {group_size}: samples are missing")
     adv_sorted = grpo_advantages(r[order], int(counts[0]), std_normalize, eps)
     adv = torch.empty_like(adv_sorted)
     adv[order] = adv_sorted
     return adv  # (M,) in the caller's order
+
+
+def overlong_penalty(
+    lengths: torch.Tensor | Sequence[int], max_tokens: int, buffer: int, factor: float = 1.0
+) -> torch.Tensor:
+    """DAPO's soft overlong punishment (Yu et al. 2025, eq. 13), to add to the rewards: (N,) float32.
+
+        0                                   len <= max_tokens - buffer
+        factor * (max_tokens - buffer - len) / buffer   in the buffer: linear from 0 down to -factor
+        -factor                             len >= max_tokens (the engine stops there: truncated)
+
+    A response that ran into the length limit has no answer to score, yet its reward says "wrong" no
+    louder than a short wrong one; the ramp tells the policy that length itself costs.
+    """
+    if buffer < 1 or buffer > max_tokens:
+        raise ValueError(f"overlong buffer must be in [1, max_tokens={max_tokens}], got {buffer}")
+    n = torch.as_tensor(lengths, dtype=torch.float32).flatten()  # (N,)
+    start = max_tokens - buffer
+    return (-factor * ((n - start).clamp(min=0.0) / buffer).clamp(max=1.0)).to(torch.float32)
+
+
+def step_advantages(
+    samples: Sequence[dict], rewards: torch.Tensor, n: int, algo: Any, max_tokens: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The loop's rewards -> advantages for one step's samples (any order): (advantages, penalties), (N*G,) each.
+
+    `algo` is the config's AlgoConfig. With algo.overlong=penalty the overlong penalty is added to each
+    sample's reward first; the advantages are grouped by prompt_index, each group checked to hold `n`.
+    """
+    lengths = [len(s["response_ids"]) for s in samples]
+    penalty = torch.zeros(len(samples), dtype=torch.float32)  # (N*G,)
+    if algo.overlong == "penalty":
+        penalty = overlong_penalty(lengths, max_tokens, int(algo.overlong_buffer), float(algo.overlong_penalty))
+    adv = grpo_advantages_by_index(torch.as_tensor(rewards, dtype=torch.float32) + penalty,
+                                   [s["prompt_index"] for s in samples], std_normalize=bool(algo.std_normalize),
+                                   group_size=n)
+    return adv, penalty

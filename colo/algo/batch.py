@@ -28,8 +28,13 @@ def build_batch(
     advantages: torch.Tensor | Sequence[float],
     pad_id: int = 0,
     pad_to_multiple: int = 1,
+    mask_truncated: bool = False,
 ) -> dict[str, torch.Tensor]:
     """One batch of CPU tensors from `samples` and their advantages (N,).
+
+    `mask_truncated` (algo.overlong=filter) gives samples that stopped at the length limit
+    (finish_reason "length") an all-zero loss mask: they stay in the batch (and in their group's
+    baseline, computed before) but add no gradient and count toward no token or sequence total.
 
     Keys: input_ids (B, T) long, attention_mask (B, T) long, loss_mask (B, T) float32,
     advantages (B,) float32, rollout_logprobs (B, T) float32, sample_index (B,) long (the
@@ -59,7 +64,8 @@ def build_batch(
             raise ValueError(f"sample {b}: empty prompt")
         input_ids[b, :L] = torch.tensor(p + r, dtype=torch.long)
         attention_mask[b, :L] = 1
-        loss_mask[b, P:L] = 1.0
+        if not (mask_truncated and s.get("finish_reason") == "length"):
+            loss_mask[b, P:L] = 1.0
         if r:
             rollout_lp[b, P:L] = torch.tensor([float(x) for x in lp], dtype=torch.float32)
     index = torch.tensor([int(s.get("sample_index", i)) for i, s in enumerate(samples)])

@@ -1,12 +1,21 @@
-"""Policy loss: PPO-clip with asymmetric clipping, truncated importance sampling and optional k3 KL.
+"""Policy loss: PPO-clip with asymmetric clipping, dual-clip, truncated importance sampling and k3 KL.
 
 Per token t of a response (all tensors (B, T), aligned so position t scores input_ids[t]):
 
     ratio_t = exp(logp_t - old_t)                              trainer now vs trainer before update
     pg_t    = max(-A * ratio_t, -A * clip(ratio_t, 1 - clip_low, 1 + clip_high))
+    pg_t    = min(pg_t, -A * clip_ratio_c)   only where A < 0 and clip_ratio_c > 0 (dual-clip)
     w_t     = min(exp(old_t - rollout_t), tis_cap)  (no grad)  vLLM sampled, trainer scores: the
               two disagree (bf16 kernels, MoE routing ties), so the rollout is slightly off-policy
-    loss_t  = w_t * pg_t + kl_coef * k3(ref_t, logp_t)
+    kl_t    = clamp(exp(d_t) - d_t - 1, -10, 10),  d_t = clamp(ref_t - logp_t, -20, 20)
+    loss_t  = w_t * pg_t + kl_coef * kl_t
+
+kl_t is the k3 estimator of KL(pi || ref) on tokens sampled from pi (unbiased for the sequence KL,
+always >= 0, low variance; Schulman's "approximating KL"). The clamps (verl's low_var_kl, slime) keep
+one token whose log-ratio has run away from dominating the step; outside them the token's KL term has
+no gradient. Dual-clip (Ye et al. 2020, verl's clip_ratio_c): with A < 0 the PPO term -A * ratio grows
+without bound as the ratio grows, so a token the policy now strongly prefers but the rollout punished
+can produce an arbitrarily large update; the bound -A * c caps it (the token then has no gradient).
 
 and `loss_agg` reduces loss_t over masked tokens:
 
@@ -18,7 +27,8 @@ Why the global counts: the trainer splits the step's batch over FSDP ranks and m
 sums gradients (FSDP reduce-scatter averages over ranks; the trainer undoes that or scales by world
 size). Dividing every piece by the same global count makes the summed gradient equal the gradient of
 one process seeing the whole batch. With the local defaults, each micro-batch is weighted equally
-regardless of how many tokens it holds.
+regardless of how many tokens it holds. For the same reason the aggregated parts (pg_loss, kl_loss)
+returned as metrics are additive: their sum over micro-batches and ranks is the mini-batch's value.
 
 Hazard: positions outside the mask (prompt, padding) hold arbitrary log-probs (rollout log-probs are
 0 there), so exp() of their differences may overflow; inf * 0 is nan, which would poison the loss and
@@ -30,6 +40,8 @@ from __future__ import annotations
 import torch
 
 LOSS_AGGS = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")
+KL_LOG_RATIO_CLAMP = 20.0  # |ref - logp| beyond this is treated as this (exp(20) ~ 5e8)
+KL_CLAMP = 10.0  # a token's k3 term is at most this
 
 
 def policy_loss(
@@ -45,6 +57,7 @@ def policy_loss(
     tis_cap: float | None = None,
     ref_logprobs: torch.Tensor | None = None,
     kl_coef: float = 0.0,
+    clip_ratio_c: float = 0.0,
     token_count: float | torch.Tensor | None = None,
     seq_count: float | torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -54,12 +67,17 @@ def policy_loss(
     treated as constants; advantages (B,) or (B, T); loss_mask (B, T) (bool/int/float).
     `tis_cap=None` with rollout_logprobs given means an uncapped importance weight; `tis_cap=0`
     turns the correction off (config's meaning of 0; a literal cap of 0 would zero the loss).
+    `clip_ratio_c` > 1 bounds the loss of negative-advantage tokens at -A * clip_ratio_c; 0 is off.
     `seq_count` is the seq-mean analogue of token_count (default: local sequences with at least one
     masked token, so zero-mask padding rows never dilute the mean).
 
-    Metrics are local means over masked tokens (0-dim float tensors, detached: the caller decides
-    when to .item(), so a GPU trainer does not sync per micro-batch): clip_frac, approx_kl (k3 of
-    old vs new), tis_mean, pg_loss (the aggregated policy-gradient part), and kl_ref when kl_coef > 0.
+    Metrics (0-dim float tensors, detached: the caller decides when to .item(), so a GPU trainer does
+    not sync per micro-batch) come in two kinds. Local means over masked tokens, which a caller
+    combines weighted by its token count: clip_frac (the PPO clip cut the gradient), clip_frac/dual
+    (the dual-clip bound did), approx_kl (k3 of old vs new), tis_mean, and kl_ref (the token mean of
+    kl_t) when kl_coef > 0. Aggregated parts of the loss, additive over micro-batches and ranks when
+    token_count/seq_count are global: pg_loss and, when kl_coef > 0, kl_loss (before kl_coef), so
+    loss = pg_loss + kl_coef * kl_loss.
     """
     if loss_agg not in LOSS_AGGS:
         raise ValueError(f"loss_agg must be one of {LOSS_AGGS}, got {loss_agg!r}")
@@ -68,6 +86,8 @@ def policy_loss(
             f"shape mismatch: logprobs {tuple(logprobs.shape)}, old_logprobs "
             f"{tuple(old_logprobs.shape)}, loss_mask {tuple(loss_mask.shape)}"
         )
+    if clip_ratio_c != 0 and clip_ratio_c <= 1.0:
+        raise ValueError(f"clip_ratio_c must be > 1 (0 = off), got {clip_ratio_c}")
     mask = loss_mask.to(torch.bool)  # (B, T)
     maskf = mask.to(logprobs.dtype)  # (B, T)
     adv = advantages.to(logprobs.dtype)
@@ -79,12 +99,18 @@ def policy_loss(
     pg_unclipped = -adv * ratio
     pg_clipped = -adv * torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high)
     pg = torch.maximum(pg_unclipped, pg_clipped)  # (B, T)
+    dual = torch.zeros_like(mask)
+    if clip_ratio_c > 0:
+        bound = -adv * clip_ratio_c  # (B, 1) or (B, T); only binding where A < 0
+        dual = (adv < 0) & (pg > bound) & mask  # (B, T)
+        pg = torch.where(adv < 0, torch.minimum(pg, bound), pg)
 
     metrics: dict[str, torch.Tensor] = {}
     n_local = maskf.sum().clamp(min=1.0)
     with torch.no_grad():
         # a token counts as clipped when the clipped branch wins, i.e. its gradient is cut off
         metrics["clip_frac"] = ((pg_clipped > pg_unclipped) & mask).sum() / n_local
+        metrics["clip_frac/dual"] = dual.sum() / n_local
         metrics["approx_kl"] = ((ratio - 1.0 - log_ratio) * maskf).sum() / n_local
 
     if tis_cap is not None and tis_cap < 0:
@@ -105,15 +131,23 @@ def policy_loss(
     if kl_coef > 0.0:
         if ref_logprobs is None:
             raise ValueError("kl_coef > 0 needs ref_logprobs")
-        # k3 estimator of KL(pi || ref) on samples from pi: exp(d) - d - 1 >= 0, d = ref - logp
-        d = torch.where(mask, ref_logprobs.detach().to(logprobs.dtype) - logprobs,
-                        torch.zeros_like(logprobs))
-        kl = torch.exp(d) - d - 1.0  # (B, T)
+        kl = k3_kl(logprobs, ref_logprobs.detach().to(logprobs.dtype), mask)  # (B, T)
         kl_loss = _aggregate(kl, maskf, loss_agg, token_count, seq_count)
         loss = loss + kl_coef * kl_loss
         metrics["kl_ref"] = ((kl.detach() * maskf).sum() / n_local)
+        metrics["kl_loss"] = kl_loss.detach()
     metrics["pg_loss"] = pg_loss.detach()
     return loss, metrics
+
+
+def k3_kl(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Clamped k3 estimate of KL(pi || ref) per token, (B, T); 0 off-mask.
+
+    d = ref - logp on a token sampled from pi; exp(d) - d - 1 >= 0 has expectation KL(pi || ref).
+    """
+    d = torch.where(mask, ref_logprobs - logprobs, torch.zeros_like(logprobs))
+    d = torch.clamp(d, -KL_LOG_RATIO_CLAMP, KL_LOG_RATIO_CLAMP)
+    return torch.clamp(torch.exp(d) - d - 1.0, -KL_CLAMP, KL_CLAMP)
 
 
 def _aggregate(
@@ -138,14 +172,33 @@ def _aggregate(
     return per_seq.sum() / denom
 
 
-def token_entropy(logits: torch.Tensor) -> torch.Tensor:
-    """Entropy of the next-token distribution at each position: (B, T, V) -> (B, T) float32.
+def scale_logits(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """(B, T, V) logits in float32, divided by `temperature`: what vLLM's sampler scores.
 
-    Computed in float32 (bf16 log-softmax loses the small probabilities that dominate the tail).
-    Memory: one (B, T, V) float32 temporary; call it under no_grad on a micro-batch.
+    vLLM casts the model's logits to float32 *before* dividing by the temperature. Dividing the bf16
+    logits first rounds each quotient to 8 mantissa bits: at T = 0.6 on synthetic Qwen-vocab logits that
+    moved log-probs by 0.014-0.023 on average and up to 0.2 (issue 13; tests/test_algo_loss.py), as
+    large as the mismatch TIS corrects.
+
+    Memory: one float32 copy, divided in place (the caller's tensor is never modified), so bf16 logits
+    cost 4 + 2 bytes per element here, not 4 + 4 + 2 for a cast followed by a division.
     """
-    logp = torch.log_softmax(logits.float(), dim=-1)  # (B, T, V)
-    return -(logp.exp() * logp).sum(dim=-1)  # (B, T)
+    if temperature == 1.0:
+        return logits.float()
+    return logits.to(torch.float32, copy=True).div_(temperature)
+
+
+def token_entropy(logits: torch.Tensor) -> torch.Tensor:
+    """Entropy of the distribution that scores each token: (B, T, V) -> (B, T) float32.
+
+    Aligned like `gather_logprobs`: out[:, t] is the entropy of the distribution at logits[:, t - 1],
+    the one that produced input_ids[t] (so loss_mask selects the response's own distributions);
+    out[:, 0] = 0. Computed in float32 (bf16 log-softmax loses the small probabilities that dominate
+    the tail). Memory: one (B, T-1, V) float32 temporary; call it under no_grad on a micro-batch.
+    """
+    logp = torch.log_softmax(logits[:, :-1].float(), dim=-1)  # (B, T-1, V)
+    ent = -(logp.exp() * logp).sum(dim=-1)  # (B, T-1)
+    return torch.nn.functional.pad(ent, (1, 0), value=0.0)  # (B, T)
 
 
 def gather_logprobs(logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:

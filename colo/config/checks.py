@@ -79,7 +79,8 @@ def _check_values(cfg: ColoConfig) -> None:
         "sync.bucket_mb", "sync.buffers", "data.prompts_per_step", "data.eval_size", "loop.steps")}
     at_least |= {key: 0 for key in (
         "placement.cpus_per_bundle", "trainer.weight_decay", "trainer.grad_clip", "rollout.temperature",
-        "algo.clip_low", "algo.clip_high", "algo.kl_coef", "algo.tis_cap", "loop.eval_every", "loop.eval_samples",
+        "algo.clip_low", "algo.clip_high", "algo.kl_coef", "algo.tis_cap", "algo.overlong_penalty",
+        "loop.eval_every", "loop.eval_samples",
         "loop.checkpoint_every", "loop.sft_warmup_steps")}
     for key, low in at_least.items():
         if get(key) < low:
@@ -94,6 +95,7 @@ def _check_values(cfg: ColoConfig) -> None:
     for key, ok in (("trainer.lr", cfg.trainer.lr > 0), ("rollout.top_p", 0 < cfg.rollout.top_p <= 1)):
         if not ok:
             raise ConfigError(f"{key}={get(key)} is out of range; fix: e.g. {key}={default_value(key)}")
+    _check_loss(cfg)
     if cfg.rollout.max_tokens >= cfg.rollout.max_model_len:
         raise ConfigError(f"rollout.max_tokens={cfg.rollout.max_tokens} leaves no room for the prompt "
                           f"in rollout.max_model_len={cfg.rollout.max_model_len}; fix: raise "
@@ -117,6 +119,20 @@ def _check_values(cfg: ColoConfig) -> None:
         if preset not in WITH_WEIGHTS and not cfg.model.dummy_weights:
             raise ConfigError(f"model.path={cfg.model.path} has a config but no weights; "
                               "fix: model.dummy_weights=true (random weights)")
+
+
+def _check_loss(cfg: ColoConfig) -> None:
+    """Loss options the trainer cannot honour (docs/loss.md)."""
+    a = cfg.algo
+    if cfg.rollout.top_p < 1:
+        raise ConfigError(f"rollout.top_p={cfg.rollout.top_p}: the engine's log-probs would be renormalized over "
+                          "the nucleus while the trainer scores the full softmax, which biases TIS and the log-prob "
+                          "gap; fix: rollout.top_p=1.0 (docs/loss.md says why the trainer does not mask)")
+    if a.clip_ratio_c != 0 and a.clip_ratio_c <= 1:
+        raise ConfigError(f"algo.clip_ratio_c={a.clip_ratio_c} must be > 1 (or 0: off); fix: algo.clip_ratio_c=3.0")
+    if a.overlong == "penalty" and not 1 <= a.overlong_buffer <= cfg.rollout.max_tokens:
+        raise ConfigError(f"algo.overlong_buffer={a.overlong_buffer} must be in [1, rollout.max_tokens="
+                          f"{cfg.rollout.max_tokens}]; fix: algo.overlong_buffer={max(1, cfg.rollout.max_tokens // 4)}")
 
 
 def _check_loggers(loggers: list[str]) -> None:

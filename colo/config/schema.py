@@ -19,6 +19,7 @@ CHOICES = {  # must match the consumers: colo.algo.loss.LOSS_AGGS, colo.sync, co
     "placement.mode": ("colocated", "disaggregated"),
     "rollout.sleep_level": ("auto", 1, 2),
     "algo.loss_agg": ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean"),
+    "algo.overlong": ("none", "filter", "penalty"),
     "sync.mode": ("direct", "load_weights"),
     "trainer.optimizer_dtype": ("float32", "bfloat16"),
     "run.wandb_mode": ("auto", "online", "offline"),
@@ -119,7 +120,8 @@ class RolloutConfig:
     temperature: float = 1.0
     """Sampling temperature."""
     top_p: float = 1.0
-    """Nucleus sampling threshold."""
+    """Nucleus sampling threshold. Only 1.0 is accepted: vLLM's log-probs under top_p < 1 are renormalized
+    over the nucleus, which the trainer's full-softmax recompute does not reproduce (docs/loss.md)."""
     kv_cache_mb: int = 256
     """CPU only: KV cache per engine, MiB (on GPU placement.vllm_gpu_fraction sets the budget)."""
     tp_size: int = 1
@@ -139,13 +141,25 @@ class AlgoConfig:
     clip_high: float = 0.28
     """PPO ratio clip above 1: ratio <= 1 + clip_high (clip-higher, > clip_low keeps exploration)."""
     kl_coef: float = 0.0
-    """Weight of the k3 KL penalty to the frozen initial policy; 0 builds no reference model."""
+    """Weight of the k3 estimate of KL(policy || reference), clamped per token; the reference is the policy
+    as the first RL step finds it (after the SFT warm-up), frozen. 0 builds no reference model."""
+    clip_ratio_c: float = 0.0
+    """Dual-clip: the loss of a negative-advantage token is at most -A * clip_ratio_c (> 1, e.g. 3.0); 0: off."""
     std_normalize: bool = True
     """Divide group-relative advantages by the group's reward std."""
     loss_agg: str = "token-mean"
     """Loss aggregation: token-mean | seq-mean-token-sum | seq-mean-token-mean."""
     tis_cap: float = 2.0
     """Cap of the truncated importance weight trainer/vLLM probability; 0 disables the correction."""
+    overlong: str = "none"
+    """Responses cut at rollout.max_tokens (finish_reason "length"): none (trained like the rest) | filter
+    (no loss on them; they still count in their group's baseline) | penalty (DAPO's soft overlong
+    punishment added to the reward, ramping over the last overlong_buffer tokens)."""
+    overlong_buffer: int = 256
+    """algo.overlong=penalty: the penalty ramps from 0 at max_tokens - overlong_buffer to
+    -overlong_penalty at max_tokens (at most rollout.max_tokens)."""
+    overlong_penalty: float = 1.0
+    """algo.overlong=penalty: the reward penalty of a response at rollout.max_tokens."""
     rewards: list[str] = field(default_factory=lambda: ["exact_match"])
     """Reward functions, summed: built-ins (exact_match, numeric, format) or "module:function"."""
 

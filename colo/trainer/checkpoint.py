@@ -4,6 +4,7 @@ A checkpoint directory holds:
     .metadata, __*_*.distcp     model + AdamW state, each rank writing only its own shards
     rng_rank{r}.pt              that rank's torch / CUDA / Python / NumPy RNG states
     extra.json                  caller's plain data (step, data position, ...), written by rank 0
+    ref/                        the frozen KL reference (algo.kl_coef > 0), weights only
 
 DCP resharding means a checkpoint written by W ranks loads on any other W'. The RNG files do not
 reshard; with a different world size they are skipped (the load reports it).
@@ -25,7 +26,8 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_state_dict, set_model_state_dict,
+                                                     set_state_dict)
 from torch.distributed.tensor import DTensor
 
 from colo.trainer.fsdp import rebuild_buffers
@@ -86,6 +88,23 @@ def load(path: str, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
         _set_rng_state(torch.load(rng, weights_only=False))
     dist.barrier()
     return extra
+
+
+def save_weights(path: str, model: nn.Module) -> None:
+    """Collective: a model's weights alone (the frozen KL reference) as a DCP checkpoint at `path`."""
+    dcp.save({"model": get_model_state_dict(model)}, checkpoint_id=str(path))
+    dist.barrier()
+
+
+def load_weights(path: str, model: nn.Module) -> bool:
+    """Collective counterpart of `save_weights`; False (nothing loaded) when `path` holds none."""
+    if not (Path(path) / ".metadata").exists():
+        return False
+    state = {"model": get_model_state_dict(model)}
+    dcp.load(state, checkpoint_id=str(path))
+    set_model_state_dict(model, state["model"])
+    dist.barrier()
+    return True
 
 
 def export_hf(path: str, model: nn.Module, source_dir: str | None, dtype: torch.dtype) -> None:

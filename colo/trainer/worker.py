@@ -11,6 +11,12 @@ zero-loss-mask copy of one of its rows (zero gradient, same collectives).
 Loss scaling: policy_loss divides by the GLOBAL token (or sequence) count of the mini-batch, summed
 over ranks and micro-batches; FSDP's reduce-scatter averages over ranks, so each micro loss is
 scaled by world size. The summed gradient then equals that of one process seeing the whole mini-batch.
+The metrics follow the same rule (docs/loss.md): aggregated parts (loss, pg_loss, kl_loss) are summed
+over ranks and micro-batches, token means are weighted by each micro-batch's token count, so every
+metric is what one process on the whole batch would report, whatever the layout.
+
+Modes: log-prob passes (old, reference) run in eval mode, the update in train mode (dropout, HF's
+gradient checkpointing, which only acts while training).
 """
 
 from __future__ import annotations
@@ -23,16 +29,19 @@ import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 
-from colo.algo.loss import gather_logprobs, policy_loss, token_entropy
+from colo.algo.loss import gather_logprobs, policy_loss, scale_logits, token_entropy
 from colo.config import ColoConfig, from_dict
 from colo.dtypes import torch_dtype
 from colo.logs import actor_output
 from colo.shm import sweep
 from colo.sync.transport import WeightGroup, WeightGroupHost, device_uuid
 from colo.trainer import checkpoint
-from colo.trainer.fsdp import build_sharded, expert_shard_range, num_experts
+from colo.trainer.fsdp import build_sharded, expert_shard_range, num_experts, persistent_buffers
 from colo.trainer.offload import Offloader, state_bytes
 from colo.trainer.optim import make_optimizer
+
+
+ADDITIVE = ("pg_loss", "kl_loss")  # policy_loss metrics already divided by global counts: summed, not weighted
 
 
 def _rows(batch: dict, idx: torch.Tensor, dummy: bool) -> dict[str, torch.Tensor]:
@@ -53,6 +62,7 @@ class Trainer:
         self.rank, self.world_size = rank, world_size
         self.init_method = f"tcp://{master_addr}:{master_port}"
         self.model = self.ref_model = self.optimizer = None
+        self.ref_frozen = False  # the reference holds the policy of the first RL step (see _freeze_reference)
         self.offloaded = False
         self.sender = None  # colo.sync.sender.Sender, built by prepare_sync
         self._group_host: WeightGroupHost | None = None
@@ -96,10 +106,12 @@ class Trainer:
                      param_dtype=self.param_dtype, seed=seed)
         self.model = build_sharded(
             c.model.path, gradient_checkpointing=c.trainer.gradient_checkpointing, **build)
-        self.ref_model = None
+        self.ref_model, self.ref_frozen = None, False
         if float(c.algo.kl_coef) > 0:
-            # frozen copy of the initial policy; never built when the KL term is off
-            self.ref_model = build_sharded(str(c.model.path), **build).requires_grad_(False)
+            # the same sharding as the policy, so the first train_step copies shards locally; random until
+            # then (never read before). Never built when the KL term is off.
+            self.ref_model = build_sharded(str(c.model.path), **{**build, "dummy": True}).requires_grad_(False)
+            self.ref_model.eval()
         self._offloader = Offloader(self.device)
         self.optimizer = make_optimizer(self.model.parameters(), lr=float(c.trainer.lr),
                                         weight_decay=float(c.trainer.weight_decay),
@@ -120,12 +132,13 @@ class Trainer:
             raise RuntimeError("TrainWorker is offloaded: call onload() before using the model")
 
     def _forward(self, model: torch.nn.Module, mb: dict, temperature: float = 1.0) -> torch.Tensor:
+        """(b, T, V) float32 logits / temperature, divided in float32 as vLLM's sampler does."""
         ids = mb["input_ids"].to(self.device)  # (b, T)
         am = mb["attention_mask"].to(self.device)  # (b, T)
         # positions count real tokens, so left padding (if a caller uses it) matches vLLM's
         pos = (am.long().cumsum(-1) - 1).clamp(min=0)  # (b, T)
         logits = model(input_ids=ids, attention_mask=am, position_ids=pos, use_cache=False).logits
-        return logits if temperature == 1.0 else logits / temperature  # (b, T, V)
+        return scale_logits(logits, temperature)  # (b, T, V)
 
     @property
     def _policy_temperature(self) -> float:
@@ -150,11 +163,16 @@ class Trainer:
     @torch.no_grad()
     def _logprobs(self, model: torch.nn.Module, batch: dict) -> torch.Tensor:
         out = torch.zeros(batch["input_ids"].shape, dtype=torch.float32)  # (B, T)
-        for idx, dummy in self._micro_plan(torch.arange(batch["input_ids"].shape[0])):
-            lp = gather_logprobs(self._forward(model, _rows(batch, idx, dummy), self._policy_temperature),
-                                 batch["input_ids"][idx].to(self.device))
-            if not dummy:
-                out[idx] = lp.float().cpu()
+        training = model.training
+        model.eval()  # the log-probs of the policy itself, not of one dropout draw of it
+        try:
+            for idx, dummy in self._micro_plan(torch.arange(batch["input_ids"].shape[0])):
+                lp = gather_logprobs(self._forward(model, _rows(batch, idx, dummy), self._policy_temperature),
+                                     batch["input_ids"][idx].to(self.device))
+                if not dummy:
+                    out[idx] = lp.float().cpu()
+        finally:
+            model.train(training)
         # forward-only passes leave the root and last layer gathered (reshard_after_forward=False,
         # meant for a backward that never comes); the sync reads params and expects DTensor shards
         for m in model.modules():
@@ -186,6 +204,7 @@ class Trainer:
         rows = torch.arange(batch["input_ids"].shape[0])
         tokens = self._agree([float(batch["loss_mask"].sum())], dist.ReduceOp.SUM)[0]
         loss_sum = 0.0
+        self.model.train()
         for idx, dummy in self._micro_plan(rows):
             mb = _rows(batch, idx, dummy)
             lp = gather_logprobs(self._forward(self.model, mb), mb["input_ids"].to(self.device))
@@ -213,31 +232,50 @@ class Trainer:
             rollout_logprobs=None if rollout is None else rollout.to(self.device),
             tis_cap=None if a.tis_cap is None else float(a.tis_cap),
             ref_logprobs=None if ref is None else ref.to(self.device), kl_coef=float(a.kl_coef),
-            token_count=token_count, seq_count=seq_count)
+            clip_ratio_c=float(getattr(a, "clip_ratio_c", 0.0)), token_count=token_count, seq_count=seq_count)
         (loss * self.world_size).backward()
         n = mask.float().sum()
         with torch.no_grad():
-            out = {k: v.detach().float() * n for k, v in met.items()}  # local means -> sums
+            # token means -> token-weighted sums; the aggregated parts are already additive (global counts)
+            out = {k: v.detach().float() * (1.0 if k in ADDITIVE else n) for k, v in met.items()}
             out["entropy"] = (token_entropy(logits.detach()) * mask).sum()
         out["loss"], out["tokens"] = loss.detach().float(), n
         return out
 
+    @torch.no_grad()
+    def _freeze_reference(self) -> None:
+        """Copy the policy's shards into the reference model (no collectives: both are sharded alike).
+
+        The KL term pulls toward the policy RL started from. That is the policy after the SFT warm-up,
+        not model.path: a reference rebuilt from disk would pull the policy back to before the warm-up.
+        """
+        for (name, p), (ref_name, r) in zip(self.model.named_parameters(), self.ref_model.named_parameters()):
+            assert name == ref_name, (name, ref_name)
+            (r.to_local() if hasattr(r, "to_local") else r).copy_(p.to_local() if hasattr(p, "to_local") else p)
+        for (_, b), (_, rb) in zip(persistent_buffers(self.model), persistent_buffers(self.ref_model)):
+            rb.copy_(b)
+        self.ref_frozen = True
+
     def train_step(self, batch: dict) -> dict:
         """PPO-clip: recompute old log-probs, then epochs x mini-batches of AdamW steps.
 
-        Returns global metrics (identical on every rank): loss (mean over updates), grad_norm
-        (mean, and /max), entropy, clip_frac, approx_kl, tis_mean, pg_loss, [kl_ref] as global token
-        means, logprob_diff/mean = |trainer - vLLM| log-prob on sampled tokens, pre-update, and
-        trainer/lr, the learning rate the optimizer stepped with.
+        Returns global metrics (identical on every rank, the same for any rank / micro-batch layout):
+        loss, pg_loss, [kl_loss] (each update's aggregated value, averaged over updates), grad_norm
+        (mean, and /max), entropy, clip_frac, clip_frac/dual, approx_kl, tis_mean, [kl_ref] as global
+        token means over all updates, logprob_diff/mean = |trainer - vLLM| log-prob on sampled tokens,
+        pre-update, and trainer/lr, the learning rate the optimizer stepped with.
         """
         self._check_ready()
         t, a = self.cfg.trainer, self.cfg.algo
         B = batch["input_ids"].shape[0]
         mask = batch["loss_mask"].float()  # (B, T)
+        if self.ref_model is not None and not self.ref_frozen:
+            self._freeze_reference()
         old = self._logprobs(self.model, batch)  # (B, T) the policy before this step
         ref = batch.get("ref_logprobs")
         if float(a.kl_coef) > 0 and ref is None:
             ref = self._logprobs(self.ref_model, batch)
+        self.model.train()
         minis = list(torch.arange(B).tensor_split(max(1, int(t.mini_batches))))
         M = len(minis)
         # one all-reduce for every mini-batch's global token and sequence counts
@@ -262,9 +300,9 @@ class Trainer:
         tot = dict(zip(keys, self._agree([float(sums[k]) for k in keys], dist.ReduceOp.SUM)))
         updates = max(1, int(t.epochs)) * M
         tokens = max(tot.pop("tokens"), 1.0)
-        out = {"loss": tot.pop("loss") / updates, "grad_norm": sum(norms) / len(norms),
-               "grad_norm/max": max(norms), "updates": updates,
-               "trainer/lr": float(self.optimizer.param_groups[0]["lr"])}  # as the optimizer ran it
+        out = {k: tot.pop(k) / updates for k in ("loss", *ADDITIVE) if k in tot}  # mean over updates
+        out |= {"grad_norm": sum(norms) / len(norms), "grad_norm/max": max(norms), "updates": updates,
+                "trainer/lr": float(self.optimizer.param_groups[0]["lr"])}  # as the optimizer ran it
         if "logprob_diff" in tot:
             out["logprob_diff/mean"] = tot.pop("logprob_diff") / max(tot.pop("diff_tokens"), 1.0)
         out.update({k: v / tokens for k, v in tot.items()})
@@ -343,10 +381,16 @@ class Trainer:
         return self._weight_group.rank
 
     def save_checkpoint(self, path: str, extra: dict) -> None:
-        checkpoint.save(path, self.model, self.optimizer, extra)
+        if self.ref_frozen:  # the reference is the policy of the first RL step, which no file holds
+            checkpoint.save_weights(os.path.join(path, "ref"), self.ref_model)
+        checkpoint.save(path, self.model, self.optimizer, extra)  # last: its extra.json marks "complete"
 
     def load_checkpoint(self, path: str) -> dict:
-        return checkpoint.load(path, self.model, self.optimizer)
+        extra = checkpoint.load(path, self.model, self.optimizer)
+        if self.ref_model is not None:
+            # a checkpoint without one (saved with kl_coef 0) freezes the resumed policy at the next step
+            self.ref_frozen = checkpoint.load_weights(os.path.join(path, "ref"), self.ref_model)
+        return extra
 
     def export_hf(self, path: str) -> None:
         was_offloaded = self.offloaded
