@@ -39,6 +39,7 @@ CHOICES = {  # must match the consumers: colo.algo.loss.LOSS_AGGS, colo.sync, co
     "placement.mode": ("colocated", "disaggregated"),
     "rollout.sleep_level": ("auto", 1, 2),
     "algo.loss_agg": ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean"),
+    "algo.routing_replay": ("off", "r3"),
     "sync.mode": ("direct", "load_weights"),
     "rollout.vllm_weight_transfer": ("none", "ipc"),
     "trainer.optimizer_dtype": ("float32", "bfloat16"),
@@ -174,6 +175,10 @@ class AlgoConfig:
     """Cap of the truncated importance weight trainer/vLLM probability; 0 disables the correction."""
     rewards: list[str] = field(default_factory=lambda: ["exact_match"])
     """Reward functions, summed: built-ins (exact_match, numeric, format) or "module:function"."""
+    routing_replay: str = "off"
+    """off | r3: rollout routing replay. r3: the trainer's MoE layers use the experts the engine chose for
+    each token (log-prob recompute and training); the weights still come from the trainer's router. Either
+    way the engine's routing is captured every step for the routing/mismatch metric (docs/routing.md)."""
 
 
 @dataclass
