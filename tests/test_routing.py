@@ -65,8 +65,8 @@ def test_replay_uses_given_ids_with_the_familys_weights(family: str) -> None:
     ids = torch.randint(0, 96, (3, 7))
     plain = model(input_ids=ids).logits
     own = torch.stack([got[layer].view(3, 7, 2) for layer, _ in routers(model)], dim=2)  # (b, T, M, K)
-    with tap(own.to(torch.uint8), replay=True):  # the model's own routing replayed: bit-identical logits
-        assert torch.equal(model(input_ids=ids).logits, plain)
+    tap.set(own.to(torch.uint8), replay=True)  # the model's own routing replayed: bit-identical logits
+    assert torch.equal(model(input_ids=ids).logits, plain)
     other = (own + 3) % 8  # (b, T, M, K): a different set of experts at every pair
     other[0, 0, 0] = NO_EXPERT[torch.uint8]  # one pair with no engine id: the trainer keeps its own there
     weights: dict[int, torch.Tensor] = {}
@@ -75,9 +75,9 @@ def test_replay_uses_given_ids_with_the_familys_weights(family: str) -> None:
     logits_in: dict[int, torch.Tensor] = {}
     for m, (_, r) in enumerate(routers(model)):
         r.register_forward_hook(lambda mod, a, out, m=m: logits_in.__setitem__(m, out[0].detach()))
-    with tap(other.to(torch.uint8), replay=True):
-        out = model(input_ids=ids).logits
-        differ, pairs = tap.mismatch(other.to(torch.uint8), torch.ones(3, 7))
+    tap.set(other.to(torch.uint8), replay=True)
+    out = model(input_ids=ids).logits
+    differ, pairs = tap.mismatch(other.to(torch.uint8), torch.ones(3, 7))
     assert not torch.allclose(out, plain)
     for m, (layer, r) in enumerate(routers(model)):
         want = other[:, :, m].reshape(-1, 2).long()
@@ -90,9 +90,17 @@ def test_replay_uses_given_ids_with_the_familys_weights(family: str) -> None:
             p = p / p.sum(-1, keepdim=True)
         torch.testing.assert_close(weights[m].float(), p, rtol=0, atol=1e-6)
     assert (differ, pairs) == (2 * 21 - 1, 2 * 21 - 1)  # every pair differs; one has no engine id
-    with tap(other.to(torch.uint8), replay=True):  # the router still learns: gradient through its logits
-        model(input_ids=ids).logits.square().mean().backward()
+    tap.set(other.to(torch.uint8), replay=True)  # the router still learns: gradient through its logits
+    model(input_ids=ids).logits.square().mean().backward()
+    grads = [p.grad.clone() for p in model.parameters()]
     assert all(r.weight.grad is not None and r.weight.grad.abs().sum() > 0 for _, r in routers(model))
+    # gradient checkpointing re-runs each layer's forward inside backward: it must replay the same ids
+    model.zero_grad()
+    model.train()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model(input_ids=ids).logits.square().mean().backward()
+    for g, p in zip(grads, model.parameters()):
+        torch.testing.assert_close(p.grad, g)
 
 
 def test_batch_carries_routing_through_shards_and_padding() -> None:
@@ -166,7 +174,8 @@ def engines(tmp_path_factory: pytest.TempPathFactory):
     pg = placement_group([{"GPU": 1, "CPU": 1}] * 2)
     ray.get(pg.ready())
     actors = [RolloutEngine.options(num_gpus=0.4, num_cpus=0, scheduling_strategy=PlacementGroupSchedulingStrategy(
-        placement_group=pg, placement_group_bundle_index=r)).remote(_cfg(d), r, 2, 0) for r, d in enumerate((base, pert))]
+        placement_group=pg, placement_group_bundle_index=r)).remote(_cfg(d), r, 2, 0)
+        for r, d in enumerate((base, pert))]
     ray.get([a.ready.remote() for a in actors])
     yield {"synced": actors[0], "fresh": actors[1], "model": model, "pert": pert}
     ray.get([a.shutdown.remote() for a in actors])
@@ -201,9 +210,10 @@ def test_trainer_replays_the_engines_routing_exactly(engines) -> None:
     ids, am = batch["routed_experts"], batch["attention_mask"]
     gaps = {}
     for replay in (False, True):
-        with torch.no_grad(), tap(ids, replay=replay):
+        tap.set(ids, replay=replay)
+        with torch.no_grad():
             logits = model(input_ids=batch["input_ids"], attention_mask=am).logits.float()
-            differ, pairs = tap.mismatch(ids, am)
+        differ, pairs = tap.mismatch(ids, am)
         lp = torch.log_softmax(logits[:, :-1], -1).gather(-1, batch["input_ids"][:, 1:, None])[..., 0]
         old = torch.nn.functional.pad(lp, (1, 0))
         gaps[replay] = gap_metrics(logprob_gap(old, batch["rollout_logprobs"], batch["loss_mask"]))

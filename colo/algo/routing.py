@@ -1,9 +1,9 @@
 """Rollout routing replay (R3) on the trainer's side: make HF MoE blocks use the engine's expert ids.
 
     tap = RouterTap(model)                          # forward hooks on every MoE router, once
-    with tap(ids, replay=True):                     # ids: (b, T, M, K) from the batch, NO_EXPERT where none
-        logits = model(input_ids=...)               # the experts run on the engine's ids
-    differ, pairs = tap.mismatch()                  # (token, layer) pairs whose own top-k set differs
+    tap.set(ids, replay=True)                       # ids: (b, T, M, K) from the batch, NO_EXPERT where none
+    logits = model(input_ids=...)                   # the experts run on the engine's ids
+    differ, pairs = tap.mismatch(ids, valid)        # (token, layer) pairs whose own top-k set differs
 
 Why: the engine and the trainer compute router logits with different kernels and precision, so at a
 near-tie they pick different experts for the same token. The trainer then scores (and trains) a policy
@@ -14,7 +14,9 @@ family normalizes them, so the router keeps its gradient.
 The hook replaces the router module's output `(router_logits, weights, ids)`: the MoE block hands those
 to its experts, so nothing else in transformers changes. The router's input is the block's hidden states
 flattened to (b*T, H) in row-major order: row r is token (r // T, r % T), which is how `ids` is laid out.
-Gradient checkpointing re-runs a layer's forward in backward; the hook gives the same ids both times.
+Gradient checkpointing re-runs a layer's forward in backward, after the forward has returned: the ids
+therefore stay set until the next `set` (the trainer sets them before every forward, None for a batch
+without them), so the recompute routes exactly as the forward did.
 
 Families (transformers 5.19), by router class; each proven by tests/test_routing.py (own ids replayed give
 bit-identical outputs; other ids give the family formula):
@@ -25,9 +27,6 @@ Others (DeepSeek-V3 / GLM-4.5's sigmoid + bias + groups, GPT-OSS, Qwen3-Next) ar
 (colo.config: REPLAY_ARCHS); their routing mismatch is not measured either.
 """
 from __future__ import annotations
-
-from contextlib import contextmanager
-from typing import Iterator
 
 import torch
 from torch import nn
@@ -64,7 +63,7 @@ def replay_weights(router: nn.Module, logits: torch.Tensor, ids: torch.Tensor) -
 
 class RouterTap:
     """Forward hooks on every router of `model`: records the trainer's own top-k and, in replay, swaps in
-    the given ids. Inactive outside `with tap(...)`: the model then runs exactly as transformers wrote it."""
+    the given ids. With no ids set the model runs exactly as transformers wrote it."""
 
     def __init__(self, model: nn.Module) -> None:
         self.layers = routers(model)
@@ -91,17 +90,12 @@ class RouterTap:
             return logits, replay_weights(router, logits, ids), ids
         return hook
 
-    @contextmanager
-    def __call__(self, ids: torch.Tensor | None, replay: bool) -> Iterator[None]:
-        """Hooks live for one forward over a micro-batch whose engine ids are `ids` (b, T, M, K)."""
+    def set(self, ids: torch.Tensor | None, replay: bool) -> None:
+        """The engine's ids (b, T, M, K) of the micro-batch about to run forward (and backward), or None."""
         if ids is not None and ids.shape[2] != len(self.layers):
             raise RuntimeError(f"the batch carries routing for {ids.shape[2]} MoE layers, the model has "
                                f"{len(self.layers)}")
         self.ids, self.replay, self.own, self.used = ids, replay and ids is not None, {}, {}
-        try:
-            yield
-        finally:
-            self.ids = None
 
     def mismatch(self, ids: torch.Tensor, valid: torch.Tensor) -> tuple[float, float]:
         """(pairs whose own top-k set differs from `ids`, pairs compared) over tokens where `valid` (b, T)

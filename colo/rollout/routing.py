@@ -87,24 +87,31 @@ class Recorder:
         return self.layers
 
     def stop(self) -> list[dict]:
+        """Per forward since start: {"ids": (n,), "pos": (n,), "topk": (n, M, K) int16} (plain tensors: they
+        cross vLLM's RPC). Rows past the positions (a padded step) are dropped."""
         self.on = False
         steps, self.steps = self.steps, []
-        return steps
+        out = []
+        for s in steps:
+            n = s["pos"].numel()
+            missing = [m for m in self.layers if m not in s]
+            if missing:
+                raise RuntimeError(f"routing capture: MoE layers {missing} recorded nothing in a forward of {n} "
+                                   "tokens")
+            out.append({"ids": s["ids"].view(-1), "pos": s["pos"].view(-1),
+                        "topk": torch.stack([s[m][:n] for m in self.layers], dim=1)})
+        return out
 
 
-def split_sequences(steps: list[dict], layers: list[int]) -> list[tuple[tuple[int, ...], np.ndarray]]:
+def split_sequences(steps: list[dict]) -> list[tuple[tuple[int, ...], np.ndarray]]:
     """Each forward's flat rows -> (token ids, (len, M, K) int16 ids) per sequence that starts at position 0.
 
-    Rows past the positions (a padded step) are dropped; a sequence that does not run 0, 1, 2, ... is an
-    error: it would mean tokens were served from a cache or split over steps, and rows would be missing."""
+    A sequence that does not run 0, 1, 2, ... is an error: it would mean tokens were served from a cache or
+    split over steps, and rows would be missing."""
     out = []
     for s in steps:
-        pos, ids = s["pos"].view(-1), s["ids"].view(-1)  # (n,)
+        pos, ids, topk = s["pos"], s["ids"], s["topk"]  # (n,), (n,), (n, M, K)
         n = pos.numel()
-        missing = [m for m in layers if m not in s]
-        if missing:
-            raise RuntimeError(f"routing capture: MoE layers {missing} recorded nothing in a forward of {n} tokens")
-        topk = torch.stack([s[m][:n] for m in layers], dim=1)  # (n, M, K)
         starts = (pos == 0).nonzero().view(-1).tolist()
         if not starts or starts[0] != 0:
             raise RuntimeError("routing capture: a forward began mid-sequence (prefix-cached or chunked tokens); "
@@ -126,14 +133,14 @@ def capture_by_prefill(llm: Any, rpc: Callable[..., Any], sequences: list[list[i
 
     todo = [i for i, s in enumerate(sequences) if len(s) >= 1]
     params = SamplingParams(max_tokens=1, temperature=0.0, skip_reading_prefix_cache=True)
-    layers = rpc("colo_routing_start")
+    rpc("colo_routing_start")
     try:
         llm.generate([TokensPrompt(prompt_token_ids=list(map(int, sequences[i]))) for i in todo],
                      [params] * len(todo), use_tqdm=False)
     finally:
         steps = rpc("colo_routing_stop")
     found: dict[tuple[int, ...], list[np.ndarray]] = defaultdict(list)
-    for toks, ids in split_sequences(steps, layers):
+    for toks, ids in split_sequences(steps):
         found[toks].append(ids)
     out: list[np.ndarray | None] = [None] * len(sequences)
     for i in todo:  # equal sequences route alike: any of their captures will do
@@ -150,6 +157,9 @@ def from_vllm_output(routed: np.ndarray, moe_layers: list[int], length: int, dty
 
     vLLM 0.26 sizes the layer axis by num_hidden_layers (dense layers stay zero); an axis of M already
     holds only MoE layers."""
+    if routed is None:
+        raise RuntimeError("vLLM returned no routed_experts for a sample although the engine started with "
+                           "enable_return_routed_experts=True (a vLLM without it, or a model runner that drops it)")
     routed = np.asarray(routed)
     if routed.shape[1] != len(moe_layers):
         routed = routed[:, moe_layers]

@@ -139,9 +139,9 @@ class Trainer:
         am = mb["attention_mask"].to(self.device)  # (b, T)
         # positions count real tokens, so left padding (if a caller uses it) matches vLLM's
         pos = (am.long().cumsum(-1) - 1).clamp(min=0)  # (b, T)
-        ids_r = mb.get("routed_experts") if model is self.model else None  # (b, T, M, K) the engine's
-        with self.routing(ids_r, replay=str(self.cfg.algo.routing_replay) == "r3"):
-            logits = model(input_ids=ids, attention_mask=am, position_ids=pos, use_cache=False).logits
+        if model is self.model:  # the engine's (b, T, M, K) expert ids, kept through backward's recompute
+            self.routing.set(mb.get("routed_experts"), replay=str(self.cfg.algo.routing_replay) == "r3")
+        logits = model(input_ids=ids, attention_mask=am, position_ids=pos, use_cache=False).logits
         return logits if temperature == 1.0 else logits / temperature  # (b, T, V)
 
     @property
