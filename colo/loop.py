@@ -82,13 +82,15 @@ def memory_probe(c: Cluster) -> Callable[[], dict]:
     return probe
 
 
-def generate(c: Cluster, prompts: list[dict], n: int, cfg: ColoConfig, *, greedy: bool, seed: int) -> list[dict]:
-    """Spread prompts over the engines by count; returns samples in prompt order, prompt_index global."""
+def generate(c: Cluster, prompts: list[dict], n: int, cfg: ColoConfig, *, greedy: bool, seed: int,
+             routing: bool = False) -> list[dict]:
+    """Spread prompts over the engines by count; returns samples in prompt order, prompt_index global.
+    `routing`: samples carry the engine's expert ids (colo.rollout.routing) for replay and routing/mismatch."""
     w = len(c.engines)
     chunks = [list(range(r, len(prompts), w)) for r in range(w)]  # round robin: counts differ by ≤ 1
     temp, top_p = (0.0, 1.0) if greedy else (cfg.rollout.temperature, cfg.rollout.top_p)
     per_engine = c.engine_group.generate([[prompts[i]["prompt_ids"] for i in idx] for idx in chunks], n,
-                                         cfg.rollout.max_tokens, temp, top_p, [seed + r for r in range(w)])
+                                         cfg.rollout.max_tokens, temp, top_p, [seed + r for r in range(w)], routing)
     samples = []
     for idx, outs in zip(chunks, per_engine):
         for s in outs:
@@ -118,7 +120,8 @@ def rl_step(step: int, c: Cluster, cfg: ColoConfig, inputs: RunInputs, rewards: 
     trainers, engines, t_step = c.trainer_group, c.engine_group, time.perf_counter()
     with t("rollout"):
         prompts = inputs.train_data.next_batch(cfg.data.prompts_per_step)
-        samples = generate(c, prompts, n, cfg, greedy=False, seed=cfg.run.seed * 100_003 + step * 1_009)
+        samples = generate(c, prompts, n, cfg, greedy=False, seed=cfg.run.seed * 100_003 + step * 1_009,
+                           routing=True)  # every step: routing/mismatch is logged with replay on or off
     with t("reward"):
         reward = score(rewards, prompts, samples, inputs.tokenizer)  # (N*G,)
         adv, penalty = step_advantages(samples, reward, n, cfg.algo, cfg.rollout.max_tokens)  # (N*G,) each

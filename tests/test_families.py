@@ -37,6 +37,7 @@ from conftest import ROOT
 from colo.bench.sync import LOGPROB_ATOL, compare, greedy
 from colo.cluster import Cluster, connect_weight_group, start_cluster
 from colo.config import from_dict, load_config, to_dict
+from colo.config.checks import REPLAY_ARCHS
 from colo.models.families import FAMILIES, make_family_model
 from colo.placement import plan_placement, remove_placement, scheduling
 from colo.rollout.engine import Engine
@@ -289,6 +290,10 @@ def test_family_syncs_equivalent_and_trains(rig: Rig, family: str) -> None:
             m = rl_step(step, c, cfg, inputs, rewards, pos)
             assert m["sync/verified"] and m["sync/bytes"] > 0
             assert m["logprob_diff/mean"] < LOGPROB_GAP, (family, step, m["logprob_diff/mean"])
+            # the engine's routing is captured for the families R3 replays (docs/routing.md): a layer or
+            # token misaligned between engine and trainer would show as a mismatch near 1 - top_k/E
+            routed = FAMILIES[family].architecture in REPLAY_ARCHS
+            assert ("routing/mismatch" in m) == routed and m.get("routing/mismatch", 0.0) < 0.1, (family, m)
             assert_step_order(ray.get([t.calls.remote() for t in c.trainers]),
                               ray.get([e.calls.remote() for e in c.engines]))
         c.trainer_group.onload()

@@ -14,12 +14,19 @@ Row b of the batch is prompt_ids + response_ids, right-padded to T:
 
 so rollout_logprobs[b, t] = log p(input_ids[b, t] | input_ids[b, :t]), the same alignment as the
 trainer's recomputed log-probs (logits at t-1 score token t).
+
+Samples that carry the engine's routing ("routing": (P+R-1, M, K) expert ids, colo.rollout.routing) add
+routed_experts (B, T, M, K) in their dtype (uint8, or int16 past 254 experts): row t holds the experts
+token t was routed to in each MoE layer. The last token of each sample (the engine never forwarded it) and
+the padding hold NO_EXPERT (255 / -1), where the trainer keeps its own routing. A whole step of Qwen3-30B-A3B
+(M=48, K=8) costs 384 bytes per token.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 
@@ -69,7 +76,8 @@ def build_batch(
         if r:
             rollout_lp[b, P:L] = torch.tensor([float(x) for x in lp], dtype=torch.float32)
     index = torch.tensor([int(s.get("sample_index", i)) for i, s in enumerate(samples)])
-    return {
+    routed = _routed_experts(samples, T) if "routing" in samples[0] else {}
+    return {**routed,
         "input_ids": input_ids,  # (B, T)
         "attention_mask": attention_mask,  # (B, T)
         "loss_mask": loss_mask,  # (B, T)
@@ -77,6 +85,31 @@ def build_batch(
         "rollout_logprobs": rollout_lp,  # (B, T)
         "sample_index": index,  # (B,)
     }
+
+
+NO_EXPERT = {torch.uint8: 255, torch.int16: -1}  # colo.algo.routing reads the same values
+
+
+def _routed_experts(samples: Sequence[dict], T: int) -> dict[str, torch.Tensor]:
+    """{"routed_experts": (B, T, M, K)} from each sample's (P+R-1, M, K) "routing" (numpy or tensor)."""
+    first = _ids(samples[0]["routing"])
+    dtype = first.dtype
+    if dtype not in NO_EXPERT:
+        raise ValueError(f"routing ids of dtype {dtype}; expected uint8 or int16 (colo.rollout.routing.ids_dtype)")
+    out = torch.full((len(samples), T, *first.shape[1:]), NO_EXPERT[dtype], dtype=dtype)
+    for b, s in enumerate(samples):
+        ids = _ids(s["routing"])
+        n = len(s["prompt_ids"]) + len(s["response_ids"]) - 1
+        if ids.dtype != dtype or ids.shape[1:] != first.shape[1:] or ids.shape[0] != n:
+            raise ValueError(f"sample {b}: routing {tuple(ids.shape)} {ids.dtype}, expected ({n}, "
+                             f"{', '.join(map(str, first.shape[1:]))}) {dtype}")
+        out[b, :n] = ids
+    return {"routed_experts": out}  # (B, T, M, K)
+
+
+def _ids(x: object) -> torch.Tensor:
+    """A tensor of its own (Ray hands numpy arrays over read-only)."""
+    return x.clone() if isinstance(x, torch.Tensor) else torch.from_numpy(np.array(x))
 
 
 def balance(lengths: Sequence[int], world_size: int) -> list[list[int]]:

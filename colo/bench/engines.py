@@ -83,3 +83,4 @@ class VllmIpcEngine(BenchEngine):
 
     def vllm_finish_weight_update(self) -> None:
         self.llm.finish_weight_update()
+        self._drop_prefix_cache()  # as the product sync does after every update

@@ -41,6 +41,7 @@ def validate(cfg: ColoConfig, *, check_resources: bool = True, check_gpus: bool 
                           f"{divisors}")
     _check_attention_heads(cfg, model.get("num_attention_heads"))
     _check_model_family(cfg, model)
+    _check_routing_replay(cfg, model)
     _check_weights(cfg)
     for key in ("data.path", "data.eval_path"):
         _check_data(cfg, key)
@@ -199,6 +200,17 @@ def _check_attention_heads(cfg: ColoConfig, heads: int | None) -> None:
         raise ConfigError(f"the model has {heads} attention heads, not divisible by rollout.tp_size={tp} "
                           f"(vLLM splits them over an engine's GPUs); fix: rollout.tp_size to one of "
                           f"{sizes} (divides the heads and the {engine_gpus} engine GPUs)")
+
+
+# Architectures whose HF routers colo.algo.routing can replay (each proven by tests/test_routing.py).
+REPLAY_ARCHS = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
+
+
+def _check_routing_replay(cfg: ColoConfig, model: dict[str, Any]) -> None:
+    archs = model.get("architectures") or []
+    if cfg.algo.routing_replay == "r3" and (archs[0] if archs else None) not in REPLAY_ARCHS:
+        raise ConfigError(f"algo.routing_replay=r3 is not supported for {archs[0] if archs else 'this model'} "
+                          f"(routing replay supports {', '.join(REPLAY_ARCHS)}); fix: algo.routing_replay=off")
 
 
 def _check_model_family(cfg: ColoConfig, model: dict[str, Any]) -> None:

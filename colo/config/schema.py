@@ -20,6 +20,7 @@ CHOICES = {  # must match the consumers: colo.algo.loss.LOSS_AGGS, colo.sync, co
     "rollout.sleep_level": ("auto", 1, 2),
     "algo.loss_agg": ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean"),
     "algo.overlong": ("none", "filter", "penalty"),
+    "algo.routing_replay": ("off", "r3"),
     "sync.mode": ("direct", "load_weights"),
     "trainer.optimizer_dtype": ("float32", "bfloat16"),
     "run.wandb_mode": ("auto", "online", "offline"),
@@ -162,6 +163,10 @@ class AlgoConfig:
     """algo.overlong=penalty: the reward penalty of a response at rollout.max_tokens."""
     rewards: list[str] = field(default_factory=lambda: ["exact_match"])
     """Reward functions, summed: built-ins (exact_match, numeric, format) or "module:function"."""
+    routing_replay: str = "off"
+    """off | r3: rollout routing replay. r3: the trainer's MoE layers use the experts the engine chose for
+    each token (log-prob recompute and training); the weights still come from the trainer's router. Either
+    way the engine's routing is captured every step for the routing/mismatch metric (docs/routing.md)."""
 
 
 @dataclass

@@ -43,6 +43,7 @@ import ray
 
 from colo.config import ColoConfig, from_dict
 from colo.logs import actor_output
+from colo.rollout.routing import capture_by_prefill, from_vllm_output, ids_dtype
 from colo.shm import register_mapped, sweep
 
 EXTENSION_CLS = "colo.sync.receiver.ColoWorkerExtension"  # the weight sync's receiver
@@ -113,6 +114,8 @@ class Engine:
         if self.info.is_cpu != (self.device == "cpu"):
             raise VllmCompatError(f"placement.device is {self.device} but vLLM {self.info.version} "
                                   f"({self.info.distribution}) is a {'CPU' if self.info.is_cpu else 'GPU'} build; {FIX}")
+        self.routing, experts = routing_mode(self.cfg.model.path, self.device)  # None | "vllm" | "prefill"
+        self._ids_dtype = ids_dtype(experts)
         self._start_llm()
         self.sleeping: set[str] = set()  # vLLM tags still asleep; generation waits for none
         self.start_s = time.perf_counter() - t0
@@ -140,6 +143,8 @@ class Engine:
             enable_sleep_mode=self.info.sleep_mode_available)
         if m.dummy_weights:
             kwargs["load_format"] = "dummy"
+        if self.routing == "vllm":  # vLLM records each token's experts (colo.rollout.routing)
+            kwargs["enable_return_routed_experts"] = True
         if self.tp_size > 1:
             kwargs["tensor_parallel_size"] = self.tp_size
         if self.device == "cpu":
@@ -223,11 +228,13 @@ class Engine:
     # ------------------------------------------------------------------------------------ generation
 
     def generate(self, prompt_ids: list[list[int]], n: int, max_tokens: int, temperature: float,
-                 top_p: float, seed: int | None) -> list[dict]:
+                 top_p: float, seed: int | None, routing: bool = False) -> list[dict]:
         """n samples per prompt, in prompt order then sample order, each with its sampled tokens' log-probs.
 
         Prompt i uses seed `seed + i * n` (vLLM gives its j-th sample seed + j), so every sample in one call
         draws from its own stream and a call is reproducible on its own; temperature 0 is greedy.
+        `routing` (an MoE family colo routes, colo.rollout.routing): each sample also carries "routing",
+        (P+R-1, M, K) the experts the engine routed each token to in each MoE layer.
         """
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
@@ -252,7 +259,19 @@ class Engine:
                 logprobs = [float(c.logprobs[t][tok].logprob) for t, tok in enumerate(tokens)]
                 samples.append({"prompt_index": i, "prompt_ids": list(prompt_ids[i]), "response_ids": tokens,
                                 "logprobs": logprobs, "finish_reason": c.finish_reason})
+                if routing and self.routing == "vllm":
+                    samples[-1]["routing"] = from_vllm_output(c.routed_experts, self._moe_layers(),
+                                                              len(prompt_ids[i]) + len(tokens) - 1, self._ids_dtype)
+        if routing and self.routing == "prefill":
+            seqs = [(s["prompt_ids"] + s["response_ids"])[:-1] for s in samples]
+            for s, ids in zip(samples, capture_by_prefill(self.llm, self._rpc, seqs, self._ids_dtype)):
+                s["routing"] = ids
         return samples
+
+    def _moe_layers(self) -> list[int]:
+        if not hasattr(self, "_moe_layer_ids"):
+            self._moe_layer_ids = self._rpc("colo_moe_layers")
+        return self._moe_layer_ids
 
     # ------------------------------------------------------------------------------------ sleep/wake
 
@@ -293,11 +312,22 @@ class Engine:
 
     def end_sync(self, digest: bool) -> dict:
         results = self._rpc_all("colo_end_sync", digest)
+        self._drop_prefix_cache()
         if len(results) == 1:
             return results[0]
         errors = [f"tp rank {t}: {e}" for t, r in enumerate(results) for e in r["errors"]]
         return {"tensors": sum(r["tensors"] for r in results), "bytes": sum(r["bytes"] for r in results),
                 "verified": not errors, "errors": errors, "digest": results[0]["digest"]}
+
+    def _drop_prefix_cache(self) -> None:
+        """After every weight sync: cached KV blocks (and, on GPU, the routing vLLM stores with them) were
+        computed by the old weights, and a prompt that hits them would be scored by a mix of two policies
+        (NeMo-RL #4018 found entries 17 steps old). vLLM 0.32 clears the cache when it sleeps (level >= 1),
+        but disaggregated engines never sleep, and a reset of an empty cache costs nothing, so always reset.
+        tests/test_routing.py fails without it."""
+        if not self.llm.reset_prefix_cache():
+            raise RuntimeError(f"engine {self.rank}: vLLM refused to reset its prefix cache after a weight sync "
+                               "(requests still running?)")
 
     def _rpc(self, method: str, *args: Any) -> Any:
         """TP worker 0's answer (describe: every worker of a TP engine holds the same names)."""
@@ -311,6 +341,23 @@ class Engine:
 
 
 RolloutEngine = ray.remote(Engine)
+
+
+def routing_mode(model_path: str, device: str) -> tuple[str | None, int]:
+    """How this engine reports routing (colo.rollout.routing): "vllm" (GPU, vLLM's own capture), "prefill"
+    (CPU: a capture pass) or None for a model whose routers colo does not read (dense, other families);
+    and the model's expert count (0 when None)."""
+    from colo.config.checks import REPLAY_ARCHS
+
+    try:
+        cfg = json.loads((Path(model_path) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None, 0
+    archs = cfg.get("architectures") or []
+    if not archs or archs[0] not in REPLAY_ARCHS:
+        return None, 0
+    experts = int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0)
+    return ("vllm" if device == "cuda" else "prefill"), experts
 
 
 def _node_resources() -> dict:

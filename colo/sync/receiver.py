@@ -203,6 +203,22 @@ class ColoWorkerExtension:
                 "vllm_version": vllm.__version__, **_tp_position(),
                 "repacked": sorted({t.finalize for t in st.targets.values() if t.finalize})}
 
+    # Routing capture (colo.rollout.routing): the experts the engine routes each token to.
+    def colo_moe_layers(self) -> list[int]:
+        from colo.rollout.routing import moe_layers
+
+        return moe_layers(self._colo_model())
+
+    def colo_routing_start(self) -> list[int]:
+        if getattr(self, "_colo_routing", None) is None:
+            from colo.rollout.routing import Recorder
+
+            self._colo_routing = Recorder(self._colo_model())
+        return self._colo_routing.start()
+
+    def colo_routing_stop(self) -> list[dict]:
+        return self._colo_routing.stop()
+
     def colo_param_digest(self) -> dict[str, float]:
         """tensor_digest of every live vLLM parameter (whatever layout vLLM keeps it in)."""
         return {n: tensor_digest(p.data) for n, p in self._colo_model().named_parameters()}

@@ -30,6 +30,8 @@ import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 
 from colo.algo.loss import gather_logprobs, policy_loss, scale_logits, token_entropy
+from colo.algo.parity import gap_metrics, logprob_gap
+from colo.algo.routing import RouterTap
 from colo.config import ColoConfig, from_dict
 from colo.dtypes import torch_dtype
 from colo.logs import actor_output
@@ -113,6 +115,8 @@ class Trainer:
             self.ref_model = build_sharded(str(c.model.path), **{**build, "dummy": True}).requires_grad_(False)
             self.ref_model.eval()
         self._offloader = Offloader(self.device)
+        self.routing = RouterTap(self.model)  # R3 and the routing-mismatch metric (colo.algo.routing)
+        self._routing_counts = [0.0, 0.0]  # (pairs differing, pairs compared) of the last policy log-prob pass
         self.optimizer = make_optimizer(self.model.parameters(), lr=float(c.trainer.lr),
                                         weight_decay=float(c.trainer.weight_decay),
                                         state_dtype=c.trainer.optimizer_dtype, on_host=c.trainer.optimizer_offload,
@@ -137,6 +141,8 @@ class Trainer:
         am = mb["attention_mask"].to(self.device)  # (b, T)
         # positions count real tokens, so left padding (if a caller uses it) matches vLLM's
         pos = (am.long().cumsum(-1) - 1).clamp(min=0)  # (b, T)
+        if model is self.model:  # the engine's (b, T, M, K) expert ids, kept through backward's recompute
+            self.routing.set(mb.get("routed_experts"), replay=str(self.cfg.algo.routing_replay) == "r3")
         logits = model(input_ids=ids, attention_mask=am, position_ids=pos, use_cache=False).logits
         return scale_logits(logits, temperature)  # (b, T, V)
 
@@ -163,16 +169,23 @@ class Trainer:
     @torch.no_grad()
     def _logprobs(self, model: torch.nn.Module, batch: dict) -> torch.Tensor:
         out = torch.zeros(batch["input_ids"].shape, dtype=torch.float32)  # (B, T)
+        routing = [0.0, 0.0]  # (token, MoE layer) pairs: own top-k differs from the engine's, compared
         training = model.training
         model.eval()  # the log-probs of the policy itself, not of one dropout draw of it
         try:
             for idx, dummy in self._micro_plan(torch.arange(batch["input_ids"].shape[0])):
-                lp = gather_logprobs(self._forward(model, _rows(batch, idx, dummy), self._policy_temperature),
+                mb = _rows(batch, idx, dummy)
+                lp = gather_logprobs(self._forward(model, mb, self._policy_temperature),
                                      batch["input_ids"][idx].to(self.device))
                 if not dummy:
                     out[idx] = lp.float().cpu()
+                    if model is self.model and "routed_experts" in mb:  # real rows only: padding rows score nothing
+                        valid = mb["attention_mask"] * (mb["loss_mask"].sum(1, keepdim=True) > 0)  # (b, T)
+                        routing = [a + b for a, b in zip(routing, self.routing.mismatch(mb["routed_experts"], valid))]
         finally:
             model.train(training)
+        if model is self.model:
+            self._routing_counts = routing
         # forward-only passes leave the root and last layer gathered (reshard_after_forward=False,
         # meant for a backward that never comes); the sync reads params and expects DTensor shards
         for m in model.modules():
@@ -293,9 +306,6 @@ class Trainer:
                     for k, v in got.items():
                         sums[k] = sums.get(k, 0.0) + v
                 norms.append(self._optim_step())
-        if "rollout_logprobs" in batch:
-            sums["logprob_diff"] = ((old - batch["rollout_logprobs"].float()).abs() * mask).sum()
-            sums["diff_tokens"] = mask.sum()
         keys = sorted(sums)
         tot = dict(zip(keys, self._agree([float(sums[k]) for k in keys], dist.ReduceOp.SUM)))
         updates = max(1, int(t.epochs)) * M
@@ -303,10 +313,25 @@ class Trainer:
         out = {k: tot.pop(k) / updates for k in ("loss", *ADDITIVE) if k in tot}  # mean over updates
         out |= {"grad_norm": sum(norms) / len(norms), "grad_norm/max": max(norms), "updates": updates,
                 "trainer/lr": float(self.optimizer.param_groups[0]["lr"])}  # as the optimizer ran it
-        if "logprob_diff" in tot:
-            out["logprob_diff/mean"] = tot.pop("logprob_diff") / max(tot.pop("diff_tokens"), 1.0)
         out.update({k: v / tokens for k, v in tot.items()})
+        out.update(self._parity(batch, old))
         self._release_cache()
+        return out
+
+    def _parity(self, batch: dict, old: torch.Tensor) -> dict:
+        """Trainer vs engine before the update, global over ranks: the log-prob gap of the sampled tokens
+        (colo.algo.parity) and, when the batch carries the engine's routing, routing/mismatch: the share of
+        (token, MoE layer) pairs whose trainer top-k set differs from the engine's (replay or not)."""
+        out: dict = {}
+        if "rollout_logprobs" in batch:
+            gap = logprob_gap(old, batch["rollout_logprobs"], batch["loss_mask"])
+            sums = dict(zip(("gap_abs", "gap_k3", "gap_tokens"),
+                            self._agree([gap["gap_abs"], gap["gap_k3"], gap["gap_tokens"]], dist.ReduceOp.SUM)))
+            sums["gap_max"] = self._agree([gap["gap_max"]], dist.ReduceOp.MAX)[0]
+            out.update(gap_metrics(sums))
+        if "routed_experts" in batch:
+            differ, pairs = self._agree(self._routing_counts, dist.ReduceOp.SUM)
+            out["routing/mismatch"] = differ / max(pairs, 1.0)
         return out
 
     def _release_cache(self) -> None:
