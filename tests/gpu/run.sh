@@ -13,7 +13,7 @@
 # in the same run); loop = a few RL steps of the 2-layer Qwen3-30B-A3B shape (random weights) on every
 # GPU, with per-phase times and memory (LOOP_ARGS are added to colo.launch's arguments; the run dir is
 # $RUN_ROOT/colo-loop, default /tmp, outside $OUT; its metrics.jsonl is copied to $OUT/loop-metrics.jsonl);
-# routing = test_routing.py (1 GPU: routing mismatch and log-prob gap with and without R3 on
+# routing = test_routing_gpu.py (1 GPU: routing mismatch and log-prob gap with and without R3 on
 # qwen3-30b-a3b-L2); rollout = colo.bench.rollout, the colocated engine's output tokens/s against a standalone one (only when
 # named in STEPS: it takes ~8 minutes on an H100).
 # Everything this script leaves in $OUT is at most 8 files, one level deep: what a device call brings back.
@@ -61,7 +61,7 @@ want() { case " $STEPS " in *" $1 "*) return 0;; *) return 1;; esac; }
 want colocated && step pytest-colocated 420 "$PY" -m pytest tests/gpu/test_colocated.py -x -q -s -p no:cacheprovider
 want ipc && step pytest-ipc 90 "$PY" -m pytest tests/gpu/test_ipc_alloc.py -x -q -s -p no:cacheprovider
 want dpep && step pytest-dpep 240 "$PY" -m pytest tests/gpu/test_dpep.py -x -q -s -p no:cacheprovider
-want routing && step pytest-routing 300 "$PY" -m pytest tests/gpu/test_routing.py -x -q -s -p no:cacheprovider
+want routing && step pytest-routing 300 "$PY" -m pytest tests/gpu/test_routing_gpu.py -x -q -s -p no:cacheprovider
 
 if [ "$ngpu" -ge 4 ]; then default_bench="--preset qwen3-30b-a3b --ranks $ngpu"  # issue 5's goal: <= 1.0 s
 else default_bench="--preset qwen3-30b-a3b-L12 --ranks $((ngpu < 2 ? ngpu : 2))"; fi

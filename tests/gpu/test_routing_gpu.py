@@ -1,7 +1,7 @@
 """Routing replay on one GPU with the Qwen3-30B-A3B shape (2 layers, 128 experts top-8, random weights).
 
     bash tests/gpu/run.sh                      # STEPS="routing" for this one alone
-    PYTHONPATH=. python -m pytest tests/gpu/test_routing.py -x -q -s    (~3 min on one H100/H200)
+    PYTHONPATH=. python -m pytest tests/gpu/test_routing_gpu.py -x -q -s    (~3 min on one H100/H200)
 
 A TrainWorker (FSDP2, bf16 compute) and a RolloutEngine (vLLM 0.26, started with
 enable_return_routed_experts) share the GPU; the trainer's weights are synced into the engine, so both
