@@ -114,15 +114,18 @@ class Engine:
         if self.info.is_cpu != (self.device == "cpu"):
             raise VllmCompatError(f"placement.device is {self.device} but vLLM {self.info.version} "
                                   f"({self.info.distribution}) is a {'CPU' if self.info.is_cpu else 'GPU'} build; {FIX}")
-        self.routing, experts = routing_mode(self.cfg.model.path, self.device)  # None | "vllm" | "prefill"
-        self._ids_dtype = ids_dtype(experts)
         self._start_llm()
         self.sleeping: set[str] = set()  # vLLM tags still asleep; generation waits for none
         self.start_s = time.perf_counter() - t0
 
     def _start_llm(self) -> None:
-        """The vLLM engine for self.cfg (set up once the environment is; a test may start another)."""
+        """The vLLM engine for self.cfg (set up once the environment is; a test may start another). How the
+        engine's routing is captured depends on the model, so it is decided here, with the model."""
         from vllm import LLM
+
+        self.routing, experts = routing_mode(self.cfg.model.path, self.device)  # None | "vllm" | "prefill"
+        self._ids_dtype = ids_dtype(experts)
+        self.__dict__.pop("_moe_layer_ids", None)  # the MoE layers of the model loaded before, if any
 
         self.llm = LLM(**self._llm_kwargs())
         if self.device == "cpu" and self.tp_size > 1:  # vLLM's multiprocess executor: its queues are in /dev/shm
