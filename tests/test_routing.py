@@ -233,12 +233,17 @@ def test_no_stale_prefix_cache_after_a_sync(engines) -> None:
     log-probs after it must be those of an engine that loaded the new weights from disk: a cached block
     computed by the old weights would give a mix of two policies (fails with Engine._drop_prefix_cache
     removed: measured, the greedy tokens after the sync differ)."""
-    from colo.sync.sender import push_weights
+    from colo.config import SyncConfig
+    from colo.sync.sender import Sender
 
     synced, fresh = engines["synced"], engines["fresh"]
     greedy = dict(n=1, max_tokens=6, temperature=0.0, top_p=1.0, seed=0)
     before = ray.get(synced.generate.remote([PROMPT], **greedy))[0]
-    rep = push_weights(engines["model"], synced, {"bucket_mb": 1, "buffers": 2}, {})
+    sender = Sender.colocated(engines["model"], SyncConfig(bucket_mb=1, buffers=2), synced)
+    try:
+        rep = sender.push()
+    finally:
+        sender.close()
     assert rep["verified"], rep
     after, want = ray.get([synced.generate.remote([PROMPT], **greedy), fresh.generate.remote([PROMPT], **greedy)])
     assert before["logprobs"] != want[0]["logprobs"], "the sync must change what the engine computes"
