@@ -53,7 +53,7 @@ from colo.logs import link_ray_logs, log_of
 from colo.shm import sweep
 from colo.summary import run_summary
 from colo.placement import init_ray, plan_placement
-from colo.sync.mapping import MappingError
+from colo.sync.plan import MappingError
 
 
 class Timer:

@@ -38,6 +38,8 @@ import re
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Optional
 
+from colo.models.archs import num_experts
+
 if TYPE_CHECKING:
     from colo.config import ColoConfig
 
@@ -142,7 +144,7 @@ def _build_shape(c: dict[str, Any]) -> ModelShape:
     nh = int(c["num_attention_heads"])
     nkv = int(c.get("num_key_value_heads") or nh)
     hd = int(c.get("head_dim") or H // nh)
-    E = int(c.get("num_experts") or c.get("num_local_experts") or c.get("n_routed_experts") or 0)
+    E = num_experts(c)
     k = int(c.get("num_experts_per_tok") or 0)
     I_moe = int(c.get("moe_intermediate_size") or c.get("intermediate_size") or 0)
     I_dense = int(c.get("intermediate_size") or 0)

@@ -267,7 +267,7 @@ def test_model_family_and_weights_refused_before_anything(tmp_path: Path) -> Non
     """Refused by validate() (config.json only, no torch): an architecture the sync does not map (the
     message names the supported ones), a family with no test that runs it (with the reason), a
     quantized checkpoint, and a dir without weight files unless model.dummy_weights."""
-    from colo.sync.mapping import ARCHS
+    from colo.models.archs import ARCHS
 
     ckpt = tmp_path / "ckpt"
     run = f"run.dir={tmp_path}/r"

@@ -1,4 +1,4 @@
-"""Every model family colo claims (colo.sync.mapping.ARCHS), end to end on CPU with a checkpoint in the
+"""Every model family colo claims (colo.models.archs.ARCHS), end to end on CPU with a checkpoint in the
 Hub's layout: synced verified and equivalent, colocated and disaggregated, then a few loop steps.
 
     pytest -q tests/test_families.py          (~4 min on 2 cores: one cluster for all families)
@@ -37,11 +37,10 @@ from conftest import ROOT
 from colo.bench.sync import LOGPROB_ATOL, compare, greedy
 from colo.cluster import Cluster, connect_weight_group, start_cluster
 from colo.config import from_dict, load_config, to_dict
-from colo.config.checks import REPLAY_ARCHS
+from colo.models.archs import ARCHS, REPLAY_ARCHS
 from colo.models.families import FAMILIES, make_family_model
 from colo.placement import plan_placement, remove_placement, scheduling
 from colo.rollout.engine import Engine
-from colo.sync.mapping import ARCHS
 from colo.trainer.worker import Trainer
 
 pytestmark = pytest.mark.slow
@@ -348,7 +347,7 @@ def test_unmapped_model_is_reported_whole_before_anything_runs(rig: Rig) -> None
     """colo.loop.check_sync, which the loop runs before the warm-up: trainers on one family, engines on
     another -> one MappingError naming every unmapped trainer tensor and every uncovered vLLM param."""
     from colo.loop import check_sync
-    from colo.sync.mapping import MappingError
+    from colo.sync.plan import MappingError
 
     rig.load("qwen3_next")  # Qwen3-Next: shared expert, gated delta-net, untied, vocab 355
     ray.get([t.forget_sync.remote() for t in rig.cluster.trainers])

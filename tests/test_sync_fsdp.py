@@ -15,7 +15,8 @@ import torch.multiprocessing as tmp
 
 from colo.config import SyncConfig
 from colo.dtypes import torch_dtype
-from colo.sync.mapping import QWEN3_MOE, direct_segments
+from colo.models.archs import QWEN3_MOE
+from colo.sync.plan import direct_segments
 from colo.sync.sender import Sender
 from colo.sync.transport import ReceiverBuffers
 

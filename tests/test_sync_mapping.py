@@ -9,9 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from colo.sync.mapping import (ARCHS, GPT_OSS, MIXTRAL, QWEN3_MOE, MappingError, Segment, direct_mapping,
-                               direct_segments, reference_segments)
-from colo.sync.plan import build_plan, pack_segments
+from colo.models.archs import ARCHS, GPT_OSS, MIXTRAL, QWEN3_MOE, reference_segments
+from colo.sync.plan import MappingError, Segment, build_plan, direct_mapping, direct_segments, pack_segments
 from colo.sync.sender import pack_piece
 from colo.sync.verify import Coverage
 
@@ -128,3 +127,15 @@ def test_hub_names_for_the_reference_path() -> None:
         ("model.layers.0.mlp.experts.gate_up_proj", 0, (4, 8, 12))]
     assert reference_segments(ARCHS["Qwen2MoeForCausalLM"], "model.layers.0.mlp.experts.down_proj", (2, 8, 3))[1] \
         == ("model.layers.0.mlp.experts.1.down_proj.weight", 24, (8, 3))
+
+
+def test_num_experts_reads_each_familys_key() -> None:
+    """One expert count for config.json dicts and HF configs alike, under every family's key (DeepSeek and
+    GLM name it n_routed_experts, Mixtral and GPT-OSS num_local_experts); 0 for a dense model."""
+    from types import SimpleNamespace
+
+    from colo.models.archs import num_experts
+
+    for key in ("num_experts", "num_local_experts", "n_routed_experts"):
+        assert num_experts({key: 8}) == 8 and num_experts(SimpleNamespace(**{key: 8})) == 8, key
+    assert num_experts({"architectures": ["Qwen3ForCausalLM"]}) == 0 and num_experts(SimpleNamespace()) == 0

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from colo.dtypes import torch_dtype
-from colo.sync.mapping import Segment
+from colo.sync.plan import Segment
 from colo.sync.plan import SyncPlan, pack_segments
 from colo.sync.sender import pack_piece
 from colo.sync.transport import ALIGN, ReceiverBuffers, SenderBuffers

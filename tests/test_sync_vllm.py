@@ -13,7 +13,8 @@ import ray
 import torch
 
 from colo.config import SyncConfig
-from colo.sync.mapping import QWEN3_MOE, direct_segments, reference_weights
+from colo.models.archs import QWEN3_MOE, reference_weights
+from colo.sync.plan import direct_segments
 from colo.sync.sender import Sender
 
 PROMPTS = [[5, 17, 42, 99, 7], [1, 2, 3], [200, 300, 11, 64, 8, 9]]

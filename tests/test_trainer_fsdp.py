@@ -22,7 +22,7 @@ from colo.algo.batch import build_batch
 from colo.algo.loss import gather_logprobs
 from colo.config import ColoConfig
 from colo.models.tiny import make_tiny_model
-from colo.trainer.fsdp import expert_shard_range
+from colo.models.archs import expert_shard_range
 from colo.trainer.worker import Trainer
 
 EXPERTS = "model.layers.{}.mlp.experts.gate_up_proj"

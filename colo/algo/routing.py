@@ -24,7 +24,7 @@ bit-identical outputs; other ids give the family formula):
   Qwen2-MoE (Qwen2MoeTopKRouter, Qwen3MoeTopKRouter).
 - softmax, top-k, always renormalized, kept in float32: Mixtral (MixtralTopKRouter).
 Others (DeepSeek-V3 / GLM-4.5's sigmoid + bias + groups, GPT-OSS, Qwen3-Next) are refused for r3
-(colo.config: REPLAY_ARCHS); their routing mismatch is not measured either.
+(colo.models.archs: no `router` in their table); their routing mismatch is not measured either.
 """
 from __future__ import annotations
 
@@ -32,14 +32,12 @@ import torch
 from torch import nn
 
 from colo.algo.batch import NO_EXPERT  # "no engine id here": padding, the last token
-from colo.config.checks import REPLAY_ARCHS  # noqa: F401 (architectures whose routers are all in ROUTERS)
+from colo.models.archs import ARCHS
 
-# HF router class -> (renormalize: "config" (norm_topk_prob) | "always", cast to the logits' dtype)
-ROUTERS: dict[str, tuple[str, bool]] = {
-    "Qwen3MoeTopKRouter": ("config", True),
-    "Qwen2MoeTopKRouter": ("config", True),
-    "MixtralTopKRouter": ("always", False),
-}
+# HF router class -> (renormalize: "config" (norm_topk_prob) | "always", cast to the logits' dtype), from the
+# family tables: a family with a `router` there is one colo.config lets replay (REPLAY_ARCHS)
+ROUTERS: dict[str, tuple[str, bool]] = {a.router.cls: (a.router.renormalize, a.router.cast)
+                                        for a in ARCHS.values() if a.router is not None}
 
 
 def routers(model: nn.Module) -> list[tuple[int, nn.Module]]:

@@ -26,8 +26,8 @@ from torch.distributed.tensor import DTensor
 
 from colo.config import SyncConfig
 from colo.dtypes import dtype_name
-from colo.sync.mapping import arch_for, reference_segments, reference_weights
-from colo.sync.sender import SyncError, architecture, bucket_bytes, sync_tensors
+from colo.models.archs import reference_segments, reference_weights
+from colo.sync.sender import SyncError, bucket_bytes, model_arch, sync_tensors
 from colo.sync.transport import SenderBuffers, align_up
 
 DTYPE = torch.bfloat16  # what vLLM's examples send (the engines' dtype in every benchmark config)
@@ -49,7 +49,7 @@ def push_weights_baseline(model: nn.Module, engine: Any, sync_cfg: SyncConfig, r
     and every bucket at once needed 2x the bf16 model on the trainer's GPU, beyond an H200 at full size)."""
     t_start = time.perf_counter()
     limit = bucket_bytes(sync_cfg)
-    arch = arch_for(architecture(model))
+    arch = model_arch(model)
     dtype = DTYPE
     timings = {"gather": 0.0, "pack": 0.0, "load": 0.0}
     params = sync_tensors(model)  # parameters and persistent buffers
@@ -122,7 +122,7 @@ def broadcast_weights_baseline(model: nn.Module, engines: list, group: Any, sync
     rank; rank 0 then sends each (per-expert un-fused) tensor in a broadcast of its own and waits until
     every engine has loaded it with vLLM's load_weights. `group` is None on ranks > 0 (gather only)."""
     t_start = time.perf_counter()
-    arch = arch_for(architecture(model))
+    arch = model_arch(model)
     dtype = DTYPE
     timings = {"gather": 0.0, "pack": 0.0, "load": 0.0}
     params = sync_tensors(model)  # parameters and persistent buffers
@@ -173,7 +173,7 @@ def push_weights_vllm_ipc(model: nn.Module, engines: list, sync_cfg: SyncConfig)
     from vllm.distributed.weight_transfer.ipc_engine import IPCTrainerSendWeightsArgs, IPCWeightTransferEngine
 
     t_start = time.perf_counter()
-    arch = arch_for(architecture(model))
+    arch = model_arch(model)
     dtype = DTYPE
     sender = not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
     sent = {"tensors": 0, "bytes": 0, "chunks": 0}

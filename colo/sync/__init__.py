@@ -13,8 +13,8 @@
     end_sync on every engine ◀── coverage (+ digests) report ◀─────────────── colo_end_sync: re-pack for
                                                                                 the CPU kernels, verify
 
-Data beside them: mapping.py (per-family HF -> vLLM name tables, element runs), plan.py (the SyncPlan:
-which runs go into which bucket at which offset, built once), verify.py (coverage and digest checks, pure:
+Data beside them: plan.py (the SyncPlan: the HF -> vLLM name rules applied to the family's table from
+colo.models.archs, and which element runs go into which bucket at which offset, built once), verify.py (coverage and digest checks, pure:
 the sender and the receiver both use them). The yardsticks the benchmark compares with live in
 colo.bench.yardsticks, not here.
 """

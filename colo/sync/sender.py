@@ -6,7 +6,7 @@
     sender.close()                                                   # unlink the shared buffers
 
 Building a Sender is collective (every trainer rank builds one at the same time): it asks the engine
-for its describe(), builds the SyncPlan (plan.py, from the name tables of mapping.py), decides the
+for its describe(), builds the SyncPlan (plan.py, from the family's table in colo.models.archs), decides the
 expert fast path (an all-reduce) and allocates its buffers once. Every push() then replays the plan:
 
     FSDP unit ──unshard() (1 all-gather/unit; expert units ──to_local(), no all-gather, when the
@@ -42,20 +42,19 @@ from torch.distributed.tensor import DTensor
 
 from colo.config import SyncConfig
 from colo.dtypes import torch_dtype
-from colo.sync.mapping import Arch, MappingError, arch_for, direct_mapping, expert_param, find_expert_param
-from colo.sync.plan import build_plan, build_reference_plan
+from colo.models.archs import Arch, arch_for, architecture, expert_param, expert_shard_range
+from colo.sync.plan import MappingError, build_plan, build_reference_plan, direct_mapping
 from colo.sync.transport import SenderBuffers, WeightGroup, align_up
 from colo.sync.verify import compare_digests, piece_digest
-from colo.trainer.fsdp import expert_shard_range
 
 
 class SyncError(RuntimeError):
     pass
 
 
-def architecture(model: nn.Module) -> str:
-    archs = getattr(getattr(model, "config", None), "architectures", None) or []
-    return archs[0] if archs else type(model).__name__
+def model_arch(model: nn.Module) -> Arch:
+    """The family table of a HF model (NotImplementedError naming the supported ones otherwise)."""
+    return arch_for(architecture(getattr(model, "config", None)) or type(model).__name__)
 
 
 def bucket_bytes(cfg: SyncConfig) -> int:
@@ -114,8 +113,9 @@ class ParamSource:
     def _tensor(self, name: str) -> torch.Tensor:
         return self.model.get_buffer(name) if name in self.buffers else self.model.get_parameter(name)
 
-    def expert_fast_path(self, describe: dict) -> tuple[bool, str]:
+    def expert_fast_path(self, describe: dict, expert_modules: dict[str, str]) -> tuple[bool, str]:
         """True when every expert unit's local shard is exactly what the colocated engine holds.
+        `expert_modules`: the plan's vLLM MoE module of each fused expert param (SyncPlan.expert_modules).
 
         Collective when torch.distributed is initialized (all ranks must call it)."""
         ok, why = True, "expert shards match the engine's experts"
@@ -132,11 +132,7 @@ class ParamSource:
                 if not isinstance(p, DTensor) or p.device_mesh.ndim != 1 or not p.placements[0].is_shard(0):
                     ok, why = False, f"{name}: not a dim-0 sharded DTensor"
                     break
-                vmodule = name.rpartition(".")[0]
-                for old, new in self.arch.renames:
-                    vmodule = vmodule.replace(old, new)
-                dst = find_expert_param(describe["params"], vmodule, ex.vllm)
-                held = describe.get("experts", {}).get(dst.rpartition(".")[0] if dst else "", None)
+                held = describe.get("experts", {}).get(expert_modules.get(name, ""), None)
                 start, stop = expert_shard_range(p.shape[0], p.device_mesh.size(), p.device_mesh.get_local_rank())
                 if held != list(range(start, stop)):
                     ok, why = False, f"rank {rank} {u.path}: engine holds {held}, FSDP shard is [{start}, {stop})"
@@ -258,7 +254,7 @@ class Sender:
 
     def __init__(self, model: nn.Module, cfg: SyncConfig, describe: dict, engines: list, *,
                  placement: str, group: WeightGroup | None = None) -> None:
-        arch = arch_for(architecture(model))
+        arch = model_arch(model)
         self.cfg, self.describe = cfg, describe
         self.source = ParamSource(model, arch)
         reference = int(describe.get("tp_size", 1)) > 1 or cfg.mode == "load_weights"
@@ -275,7 +271,7 @@ class Sender:
             self.expert_fast, self.expert_fast_reason = False, "reference plan: whole tensors"
         else:
             self.plan = build_plan(arch, self.source.shapes, describe, bucket_bytes(cfg))
-            self.expert_fast, self.expert_fast_reason = self.source.expert_fast_path(describe)  # collective
+            self.expert_fast, self.expert_fast_reason = self.source.expert_fast_path(describe, self.plan.expert_modules)  # collective
         self.buffers: SenderBuffers | None = None
         self.link: IpcLink | BroadcastLink | None = None
         if placement == "colocated" or group is not None:

@@ -8,7 +8,7 @@ Invariants the weight sync (colo.sync.sender) relies on:
 - every parameter is a DTensor sharded `Shard(0)` over one 1-D mesh of all ranks;
 - each MoE layer's `layer.mlp.experts` is its own FSDP unit, so its fused `gate_up_proj` (E, 2I, H)
   and `down_proj` (E, H, I) shards on rank r are exactly experts [r*ceil(E/W), ...) in torch.chunk
-  order, and can be read without an all-gather.
+  order (colo.models.archs.expert_shard_range), and can be read without an all-gather.
 
 Why not from_pretrained: it builds the whole model in fp32 on the host (120 GB for Qwen3-30B-A3B, 940 GB
 for Qwen3-235B-A22B); eight ranks each holding one would not fit a 560 GiB host, and even rank 0 alone
@@ -148,18 +148,3 @@ def build_sharded(
     rebuild_buffers(model)
     return model
 
-
-def num_experts(config) -> int:
-    """Routed experts per MoE layer under each family's config name; 0 for a dense model."""
-    for key in ("num_experts", "num_local_experts", "n_routed_experts"):
-        if getattr(config, key, None):
-            return int(getattr(config, key))
-    return 0
-
-
-def expert_shard_range(num_experts: int, world_size: int, rank: int) -> tuple[int, int]:
-    """Experts [start, stop) that FSDP2's dim-0 shard holds on `rank` (torch.chunk semantics:
-    ceil(E/W) per rank, the last ranks short or empty when W does not divide E)."""
-    per = -(-num_experts // world_size)
-    start = min(rank * per, num_experts)
-    return start, min(start + per, num_experts)

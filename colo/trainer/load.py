@@ -12,7 +12,7 @@ offsets of the safetensors header, not through mmap, so untouched parts of a fil
 the process's memory.
 
 Bit-identical to `from_pretrained(dtype=float32)` + broadcast: both convert bf16 -> fp32 exactly, and the
-fusion is the one transformers applies (colo.sync.mapping's per-family Hub names; gate rows then up rows,
+fusion is the one transformers applies (colo.models.archs's per-family Hub names; gate rows then up rows,
 as transformers' MergeModulelist + Concatenate(dim=1)). Strict like that path: a model parameter the
 checkpoint lacks, or a checkpoint tensor no parameter takes, is an error naming them.
 """
@@ -98,11 +98,11 @@ def _rows(p: torch.Tensor) -> tuple[int, int]:
 def load_sharded(model: nn.Module, model_dir: str | os.PathLike) -> dict[str, int]:
     """Fill every parameter's local shard, and every persistent buffer, from the checkpoint; returns
     {"tensors", "bytes_read"}. Where each trainer tensor lives on disk comes from the family's table
-    (colo.sync.mapping.reference_segments, the names vLLM's own loader reads): the tensor itself under
+    (colo.models.archs.reference_segments, the names vLLM's own loader reads): the tensor itself under
     its Hub name, or per expert and part for experts the Hub keeps un-fused."""
     import re
 
-    from colo.sync.mapping import ARCHS, HUB_LAYOUT, reference_segments
+    from colo.models.archs import ARCHS, HUB_LAYOUT, reference_segments
 
     index = read_index(model_dir)
     # a family the sync has no table for (refused for runs, colo.config.checks) may still be trained:

@@ -38,7 +38,8 @@ from colo.logs import actor_output
 from colo.shm import sweep
 from colo.sync.transport import WeightGroup, WeightGroupHost, device_uuid
 from colo.trainer import checkpoint
-from colo.trainer.fsdp import build_sharded, expert_shard_range, num_experts, persistent_buffers
+from colo.models.archs import expert_shard_range, num_experts
+from colo.trainer.fsdp import build_sharded, persistent_buffers
 from colo.trainer.offload import Offloader, state_bytes
 from colo.trainer.optim import make_optimizer
 
