@@ -316,7 +316,7 @@ class EngineGroup:
     def generate(self, prompt_ids: list[list[list[int]]], n: int, max_tokens: int, temperature: float,
                  top_p: float, seeds: list[int], routing: bool = False) -> list[list[dict]]:
         """Engine e generates for prompt_ids[e] with seed seeds[e]; `routing`: samples carry the engine's
-        experts per token (colo.rollout.routing)."""
+        experts per token (colo.rollout.capture)."""
         return self._gather([e.generate.remote(p, n, max_tokens, temperature, top_p, s, routing)
                              for e, p, s in zip(self.engines, prompt_ids, seeds)])
 

@@ -85,7 +85,7 @@ def memory_probe(c: Cluster) -> Callable[[], dict]:
 def generate(c: Cluster, prompts: list[dict], n: int, cfg: ColoConfig, *, greedy: bool, seed: int,
              routing: bool = False) -> list[dict]:
     """Spread prompts over the engines by count; returns samples in prompt order, prompt_index global.
-    `routing`: samples carry the engine's expert ids (colo.rollout.routing) for replay and routing/mismatch."""
+    `routing`: samples carry the engine's expert ids (colo.rollout.capture) for replay and routing/mismatch."""
     w = len(c.engines)
     chunks = [list(range(r, len(prompts), w)) for r in range(w)]  # round robin: counts differ by ≤ 1
     temp, top_p = (0.0, 1.0) if greedy else (cfg.rollout.temperature, cfg.rollout.top_p)

