@@ -1,4 +1,4 @@
-"""Entry point: config -> checks -> run dir (model, data, config.yaml) -> colo.loop.run.
+"""Entry point: config -> checks -> memory plan -> run dir (model, data, config.yaml) -> colo.loop.run.
 
     python -m colo.launch                                       # configs/tiny-cpu.yaml, CPU, ~minutes
     python -m colo.launch --dry-run                             # resolved config + placement, starts nothing
@@ -72,14 +72,16 @@ def _run(args: argparse.Namespace) -> int:
 
         resumed = load_resumed(cfg.run.dir, overrides)
         cfg, path = resumed.cfg, str(resumed.base)
-    config.validate(cfg, check_gpus=not args.dry_run, check_memory=not args.dry_run)
+    config.validate(cfg, check_gpus=not args.dry_run)
+    from colo.plan.job import check_fits, memory_plan, refusal  # light: no torch until a GPU size is read
+
     if args.dry_run:
-        from colo.placement import plan_placement
+        from colo.cluster.placement import plan_placement
 
         resolved = config.resolve(cfg, download=False)
         placement, cluster_note = plan_placement(resolved), None
         if resolved.run.ray_address:  # the node of every rank, from the cluster itself
-            from colo.nodes import plan_on_cluster
+            from colo.cluster.nodes import plan_on_cluster
 
             placement, cluster_note = plan_on_cluster(placement, resolved.run.ray_address)
         print(f"# resolved config ({path or 'built-in defaults'} + env + overrides)")
@@ -87,7 +89,7 @@ def _run(args: argparse.Namespace) -> int:
         print(f"\n{placement.table()}")
         if cluster_note:
             print(cluster_note)
-        plan = config.memory_plan(cfg, resolved.placement.device)
+        plan = memory_plan(cfg, resolved.placement.device)
         if plan is not None:
             print(f"\n{plan.table()}")
         print(f"\n{_prompt_preview(cfg)}")  # auto: paths as given: a preset is built in memory
@@ -97,9 +99,10 @@ def _run(args: argparse.Namespace) -> int:
         if note:
             print(f"\n{note}")
         if plan is not None and plan.gpu_bytes is not None and not plan.fits:  # the plan table shows why
-            raise config.ConfigError(config.checks.refusal(cfg, plan, config.model_config_json(cfg)))
+            raise config.ConfigError(refusal(cfg, plan, config.model_config_json(cfg)))
         print("\n(dry run: nothing was written or started)")
         return 0
+    check_fits(cfg)  # a job that cannot fit is refused before anything is written or started
     cfg = prepare_run(cfg)
     if resumed:
         print(resumed.describe(cfg), flush=True)
@@ -137,7 +140,7 @@ def prepare_run(cfg: ColoConfig) -> ColoConfig:
         make_tiny_model(resolved.model.path, cfg.model.path[len(config.AUTO):], seed=cfg.run.seed)
     for value in {cfg.data.path, cfg.data.eval_path} - {None}:
         if value.startswith(config.AUTO):
-            from colo.algo.tasks import make_task
+            from colo.data.tasks import make_task
 
             make_task(value[len(config.AUTO):], run_dir / "data", seed=cfg.run.seed)
     if cfg.run.resume:
@@ -151,7 +154,7 @@ def prepare_run(cfg: ColoConfig) -> ColoConfig:
 
 def _prompt_preview(cfg: ColoConfig) -> str:
     from colo import config
-    from colo.inputs import preview_prompt
+    from colo.data.inputs import preview_prompt
 
     try:
         return preview_prompt(cfg)
@@ -166,7 +169,7 @@ def check_user_data(cfg: ColoConfig, resolved: ColoConfig) -> None:
     at the first row, and a bad row found after config.yaml is written would force --resume on the rerun.
     A system prompt needs a chat template: checked here too, with the checkpoint's tokenizer."""
     from colo import config
-    from colo.algo.data import read_rows
+    from colo.data.prompts import read_rows
 
     for key in ("path", "eval_path"):
         value = getattr(cfg.data, key)
@@ -178,7 +181,7 @@ def check_user_data(cfg: ColoConfig, resolved: ColoConfig) -> None:
     if cfg.data.system_prompt and not cfg.model.path.startswith(config.AUTO):  # presets have a template
         from transformers import AutoTokenizer
 
-        from colo.inputs import uses_chat_template
+        from colo.data.inputs import uses_chat_template
 
         uses_chat_template(cfg, AutoTokenizer.from_pretrained(resolved.model.path))
 

@@ -45,14 +45,14 @@ import torch
 from colo.algo.advantages import step_advantages
 from colo.algo.batch import build_batch, shard_batch
 from colo.algo.rewards import RewardError, RewardRunner
-from colo.cluster import ActorDied, ActorError, Cluster, node_loss, start_cluster
+from colo.cluster.actors import ActorDied, ActorError, Cluster, node_loss, start_cluster
 from colo.config import ColoConfig, to_dict
-from colo.metrics import MetricsWriter, ProgressLine, WandbSettings
-from colo.inputs import RunInputs, open_inputs
-from colo.logs import link_ray_logs, log_of
-from colo.shm import sweep
-from colo.summary import run_summary
-from colo.placement import init_ray, plan_placement
+from colo.run.metrics import MetricsWriter, ProgressLine, WandbSettings
+from colo.data.inputs import RunInputs, open_inputs
+from colo.run.logs import link_ray_logs, log_of
+from colo.host.shm import sweep
+from colo.run.summary import run_summary
+from colo.cluster.placement import init_ray, plan_placement
 from colo.sync.plan import MappingError
 
 
@@ -283,9 +283,9 @@ def run(cfg: ColoConfig) -> int:
     checkpoint of the last completed step, when the trainers still hold one (not after a trainer failed)."""
     t_start = time.perf_counter()
     inputs = open_inputs(cfg)
-    sweep()  # sync buffers and vLLM queues that killed runs left in this host's /dev/shm (colo.shm)
+    sweep()  # sync buffers and vLLM queues that killed runs left in this host's /dev/shm (colo.host.shm)
     plan = plan_placement(cfg)
-    # the actors' output stays in <run.dir>/logs unless the run is verbose (colo.logs)
+    # the actors' output stays in <run.dir>/logs unless the run is verbose (colo.run.logs)
     init_ray(plan, address=cfg.run.ray_address, log_to_driver=cfg.run.verbose,
              logging_level=logging.INFO if cfg.run.verbose else logging.ERROR)
     link_ray_logs(inputs.run_dir)

@@ -53,8 +53,8 @@ def pytest_sessionstart(session: pytest.Session) -> None:
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     """The suite leaves /dev/shm as it found it. Tests kill engines and trainers (ray.kill, failure tests,
     kill -9 of a run), as users' runs get killed; colo's answer is the sweep every run starts with
-    (colo.shm), so the suite ends with one too, then fails on anything new that no live process owns."""
-    from colo.shm import alive, mapped_segments, owner_pid, sweep
+    (colo.host.shm), so the suite ends with one too, then fails on anything new that no live process owns."""
+    from colo.host.shm import alive, mapped_segments, owner_pid, sweep
 
     sweep()
     new = _shm_names() - _SHM_SEEN

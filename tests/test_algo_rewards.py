@@ -50,7 +50,7 @@ def test_extract_and_last_number():
 
 
 def test_exact_match_on_task_completions():
-    # colo.algo.tasks completions: " 7" for raw prompts, "7" inside a chat template
+    # colo.data.tasks completions: " 7" for raw prompts, "7" inside a chat template
     assert exact_match([" 7", "7", " 7 7", " cba", "abc"], ["7", "7", "7", "cba", "cba"],
                        [""] * 5) == [1.0, 1.0, 0.0, 1.0, 0.0]
 

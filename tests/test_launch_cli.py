@@ -126,7 +126,7 @@ def test_dry_run_shape_of_gpu_configs(n: int, name: str, tmp_path: Path) -> None
     """The 30B configs on a GPU host, rehearsed here through validate(check_resources=False) and the
     plan (tests/test_readme.py dry-runs the README's GPU commands, which notes the missing GPUs)."""
     from colo.config import load_config, validate
-    from colo.placement import plan_placement
+    from colo.cluster.placement import plan_placement
 
     cfg = load_config(str(ROOT / "configs" / f"{name}.yaml"), [], {})
     validate(cfg, check_resources=False)

@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 from conftest import STEP_KEYS, clean_env, run_cli
 
-from colo.metrics import read_metrics
+from colo.run.metrics import read_metrics
 
 pytestmark = pytest.mark.slow
 
@@ -39,7 +39,7 @@ FAILURE_EXIT_S = 150  # start-up ~30 s + 2 steps + checkpoint; a hang runs into 
 # Driver-side reward functions that fail on purpose. Calls: 1 = warm-up eval (greedy only: eval_samples=0),
 # 2 = step 0, 3 = step 1, so every failure happens in step 1, after step 0 has trained (there is a policy
 # worth checkpointing).
-# The actors are found by the names colo.cluster gives them.
+# The actors are found by the names colo.cluster.actors gives them.
 FAILING_REWARDS = '''
 import ray
 from colo.algo.rewards import exact_match
@@ -154,7 +154,7 @@ def test_run_dir_outputs_and_export(learned: tuple[Path, list[dict]]) -> None:
 
     from colo.algo.rewards import exact_match
     from colo.config import load_config
-    from colo.inputs import open_inputs
+    from colo.data.inputs import open_inputs
 
     run_dir, rows = learned
     assert list((run_dir / "tb").glob("events.out.tfevents.*")), "no TensorBoard event file"
@@ -287,7 +287,7 @@ def test_killed_run_leaves_no_shared_memory_after_resume(tmp_path: Path) -> None
     import sys
     import time
 
-    from colo.shm import SHM, alive, owner_pid, process_tree
+    from colo.host.shm import SHM, alive, owner_pid, process_tree
 
     run_dir = tmp_path / "run"
     p = subprocess.Popen([sys.executable, "-m", "colo.launch", f"run.dir={run_dir}", *SMALL_JOB,

@@ -1,4 +1,4 @@
-"""colo.memplan: parameter counts against transformers' own models, the calibration against the measured GPU
+"""colo.plan.memory: parameter counts against transformers' own models, the calibration against the measured GPU
 figures, the shipped configs' plans, and refusals whose suggested settings fit when planned again."""
 from __future__ import annotations
 
@@ -11,8 +11,9 @@ import pytest
 import torch
 
 from colo import config as C
-from colo.memfit import format_changes, ways_to_fit
-from colo.memplan import GiB, Settings, model_shape, parse_gpu_memory, plan_memory
+from colo.plan.fitting import format_changes, ways_to_fit
+from colo.config.checks import parse_gpu_memory
+from colo.plan.memory import GiB, Settings, model_shape, plan_memory
 from colo.models.tiny import PRESETS
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -3,7 +3,7 @@ import math
 
 import torch
 
-from colo.metrics import MetricsWriter, ProgressLine, format_progress, read_metrics
+from colo.run.metrics import MetricsWriter, ProgressLine, format_progress, read_metrics
 
 
 def _step(i):
@@ -100,7 +100,7 @@ def _wandb_records(path):
 
 
 def test_wandb_offline_logs_the_same_scalars_and_the_config(tmp_path):
-    from colo.metrics import WandbSettings
+    from colo.run.metrics import WandbSettings
 
     settings = WandbSettings(project="colo-test", mode="offline", config={"trainer": {"lr": 4e-4}})
     with MetricsWriter(tmp_path, loggers=["jsonl", "wandb"], wandb=settings) as w:

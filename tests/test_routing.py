@@ -21,7 +21,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from colo.algo.batch import NO_EXPERT, build_batch, shard_batch
 from colo.algo.parity import gap_metrics, logprob_gap
-from colo.algo.routing import RouterTap, routers
+from colo.algo.replay import RouterTap, routers
 from colo.config import ColoConfig
 
 # ------------------------------------------------------------------------------------- model level
@@ -275,7 +275,7 @@ def test_default_job_logs_routing_and_logprob_gap_every_step(default_job) -> Non
     (mean, max, KL) are in metrics.jsonl and TensorBoard for every RL step."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    from colo.metrics import read_metrics
+    from colo.run.metrics import read_metrics
 
     run_dir, r = default_job
     assert r.returncode == 0, r.stderr[-2000:]
@@ -292,7 +292,7 @@ def test_r3_job_runs_with_every_sync_verified(tmp_path: Path) -> None:
     """`python -m colo.launch algo.routing_replay=r3`, shortened: the default job with replay on."""
     from conftest import run_cli
 
-    from colo.metrics import read_metrics
+    from colo.run.metrics import read_metrics
 
     run_dir = tmp_path / "run"
     r = run_cli(f"run.dir={run_dir}", "algo.routing_replay=r3", "loop.steps=3", "loop.sft_warmup_steps=2",

@@ -1,4 +1,4 @@
-"""colo.shm: segments of killed processes are found and removed by the next run, live ones never touched."""
+"""colo.host.shm: segments of killed processes are found and removed by the next run, live ones never touched."""
 from __future__ import annotations
 
 import os
@@ -9,13 +9,13 @@ import textwrap
 
 import torch
 
-from colo.shm import SHM, sweep
+from colo.host.shm import SHM, sweep
 from colo.sync.transport import SenderBuffers
 
 CHILD = textwrap.dedent('''
     import os, sys, time
     from multiprocessing import resource_tracker, shared_memory
-    from colo.shm import register_mapped
+    from colo.host.shm import register_mapped
     from colo.sync.transport import SenderBuffers
     import torch
 

@@ -14,7 +14,7 @@ import torch
 import torch.multiprocessing as tmp
 
 from colo.config import SyncConfig
-from colo.dtypes import torch_dtype
+from colo.models.dtypes import torch_dtype
 from colo.models.archs import QWEN3_MOE
 from colo.sync.plan import direct_segments
 from colo.sync.sender import Sender

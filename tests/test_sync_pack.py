@@ -9,7 +9,7 @@ import multiprocessing as mp
 import pytest
 import torch
 
-from colo.dtypes import torch_dtype
+from colo.models.dtypes import torch_dtype
 from colo.sync.plan import Segment
 from colo.sync.plan import SyncPlan, pack_segments
 from colo.sync.sender import pack_piece

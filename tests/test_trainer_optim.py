@@ -83,7 +83,7 @@ def _cfg(model_dir: Path, **trainer) -> dict:
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory: pytest.TempPathFactory):
-    from colo.cluster import free_port
+    from colo.host.net import free_port
     from colo.trainer.worker import TrainWorker
 
     model_dir = make_tiny_model(tmp_path_factory.mktemp("tiny") / "m", "tiny", seed=0)

@@ -87,7 +87,7 @@ def build_batch(
     }
 
 
-NO_EXPERT = {torch.uint8: 255, torch.int16: -1}  # colo.algo.routing reads the same values
+NO_EXPERT = {torch.uint8: 255, torch.int16: -1}  # colo.algo.replay reads the same values
 
 
 def _routed_experts(samples: Sequence[dict], T: int) -> dict[str, torch.Tensor]:

@@ -1,10 +1,10 @@
-"""The memory plan (colo.memplan) against every GPU memory figure measured so far: one table, with errors.
+"""The memory plan (colo.plan.memory) against every GPU memory figure measured so far: one table, with errors.
 
     python -m colo.bench.memcal            # markdown table: point, measured GiB, plan GiB, error
     python -m colo.bench.memcal --json
 
 The measured figures are those of docs/benchmarks.md (each row names its section); nothing here runs a
-GPU. "fit" marks the figures a calibrated constant of colo.memplan was fitted on (the error there says
+GPU. "fit" marks the figures a calibrated constant of colo.plan.memory was fitted on (the error there says
 how well one constant serves both cards or both shapes); every other row is a check.
 """
 from __future__ import annotations
@@ -14,7 +14,8 @@ import json
 from dataclasses import dataclass
 from typing import Callable
 
-from colo.memplan import GiB, OFFLOADED_REST, Settings, model_shape, parse_gpu_memory, plan_memory, trainer_terms
+from colo.config.checks import parse_gpu_memory
+from colo.plan.memory import GiB, OFFLOADED_REST, Settings, model_shape, plan_memory, trainer_terms
 from colo.models.tiny import PRESETS
 
 L2 = PRESETS["qwen3-30b-a3b-L2"]
@@ -50,7 +51,7 @@ def _bench(layers: int, gc: bool, what: str) -> float:
     t = trainer_terms(model_shape(cfg), s)
     rest = OFFLOADED_REST
     one_micro = max(t["backward"] - t["grads"], t["entropy"])  # one micro-batch: no grads yet at backward's start
-    from colo.memplan import ALLOC_SLACK
+    from colo.plan.memory import ALLOC_SLACK
 
     return {"no_grad": t["no_grad"] - rest, "fwd_bwd": one_micro - rest, "step": t["step"] - rest,
             "reserved": (max(one_micro, t["step"]) - rest) * (1 + ALLOC_SLACK)}[what]

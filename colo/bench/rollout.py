@@ -104,12 +104,13 @@ def run_phase(args: argparse.Namespace) -> dict:
     """One phase in this (child) process: its own Ray session, engines, timed calls."""
     import ray
 
-    from colo.cluster import free_port, start_cluster
+    from colo.cluster.actors import start_cluster
+    from colo.host.net import free_port
     from colo.models.tiny import make_tiny_model
     from ray.util.placement_group import placement_group
 
     from colo.config import to_dict
-    from colo.placement import init_ray, plan_placement, scheduling
+    from colo.cluster.placement import init_ray, plan_placement, scheduling
 
     model_dir = str(make_tiny_model(Path(args.workdir) / f"{args.preset}-s0", args.preset, 0))
     standalone = args.phase == "standalone"

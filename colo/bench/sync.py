@@ -92,10 +92,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def start_pairs(cfg: Any, plan: Any, vllm_ipc: bool) -> tuple[list, list, list, dict]:
-    """colo.cluster.start_cluster with the bench's actor classes (colo.bench.engines); (trainers, engines,
+    """colo.cluster.actors.start_cluster with the bench's actor classes (colo.bench.engines); (trainers, engines,
     pgs, timings). `vllm_ipc`: the engines also build vLLM's own IPC weight-transfer engine, to time it."""
     from colo.bench.engines import BenchEngine, BenchTrainer, VllmIpcEngine
-    from colo.cluster import start_cluster
+    from colo.cluster.actors import start_cluster
 
     c = start_cluster(cfg, plan, trainer_cls=BenchTrainer, engine_cls=VllmIpcEngine if vllm_ipc else BenchEngine)
     return c.trainers, c.engines, c.placement_groups, c.setup
@@ -231,9 +231,9 @@ def check(cfg: Any, trainers: list, engines: list, pgs: list, workdir: Path, see
     Frees the cluster's trainers and engines before the fresh engine starts (GPU memory; CPU cores)."""
     import ray
 
-    from colo.cluster import free_port
+    from colo.host.net import free_port
     from colo.config import to_dict
-    from colo.placement import scheduling
+    from colo.cluster.placement import scheduling
     from colo.bench.engines import BenchEngine
 
     disaggregated = cfg.placement.mode == "disaggregated"
@@ -316,7 +316,7 @@ def make_config(args: argparse.Namespace, model_dir: str, dummy: bool) -> Any:
 def run(args: argparse.Namespace) -> dict:
     import ray
 
-    from colo.placement import init_ray, plan_placement, remove_placement
+    from colo.cluster.placement import init_ray, plan_placement, remove_placement
 
     workdir = Path(args.workdir)
     workdir.mkdir(parents=True, exist_ok=True)

@@ -1,4 +1,4 @@
-"""The trainer's memory per stage of a train step, measured, next to what colo.memplan predicts.
+"""The trainer's memory per stage of a train step, measured, next to what colo.plan.memory predicts.
 
     python -m colo.bench.trainmem --preset qwen3-30b-a3b --layers 2 --mb 2 --seq 4096 [--gc] [--device cuda]
         [--optimizer-dtype bfloat16] [--optimizer-offload] [--steps 2] [--json]
@@ -8,7 +8,7 @@ per step: onload (after the first), the no-grad old-log-prob pass, one PPO micro
 entropy: the same calls as colo.trainer.worker.Trainer._ppo_micro), the optimizer step, offload. On CUDA it
 reports each stage's peak allocated and reserved bytes (torch.cuda.max_memory_*), and the plan's figures
 for the same settings: `fwd_bwd` (state + activations + logits + gathered units) and `step`. This is how
-colo.memplan's activation and logits terms are checked against a GPU; docs/benchmarks.md has the runs.
+colo.plan.memory's activation and logits terms are checked against a GPU; docs/benchmarks.md has the runs.
 Needs torch and transformers only (no Ray, no vLLM): it runs on a bare GPU host.
 """
 from __future__ import annotations
@@ -151,7 +151,7 @@ class Stepper:
 
 def run(args: argparse.Namespace) -> dict:
     """One measurement (see the module docstring); `args.overrides` (optional) changes the preset's config."""
-    from colo.memplan import Settings, activation_bytes, model_shape, plan_memory
+    from colo.plan.memory import Settings, activation_bytes, model_shape, plan_memory
 
     device = torch.device(args.device, 0) if args.device == "cuda" else torch.device("cpu")
     init_world(device)

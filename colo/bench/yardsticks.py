@@ -25,7 +25,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from colo.config import SyncConfig
-from colo.dtypes import dtype_name
+from colo.models.dtypes import dtype_name
 from colo.models.archs import reference_segments, reference_weights
 from colo.sync.sender import SyncError, bucket_bytes, model_arch, sync_tensors
 from colo.sync.transport import SenderBuffers, align_up

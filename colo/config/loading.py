@@ -164,7 +164,7 @@ def resolve(cfg: ColoConfig, *, download: bool = True) -> ColoConfig:
         if value and value.startswith(AUTO):
             setattr(out.data, key, str(run_dir / "data" / f"{value[len(AUTO):]}_{split}.jsonl"))
         elif value:  # a file or save_to_disk dir made absolute; a Hub dataset id stays as it is
-            from colo.algo.data import DataSource
+            from colo.data.prompts import DataSource
 
             setattr(out.data, key, DataSource.parse(value).resolved())
     return out

@@ -73,7 +73,7 @@ class PlacementConfig:
     """cpu | cuda | auto (cuda when torch sees a GPU). On cpu, engines are independent replicas with
     expert-parallel size 1 (vLLM's MoE data-parallel group does not run on CPU)."""
     gpu_memory: str = "auto"
-    """Memory of one GPU for the memory plan (colo.memplan): a size (80GiB, 141GB) or a GPU model (H100,
+    """Memory of one GPU for the memory plan (colo.plan.memory): a size (80GiB, 141GB) or a GPU model (H100,
     H100-80GB, H200, H200-141GB, A100-80GB). auto: the machine's GPU 0 when it has one, else the fit is not
     checked. The machine's GPU wins over this setting when both exist."""
 
@@ -186,7 +186,7 @@ class DataConfig:
     path: str = "auto:arith"
     """Training prompts with prompt and answer fields: a JSONL/Parquet file, a Hugging Face dataset (a
     save_to_disk dir[:split], or a Hub id[:config]:split such as openai/gsm8k:main:train), or
-    "auto:<task>" (arith | reverse), a synthetic task from colo.algo.tasks written to <run.dir>/data."""
+    "auto:<task>" (arith | reverse), a synthetic task from colo.data.tasks written to <run.dir>/data."""
     eval_path: Optional[str] = None
     """Held-out prompts for eval (same formats as path; auto:<task> = its eval split); null: no eval."""
     prompt_key: str = "prompt"

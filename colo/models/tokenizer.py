@@ -6,7 +6,7 @@
 
 Why our own tokenizer: tests and demos must run offline, and a 151k-entry vocabulary would make the
 tiny model's embedding 100x bigger than the rest of it. The training corpus covers what the synthetic
-tasks (colo.algo.tasks) write — digits, `+ - * =`, "Question:", "Answer:", short words, the chat
+tasks (colo.data.tasks) write — digits, `+ - * =`, "Question:", "Answer:", short words, the chat
 markers — so prompts are a handful of tokens. Digits are split one per token (as Qwen does), so any
 integer is spelled from the same ten tokens and the arithmetic answers 0-18 are 1-2 tokens.
 

@@ -5,7 +5,7 @@
 
 L = prompt + response tokens, M = MoE layers (in layer order), K = top-k. The last token has no row: the
 engine never forwarded it, and its hidden state scores nothing (its logits predict past the sample), so
-the trainer keeps its own routing there (colo.algo.routing).
+the trainer keeps its own routing there (colo.algo.replay).
 
 Two ways to the same ids:
 - GPU (vLLM 0.26): `LLM(enable_return_routed_experts=True)` records every scheduled token's top-k (before

@@ -42,11 +42,11 @@ from typing import Any
 import ray
 
 from colo.config import ColoConfig, from_dict
-from colo.logs import actor_output
+from colo.run.logs import actor_output
 from colo.models.archs import REPLAY_ARCHS, architecture, num_experts
 from colo.rollout.capture import capture_by_prefill, from_vllm_output, ids_dtype
 from colo.rollout.extension import WorkerExtension, qualname
-from colo.shm import register_mapped, sweep
+from colo.host.shm import register_mapped, sweep
 
 
 def cores_for_rank(allowed: list[int], rank: int, dp_size: int) -> list[int]:
@@ -85,11 +85,11 @@ class Engine:
     def __init__(self, cfg: dict, rank: int, dp_size: int, dp_master_port: int, dp_master_addr: str = "",
                  dp_local_rank: int | None = None) -> None:
         """dp_master_addr: the node of engine DP rank 0 ("": this node's IP, right for a single engine);
-        dp_local_rank: this engine's index among the DP engines on its node (colo.cluster counts them)."""
+        dp_local_rank: this engine's index among the DP engines on its node (colo.cluster.actors counts them)."""
         t0 = time.perf_counter()
         self.cfg: ColoConfig = from_dict(cfg)
         self.log = actor_output(self.cfg.run.dir, self.cfg.run.verbose, "engine", rank)  # before vLLM says a word
-        sweep()  # shared memory that dead processes of an earlier run left on this node (colo.shm)
+        sweep()  # shared memory that dead processes of an earlier run left on this node (colo.host.shm)
         self.rank, self.dp_size = rank, dp_size
         self.device = self.cfg.placement.device
         self.disaggregated = self.cfg.placement.mode == "disaggregated"
@@ -108,7 +108,7 @@ class Engine:
             self._setup_gpu_tp_env()
         else:
             self._setup_gpu_env(dp_master_addr or ray.util.get_node_ip_address(), dp_master_port, dp_local_rank)
-        from colo.nodes import node_env
+        from colo.host.net import node_env
 
         os.environ.update(node_env())  # vLLM and the weight group's gloo (CPU) on the node's IP, not a loopback
 

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from colo.dtypes import torch_dtype
+from colo.models.dtypes import torch_dtype
 from colo.models.archs import Arch, expert_param, numel, reference_segments, rename
 from colo.sync.transport import align_up
 

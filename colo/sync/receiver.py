@@ -52,7 +52,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from colo.dtypes import dtype_name, torch_dtype
+from colo.models.dtypes import dtype_name, torch_dtype
 from colo.sync.transport import ReceiverBuffers, WeightGroup, close_transient, device_uuid, join_group, open_transient
 from colo.sync.verify import Coverage, tensor_digest
 

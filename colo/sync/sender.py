@@ -41,7 +41,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from colo.config import SyncConfig
-from colo.dtypes import torch_dtype
+from colo.models.dtypes import torch_dtype
 from colo.models.archs import Arch, arch_for, architecture, expert_param, expert_shard_range
 from colo.sync.plan import MappingError, build_plan, build_reference_plan, direct_mapping
 from colo.sync.transport import SenderBuffers, WeightGroup, align_up

@@ -49,8 +49,8 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-from colo.dtypes import dtype_name, torch_dtype
-from colo.shm import segment_name
+from colo.models.dtypes import dtype_name, torch_dtype
+from colo.host.shm import segment_name
 
 ALIGN = 256  # byte alignment of every piece in a buffer (covers any dtype, and CUDA's 256-byte rule)
 

@@ -28,7 +28,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
-from colo.dtypes import SAFETENSORS, torch_dtype
+from colo.models.dtypes import SAFETENSORS, torch_dtype
 
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # old checkpoints carry RoPE buffers; colo rebuilds them
 

@@ -5,7 +5,7 @@
 
 - default (float32, on the device): torch.optim.AdamW. On CUDA it runs the foreach kernels, whose step
   holds one fp32 temporary per parameter (sqrt(exp_avg_sq), torch/optim/adam.py): 20 bytes per parameter
-  at the step's peak, which the memory plan (colo.memplan) counts.
+  at the step's peak, which the memory plan (colo.plan.memory) counts.
 - `state_dtype="bfloat16"`: exp_avg and exp_avg_sq stored in bf16 (4 instead of 8 bytes per parameter),
   updated in fp32 one parameter at a time and written back with stochastic rounding. Round-to-nearest
   would freeze exp_avg_sq: multiplying by beta2 = 0.999 moves a bf16 value by less than half its last
@@ -27,7 +27,7 @@ from collections.abc import Iterable
 import torch
 from torch.distributed.tensor import DTensor
 
-from colo.dtypes import torch_dtype
+from colo.models.dtypes import torch_dtype
 
 STATE_DTYPES = ("float32", "bfloat16")  # config CHOICES["trainer.optimizer_dtype"]
 

@@ -31,11 +31,11 @@ from torch.distributed.fsdp import FSDPModule
 
 from colo.algo.loss import gather_logprobs, policy_loss, scale_logits, token_entropy
 from colo.algo.parity import gap_metrics, logprob_gap
-from colo.algo.routing import RouterTap
+from colo.algo.replay import RouterTap
 from colo.config import ColoConfig, from_dict
-from colo.dtypes import torch_dtype
-from colo.logs import actor_output
-from colo.shm import sweep
+from colo.models.dtypes import torch_dtype
+from colo.run.logs import actor_output
+from colo.host.shm import sweep
 from colo.sync.transport import WeightGroup, WeightGroupHost, device_uuid
 from colo.trainer import checkpoint
 from colo.models.archs import expert_shard_range, num_experts
@@ -61,7 +61,7 @@ class Trainer:
     def __init__(self, cfg: dict, rank: int, world_size: int, master_addr: str, master_port: int):
         self.cfg: ColoConfig = from_dict(cfg)  # plain data over Ray, the typed tree from here on
         self.log = actor_output(str(self.cfg.run.dir), bool(self.cfg.run.verbose), "trainer", rank)
-        sweep()  # shared memory that dead processes of an earlier run left on this node (colo.shm)
+        sweep()  # shared memory that dead processes of an earlier run left on this node (colo.host.shm)
         self.rank, self.world_size = rank, world_size
         self.init_method = f"tcp://{master_addr}:{master_port}"
         self.model = self.ref_model = self.optimizer = None
@@ -89,7 +89,7 @@ class Trainer:
             # Ray narrows CUDA_VISIBLE_DEVICES to this actor's GPU: it is always index 0 here
             self.device, backend = torch.device("cuda", 0), "nccl"
             torch.cuda.set_device(self.device)
-        from colo.nodes import node_env
+        from colo.host.net import node_env
 
         os.environ.update(node_env())  # gloo on the node's own interface: peers on other nodes reach it
         dist.init_process_group(backend, init_method=self.init_method, rank=self.rank,
@@ -116,7 +116,7 @@ class Trainer:
             self.ref_model = build_sharded(str(c.model.path), **{**build, "dummy": True}).requires_grad_(False)
             self.ref_model.eval()
         self._offloader = Offloader(self.device)
-        self.routing = RouterTap(self.model)  # R3 and the routing-mismatch metric (colo.algo.routing)
+        self.routing = RouterTap(self.model)  # R3 and the routing-mismatch metric (colo.algo.replay)
         self._routing_counts = [0.0, 0.0]  # (pairs differing, pairs compared) of the last policy log-prob pass
         self.optimizer = make_optimizer(self.model.parameters(), lr=float(c.trainer.lr),
                                         weight_decay=float(c.trainer.weight_decay),
@@ -339,7 +339,7 @@ class Trainer:
         """Hand the allocator's cached blocks back to the driver at the end of training: next, vLLM wakes its
         weights on this GPU, and the train phase's cache (activations, logits, the optimizer step's
         temporaries: ~25% above the allocated peak, measured) would otherwise still be held beside them.
-        colo.memplan's sync phase counts on it."""
+        colo.plan.memory's sync phase counts on it."""
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 

@@ -11,7 +11,7 @@ from typing import Any
 import ray
 import torch
 
-from colo.cluster import free_port  # noqa: F401 (the tests import it from here)
+from colo.host.net import free_port  # noqa: F401 (the tests import it from here)
 
 PROMPTS = [[5, 17, 42, 99, 7], [1, 2, 3], [200, 300, 11, 64, 8, 9]]  # ids < 512: valid for the tiny preset
 MAX_TOKENS = 8
@@ -58,7 +58,7 @@ def _trainer_cls() -> Any:
 
 def start_trainers(cfg: Any, pgs: list) -> tuple[list, list[dict]]:
     from colo.config import to_dict
-    from colo.placement import scheduling
+    from colo.cluster.placement import scheduling
 
     cls, d, port = _trainer_cls(), to_dict(cfg), free_port()
     trainers = [cls.options(num_gpus=cfg.placement.train_gpu_fraction, num_cpus=1,
@@ -70,7 +70,7 @@ def start_trainers(cfg: Any, pgs: list) -> tuple[list, list[dict]]:
 def start_engines(cfg: Any, pgs: list) -> tuple[list, list[dict]]:
     """One DP group over `pgs`; the engine actor takes 0 GPUs (its vLLM worker holds the fraction)."""
     from colo.config import to_dict
-    from colo.placement import scheduling
+    from colo.cluster.placement import scheduling
     from colo.rollout.engine import RolloutEngine
 
     d, port = to_dict(cfg), free_port()

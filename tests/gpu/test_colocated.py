@@ -29,7 +29,7 @@ def pair(tmp_path_factory: pytest.TempPathFactory):
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     from colo.models.tiny import make_tiny_model
-    from colo.placement import create_placement, init_ray, plan_placement, remove_placement
+    from colo.cluster.placement import create_placement, init_ray, plan_placement, remove_placement
 
     root = tmp_path_factory.mktemp("colo-gpu")
     model = make_tiny_model(root / "tiny", "tiny", 0)
@@ -113,7 +113,7 @@ def test_sleep_level2_then_sync_restores_generation(pair):
 def test_synced_engine_equals_engine_loaded_from_disk(pair):
     """export_hf -> a fresh engine (own, smaller GPU share in the same bundle) loads it -> same greedy."""
     from colo.config import to_dict
-    from colo.placement import scheduling
+    from colo.cluster.placement import scheduling
     from colo.rollout.engine import RolloutEngine
 
     from gpu_helpers import free_port

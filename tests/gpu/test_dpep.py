@@ -26,7 +26,7 @@ def group(tmp_path_factory: pytest.TempPathFactory):
     if not torch.cuda.is_available() or torch.cuda.device_count() < WORLD:
         pytest.skip(f"needs {WORLD} CUDA GPUs")
     from colo.models.tiny import make_tiny_model
-    from colo.placement import create_placement, init_ray, plan_placement, remove_placement
+    from colo.cluster.placement import create_placement, init_ray, plan_placement, remove_placement
 
     model = make_tiny_model(tmp_path_factory.mktemp("colo-gpu2") / "tiny", "tiny", 0)
     cfg = gpu_config(str(model), num_gpus=WORLD, sync__digest=True)

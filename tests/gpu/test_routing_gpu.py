@@ -28,7 +28,7 @@ def pair(tmp_path_factory: pytest.TempPathFactory):
         pytest.skip("needs CUDA")
     from colo.config import to_dict
     from colo.models.tiny import make_tiny_model
-    from colo.placement import create_placement, init_ray, plan_placement, remove_placement, scheduling
+    from colo.cluster.placement import create_placement, init_ray, plan_placement, remove_placement, scheduling
     from colo.trainer.worker import Trainer
 
     class RoutingTrainer(Trainer):

@@ -25,7 +25,7 @@ def actor_log(run_dir: str | os.PathLike, role: str, index: int) -> Path:
 
 
 def log_of(run_dir: str | os.PathLike, who: str) -> Path | None:
-    """The log file of an actor named as colo.cluster names them ("engine DP rank 1", "trainer rank 0",
+    """The log file of an actor named as colo.cluster.actors names them ("engine DP rank 1", "trainer rank 0",
     "engine 2"); None for anything else."""
     m = re.match(r"(engine|trainer)\D*?(\d+)", who)
     return actor_log(run_dir, m.group(1), int(m.group(2))) if m else None

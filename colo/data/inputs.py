@@ -14,8 +14,8 @@ from typing import Any
 import torch
 
 from colo.algo.batch import build_batch
-from colo.algo.data import PromptDataset, encode_prompt
-from colo.algo.tasks import completion, sft_examples
+from colo.data.prompts import PromptDataset, encode_prompt
+from colo.data.tasks import completion, sft_examples
 from colo.config import ColoConfig, ConfigError
 
 
@@ -80,7 +80,7 @@ def preview_prompt(cfg: ColoConfig) -> str:
     """The first training prompt as the model will see it, for --dry-run: from the checkpoint's own
     tokenizer (an auto: preset's is built in memory) and the first row of data.path (an auto: task's is
     generated). Raises OSError/ValueError when either cannot be had on this machine."""
-    from colo.algo.data import read_rows
+    from colo.data.prompts import read_rows
     from colo.config import AUTO
 
     if cfg.model.path.startswith(AUTO):
@@ -93,7 +93,7 @@ def preview_prompt(cfg: ColoConfig) -> str:
 
         tok = AutoTokenizer.from_pretrained(cfg.model.path, local_files_only=True)
     if cfg.data.path.startswith(AUTO):
-        from colo.algo.tasks import generate
+        from colo.data.tasks import generate
 
         prompt = generate(cfg.data.path[len(AUTO):], 1, 0, cfg.run.seed)[0][0][0]
     else:

@@ -1,6 +1,6 @@
 """Synthetic verifiable tasks, generated locally and deterministically (no downloads).
 
-    python -m colo.algo.tasks arith /tmp/colo-data --n-train 2000 --n-eval 200 --seed 0
+    python -m colo.data.tasks arith /tmp/colo-data --n-train 2000 --n-eval 200 --seed 0
     # -> /tmp/colo-data/arith_train.jsonl, /tmp/colo-data/arith_eval.jsonl ({"prompt": ..., "answer": ...})
 
 Tasks (kept EASY: a 2-layer tiny model after a short supervised warm-up should be partly right, so
@@ -105,7 +105,7 @@ def make_task(name: str, out_dir: str | os.PathLike, n_train: int = 2000, n_eval
 def sft_examples(path: str | os.PathLike, prompt_key: str = "prompt",
                  answer_key: str = "answer") -> list[Example]:
     """(prompt, answer) pairs from a task file (JSONL or Parquet) for the supervised warm-up."""
-    from colo.algo.data import read_rows
+    from colo.data.prompts import read_rows
 
     return [(str(r[prompt_key]), str(r[answer_key])) for r in read_rows(path, [prompt_key, answer_key])]
 

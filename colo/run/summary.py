@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from colo.metrics import read_metrics
+from colo.run.metrics import read_metrics
 
 KEYS = ("reward/mean", "eval/reward", "eval/sampled_reward")
 

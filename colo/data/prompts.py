@@ -177,7 +177,7 @@ def encode_prompt(tokenizer: Any, prompt: str, chat_template: bool,
     prompt as its first message when given. Rollout prompts and the warm-up's supervised examples both go
     through here, so they are tokenized identically."""
     if not chat_template:
-        if system_prompt:  # colo.inputs refuses this combination before anything starts
+        if system_prompt:  # colo.data.inputs refuses this combination before anything starts
             raise ValueError("a system prompt needs a chat template")
         text = prompt
     else:

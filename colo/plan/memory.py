@@ -3,13 +3,13 @@
     plan = plan_memory(config_json, Settings.from_config(cfg), gpu_bytes=parse_gpu_memory("H100"))
     print(plan.table())                 # rows: vLLM weights, KV cache, trainer params, grads, ...
     plan.fits, plan.worst               # False, ("train", 96.1e9)
-    colo.memfit.ways_to_fit(config_json, settings, gpu_bytes)   # [(changes, plan)], each one re-planned
+    colo.plan.fitting.ways_to_fit(config_json, settings, gpu_bytes)   # [(changes, plan)], each one re-planned
 
 Pure: no torch, no GPU, no files (config.json comes in as a dict), so a laptop plans a 32-GPU job.
 
 Per GPU, colocated (one trainer rank and one vLLM engine of a DP+EP group per GPU), the phases of a step:
 
-    start    vLLM starts while the trainer holds its fp32 params (colo.cluster starts both at once; the
+    start    vLLM starts while the trainer holds its fp32 params (colo.cluster.actors starts both at once; the
              trainer is set up first): vLLM asks for vllm_gpu_fraction x GPU of what is left
     rollout  vLLM awake (weights + KV cache + its activation reserve = vllm_gpu_fraction x GPU), trainer
              offloaded (only its sync buffers stay) or, with trainer.offload=false, resident
@@ -34,7 +34,6 @@ from __future__ import annotations
 import functools
 import json
 import math
-import re
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Optional
 
@@ -45,13 +44,6 @@ if TYPE_CHECKING:
 
 GiB = 2**30
 GPUS_PER_NODE = 8  # host memory is reported per node of this many GPUs (multi-node placement: its own issue)
-
-# Total memory as torch/vLLM see it (bytes). H100 and H200: measured here (vLLM's fraction 0.4 took 31.68 GiB
-# of an H100 80GB HBM3 and 55.92 GiB of an H200, docs/benchmarks.md); A100-80GB: the same 80 GB class.
-GPU_MODELS: dict[str, float] = {
-    "H100": 79.2 * GiB, "H100-80GB": 79.2 * GiB, "H100-SXM": 79.2 * GiB, "A100-80GB": 79.2 * GiB,
-    "H200": 139.8 * GiB, "H200-141GB": 139.8 * GiB,
-}
 
 # ---- calibrated constants (each fitted on the measured figures named; the rest is first principles) ----
 OVERHEAD = 3.25 * GiB
@@ -507,19 +499,3 @@ def _plan_disaggregated(m: ModelShape, s: Settings, gpu_bytes: Optional[float], 
             ("allocator cache (calibrated)", {"trainer GPU": ALLOC_SLACK * (peak - t["resident"])})]
     host = {"AdamW state (trainer.optimizer_offload)": t["optim_full"] if s.optimizer_offload else 0}
     return MemoryPlan(m, s, gpu_bytes, gpu_source, phases, rows, kv_tokens, host, notes)
-
-
-# ------------------------------------------------------------------------------------------- GPU sizes
-
-
-def parse_gpu_memory(value: str) -> float:
-    """Bytes from "80GiB", "80GB", "81920MiB", "79.2 GiB" or a GPU model name in GPU_MODELS; ValueError else."""
-    text = str(value).strip()
-    for name, size in GPU_MODELS.items():
-        if text.upper() == name.upper():
-            return size
-    hit = re.fullmatch(r"([0-9]*\.?[0-9]+)\s*(GiB|GB|MiB|MB|TiB|TB)", text, flags=re.IGNORECASE)
-    if not hit:
-        raise ValueError(f"{value!r} is neither a size (80GiB, 141GB) nor a GPU model {sorted(GPU_MODELS)}")
-    units = {"gib": GiB, "gb": 1e9, "mib": 2**20, "mb": 1e6, "tib": 2**40, "tb": 1e12}
-    return float(hit.group(1)) * units[hit.group(2).lower()]

@@ -1,4 +1,4 @@
-"""Ways to fit: settings that colo.memplan accepts, searched and planned, not guessed.
+"""Ways to fit: settings that colo.plan.memory accepts, searched and planned, not guessed.
 
     for changes, plan in ways_to_fit(config_json, settings, gpu_bytes):
         print(format_changes(changes), plan.worst)   # trainer.gradient_checkpointing=true ... ("train", 7e10)
@@ -9,7 +9,7 @@ import math
 from dataclasses import replace
 from typing import Any, Optional
 
-from colo.memplan import MemoryPlan, Settings, model_shape, plan_memory
+from colo.plan.memory import MemoryPlan, Settings, model_shape, plan_memory
 
 
 def ways_to_fit(config_json: dict[str, Any], s: Settings, gpu_bytes: float, limit: int = 3

@@ -9,12 +9,10 @@
 Every address is the node's own (Ray's node IP), and every port is picked on the node that will listen
 on it: on one machine "127.0.0.1" and a port free on the driver happen to work, on two machines neither
 does (a worker dialling 127.0.0.1 reaches itself). The weight group's TCPStore binds port 0 on trainer
-rank 0's node (colo.sync.broadcast), so its port needs no choosing at all.
+rank 0's node (colo.sync.transport.WeightGroupHost), so its port needs no choosing at all.
 
-gloo binds the address its host name resolves to, often 127.0.0.1 or 127.0.1.1 (/etc/hosts): peers on
-other nodes could not connect. Each actor therefore names the interface that holds its node IP
-(GLOO_SOCKET_IFNAME, read by torch's gloo when a group is created) before any gloo group exists, and
-gives vLLM the node IP (VLLM_HOST_IP) before vLLM starts (node_env).
+Ports and addresses are picked with colo.host.net (free_port on the listening node; node_env in each actor, so
+gloo and vLLM bind the node IP rather than a loopback).
 
 When a run fails, `lost_nodes` asks which of its nodes are gone (dead to Ray's GCS, or not answering a
 task pinned to them within a few seconds), so the error names the node and the ranks that were on it.
@@ -22,17 +20,16 @@ task pinned to them within a few seconds), so the error names the node and the r
 from __future__ import annotations
 
 import ipaddress
-import random
-import socket
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from colo.config import ConfigError
+from colo.host.net import free_port
 
 if TYPE_CHECKING:
     from ray.util.placement_group import PlacementGroup
 
-    from colo.placement import PlacementPlan
+    from colo.cluster.placement import PlacementPlan
 
 PIN = 0.001  # of a node's "node:<ip>" resource (1.0 per node): any number of bundles fit, none elsewhere
 PROBE_S = 10.0  # a node whose raylet does not run a trivial task in this long counts as unreachable
@@ -117,59 +114,6 @@ def locate(pgs: list[PlacementGroup]) -> list[dict[str, Any]]:
 
     return ray.get([where.options(scheduling_strategy=PlacementGroupSchedulingStrategy(
         placement_group=pg, placement_group_bundle_index=0)).remote() for pg in pgs])
-
-
-def free_port() -> int:
-    """A free TCP port on this node for a server that another process will open a moment later.
-
-    Taken from below the kernel's ephemeral range: a port handed out by bind(0) is an ephemeral one,
-    and in the gap before the server binds it, any outgoing connection (Ray, gloo, vLLM start dozens)
-    may be given the same number; CI hit exactly that (EADDRINUSE in init_process_group). Call it on
-    the node that listens (colo.nodes.locate runs it there)."""
-    lo = _ephemeral_low()
-    for _ in range(200):
-        port = _RNG.randrange(max(1024, lo - 12000), lo) if lo > 2048 else 0
-        with socket.socket() as s:
-            try:
-                s.bind(("", port))
-            except OSError:
-                continue
-            return s.getsockname()[1]
-    raise RuntimeError(f"no free TCP port below the ephemeral range ({lo}) after 200 tries")
-
-
-_RNG = random.SystemRandom()  # independent of any seeding the job does: two runs must not pick alike
-
-
-def _ephemeral_low() -> int:
-    try:
-        return int(open("/proc/sys/net/ipv4/ip_local_port_range").read().split()[0])
-    except (OSError, ValueError, IndexError):
-        return 32768  # Linux default
-
-
-def interface_of(ip: str) -> str | None:
-    """The network interface that holds `ip` on this machine (None: not found, e.g. behind NAT)."""
-    import psutil
-
-    for name, addrs in psutil.net_if_addrs().items():
-        if any(a.address == ip for a in addrs if a.family in (socket.AF_INET, socket.AF_INET6)):
-            return name
-    return None
-
-
-def node_env() -> dict[str, str]:
-    """What an actor sets before it creates a gloo group or starts vLLM, so both use this node's Ray IP:
-    GLOO_SOCKET_IFNAME (the interface holding it; gloo would bind what the host name resolves to) and
-    VLLM_HOST_IP (vLLM otherwise asks the routing table for a way to 8.8.8.8, which a node without a
-    default route lacks). {} outside Ray."""
-    import ray
-
-    if not ray.is_initialized():
-        return {}
-    ip = ray.util.get_node_ip_address()
-    name = interface_of(ip)
-    return {"VLLM_HOST_IP": ip, **({"GLOO_SOCKET_IFNAME": name} if name else {})}
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,7 @@ colocated: one Ray placement group per GPU, a trainer rank and a vLLM rank in ea
 
 Invariant the loop relies on: trainer rank r, engine DP rank r (and on GPU, EP rank r) all live in
 pgs[r], so they share one device; pgs are ordered by (node, GPU id) so rank order follows the
-hardware. With rows placed on nodes (colo.nodes.on_nodes: filled node by node), each bundle also asks
+hardware. With rows placed on nodes (colo.cluster.nodes.on_nodes: filled node by node), each bundle also asks
 for its node's "node:<ip>" resource, and the node order is the plan's.
 Why one PG per GPU and not one PG with N bundles: vLLM's Ray executor places its worker
 in "bundle 0" of the placement group it is handed (VLLM_RAY_BUNDLE_INDICES), so each engine needs a
@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from colo.config import ColoConfig, ConfigError, expert_parallel_size, resolve_device
-from colo.nodes import locate, pin
+from colo.cluster.nodes import locate, pin
 
 if TYPE_CHECKING:
     from ray.util.placement_group import PlacementGroup
@@ -52,7 +52,7 @@ class PlacementRow:
     vllm_memory: str  # "gpu_memory_utilization=0.4" (GPU) or "kv_cache=256MiB" (CPU); "-": no engine
     role: str  # colocated "trainer+engine"; disaggregated "trainer" or "engine"
     tp_rank: int  # rank within the engine's tensor-parallel group (-1: no engine on this GPU)
-    node: str = ""  # IP of the node this GPU is on (colo.nodes.on_nodes); "": wherever Ray puts it
+    node: str = ""  # IP of the node this GPU is on (colo.cluster.nodes.on_nodes); "": wherever Ray puts it
 
 
 @dataclass(frozen=True)
@@ -84,7 +84,7 @@ class PlacementPlan:
         def rank(x: int) -> str:
             return "-" if x < 0 else str(x)
 
-        nodes = any(r.node for r in self.rows)  # a column only when a cluster was asked (colo.nodes)
+        nodes = any(r.node for r in self.rows)  # a column only when a cluster was asked (colo.cluster.nodes)
         head = ("gpu", *("node",) * nodes, "bundle", "role", "trainer_rank", "dp_rank", "tp_rank", "ep_rank",
                 "train_frac", "vllm_frac", "vllm_memory")
         body = [(str(r.gpu), *(r.node,) * nodes, r.bundle, r.role, rank(r.trainer_rank), rank(r.dp_rank),
@@ -219,7 +219,7 @@ def _ready_groups(plan: PlacementPlan, specs: list[list[dict[str, float]]],
 
 
 def _in_hardware_order(pgs: list[PlacementGroup], node_order: list[str]) -> list[PlacementGroup]:
-    """Groups sorted by (node, GPU id): nodes in the plan's order when it names them (colo.nodes), else
+    """Groups sorted by (node, GPU id): nodes in the plan's order when it names them (colo.cluster.nodes), else
     by node id, which still keeps each node's groups together."""
     where = locate(pgs)
 

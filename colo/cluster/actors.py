@@ -25,8 +25,8 @@ from typing import TYPE_CHECKING, Any
 import ray
 
 from colo.config import ColoConfig, to_dict
-from colo.nodes import Lost, free_port, gpu_nodes, locate, lost_nodes, on_nodes  # noqa: F401 (free_port: re-export)
-from colo.placement import PlacementPlan, create_disaggregated_placement, create_placement, scheduling
+from colo.cluster.nodes import Lost, gpu_nodes, locate, lost_nodes, on_nodes
+from colo.cluster.placement import PlacementPlan, create_disaggregated_placement, create_placement, scheduling
 
 if TYPE_CHECKING:  # the actor classes import torch / vLLM helpers: start_cluster imports them when called
     from colo.rollout.engine import Engine
@@ -92,7 +92,7 @@ def start_cluster(cfg: ColoConfig, plan: PlacementPlan, trainer_cls: type[Traine
     TrainWorker, RolloutEngine = ray.remote(trainer_cls), ray.remote(engine_cls)  # noqa: N806
     t0 = time.perf_counter()
     colocated, cuda = plan.mode == "colocated", cfg.placement.device == "cuda"
-    if not plan.node_order:  # ranks fill the cluster's GPU nodes in order (colo.nodes)
+    if not plan.node_order:  # ranks fill the cluster's GPU nodes in order (colo.cluster.nodes)
         plan = on_nodes(plan, gpu_nodes())
     if colocated:
         trainer_pgs = engine_pgs = create_placement(plan)
@@ -164,7 +164,7 @@ def gather(refs: list, who: list[str], timeout: float | None = None, engines: li
     ActorError when its method raised. `engines`: the engines the callees talk to (the sync), so an engine
     that died or raised under a trainer's call is named by its index; `paired`: callee i talks to engine i
     only (colocated), the fallback when Ray's error does not carry the dead engine's id; `colocated`: how
-    engines are named (colo.cluster.engine_name).
+    engines are named (colo.cluster.actors.engine_name).
 
     Results are taken in completion order, not rank order: when rank 1 dies, rank 0 may be blocked in a
     collective waiting for it (gloo's default timeout is 30 min), so ray.get(rank 0) first would hang."""
