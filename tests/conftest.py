@@ -81,6 +81,22 @@ class CliResult:
     stdout: str
     stderr: str
     seconds: float
+    imported: frozenset[str] = frozenset()  # top-level packages the process had imported when it exited
+
+
+# Packages a `--help` or a config error must not import (prime-rl's rule: argparse and config first, so both
+# answer in well under a second); tested by what the process imported, not by how long it took.
+HEAVY = frozenset({"torch", "ray", "vllm", "transformers"})
+
+# Runs `python -m MODULE ARGS` unchanged (exit code, stdout, stderr) and writes, at exit, every top-level
+# package it imported into the file named by $IMPORTS_REPORT (not COLO_*: those are config overrides).
+_IMPORTS_PROBE = """import atexit, os, runpy, sys
+def _report():
+    with open(os.environ["IMPORTS_REPORT"], "w") as f:
+        f.write("\\n".join(sorted({m.partition(".")[0] for m in sys.modules})))
+atexit.register(_report)
+runpy.run_module(sys.argv.pop(1), run_name="__main__", alter_sys=True)
+"""
 
 
 def clean_env(**extra: str) -> dict[str, str]:
@@ -92,12 +108,22 @@ def clean_env(**extra: str) -> dict[str, str]:
 
 
 def run_cli(*args: str, cwd: Path | str | None = None, env: dict[str, str] | None = None,
-            timeout: float = 120) -> CliResult:
-    """Run `python -m colo.launch ARGS` as a user would, timed."""
-    t0 = time.perf_counter()
-    p = subprocess.run([sys.executable, "-m", "colo.launch", *args], cwd=cwd or ROOT,
-                       env=env or clean_env(), capture_output=True, text=True, timeout=timeout)
-    return CliResult(p.returncode, p.stdout, p.stderr, time.perf_counter() - t0)
+            timeout: float = 120, module: str = "colo.launch", imports: bool = False) -> CliResult:
+    """Run `python -m colo.launch ARGS` (or `module`) as a user would, timed; with `imports`, also what the
+    process imported (CliResult.imported), read at its exit."""
+    import tempfile
+
+    env = dict(env or clean_env())
+    with tempfile.TemporaryDirectory() as tmp:
+        cmd = [sys.executable, "-m", module, *args]
+        if imports:
+            env["IMPORTS_REPORT"] = os.path.join(tmp, "imports")
+            cmd = [sys.executable, "-c", _IMPORTS_PROBE, module, *args]
+        t0 = time.perf_counter()
+        p = subprocess.run(cmd, cwd=cwd or ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+        seconds = time.perf_counter() - t0
+        imported = frozenset(Path(env["IMPORTS_REPORT"]).read_text().split()) if imports else frozenset()
+    return CliResult(p.returncode, p.stdout, p.stderr, seconds, imported)
 
 
 @pytest.fixture(scope="session")

@@ -11,11 +11,10 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import time
 
 import pytest
 
-from conftest import ROOT, clean_env
+from conftest import HEAVY, ROOT, clean_env, run_cli
 
 
 def _bench(*args: str, timeout: float) -> subprocess.CompletedProcess:
@@ -23,11 +22,10 @@ def _bench(*args: str, timeout: float) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=timeout)
 
 
-def test_help_is_fast_and_needs_a_model() -> None:
-    t0 = time.perf_counter()
-    p = _bench("--help", timeout=30)
-    assert p.returncode == 0 and "--preset" in p.stdout and "--check" in p.stdout
-    assert time.perf_counter() - t0 < 5, "--help must not import torch/Ray/vLLM"
+def test_help_imports_nothing_heavy_and_needs_a_model() -> None:
+    r = run_cli("--help", module="colo.bench.sync", imports=True, timeout=30)
+    assert r.returncode == 0 and "--preset" in r.stdout and "--check" in r.stdout
+    assert not r.imported & HEAVY, f"--help imported {sorted(r.imported & HEAVY)}"
     p = _bench("--ranks", "2", timeout=30)
     assert p.returncode == 2 and "--preset" in p.stderr  # one of --preset / --model is required
 
@@ -49,6 +47,9 @@ def test_tiny_two_ranks_check_json(tmp_path) -> None:
     # both paths delivered the same payload: every engine parameter, bf16, on both ranks
     assert r["bytes"] == r["baseline_bytes"] > 2 * 1_000_000  # tiny: ~1.45 MB per engine
     assert set(r["phases"]) >= {"gather_s", "pack_s", "load_s", "verify_s"}
-    assert all(r[k] > 0 for k in ("seconds", "baseline_seconds", "speedup", "first_seconds")), r
+    # the ratio is the two paths' times measured in this run (the baseline over ours), not a number from elsewhere
+    assert r["seconds"] > 0 and r["baseline_seconds"] > 0 and r["first_seconds"] > 0, r
+    assert r["speedup"] == pytest.approx(r["baseline_seconds"] / r["seconds"]), r
+    assert r["first_speedup"] == pytest.approx(r["baseline_seconds"] / r["first_seconds"]), r
     assert r["vllm_ipc"]["status"] == "skipped"  # CUDA IPC only
     assert not list(tmp_path.glob("export-*")), "the --check export must be removed"

@@ -1,7 +1,9 @@
 """The colo package's import graph has no cycle: every `import` of a colo module anywhere in a file (at
 module level or inside a function: a lazy import still ties the two modules together), except under
 `if TYPE_CHECKING:`, is an edge. A cycle means two modules a reader cannot understand one before the
-other (issue 14: sync/sender and sync/baseline imported each other). Pure ast: no colo module is run."""
+other (the sync's sender and its benchmark yardstick once imported each other); an upward import (a floor
+importing one above it, FLOORS below) means a module that cannot be read before what is built on it.
+Pure ast: no colo module is run."""
 from __future__ import annotations
 
 import ast

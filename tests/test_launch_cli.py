@@ -1,5 +1,5 @@
-"""`python -m colo.launch` as a user runs it: speed of --help and of config errors, exit code 2 with
-one line and no traceback, --dry-run output, and that an error writes nothing."""
+"""`python -m colo.launch` as a user runs it: --help and config errors answer before torch, Ray or vLLM is
+imported, exit code 2 with one line and no traceback, --dry-run output, and that an error writes nothing."""
 from __future__ import annotations
 
 import json
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import ROOT, clean_env, run_cli
+from conftest import HEAVY, ROOT, clean_env, run_cli
 
 
 def assert_config_error(r, *needles: str) -> None:
@@ -20,16 +20,16 @@ def assert_config_error(r, *needles: str) -> None:
         assert needle in lines[0], lines[0]
 
 
-def test_help_is_fast() -> None:
-    r = run_cli("--help")
+def test_help_imports_nothing_heavy() -> None:
+    r = run_cli("--help", imports=True)
     assert r.returncode == 0 and "--dry-run" in r.stdout and "key=value" in r.stdout
-    assert r.seconds < 3.0, f"--help took {r.seconds:.2f} s: something heavy is imported too early"
+    assert "argparse" in r.imported and not r.imported & HEAVY, f"--help imported {sorted(r.imported & HEAVY)}"
 
 
-def test_invalid_key_is_fast_one_line_exit_2(tmp_path: Path) -> None:
-    r = run_cli("trainer.lrr=1e-6", cwd=tmp_path)
+def test_invalid_key_is_one_line_exit_2_before_anything_heavy(tmp_path: Path) -> None:
+    r = run_cli("trainer.lrr=1e-6", cwd=tmp_path, imports=True)
     assert_config_error(r, "trainer.lrr", "did you mean 'trainer.lr'")
-    assert r.seconds < 3.0, f"a config error took {r.seconds:.2f} s"
+    assert "omegaconf" in r.imported and not r.imported & HEAVY, f"a config error imported {sorted(r.imported & HEAVY)}"
     assert list(tmp_path.iterdir()) == []  # nothing written
 
 

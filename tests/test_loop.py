@@ -36,6 +36,8 @@ SMALL_JOB = ["loop.steps=4", "loop.sft_warmup_steps=2", "loop.eval_every=0", "lo
 ONE_PAIR = ["placement.num_gpus=1"]  # where the failure needs no second rank: half the processes to start
 FAILURE_EXIT_S = 150  # start-up ~30 s + 2 steps + checkpoint; a hang runs into the subprocess timeout
 
+PHASES = ("rollout", "reward", "sleep", "train", "sync", "wake")  # colo.loop.rl_step's timeline, in order
+
 # Driver-side reward functions that fail on purpose. Calls: 1 = warm-up eval (greedy only: eval_samples=0),
 # 2 = step 0, 3 = step 1, so every failure happens in step 1, after step 0 has trained (there is a policy
 # worth checkpointing).
@@ -121,10 +123,8 @@ def test_default_job_learns(learned: tuple[Path, list[dict]]) -> None:
         assert r["sync/verified"] is True and r["sync/tensors"] > 0 and r["sync/bytes"] > 0, r
         assert 0 <= r["logprob_diff/mean"] < 0.05, f"step {r['step']}: vLLM/trainer gap {r['logprob_diff/mean']}"
         assert all(math.isfinite(r[k]) for k in ("loss", "entropy", "grad_norm")), r
-        # step_s is the step's own wall clock: it holds every phase, plus only the memory probes between
-        # them (one Ray round trip each; the bound is loose for a busy 2-core machine)
-        phases = sum(r[f"timing/{p}_s"] for p in ("rollout", "reward", "sleep", "train", "sync", "wake"))
-        assert phases <= r["timing/step_s"] < phases + 30.0, r
+        # every phase of the step's timeline is timed, and nothing else: a phase renamed, lost or added shows here
+        assert {k for k in r if k.startswith("timing/")} == {f"timing/{p}_s" for p in PHASES} | {"timing/step_s"}, r
         # loop.memory_stats: every phase reports the trainer's memory (on CPU its resident set, > 100 MiB)
         assert all(0.1 < r[f"memory/{p}/trainer_rss_gb"] < 64 for p in ("rollout", "train", "sync", "wake")), r
 
@@ -341,13 +341,13 @@ def test_dataset_row_missing_field_exits_2_early(tmp_path: Path, fmt: str) -> No
         import pyarrow.parquet as pq
 
         pq.write_table(pa.Table.from_pylist(rows), data)
-    r = run_cli(f"run.dir={tmp_path / 'run'}", f"data.path={data}", f"data.eval_path={data}", timeout=120)
+    r = run_cli(f"run.dir={tmp_path / 'run'}", f"data.path={data}", f"data.eval_path={data}", timeout=120, imports=True)
     assert r.returncode == 2, _tail(r)
     assert "Traceback" not in r.stderr, _tail(r)
     error = r.stderr.strip().splitlines()[-1]
     assert error.startswith("colo: error: data: ") and str(data) in error, error
     assert "row 3" in error and "missing field 'answer'" in error, error
-    assert r.seconds < 60, f"the data error came after {r.seconds:.0f} s: it must precede Ray/vLLM start-up"
+    assert not r.imported & {"ray", "vllm"}, f"the data error came after {sorted(r.imported & {'ray', 'vllm'})} was imported: it must precede Ray/vLLM start-up"
     assert not (tmp_path / "run").exists(), "a data error must leave no run dir behind (a rerun would need --resume)"
 
 

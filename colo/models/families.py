@@ -24,10 +24,10 @@ import argparse
 import hashlib
 import json
 import os
-import shutil
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from colo.models import build
 
 TOKENIZER_VOCAB = 320  # < every family's vocab_size: the config's vocabulary is the padded one
 MARKER = "colo_family.json"
@@ -149,10 +149,7 @@ def _marker(name: str, seed: int) -> dict:
 
 
 def is_built(out_dir: str | os.PathLike, name: str, seed: int) -> bool:
-    try:
-        return json.loads((Path(out_dir) / MARKER).read_text()) == _marker(name, seed)
-    except (OSError, ValueError):
-        return False
+    return build.is_built(out_dir, MARKER, _marker(name, seed))
 
 
 def _write(tmp: Path, name: str, seed: int) -> None:
@@ -196,20 +193,7 @@ def make_family_model(out_dir: str | os.PathLike, name: str, seed: int = 0) -> P
     """Write family `name`'s tiny checkpoint into out_dir (idempotent: returns at once when already built)."""
     if name not in FAMILIES:
         raise ValueError(f"unknown family {name!r}; choose from {sorted(FAMILIES)}")
-    out = Path(out_dir).resolve()
-    if is_built(out, name, seed):
-        return out
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-    try:
-        _write(tmp, name, seed)
-        (tmp / MARKER).write_text(json.dumps(_marker(name, seed), sort_keys=True) + "\n")
-        if out.exists():
-            shutil.rmtree(out)
-        os.rename(tmp, out)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return out
+    return build.build_once(out_dir, MARKER, _marker(name, seed), lambda tmp: _write(tmp, name, seed))
 
 
 def main(argv: list[str] | None = None) -> None:

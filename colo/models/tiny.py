@@ -19,18 +19,18 @@ params to the original per-expert names — `model.layers.{l}.mlp.experts.{e}.{g
 — which is also what the Hub checkpoints hold and what vLLM's loader expects. In memory (after
 `from_pretrained`) the module has fused `mlp.experts.gate_up_proj` (E, 2I, H) and `down_proj` (E, H, I).
 
-Idempotent and safe to race: the result is built in a sibling temp dir and moved into place; a
-`colo_preset.json` marker (written last) makes a second call with the same preset+seed return at once.
-Same preset+seed gives byte-identical files.
+Idempotent and safe to race (colo.models.build): the result is built in a sibling temp dir and moved into
+place; a `colo_preset.json` marker (written last) makes a second call with the same preset+seed return at
+once. Same preset+seed gives byte-identical files.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
-import shutil
-import tempfile
 from pathlib import Path
+
+from colo.models import build
 
 MARKER = "colo_preset.json"
 _FORMAT_VERSION = 2  # bump when the bytes a preset produces change, so stale dirs are rebuilt
@@ -116,11 +116,7 @@ def _marker(preset: str, seed: int) -> dict:
 
 
 def is_built(out_dir: str | os.PathLike, preset: str, seed: int) -> bool:
-    path = Path(out_dir) / MARKER
-    try:
-        return json.loads(path.read_text()) == _marker(preset, seed)
-    except (OSError, ValueError):
-        return False
+    return build.is_built(out_dir, MARKER, _marker(preset, seed))
 
 
 def _write(tmp: Path, preset: str, seed: int) -> None:
@@ -168,30 +164,7 @@ def make_tiny_model(out_dir: str | os.PathLike, preset: str = "tiny", seed: int 
     """Write the preset's checkpoint dir (idempotent; returns quickly when already built)."""
     if preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r}; choose from {sorted(PRESETS)}")
-    out = Path(out_dir).resolve()
-    if is_built(out, preset, seed):
-        return out
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-    try:
-        _write(tmp, preset, seed)
-        (tmp / MARKER).write_text(json.dumps(_marker(preset, seed), sort_keys=True) + "\n")
-        try:
-            os.rename(tmp, out)  # atomic when out does not exist (or is an empty dir)
-        except OSError:
-            if is_built(out, preset, seed):  # a concurrent caller won the race
-                return out
-            # out holds something else: replace file by file, marker last, stale files removed.
-            (out / MARKER).unlink(missing_ok=True)
-            new_names = {p.name for p in tmp.iterdir()}
-            for p in out.iterdir():
-                if p.name not in new_names and p.is_file():
-                    p.unlink()
-            for p in sorted(tmp.iterdir(), key=lambda p: p.name == MARKER):
-                os.replace(p, out / p.name)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return out
+    return build.build_once(out_dir, MARKER, _marker(preset, seed), lambda tmp: _write(tmp, preset, seed))
 
 
 def main(argv: list[str] | None = None) -> None:

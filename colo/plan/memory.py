@@ -43,7 +43,7 @@ if TYPE_CHECKING:
     from colo.config import ColoConfig
 
 GiB = 2**30
-GPUS_PER_NODE = 8  # host memory is reported per node of this many GPUs (multi-node placement: its own issue)
+GPUS_PER_NODE = 8  # host memory is reported per node of this many GPUs (the plan does not ask the cluster)
 
 # ---- calibrated constants (each fitted on the measured figures named; the rest is first principles) ----
 OVERHEAD = 3.25 * GiB

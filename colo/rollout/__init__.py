@@ -1,2 +1,3 @@
-"""vLLM side of colo: the RolloutEngine actor (engine.py) and the vLLM version checks (vllm_compat.py); the
-weight sync's receiver, which vLLM mixes into its worker, is colo.sync.receiver."""
+"""vLLM side of colo: the RolloutEngine actor (engine.py), the worker extension vLLM mixes into each of its
+workers (extension.py: the weight sync's receiver, colo.sync.receiver, plus the routing capture, capture.py),
+and the vLLM version checks (vllm_compat.py)."""

@@ -36,6 +36,7 @@ from colo.config import ColoConfig, from_dict
 from colo.models.dtypes import torch_dtype
 from colo.run.logs import actor_output
 from colo.host.shm import sweep
+from colo.sync.sender import Sender
 from colo.sync.transport import WeightGroup, WeightGroupHost, device_uuid
 from colo.trainer import checkpoint
 from colo.models.archs import expert_shard_range, num_experts
@@ -377,7 +378,6 @@ class Trainer:
         model the sync cannot map fails here, naming every unmapped trainer tensor and every vLLM param
         nothing writes, all at once."""
         self._check_ready()
-        from colo.sync.sender import Sender  # lazy: the sync path imports vLLM-side helpers
 
         if self.sender is None:
             if self.cfg.placement.mode == "colocated":

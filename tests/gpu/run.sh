@@ -63,7 +63,7 @@ want ipc && step pytest-ipc 90 "$PY" -m pytest tests/gpu/test_ipc_alloc.py -x -q
 want dpep && step pytest-dpep 240 "$PY" -m pytest tests/gpu/test_dpep.py -x -q -s -p no:cacheprovider
 want routing && step pytest-routing 300 "$PY" -m pytest tests/gpu/test_routing_gpu.py -x -q -s -p no:cacheprovider
 
-if [ "$ngpu" -ge 4 ]; then default_bench="--preset qwen3-30b-a3b --ranks $ngpu"  # issue 5's goal: <= 1.0 s
+if [ "$ngpu" -ge 4 ]; then default_bench="--preset qwen3-30b-a3b --ranks $ngpu"  # the goal: <= 1.0 s per sync
 else default_bench="--preset qwen3-30b-a3b-L12 --ranks $((ngpu < 2 ? ngpu : 2))"; fi
 args=${BENCH_ARGS:-$default_bench --reps 4 --device cuda --json}
 # stdout (the JSON line) and stderr apart: the last line of bench.json is the result

@@ -21,7 +21,7 @@ from gpu_helpers import (LOGPROB_ATOL, PERTURB_SCALE, greedy, gpu_config, start_
                          stop_engines)
 
 pytestmark = pytest.mark.gpu
-FREED_MIN = 0.90  # share of the engine's start-up memory a sleep must give back (issue 5)
+FREED_MIN = 0.90  # share of the engine's start-up memory a sleep must give back
 
 
 @pytest.fixture(scope="module")
