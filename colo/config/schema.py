@@ -3,7 +3,7 @@
     ColoConfig() -> defaults; colo.config.loading fills it from YAML / COLO_* env / key=value,
     colo.config.checks validates it. Imports nothing heavy (no torch/Ray/vLLM, no OmegaConf).
 
-docs/config.md is the user-facing reference; tests/test_config.py keeps both in step.
+docs/config.md is the user-facing reference; tests/unit/test_config.py keeps both in step.
 """
 from __future__ import annotations
 

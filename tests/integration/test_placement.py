@@ -227,7 +227,7 @@ def test_more_gpus_than_the_cluster_has(ray_four_gpus) -> None:
                                                "placement.trainer_gpus=2", "rollout.tp_size=2"))
 
 
-# colo.cluster.actors.gather reads Ray's errors to name who failed; the loop reports that name (tests/test_loop.py
+# colo.cluster.actors.gather reads Ray's errors to name who failed; the loop reports that name (tests/e2e/test_loop.py
 # runs it against real engines). The actors here play the two roles only so that an engine's error can be
 # raised inside a trainer's call on demand, with no vLLM to start.
 

@@ -1,7 +1,7 @@
 """Every logged loss metric against plain PyTorch on the whole batch, for 1 rank x 1 micro-batch and for
 2 ranks x 4 micro-batches (real FSDP2 over gloo in Ray actors); the KL reference; eval/train modes.
 
-    PYTHONPATH=. .venv/bin/python -m pytest tests/test_loss_layouts.py -q
+    PYTHONPATH=. .venv/bin/python -m pytest tests/integration/test_loss_layouts.py -q
 
 One module-wide story, so the three actors start once. trainer.lr is 0 (sft_lr is not): RL steps then
 leave the weights exactly as they were, so the independent computation, run on an HF export of those

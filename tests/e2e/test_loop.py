@@ -1,6 +1,6 @@
 """The RL loop end to end through the real CLI (`python -m colo.launch`), as a user runs it.
 
-    pytest -q tests/test_loop.py            # ~6 min on 2 cores: one default job, one resume, 5 failures
+    pytest -q tests/e2e/test_loop.py            # ~6 min on 2 cores: one default job, one resume, 5 failures
 
 - learning: the default job (configs/tiny-cpu.yaml: 70 warm-up SFT steps + 140 GRPO steps on two
   trainer/engine pairs) raises the held-out eval reward, verifies every weight sync, keeps the

@@ -15,7 +15,7 @@ import pytest
 from colo import config as C
 from colo.config import ConfigError, load_config, validate
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def write(path: Path, text: str) -> str:

@@ -1,13 +1,13 @@
 """Every command in README.md's ```bash blocks, run as the README shows it, so none can break unnoticed.
 
-    pytest -q tests/test_readme.py      (the default job, shared with test_loop.py, four short CPU jobs, dry
+    pytest -q tests/e2e/test_readme.py      (the default job, shared with test_loop.py, four short CPU jobs, dry
                                          runs; the short jobs took 735 s on 2 cores under a load of ~20)
 
 The test reads the README itself and sorts each command into one of:
 - CPU run: `python -m colo.launch ...` whose config runs on CPU, run to the end, shortened (SHORT: 1 warm-up
   step, 1 RL step) and writing under a temporary runs dir; README order, so `--resume` continues the
   newest run as it would for a reader. The first, the bare default job, is the session's `default_job`
-  (tests/conftest.py), which tests/test_loop.py runs in full anyway;
+  (tests/conftest.py), which tests/e2e/test_loop.py runs in full anyway;
 - dry run: `python -m colo.launch ... --dry-run`, run as it is;
 - GPU command: a colo.launch command whose config asks for CUDA, checked as far as `--dry-run` goes here
   (the GPU count is noted, not checked); a Hub model id is swapped for its random-weight preset
@@ -15,9 +15,9 @@ The test reads the README itself and sorts each command into one of:
   path (/data/...) for a small JSONL;
 - setup: set-up lines that CI runs before this suite (launch/setup.sh, the suite itself) or that need a GPU
   host (the `gpu` extra); listed by exact text in SETUP;
-- cluster node: `bash launch/ray-cluster.sh head|worker ...`: tests/test_multinode.py starts both nodes of
-  its two-node cluster with this script (tests/twonodes.py);
-- cluster run: a colo.launch command with RAY_ADDRESS: tests/test_multinode.py runs it against its two-node
+- cluster node: `bash launch/ray-cluster.sh head|worker ...`: tests/e2e/test_multinode.py starts both nodes of
+  its two-node cluster with this script (tests/e2e/twonodes.py);
+- cluster run: a colo.launch command with RAY_ADDRESS: tests/e2e/test_multinode.py runs it against its two-node
   cluster (the address swapped for the cluster's); `ray job submit ... -- <colo.launch command>` and
   `sbatch ... launch/slurm.sbatch <colo.launch arguments>` need a GPU cluster: their colo.launch command is
   a GPU command here (checked as far as `--dry-run`), and the scripts are checked by `bash -n`.
@@ -128,7 +128,7 @@ def _tail(r, n: int = 3000) -> str:
 def test_every_command_is_classified() -> None:
     commands = readme_commands()
     unknown = [c.text for c in commands if c.kind == "unknown"]
-    assert not unknown, f"README commands tests/test_readme.py does not know how to run: {unknown}"
+    assert not unknown, f"README commands tests/e2e/test_readme.py does not know how to run: {unknown}"
     kinds = [c.kind for c in commands]
     # the README as of this test: 5 CPU jobs, 1 CPU dry run, 3 GPU commands, 5 set-up commands
     want = ("cpu-run", "dry-run", "gpu", "setup", "cluster-node", "cluster-run")
@@ -138,7 +138,7 @@ def test_every_command_is_classified() -> None:
 
 
 def test_cluster_scripts_parse() -> None:
-    """launch/ray-cluster.sh runs in tests/test_multinode.py; the Slurm template needs Slurm: bash -n both."""
+    """launch/ray-cluster.sh runs in tests/e2e/test_multinode.py; the Slurm template needs Slurm: bash -n both."""
     import subprocess
 
     for script in ("launch/ray-cluster.sh", "launch/slurm.sbatch"):
