@@ -27,6 +27,26 @@ STEP_KEYS = ["step", "reward/mean", "reward/std", "response_len/mean", "loss", "
     f"timing/{p}_s" for p in ("rollout", "reward", "sleep", "train", "sync", "wake", "step")]
 
 
+def _shared_group(item: pytest.Item) -> str:
+    """The xdist group of a test (README command: `-n 2 --dist loadgroup`): tests that share a fixture wider
+    than one test run in one worker, so nothing is started twice. The default job (a session fixture) is one
+    group across test files; a module-scoped fixture (engines, trainers, a cluster) makes its module one group;
+    a test that shares nothing is a group of its own, so two workers can split a file of CLI jobs."""
+    info = getattr(item, "_fixtureinfo", None)
+    if info is None:
+        return item.nodeid
+    if "default_job" in info.names_closure:
+        return "default_job"
+    ours = [defs[-1] for name, defs in info.name2fixturedefs.items() if defs and defs[-1].baseid]  # not pytest's
+    if any(d.scope != "function" for d in ours):
+        return item.module.__name__
+    return item.nodeid
+
+
+def pytest_itemcollected(item: pytest.Item) -> None:
+    item.add_marker(pytest.mark.xdist_group(_shared_group(item)))
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     tiers = {ROOT / "tests" / tier: getattr(pytest.mark, tier) for tier in TIERS}
     for item in items:
@@ -35,6 +55,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             raise pytest.UsageError(f"{item.nodeid}: every test lives in a tier folder, one of "
                                     f"{', '.join(f'tests/{t}/' for t in TIERS)}")
         item.add_marker(tiers[folder])
+    # longest first, so two workers end together: the default job's group, then jobs, engines, pure tests
+    order = {"e2e": 1, "integration": 2, "unit": 3, "gpu": 4}
+    items.sort(key=lambda i: (0 if _shared_group(i) == "default_job" else order[Path(i.fspath).parent.name]))
     if not any(item.get_closest_marker("gpu") for item in items):
         return  # importing torch just to skip nothing costs seconds
     import torch

@@ -209,7 +209,7 @@ def test_resume_reproduces_uninterrupted_run(learned: tuple[Path, list[dict]], t
 # ------------------------------------------------------------------------------------------- failures
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture  # per test (cheap), so each failure run is a group of its own for pytest-xdist
 def reward_env(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     mod_dir = tmp_path_factory.mktemp("rewards")
     (mod_dir / "failing_rewards.py").write_text(FAILING_REWARDS)
