@@ -77,16 +77,57 @@ def _shm_names() -> set[str]:
     return {n for n in os.listdir(shm) if n.startswith(("colo_", "psm_"))} if shm.is_dir() else set()
 
 
+_STARTED: list[int] = []  # when the session started, in clock ticks since boot (/proc/<pid>/stat's unit)
+
+
+def _start_ticks(pid: int | str) -> int:
+    return int(Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[19])
+
+
 def pytest_sessionstart(session: pytest.Session) -> None:
     _SHM_SEEN.update(_shm_names())
+    _STARTED.append(_start_ticks("self"))
+
+
+def _leftover_processes() -> list[str]:
+    """Live Python, Ray and vLLM processes this checkout's tests started (since the session began, working in
+    ROOT or with ROOT on their PYTHONPATH; not another checkout's) that outlived the session."""
+    mine, out = {os.getpid(), os.getppid()}, []
+    for pid in (int(p) for p in os.listdir("/proc") if p.isdigit()):
+        try:
+            if _start_ticks(pid) < _STARTED[0]:
+                continue
+            cwd = os.readlink(f"/proc/{pid}/cwd")
+            env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        path = next((e[11:].decode(errors="replace") for e in env if e.startswith(b"PYTHONPATH=")), "")
+        ours = cwd == str(ROOT) or str(ROOT) in path.split(os.pathsep)
+        worker = "exec(eval(" in cmd  # a pytest-xdist worker (execnet), ending with the controller
+        if pid not in mine and ours and not worker and any(w in cmd for w in ("python", "ray", "vllm")):
+            out.append(f"{pid} {cmd[:120]}")
+    return out
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
-    """The suite leaves /dev/shm as it found it. Tests kill engines and trainers (ray.kill, failure tests,
-    kill -9 of a run), as users' runs get killed; colo's answer is the sweep every run starts with
-    (colo.host.shm), so the suite ends with one too, then fails on anything new that no live process owns."""
+    """The suite leaves /dev/shm and the process table as it found them. Tests kill engines and trainers
+    (ray.kill, failure tests, kill -9 of a run), as users' runs get killed; colo's answer is the sweep every
+    run starts with (colo.host.shm), so the suite ends with one too, then fails on anything new that no live
+    process owns, and on processes of its own still running. Under pytest-xdist only the controller checks,
+    once both workers are done (a worker that finishes first would see the other's live ones)."""
+    if hasattr(session.config, "workerinput"):
+        return
+    import time
+
     from colo.host.shm import alive, mapped_segments, owner_pid, sweep
 
+    deadline = time.monotonic() + 20  # Ray's and vLLM's processes take a few seconds to exit after shutdown
+    while (procs := _leftover_processes()) and time.monotonic() < deadline:
+        time.sleep(1)
+    if procs:
+        print(f"\nconftest: the suite left processes running: {procs}", file=sys.stderr)
+        session.exitstatus = 1
     sweep()
     new = _shm_names() - _SHM_SEEN
     if not new:
