@@ -91,6 +91,9 @@ def _check_values(cfg: ColoConfig) -> None:
     for key, low in at_least.items():
         if get(key) < low:
             raise ConfigError(f"{key}={get(key)} must be >= {low}; fix: e.g. {key}={default_value(key)}")
+    if cfg.rollout.n < 2:  # the group is the baseline: one sample is its own mean, so every advantage is 0
+        raise ConfigError(f"rollout.n={cfg.rollout.n}: group-relative advantages need at least 2 samples per prompt "
+                          "(with 1, every advantage is 0 and nothing trains); fix: rollout.n=8 (or any n >= 2)")
     _check_placement_mode(cfg)
     _check_loggers(cfg.run.loggers)
     if cfg.data.system_prompt and not cfg.data.chat_template:

@@ -113,7 +113,7 @@ class TrainerConfig:
 @dataclass
 class RolloutConfig:
     n: int = 8
-    """Samples per prompt (the GRPO group size)."""
+    """Samples per prompt (the GRPO group size), at least 2: the group is its own baseline."""
     max_tokens: int = 1024
     """Longest response, in tokens."""
     max_model_len: int = 2048
