@@ -359,9 +359,9 @@ def _check_data(cfg: ColoConfig, key: str) -> None:
 
             fields = set(pq.read_schema(path).names)
         else:
-            with open(path) as f:
-                first = next((line for line in f if line.strip()), "{}")
-            fields = set(json.loads(first))
+            with open(path, "rb") as f:  # the first row only; every row and byte: colo.data.prompts.read_rows
+                first = next((line for line in f if line.strip()), b"{}")
+            fields = set(json.loads(first.decode("utf-8")))
     except Exception as e:  # unreadable (permissions, not UTF-8, corrupt Parquet, bad JSON line)
         raise ConfigError(f"{key}={value} is unreadable: {type(e).__name__}: "
                           f"{str(e).splitlines()[0] if str(e) else ''}; {fix}") from e

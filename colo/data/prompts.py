@@ -143,8 +143,14 @@ def read_rows(path: str | os.PathLike, required: Sequence[str], cache_only: bool
         where = [f"row {i}" for i in range(len(rows))]
     elif path.suffix in (".jsonl", ".json", ".ndjson"):
         rows, where = [], []
-        with open(path) as f:
-            for lineno, line in enumerate(f, 1):
+        with open(path, "rb") as f:  # decoded line by line: a bad byte is named by its line, not a decode chunk
+            for lineno, raw in enumerate(f, 1):
+                try:
+                    line = raw.decode("utf-8")
+                except UnicodeDecodeError as e:
+                    raise ValueError(f"{path}: line {lineno}: not UTF-8 (byte {raw[e.start]:#04x} at column "
+                                     f"{e.start + 1}); fix: re-encode the file as UTF-8, e.g. iconv -f latin1 "
+                                     f"-t utf-8") from None
                 if not line.strip():
                     continue
                 try:

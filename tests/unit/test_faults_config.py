@@ -19,3 +19,17 @@ def test_group_of_one_is_refused() -> None:
     msg = config_error(["rollout.n=1"])
     assert "rollout.n=1" in msg and "rollout.n=8" in msg
     validate(load_config(None, ["placement.device=cpu", "rollout.n=2"], {}), check_resources=False)
+
+
+def test_late_bad_byte_names_file_and_line(tmp_path) -> None:
+    """A Latin-1 byte on line 2000 of a JSONL file (past the first decode chunk): the file and the line."""
+    from colo.data.prompts import read_rows
+
+    path = tmp_path / "train.jsonl"
+    good = b'{"prompt": "1+1=", "answer": "2"}\n'
+    path.write_bytes(good * 1999 + b'{"prompt": "caf\xe9", "answer": "2"}\n' + good)
+    with pytest.raises(ValueError) as e:
+        read_rows(path, ["prompt", "answer"])
+    assert str(path) in str(e.value) and "line 2000" in str(e.value) and "fix:" in str(e.value), e.value
+    # the config check reads the first row only, and does not trip over the late byte
+    validate(load_config(None, ["placement.device=cpu", f"data.path={path}"], {}), check_resources=False)
