@@ -8,6 +8,7 @@ import ast
 import dataclasses
 import json
 import os
+import socket
 from pathlib import Path
 
 import pytest
@@ -383,7 +384,11 @@ def test_ray_address_joins_a_cluster_whose_gpus_are_not_here() -> None:
     assert load_config(None, [], {**env, "COLO_RUN__RAY_ADDRESS": "10.0.0.2:6379"}).run.ray_address == "10.0.0.2:6379"
     assert load_config(None, ["run.ray_address=10.0.0.3:6379"], env).run.ray_address == "10.0.0.3:6379"
     cuda = ["placement.device=cuda", "placement.num_gpus=8", "model.path=auto:tiny"]
-    C.validate(load_config(None, cuda, env))  # the memory plan is colo.plan.job's, after validate
+    with socket.socket() as head:  # validate() asks the address: something must listen there
+        head.bind(("127.0.0.1", 0))
+        head.listen()
+        env = {"RAY_ADDRESS": f"127.0.0.1:{head.getsockname()[1]}"}
+        C.validate(load_config(None, cuda, env))  # the memory plan is colo.plan.job's, after validate
     if not __import__("torch").cuda.is_available():  # here: the same job without a cluster is refused
         with pytest.raises(ConfigError, match="placement.num_gpus=8 but this machine has"):
             C.validate(load_config(None, cuda, {}))

@@ -57,6 +57,7 @@ def validate(cfg: ColoConfig, *, check_resources: bool = True, check_gpus: bool 
     _check_rewards(cfg)
     if check_gpus or device == "cpu":
         _check_gpus(cfg, device)
+    _check_ray_address(cfg.run.ray_address)
     resolve_run_dir(cfg.run.dir, cfg.run.resume)  # raises on a taken or missing run dir
 
 
@@ -415,6 +416,23 @@ def _check_gpus(cfg: ColoConfig, device: str) -> None:
     if n > have:
         fix = f"placement.num_gpus={have}" if have else "placement.device=cpu"
         raise ConfigError(f"placement.num_gpus={n} but this machine has {have} CUDA GPU(s); fix: {fix}")
+
+
+RAY_GCS_PORT = 6379  # Ray's default head port, when an address names none
+
+
+def _check_ray_address(address: str) -> None:
+    """A cluster address where nothing listens: ray.init retries silently for minutes, after the run dir exists.
+    "auto" (the cluster Ray started on this machine) is left to Ray."""
+    from colo.host.net import unreachable
+
+    if not address or address in ("auto", "local"):
+        return
+    why = unreachable(address, RAY_GCS_PORT)
+    if why:
+        raise ConfigError(f"run.ray_address={address} (also set by RAY_ADDRESS): no Ray cluster answers there: {why}; "
+                          "fix: start its head (bash launch/ray-cluster.sh head) and use the address it prints, or "
+                          "unset RAY_ADDRESS and run.ray_address to run on this machine alone")
 
 
 def parse_gpu_memory(value: str) -> float:

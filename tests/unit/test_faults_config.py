@@ -33,3 +33,18 @@ def test_late_bad_byte_names_file_and_line(tmp_path) -> None:
     assert str(path) in str(e.value) and "line 2000" in str(e.value) and "fix:" in str(e.value), e.value
     # the config check reads the first row only, and does not trip over the late byte
     validate(load_config(None, ["placement.device=cpu", f"data.path={path}"], {}), check_resources=False)
+
+
+def test_ray_address_where_nothing_listens() -> None:
+    """run.ray_address / RAY_ADDRESS with no cluster behind it: refused at once, naming the address."""
+    import socket
+    import time
+
+    with socket.socket() as s:  # a port that was free a moment ago: nothing listens on it now
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    t0 = time.perf_counter()
+    with pytest.raises(ConfigError) as e:
+        validate(load_config(None, ["placement.device=cpu"], {"RAY_ADDRESS": f"127.0.0.1:{port}"}))
+    assert f"127.0.0.1:{port}" in str(e.value) and "fix:" in str(e.value) and "\n" not in str(e.value)
+    assert time.perf_counter() - t0 < 15
