@@ -250,6 +250,41 @@ def _check_weights(cfg: ColoConfig) -> None:
         raise ConfigError(f"model.path={cfg.model.path} has a config.json but no weight files "
                           f"({'/'.join('*' + s for s in WEIGHT_SUFFIXES)}); fix: the checkpoint dir with its "
                           "weights, or model.dummy_weights=true for random weights")
+    check_safetensors(local)
+
+
+def check_safetensors(model_dir: Path) -> None:
+    """Every *.safetensors file's header must parse and its tensors must end within the file: a truncated or
+    corrupt file otherwise fails in trainer rank 0 after Ray started. Reads the headers only."""
+    for f in sorted(Path(model_dir).glob("*.safetensors")):
+        problem = _safetensors_problem(f)
+        if problem:
+            raise ConfigError(f"model.path: {f} is {problem}; fix: re-download or re-save that file "
+                              "(e.g. huggingface-cli download <repo> --local-dir <dir>)")
+
+
+def _safetensors_problem(path: Path) -> str | None:
+    size = path.stat().st_size
+    try:
+        with open(path, "rb") as fh:
+            head = fh.read(8)
+            n = int.from_bytes(head, "little") if len(head) == 8 else -1
+            if n < 2 or 8 + n > size:
+                return f"truncated or not safetensors ({size} bytes, header of {max(n, 0)} bytes)"
+            header = json.loads(fh.read(n))
+    except OSError as e:
+        return f"unreadable ({e.strerror or e})"
+    except ValueError as e:
+        return f"corrupt: its header is not JSON ({e})"
+    tensors = [v for k, v in header.items() if k != "__metadata__"] if isinstance(header, dict) else [None]
+    ends = [v["data_offsets"][1] for v in tensors if isinstance(v, dict) and isinstance(v.get("data_offsets"), list)
+            and len(v["data_offsets"]) == 2 and isinstance(v["data_offsets"][1], int)]
+    if len(ends) != len(tensors):
+        return "corrupt: its header does not list tensors with data_offsets"
+    need = 8 + n + max(ends, default=0)
+    if need > size:
+        return f"truncated: {size} bytes, its header needs {need}"
+    return None
 
 
 def check_model_readable(path: str) -> None:
@@ -259,6 +294,9 @@ def check_model_readable(path: str) -> None:
         from transformers import AutoConfig
 
         AutoConfig.from_pretrained(path)
+        check_safetensors(Path(path))  # a Hub model, downloaded since validate(): its files too
+    except ConfigError:
+        raise
     except Exception as e:  # noqa: BLE001 (whatever transformers raises: one line, exit 2)
         what = " ".join(str(e).split())  # one line, however many transformers wrote
         what = what if len(what) <= 240 else what[:237] + "..."

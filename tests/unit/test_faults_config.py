@@ -48,3 +48,27 @@ def test_ray_address_where_nothing_listens() -> None:
         validate(load_config(None, ["placement.device=cpu"], {"RAY_ADDRESS": f"127.0.0.1:{port}"}))
     assert f"127.0.0.1:{port}" in str(e.value) and "fix:" in str(e.value) and "\n" not in str(e.value)
     assert time.perf_counter() - t0 < 15
+
+
+def test_truncated_safetensors_refused_naming_the_file(tmp_path) -> None:
+    """A checkpoint whose shard was cut short (or whose header is garbage) is refused by validate(), before Ray
+    starts, naming the file: the header's data offsets against the file's size."""
+    import json
+
+    import torch
+    from safetensors.torch import save_file
+
+    from colo.models.tiny import PRESETS
+
+    (tmp_path / "config.json").write_text(json.dumps(PRESETS["tiny"]))
+    good, bad = tmp_path / "model-00001-of-00002.safetensors", tmp_path / "model-00002-of-00002.safetensors"
+    save_file({"a": torch.zeros(64)}, good)
+    save_file({"b": torch.zeros(64)}, bad)
+    overrides = ["placement.device=cpu", "placement.num_gpus=1", f"model.path={tmp_path}"]
+    validate(load_config(None, overrides, {}))  # whole files pass
+    data = bad.read_bytes()
+    for broken in (data[:-10], b"\x10\x00\x00\x00\x00\x00\x00\x00not json at all!", data[:5]):
+        bad.write_bytes(broken)
+        with pytest.raises(ConfigError) as e:
+            validate(load_config(None, overrides, {}))
+        assert str(bad) in str(e.value) and "fix:" in str(e.value) and "\n" not in str(e.value), e.value
