@@ -72,3 +72,33 @@ def test_truncated_safetensors_refused_naming_the_file(tmp_path) -> None:
         with pytest.raises(ConfigError) as e:
             validate(load_config(None, overrides, {}))
         assert str(bad) in str(e.value) and "fix:" in str(e.value) and "\n" not in str(e.value), e.value
+
+
+def test_prompt_too_long_refused_at_data_read(tmp_path) -> None:
+    """A prompt longer than rollout.max_model_len, or one that leaves less than rollout.max_tokens for its
+    response, is refused when the data is read (before the run dir), with its row, the count and the fix;
+    the engine used to refuse it at the first rollout, after the warm-up."""
+    import json
+
+    from colo.config import resolve
+    from colo.launch import check_user_data
+
+    data = tmp_path / "train.jsonl"
+    rows = [{"prompt": "1+1=", "answer": "2"}] * 3 + [{"prompt": "1+1= " * 200, "answer": "2"}] * 2
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+    def check(*overrides: str) -> None:
+        cfg = load_config(None, ["placement.device=cpu", f"data.path={data}", f"run.dir={tmp_path}/run",
+                                 "data.eval_path=null", *overrides], {})
+        check_user_data(cfg, resolve(cfg, download=False))
+
+    with pytest.raises(ConfigError) as e:
+        check("rollout.max_model_len=256", "rollout.max_tokens=32")
+    msg = str(e.value)
+    assert str(data) in msg and "row 3" in msg and "2 of 5 rows" in msg, msg
+    assert "longer than rollout.max_model_len=256" in msg and "fix: rollout.max_model_len=" in msg and "\n" not in msg
+    need = int(msg.rsplit("fix: rollout.max_model_len=", 1)[1].split(",")[0])
+    with pytest.raises(ConfigError, match="leaves .* for a response of rollout.max_tokens=32"):
+        check(f"rollout.max_model_len={need - 1}", "rollout.max_tokens=32")  # the prompt fits, its response not
+    check(f"rollout.max_model_len={need}", "rollout.max_tokens=32")  # the fix it names is enough
+    assert not (tmp_path / "run").exists()
