@@ -52,6 +52,7 @@ from colo.data.inputs import RunInputs, open_inputs
 from colo.run.logs import link_ray_logs, log_of
 from colo.host.shm import sweep
 from colo.run.summary import run_summary
+from colo.rollout.vllm_compat import serve_command
 from colo.cluster.placement import init_ray, plan_placement
 from colo.sync.plan import MappingError
 
@@ -327,7 +328,8 @@ def run(cfg: ColoConfig) -> int:
                 save(cluster, inputs, pos)
         cluster.trainer_group.export_hf(str(inputs.run_dir / "export"))
         progress.close()
-        print(run_summary(inputs.run_dir, time.perf_counter() - t_start, list(cfg.run.loggers)), flush=True)
+        print(run_summary(inputs.run_dir, time.perf_counter() - t_start, list(cfg.run.loggers), serve_command),
+              flush=True)
     except RewardError as e:
         return fail(cluster, inputs, pos, e, keep_policy=True, progress=progress)
     except (ActorDied, ActorError) as e:
