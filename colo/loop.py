@@ -296,7 +296,7 @@ def run(cfg: ColoConfig) -> int:
               flush=True)
     wandb = WandbSettings(cfg.run.wandb_project, cfg.run.wandb_mode, to_dict(cfg))
     writer = MetricsWriter(inputs.run_dir, loggers=list(cfg.run.loggers), wandb=wandb)
-    rewards, progress = RewardRunner(list(cfg.algo.rewards)), None
+    rewards, progress = RewardRunner(list(cfg.algo.rewards), timeout_s=cfg.algo.reward_timeout_s), None
     pos = Position(-1, inputs.train_data.state_dict())
     try:
         try:

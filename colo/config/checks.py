@@ -102,7 +102,8 @@ def _check_values(cfg: ColoConfig) -> None:
                           "lives in the chat template; fix: data.chat_template=true or drop data.system_prompt")
     if p.device in ("cpu", "cuda"):  # "auto" is checked once validate() has resolved it
         _check_tensor_parallel_device(cfg, p.device)
-    for key, ok in (("trainer.lr", cfg.trainer.lr > 0), ("rollout.top_p", 0 < cfg.rollout.top_p <= 1)):
+    for key, ok in (("trainer.lr", cfg.trainer.lr > 0), ("rollout.top_p", 0 < cfg.rollout.top_p <= 1),
+                    ("algo.reward_timeout_s", cfg.algo.reward_timeout_s > 0)):
         if not ok:
             raise ConfigError(f"{key}={get(key)} is out of range; fix: e.g. {key}={default_value(key)}")
     _check_loss(cfg)
