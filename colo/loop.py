@@ -157,6 +157,21 @@ def rl_step(step: int, c: Cluster, cfg: ColoConfig, inputs: RunInputs, rewards: 
     return metrics
 
 
+class TrainingDiverged(RuntimeError):
+    """Optimizer steps skipped in a row for a non-finite gradient norm reached trainer.max_consecutive_skipped."""
+
+
+def check_skipped(metrics: dict, limit: int) -> None:
+    """Raise TrainingDiverged once `limit` optimizer steps in a row had a non-finite grad norm (each was skipped,
+    so the trainers still hold the last good weights)."""
+    if metrics.get("train/consecutive_skipped", 0) >= limit:
+        raise TrainingDiverged(
+            f"the gradient norm was not finite (inf/nan) in {metrics['train/consecutive_skipped']} optimizer steps in "
+            f"a row, up to step {metrics['step']}; each was skipped, the weights are those of the last good step; "
+            "fix: lower trainer.lr or set trainer.grad_clip, check the rewards and data of these steps, or resume "
+            "from an earlier checkpoint (trainer.max_consecutive_skipped sets how many skips end a run)")
+
+
 def sleep_level(cfg: ColoConfig) -> int:
     """'auto' → 2: the sync overwrites every weight, so level 1's CPU copy of them would be wasted work."""
     return 2 if cfg.rollout.sleep_level == "auto" else int(cfg.rollout.sleep_level)
@@ -324,13 +339,14 @@ def run(cfg: ColoConfig) -> int:
                 metrics.update(evaluate(cluster, cfg, inputs, rewards))
             writer.log(step, metrics)
             progress.update(metrics)
+            check_skipped(metrics, cfg.trainer.max_consecutive_skipped)
             if cfg.loop.checkpoint_every and (step + 1) % cfg.loop.checkpoint_every == 0 or last:
                 save(cluster, inputs, pos)
         cluster.trainer_group.export_hf(str(inputs.run_dir / "export"))
         progress.close()
         print(run_summary(inputs.run_dir, time.perf_counter() - t_start, list(cfg.run.loggers), serve_command),
               flush=True)
-    except RewardError as e:
+    except (RewardError, TrainingDiverged) as e:  # the trainers hold a whole policy: save it
         return fail(cluster, inputs, pos, e, keep_policy=True, progress=progress)
     except (ActorDied, ActorError) as e:
         # A lost node is the news, not the actor that noticed it first (a trainer whose gloo peer vanished).

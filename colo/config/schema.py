@@ -106,6 +106,9 @@ class TrainerConfig:
     optimizer_dtype: str = "float32"
     """float32 | bfloat16: dtype of AdamW's exp_avg and exp_avg_sq. bfloat16 halves the state (updated in
     fp32, stored with stochastic rounding; colo.trainer.optim)."""
+    max_consecutive_skipped: int = 3
+    """An optimizer step whose grad norm is not finite is skipped (train/skipped_steps counts them); this many
+    in a row end the run with one line (the weights stay those of the last good step)."""
     sft_lr: float = 0.0
     """Learning rate of the supervised warm-up (loop.sft_warmup_steps); 0: trainer.lr."""
 
