@@ -106,6 +106,9 @@ class TrainerConfig:
     optimizer_dtype: str = "float32"
     """float32 | bfloat16: dtype of AdamW's exp_avg and exp_avg_sq. bfloat16 halves the state (updated in
     fp32, stored with stochastic rounding; colo.trainer.optim)."""
+    max_consecutive_skipped: int = 3
+    """An optimizer step whose grad norm is not finite is skipped (train/skipped_steps counts them); this many
+    in a row end the run with one line (the weights stay those of the last good step)."""
     sft_lr: float = 0.0
     """Learning rate of the supervised warm-up (loop.sft_warmup_steps); 0: trainer.lr."""
 
@@ -113,7 +116,7 @@ class TrainerConfig:
 @dataclass
 class RolloutConfig:
     n: int = 8
-    """Samples per prompt (the GRPO group size)."""
+    """Samples per prompt (the GRPO group size), at least 2: the group is its own baseline."""
     max_tokens: int = 1024
     """Longest response, in tokens."""
     max_model_len: int = 2048
@@ -163,6 +166,9 @@ class AlgoConfig:
     """algo.overlong=penalty: the reward penalty of a response at rollout.max_tokens."""
     rewards: list[str] = field(default_factory=lambda: ["exact_match"])
     """Reward functions, summed: built-ins (exact_match, numeric, format) or "module:function"."""
+    reward_timeout_s: float = 600.0
+    """Longest a call of a user reward function ("module:function") may take, seconds; past it the run ends with
+    one `colo: error:` line naming the function (and the last trained step saved). Built-ins bound themselves."""
     routing_replay: str = "off"
     """off | r3: rollout routing replay. r3: the trainer's MoE layers use the experts the engine chose for
     each token (log-prob recompute and training); the weights still come from the trainer's router. Either

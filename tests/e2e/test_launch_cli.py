@@ -200,7 +200,7 @@ def test_bad_checkpoints_refused_before_ray(tmp_path: Path) -> None:
     ckpt, runs = tmp_path / "ckpt", f"run.dir={tmp_path}/runs/{{time}}"
     ckpt.mkdir()
     (ckpt / "config.json").write_text(json.dumps({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}))
-    (ckpt / "model.safetensors").write_bytes(b"")
+    (ckpt / "model.safetensors").write_bytes((2).to_bytes(8, "little") + b"{}")  # no tensors
     r = run_cli(f"model.path={ckpt}", runs, cwd=tmp_path)
     assert_config_error(r, "GPT2LMHeadModel", "supported:", "Qwen3MoeForCausalLM", "MixtralForCausalLM")
     qwen = {"model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"], "num_experts": 4}
@@ -208,7 +208,7 @@ def test_bad_checkpoints_refused_before_ray(tmp_path: Path) -> None:
     (ckpt / "model.safetensors").unlink()
     assert_config_error(run_cli(f"model.path={ckpt}", runs, cwd=tmp_path), "no weight files",
                         "model.dummy_weights=true")
-    (ckpt / "model.safetensors").write_bytes(b"")
+    (ckpt / "model.safetensors").write_bytes((2).to_bytes(8, "little") + b"{}")  # no tensors
     (ckpt / "config.json").write_text(json.dumps({**qwen, "model_type": "qwen3_moe_nonesuch"}))
     assert_config_error(run_cli(f"model.path={ckpt}", runs, cwd=tmp_path), "transformers cannot read")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]  # no run dir, no Ray session dir

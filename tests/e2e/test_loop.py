@@ -24,6 +24,7 @@ from pathlib import Path
 import pytest
 from conftest import STEP_KEYS, clean_env, run_cli
 
+from colo.rollout.vllm_compat import serve_command
 from colo.run.metrics import read_metrics
 
 pytestmark = pytest.mark.slow
@@ -139,7 +140,7 @@ def test_default_job_terminal_is_quiet_and_ends_with_a_summary(default_job) -> N
     assert bar and len(other) <= 15, other
     assert other[0] == f"colo: run dir {run_dir}", other
     summary = r.stdout[r.stdout.index("colo: done: 140 RL steps"):]
-    for want in ("eval/sampled_reward", str(run_dir / "metrics.jsonl"), f"vllm serve {run_dir / 'export'}",
+    for want in ("eval/sampled_reward", str(run_dir / "metrics.jsonl"), serve_command(run_dir / "export"),
                  f"--resume run.dir={run_dir} loop.steps=280"):
         assert want in summary, summary
     logs = run_dir / "logs"
