@@ -49,6 +49,8 @@ class _ChunkedLogprobs(torch.autograd.Function):
             pz = torch.exp(z - m[:, None]).mul_(z).sum(-1)  # (c,) sum p * z
             ent[s:e] = m - pz
             lse[s:e] = m
+        # an output the loss never uses (the entropy: a metric, under no_grad) gets None in backward, not zeros
+        ctx.set_materialize_grads(False)
         ctx.save_for_backward(hidden, weight, targets, lse, ent)
         ctx.temperature, ctx.chunk = temperature, chunk
         return lp, ent

@@ -86,3 +86,35 @@ def test_bf16_matches_the_bf16_linear_path():
 def test_rejects_bad_shapes():
     with pytest.raises(ValueError):
         token_logprobs(torch.zeros(2, 3, 4), torch.zeros(5, 4), torch.zeros(2, dtype=torch.long))
+
+
+def test_logprob_gradient_alone():
+    """The update uses the log-probs only (the entropy is a metric): backward skips the entropy's gradient."""
+    g = torch.Generator().manual_seed(3)
+    hidden, weight = torch.randn(2, 5, 8, generator=g), torch.randn(37, 8, generator=g)
+    ids = torch.randint(0, 37, (2, 5), generator=g)
+    grads = []
+    for chunked in (False, True):
+        h = hidden.clone().requires_grad_()
+        lp, _ = shifted_logprobs(h, weight, ids, None, 0.9, 3) if chunked else _full(h, weight, ids, 0.9)
+        lp.sum().backward()
+        grads.append(h.grad)
+    torch.testing.assert_close(grads[1], grads[0], rtol=1e-5, atol=1e-6)
+
+
+def test_memory_plan_counts_one_chunk_of_logits():
+    """colo.plan.memory: the lm_head term is one chunk's, whatever the micro-batch's tokens; the full-logits
+    path it replaces grew with them (14 B x tokens x vocab)."""
+    from colo.models.tiny import PRESETS
+    from colo.plan.memory import Settings, model_shape, trainer_terms
+
+    m = model_shape(dict(PRESETS["qwen3-30b-a3b-L2"]))
+    terms = [trainer_terms(m, Settings(num_gpus=1, vllm_fraction=0.4, micro_batch_size=1, max_model_len=4096,
+                                       packing=True, max_tokens_per_micro_batch=budget, logprob_chunk=1024))
+             for budget in (4096, 32768)]
+    assert terms[0]["logits"] == terms[1]["logits"] < 4 * 2**30  # 20 B x 1024 x 151936 + the bf16 weight grad
+    assert terms[1]["activations"] > 7 * terms[0]["activations"]  # the layers' activations do grow
+    t = terms[0]
+    state = t["params"] + t["optim"] + t["ref"] + t["resident"]
+    assert terms[0]["no_grad"] == terms[1]["no_grad"]  # the log-prob pass: the same at 4k and 32k tokens
+    assert t["no_grad"] - state < 14 * 4096 * m.vocab  # less than the (4096, V) logits of the old pass alone
