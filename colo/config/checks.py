@@ -81,7 +81,8 @@ def _check_values(cfg: ColoConfig) -> None:
                           f"{p.train_gpu_fraction} + {p.vllm_gpu_fraction} > 1.0: both share one GPU; "
                           "fix: lower them, e.g. COLO_TRAIN_GPU_FRACTION=0.4 COLO_VLLM_GPU_FRACTION=0.4")
     at_least = {key: 1 for key in (
-        "placement.num_gpus", "trainer.micro_batch_size", "trainer.max_consecutive_skipped", "trainer.mini_batches", "trainer.epochs",
+        "placement.num_gpus", "trainer.micro_batch_size", "trainer.max_tokens_per_micro_batch",
+        "trainer.logprob_chunk", "trainer.max_consecutive_skipped", "trainer.mini_batches", "trainer.epochs",
         "rollout.n", "rollout.tp_size", "rollout.max_tokens", "rollout.max_model_len", "rollout.kv_cache_mb",
         "sync.bucket_mb", "sync.buffers", "data.prompts_per_step", "data.eval_size", "loop.steps")}
     at_least |= {key: 0 for key in (

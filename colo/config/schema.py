@@ -87,7 +87,19 @@ class TrainerConfig:
     grad_clip: float = 1.0
     """Clip the global grad norm to this (0 disables)."""
     micro_batch_size: int = 4
-    """Sequences per forward/backward on each rank (gradient accumulation over the rest)."""
+    """Sequences per forward/backward on each rank (gradient accumulation over the rest), when packing is
+    false. Packed micro-batches are formed by max_tokens_per_micro_batch instead."""
+    packing: bool = True
+    """Pack several samples into one row per micro-batch (position ids restart at each sample, so attention
+    stays inside it: varlen flash-attention on GPU, a block-diagonal mask on CPU), so no compute goes to
+    padding. false: the padded path, micro_batch_size rows padded to the longest. Losses and metrics are the
+    same either way (docs/loss.md)."""
+    max_tokens_per_micro_batch: int = 16384
+    """Packing: real tokens per forward/backward on each rank; samples are packed first-fit-decreasing under
+    this budget (a longer sample gets a micro-batch of its own). Sets the activation memory the plan counts."""
+    logprob_chunk: int = 1024
+    """Tokens per lm_head chunk of the log-prob / entropy pass (colo.algo.logprobs): the pass never holds more
+    than this many rows of (tokens, vocab) float32 logits."""
     mini_batches: int = 1
     """Optimizer steps per RL step: each rank's batch is split into this many mini-batches."""
     epochs: int = 1
