@@ -173,6 +173,7 @@ def measure(args: argparse.Namespace) -> dict:
     from colo.config import model_config_json
     from colo.data.inputs import RunInputs
     from colo.loop import Position, check_sync, offloads, rl_step, sync_all
+    from colo.plan.job import check_fits
     from colo.models.tiny import WITH_WEIGHTS, make_tiny_model
 
     if args.model:
@@ -182,6 +183,7 @@ def measure(args: argparse.Namespace) -> dict:
         dummy, name = args.preset not in WITH_WEIGHTS, args.preset
     cfg = make_config(args, model_dir, dummy)
     config_json = model_config_json(cfg)
+    mem_plan = check_fits(cfg)  # GPU: refuses a job the memory plan says does not fit (ConfigError, with fixes)
     Path(cfg.run.dir).mkdir(parents=True, exist_ok=True)
     plan = plan_placement(cfg)
     init_ray(plan, log_to_driver=not args.json)
@@ -222,7 +224,8 @@ def measure(args: argparse.Namespace) -> dict:
            "gpus": args.gpus, "prompts": args.prompts, "n": args.n, "prompt_len": args.prompt_len,
            "max_tokens": args.max_tokens, "max_tokens_per_micro_batch": cfg.trainer.max_tokens_per_micro_batch,
            "micro_batch_size": cfg.trainer.micro_batch_size, "logprob_chunk": cfg.trainer.logprob_chunk,
-           "overrides": list(args.overrides), "torch": torch.__version__, "date": time.strftime("%Y-%m-%d")}
+           "overrides": list(args.overrides), "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"),
+           "plan_train_gb": None if mem_plan is None else mem_plan.total("train") / 2**30}
     if args.compare:
         pad = results[False]
         out["no_packing"] = pad
@@ -234,7 +237,13 @@ def measure(args: argparse.Namespace) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    out = measure(args)
+    from colo.config import ConfigError
+
+    try:
+        out = measure(args)
+    except ConfigError as e:
+        print(f"colo: error: {e}", file=sys.stderr, flush=True)
+        return 2
     if args.json:
         print(json.dumps(out, sort_keys=True), flush=True)
     else:
