@@ -30,7 +30,9 @@ periodic checkpoints remain.
 
 from __future__ import annotations
 
+import errno
 import logging
+import shutil
 import sys
 import time
 import traceback
@@ -50,6 +52,7 @@ from colo.config import ColoConfig, to_dict
 from colo.run.metrics import MetricsWriter, ProgressLine, WandbSettings
 from colo.data.inputs import RunInputs, open_inputs
 from colo.run.logs import link_ray_logs, log_of
+from colo.run.rundir import complete_checkpoints
 from colo.host.shm import sweep
 from colo.run.summary import run_summary
 from colo.rollout.vllm_compat import serve_command
@@ -231,10 +234,20 @@ def warm_up(c: Cluster, cfg: ColoConfig, inputs: RunInputs) -> dict:
 
 
 def save(c: Cluster, inputs: RunInputs, pos: Position, timeout: float | None = None) -> Path:
+    """Checkpoint the trainers as step_NNNNNN: written as step_NNNNNN.tmp and renamed once every rank is done,
+    so a save cut off (a full disk, a kill) never leaves a checkpoint that --resume would pick up."""
     path = inputs.run_dir / "checkpoints" / f"step_{pos.step:06d}"
-    if not (path / "extra.json").exists():  # a failure right after a periodic save: nothing new to write
-        extra = {"step": pos.step, "data": pos.data}
-        c.trainer_group.save_checkpoint(str(path), extra, timeout=timeout)
+    if (path / "extra.json").exists():  # a failure right after a periodic save: nothing new to write
+        return path
+    tmp = path.with_name(path.name + ".tmp")
+    for stale in (tmp, path):  # a save of this step cut off earlier
+        shutil.rmtree(stale, ignore_errors=True)
+    try:
+        c.trainer_group.save_checkpoint(str(tmp), {"step": pos.step, "data": pos.data}, timeout=timeout)
+        tmp.rename(path)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)  # half-written: gone, and its space with it
+        raise
     return path
 
 
@@ -259,10 +272,16 @@ def fail(c: Cluster, inputs: RunInputs, pos: Position, e: Exception, keep_policy
     <run.dir>/error.log, which that line names."""
     if progress:  # ends the bar's line: the error starts a line of its own
         progress.close()
-    log = log_error(inputs.run_dir, e)
+    full = disk_full(e)
+    try:
+        where = f"traceback: {log_error(inputs.run_dir, e)}"
+    except OSError as err:  # the disk that ended the run cannot take the traceback either
+        where = f"traceback not written: {err.strerror or err}"
     actor_log = log_of(inputs.run_dir, getattr(e, "name", ""))  # ActorDied / ActorError name the actor
-    lines = [f"colo: error: {e} (traceback: {log}" + (f"; its log: {actor_log})" if actor_log else ")")]
-    if keep_policy and pos.step >= 0:
+    what = (f"the disk of {inputs.run_dir} is full ({e}); fix: free space there, then continue the run"
+            if full else str(e))
+    lines = [f"colo: error: {what} ({where}" + (f"; its log: {actor_log})" if actor_log else ")")]
+    if keep_policy and pos.step >= 0 and not full:  # a full disk would only fail the save a second time
         try:  # bounded: a rank stuck in a collective with a dead peer must not hang the exit
             save(c, inputs, pos, timeout=SAVE_ON_FAILURE_S)
         except Exception as err:  # noqa: BLE001 (report and exit; the periodic checkpoints remain)
@@ -286,10 +305,16 @@ def log_error(run_dir: Path, e: Exception) -> Path:
 SAVE_ON_FAILURE_S = 900.0  # a DCP save of a 30B model takes minutes; a hung collective takes forever
 
 
+def disk_full(e: BaseException) -> bool:
+    """ENOSPC anywhere in the failure: the driver's own OSError, or an actor's (inside a DCP CheckpointException)."""
+    if isinstance(e, OSError) and e.errno == errno.ENOSPC:
+        return True
+    return "No space left on device" in "".join(traceback.format_exception(e))
+
+
 def checkpoints(run_dir: Path) -> list[Path]:
-    """Complete checkpoints, oldest first: rank 0 writes extra.json after the DCP shards, so a save that
-    was cut off (killed run) has none and is skipped."""
-    return sorted(p for p in (run_dir / "checkpoints").glob("step_*") if (p / "extra.json").exists())
+    """Complete checkpoints, oldest first (colo.run.rundir.complete_checkpoints: renamed into place)."""
+    return complete_checkpoints(run_dir)
 
 
 def run(cfg: ColoConfig) -> int:
@@ -348,6 +373,8 @@ def run(cfg: ColoConfig) -> int:
               flush=True)
     except (RewardError, TrainingDiverged) as e:  # the trainers hold a whole policy: save it
         return fail(cluster, inputs, pos, e, keep_policy=True, progress=progress)
+    except OSError as e:  # the driver's own writes (metrics, logs): a full or vanished disk
+        return fail(cluster, inputs, pos, e, keep_policy=True, progress=progress)
     except (ActorDied, ActorError) as e:
         # A lost node is the news, not the actor that noticed it first (a trainer whose gloo peer vanished).
         lost = node_loss(cluster, e)
@@ -357,7 +384,10 @@ def run(cfg: ColoConfig) -> int:
         # its shards are gone or may be half-updated (and its peers may sit in a collective): do not save.
         return fail(cluster, inputs, pos, e, keep_policy=e.name.startswith("engine"), progress=progress)
     finally:
-        writer.close()
+        try:
+            writer.close()  # metrics.png: on a full disk this fails too, and must not skip the shutdown below
+        except OSError:
+            pass
         if progress:
             progress.close()
         rewards.close()
@@ -367,4 +397,5 @@ def run(cfg: ColoConfig) -> int:
         ends = [a.shutdown.remote() for name, a in cluster.actors() if name not in gone]
         ray.wait(ends, num_returns=len(ends), timeout=30)
         ray.shutdown()
+        sweep()  # what an actor that did not get to its shutdown left in this host's /dev/shm
     return 0
