@@ -57,6 +57,11 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"colo: error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # before the run installed its own handling (colo.run.signals), or after it
+        if args.debug:
+            raise
+        print("colo: stopped by SIGINT", file=sys.stderr)
+        return 130
 
 
 def _run(args: argparse.Namespace) -> int:
