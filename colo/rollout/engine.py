@@ -131,7 +131,9 @@ class Engine:
         self.__dict__.pop("_moe_layer_ids", None)  # the MoE layers of the model loaded before, if any
 
         self.llm = LLM(**self._llm_kwargs())
-        if self.device == "cpu" and self.tp_size > 1:  # vLLM's multiprocess executor: its queues are in /dev/shm
+        if self.device == "cuda" or self.tp_size > 1:
+            # vLLM's child processes (the GPU engine core, multiprocess executors) talk through psm_* queues in
+            # /dev/shm that a killed engine leaves behind: colo takes them on, so the next sweep removes them
             register_mapped()
         sched = self.llm.llm_engine.vllm_config.scheduler_config
         self.scheduler = {"chunked_prefill": bool(sched.enable_chunked_prefill),
