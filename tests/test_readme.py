@@ -53,7 +53,7 @@ SETUP = {  # exact command -> why the suite does not run it
     "bash launch/setup.sh": "CI (.ci/run) runs it before this suite, in a fresh .venv",
     ".venv/bin/python -m pytest -q tests": "the suite itself",
     "python3 -m venv .venv": "GPU set-up: the venv for the gpu extra below",
-    '.venv/bin/pip install -e ".[gpu,test]"': "GPU set-up: vllm 0.26 CUDA wheels, no GPU here",
+    '.venv/bin/pip install -e ".[gpu,test]"': "GPU set-up: vllm 0.32 CUDA wheels, no GPU here",
 }
 LAUNCH = ("python", ".venv/bin/python")
 

@@ -75,8 +75,7 @@ class BenchEngine(Engine):
 
 class VllmIpcEngine(BenchEngine):
     """BenchEngine that also builds vLLM's own weight-transfer engine (`LLM(weight_transfer_config=...)` and
-    the LLM's weight-update methods: vLLM 0.32, and 0.26 which lacks the init handshake). CUDA only: it moves
-    CUDA IPC handles."""
+    the LLM's weight-update methods). CUDA only: it moves CUDA IPC handles."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         # read by vLLM's msgpack encoder in every process it starts: set before vLLM is imported
@@ -90,7 +89,7 @@ class VllmIpcEngine(BenchEngine):
         return {**super()._llm_kwargs(), "weight_transfer_config": {"backend": "ipc"}}
 
     def vllm_init_weight_transfer(self, init_info: dict) -> None:
-        self.llm.init_weight_transfer_engine({"init_info": init_info})  # vLLM 0.32: the trainer's wire params
+        self.llm.init_weight_transfer_engine({"init_info": init_info})  # the trainer's wire params (packed)
 
     def vllm_start_weight_update(self) -> None:
         self.llm.start_weight_update()

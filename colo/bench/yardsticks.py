@@ -9,9 +9,8 @@
 - `broadcast_weights_baseline` (disaggregated): as vLLM's RLHF examples do it, one broadcast and one
   load_weights per tensor.
 - `push_weights_vllm_ipc` (colocated GPU): vLLM's own packed CUDA-IPC weight-transfer engine, driven as its
-  FSDP+EP example drives it (the engine side is colo.bench.engines.VllmIpcEngine). vLLM 0.32: the trainer-side
-  `IPCTrainerWeightTransferEngine` over a `WeightSource`, talking to the engines through a client object
-  (`_EngineClient`); vLLM 0.26: `IPCWeightTransferEngine.trainer_send_weights`.
+  FSDP+EP example drives it: the trainer-side `IPCTrainerWeightTransferEngine` over a `WeightSource`, talking
+  to the engines (colo.bench.engines.VllmIpcEngine) through a client object (`_EngineClient`).
 
 colo's own reference mode (`sync.mode: load_weights`) is not these: it runs through colo.sync.sender's
 plan, buffers and links like the direct mode.
@@ -207,40 +206,21 @@ def push_weights_vllm_ipc(model: nn.Module, engines: list, sync_cfg: SyncConfig)
                 sent["bytes"] += w.numel() * w.element_size()
                 yield ckpt, w
 
-    bucket = bucket_bytes(sync_cfg)
-    try:  # vLLM 0.32: a trainer-side engine over a weight source, a client for the engines
-        from vllm.distributed.weight_transfer.base import ParamMeta, WeightSource
-        from vllm.distributed.weight_transfer.ipc_engine import IPCTrainerInitInfo, IPCTrainerWeightTransferEngine
-    except ImportError:
-        IPCTrainerWeightTransferEngine = None
-    if IPCTrainerWeightTransferEngine is not None:
-        class Source(WeightSource):
-            def metadata(self) -> list:  # what iteration yields, without gathering (DTensor.shape is global)
-                return [ParamMeta(n, dtype, tuple(shape)) for name, p in sync_tensors(model)
-                        for n, _, shape in reference_segments(arch, name, tuple(p.shape))]
+    from vllm.distributed.weight_transfer.base import ParamMeta, WeightSource
+    from vllm.distributed.weight_transfer.ipc_engine import IPCTrainerInitInfo, IPCTrainerWeightTransferEngine
 
-            def __iter__(self):
-                return weights()
+    class Source(WeightSource):
+        def metadata(self) -> list:  # what iteration yields, without gathering (DTensor.shape is global)
+            return [ParamMeta(n, dtype, tuple(shape)) for name, p in sync_tensors(model)
+                    for n, _, shape in reference_segments(arch, name, tuple(p.shape))]
 
-        engine = IPCTrainerWeightTransferEngine.trainer_init(
-            IPCTrainerInitInfo(rank=rank, packed=True, packed_buffer_size_bytes=bucket),
-            client=_EngineClient(engines, sent), source=Source())
-        engine.send_weights()  # start, every packed chunk (all ranks gather; rank 0 sends), finish
-    else:  # vLLM 0.26
-        from dataclasses import asdict
+        def __iter__(self):
+            return weights()
 
-        from vllm.distributed.weight_transfer.ipc_engine import IPCTrainerSendWeightsArgs, IPCWeightTransferEngine
-
-        def send(update_info: Any) -> None:  # rank 0 only: one chunk to every engine, each waits for its load
-            sent["chunks"] += 1
-            ray.get([e.vllm_update_weights.remote(asdict(update_info)) for e in engines])
-
-        if sender:
-            ray.get([e.vllm_start_weight_update.remote() for e in engines])
-        IPCWeightTransferEngine.trainer_send_weights(
-            weights(), IPCTrainerSendWeightsArgs(send_mode=send, packed=True, packed_buffer_size_bytes=bucket))
-        if sender:
-            ray.get([e.vllm_finish_weight_update.remote() for e in engines])
+    engine = IPCTrainerWeightTransferEngine.trainer_init(
+        IPCTrainerInitInfo(rank=rank, packed=True, packed_buffer_size_bytes=bucket_bytes(sync_cfg)),
+        client=_EngineClient(engines, sent), source=Source())
+    engine.send_weights()  # start, every packed chunk (all ranks gather; rank 0 sends), finish
     return {"seconds": time.perf_counter() - t_start, "gather_s": 0.0, "pack_s": 0.0, "load_s": 0.0,
             "verify_s": 0.0, "tensors": sent["tensors"] if sender else 0, "bytes": sent["bytes"] if sender else 0,
             "buckets": sent["chunks"], "verified": None, "errors": []}  # None: checked by the caller, see above

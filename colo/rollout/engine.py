@@ -293,7 +293,7 @@ class Engine:
     def wake_up(self, tags: list[str] | None = None) -> float:
         """Re-allocate the tagged memory ("weights", "kv_cache"); "scheduling"/None resumes generation."""
         t = time.perf_counter()
-        self.llm.wake_up(tags=tags)  # returns None on vLLM 0.26, bool on 0.32: not used
+        self.llm.wake_up(tags=tags)  # returns "fully awake" (bool): not used
         self.sleeping = set() if tags is None else self.sleeping - set(tags)
         return time.perf_counter() - t
 
