@@ -172,7 +172,8 @@ def capture_by_prefill(llm: Any, rpc: Callable[..., Any], sequences: list[list[i
 def from_vllm_output(routed: np.ndarray, moe_layers: list[int], length: int, dtype: np.dtype) -> np.ndarray:
     """GPU: CompletionOutput.routed_experts (rows, layers, K) -> (length, M, K) over the MoE layers.
 
-    vLLM 0.26 sizes the layer axis by num_hidden_layers (dense layers stay zero); an axis of M already
+    vLLM sizes the layer axis by num_hidden_layers (0.26, and 0.32: routed_experts_capturer.py; dense layers stay
+    zero); an axis of M already
     holds only MoE layers."""
     if routed is None:
         raise RuntimeError("vLLM returned no routed_experts for a sample although the engine started with "
