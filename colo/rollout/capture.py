@@ -173,8 +173,7 @@ def from_vllm_output(routed: np.ndarray, moe_layers: list[int], length: int, dty
     """GPU: CompletionOutput.routed_experts (rows, layers, K) -> (length, M, K) over the MoE layers.
 
     vLLM sizes the layer axis by num_hidden_layers (0.26, and 0.32: routed_experts_capturer.py; dense layers stay
-    zero); an axis of M already
-    holds only MoE layers."""
+    zero); an axis of M already holds only MoE layers."""
     if routed is None:
         raise RuntimeError("vLLM returned no routed_experts for a sample although the engine started with "
                            "enable_return_routed_experts=True (a vLLM without it, or a model runner that drops it)")
