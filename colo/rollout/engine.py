@@ -131,7 +131,9 @@ class Engine:
         self.__dict__.pop("_moe_layer_ids", None)  # the MoE layers of the model loaded before, if any
 
         self.llm = LLM(**self._llm_kwargs())
-        if self.device == "cpu" and self.tp_size > 1:  # vLLM's multiprocess executor: its queues are in /dev/shm
+        if self.device == "cuda" or self.tp_size > 1:
+            # vLLM's child processes (the GPU engine core, multiprocess executors) talk through psm_* queues in
+            # /dev/shm that a killed engine leaves behind: colo takes them on, so the next sweep removes them
             register_mapped()
         sched = self.llm.llm_engine.vllm_config.scheduler_config
         self.scheduler = {"chunked_prefill": bool(sched.enable_chunked_prefill),
@@ -299,7 +301,7 @@ class Engine:
     def wake_up(self, tags: list[str] | None = None) -> float:
         """Re-allocate the tagged memory ("weights", "kv_cache"); "scheduling"/None resumes generation."""
         t = time.perf_counter()
-        self.llm.wake_up(tags=tags)  # returns None on vLLM 0.26, bool on 0.32: not used
+        self.llm.wake_up(tags=tags)  # returns "fully awake" (bool): not used
         self.sleeping = set() if tags is None else self.sleeping - set(tags)
         return time.perf_counter() - t
 

@@ -7,6 +7,8 @@
 #
 #   bash tests/gpu/device-install.sh [CHUNK_DIR=.gpu] [STASH=/tmp/gpu-bundle] [SITE=/tmp/site]
 #   bash tests/gpu/device-install.sh --host     # what the host image has (no chunk needed; cheap)
+#   a package the bundle lacks: pip download --no-deps --only-binary=:all: --python-version 3.12 \
+#     --platform manylinux_2_28_x86_64 -d .gpu/extra PKG==VER here, carry .gpu/extra, run this again
 #   source /tmp/site/env.sh                     # then: python3 tests/gpu/bundle_check.py
 set -euo pipefail
 PY=${PYTHON:-python3}
@@ -47,7 +49,7 @@ else
   (cd "$stash/payload" && sha256sum -c --quiet SHA256SUMS)
   rm -f "$stash"/part.*  # the payload is verified: free the disk
   "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$site" \
-    "$stash"/payload/wheels/*.whl 2>&1 | grep -v "^WARNING: Target directory" || true
+    "$stash"/payload/wheels/*.whl 2>&1 | grep -v -e "^WARNING: Target directory" -e "^WARNING: Running pip as" || true
   cp -f "$stash"/payload/extra/* "$site"/ 2>/dev/null || true
   # env.sh: what every process on this host needs to use the bundle (Ray workers and vLLM inherit it)
   {
@@ -75,6 +77,12 @@ EOF
   rm -rf "$stash/payload"
   touch "$site/.bundle-installed"
   echo "bundle: installed in $((SECONDS - t0))s (source $site/env.sh)"
+fi
+# A wheel the bundle lacks (a host turned out to miss a package): carry .gpu/extra/*.whl in any later call
+if ls "$src"/extra/*.whl >/dev/null 2>&1; then
+  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$site" \
+    "$src"/extra/*.whl 2>&1 | grep -v -e "^WARNING: Target directory" -e "^WARNING: Running pip as" || true
+  echo "bundle: added $(ls "$src"/extra/*.whl | xargs -n1 basename | tr '\n' ' ')"
 fi
 # shellcheck disable=SC1091
 source "$site/env.sh"

@@ -42,7 +42,7 @@ for r in $reqs; do
 done
 
 # Slimming: files no colo run on Hopper loads, deleted from copies of the wheels in place (zip -d: nothing is
-# recompressed; RECORD loses their lines). 228 MiB, four chunks; SLIM=0 keeps the wheels whole.
+# recompressed; RECORD loses their lines). 203 MiB: 20 chunks become 16; SLIM=0 keeps the wheels whole.
 #   vLLM: FlashAttention-2 (124 MiB of sm80/sm89 kernels; Hopper takes FA3, and vllm_flash_attn imports
 #         _vllm_fa2_C inside try/except) and vllm-rs (21 MiB, the opt-in Rust frontend of `vllm serve`)
 #   triton: ptxas-blackwell (only for sm100+: backends/nvidia/compiler.py) and CUPTI's static archives (a .a
