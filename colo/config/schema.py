@@ -21,6 +21,7 @@ CHOICES = {  # must match the consumers: colo.algo.loss.LOSS_AGGS, colo.sync, co
     "algo.loss_agg": ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean"),
     "algo.overlong": ("none", "filter", "penalty"),
     "algo.routing_replay": ("off", "r3"),
+    "algo.env_errors": ("sample", "fail"),
     "sync.mode": ("direct", "load_weights"),
     "trainer.optimizer_dtype": ("float32", "bfloat16"),
     "run.wandb_mode": ("auto", "online", "offline"),
@@ -133,6 +134,9 @@ class RolloutConfig:
     sleep_level: Union[int, str] = "auto"
     """vLLM sleep level while training: 1 keeps weights in host RAM, 2 drops them; auto: 2 (the sync
     rewrites every weight anyway)."""
+    max_turns: int = 1
+    """With algo.environment: most model turns per conversation (each followed by the environment's step);
+    rollout.max_tokens is then the budget of the whole response, model and environment tokens together."""
 
 
 @dataclass
@@ -167,6 +171,15 @@ class AlgoConfig:
     """off | r3: rollout routing replay. r3: the trainer's MoE layers use the experts the engine chose for
     each token (log-prob recompute and training); the weights still come from the trainer's router. Either
     way the engine's routing is captured every step for the routing/mismatch metric (docs/routing.md)."""
+    environment: Optional[str] = None
+    """Multi-turn rollouts against an environment (docs/environments.md): a built-in (calculator | python) or
+    "module:Class"; null: one response per prompt. Its rewards add to algo.rewards (scored on the last turn)."""
+    env_timeout_s: float = 30.0
+    """Longest an environment's reset or step may take; past it the sample ends with an error."""
+    env_errors: str = "sample"
+    """An environment that raises, hangs or answers something malformed: sample (that sample ends, gets no
+    loss, and the error is logged to <run.dir>/env-errors.log and counted in env/errors) | fail (the run ends
+    with one colo: error: line)."""
 
 
 @dataclass
