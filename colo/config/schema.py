@@ -37,7 +37,7 @@ class ConfigError(Exception):
 class ModelConfig:
     path: str = "auto:tiny"
     """Local HF checkpoint dir, Hub repo id ("Qwen/Qwen3-30B-A3B"; HF_HUB_OFFLINE honoured), or
-    "auto:<preset>" (tiny | qwen3-30b-a3b | qwen3-30b-a3b-L12 | qwen3-30b-a3b-L2 | qwen3-235b-a22b), generated
+    "auto:<preset>" (tiny | tiny-tools | qwen3-30b-a3b | qwen3-30b-a3b-L12 | qwen3-30b-a3b-L2 | qwen3-235b-a22b), generated
     into <run.dir>/model. Offline, the plan of Qwen/Qwen3-30B-A3B and Qwen/Qwen3-235B-A22B uses colo's copy of
     their config.json (colo.models.tiny.HUB_PRESETS) and says so."""
     dtype: str = "bfloat16"
@@ -199,7 +199,7 @@ class DataConfig:
     path: str = "auto:arith"
     """Training prompts with prompt and answer fields: a JSONL/Parquet file, a Hugging Face dataset (a
     save_to_disk dir[:split], or a Hub id[:config]:split such as openai/gsm8k:main:train), or
-    "auto:<task>" (arith | reverse), a synthetic task from colo.data.tasks written to <run.dir>/data."""
+    "auto:<task>" (arith | reverse | calc), a synthetic task from colo.data.tasks written to <run.dir>/data."""
     eval_path: Optional[str] = None
     """Held-out prompts for eval (same formats as path; auto:<task> = its eval split); null: no eval."""
     prompt_key: str = "prompt"
