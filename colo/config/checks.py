@@ -85,7 +85,7 @@ def _check_values(cfg: ColoConfig) -> None:
         "rollout.n", "rollout.tp_size", "rollout.max_tokens", "rollout.max_turns", "rollout.max_model_len", "rollout.kv_cache_mb",
         "sync.bucket_mb", "sync.buffers", "data.prompts_per_step", "data.eval_size", "loop.steps")}
     at_least |= {key: 0 for key in (
-        "placement.cpus_per_bundle", "trainer.weight_decay", "trainer.grad_clip", "rollout.temperature",
+        "placement.cpus_per_bundle", "rollout.max_turn_tokens", "trainer.weight_decay", "trainer.grad_clip", "rollout.temperature",
         "algo.clip_low", "algo.clip_high", "algo.kl_coef", "algo.tis_cap", "algo.overlong_penalty",
         "loop.eval_every", "loop.eval_samples",
         "loop.checkpoint_every", "loop.sft_warmup_steps")}

@@ -137,6 +137,9 @@ class RolloutConfig:
     max_turns: int = 1
     """With algo.environment: most model turns per conversation (each followed by the environment's step);
     rollout.max_tokens is then the budget of the whole response, model and environment tokens together."""
+    max_turn_tokens: int = 0
+    """With algo.environment: most tokens of one model turn (0: what is left of rollout.max_tokens). A turn cut
+    here still goes to the environment (finish_reason "length") and the conversation goes on."""
 
 
 @dataclass

@@ -286,7 +286,8 @@ class Engine:
                                "fix: wake_up(None) or wake_up(['kv_cache', 'scheduling']) after the sync")
         env_cls, framing = self._environment()
         ro, algo = self.cfg.rollout, self.cfg.algo
-        samples, stats = converse(self.llm, rows, n, Budget(max_tokens, ro.max_turns, ro.max_model_len),
+        budget = Budget(max_tokens, ro.max_turns, ro.max_model_len, ro.max_turn_tokens)
+        samples, stats = converse(self.llm, rows, n, budget,
                                   Sampling(temperature, top_p, seed, routing and self.routing == "vllm"),
                                   env_cls, framing, algo.env_timeout_s, fail=algo.env_errors == "fail")
         for s in samples:

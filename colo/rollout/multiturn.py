@@ -12,7 +12,8 @@ of them in one `LLM.generate` call (vLLM batches them; n conversations per row, 
 
 A conversation ends when the environment says done, after rollout.max_turns model turns, or when the budget
 runs out: rollout.max_tokens response tokens (model and environment together) or max_model_len in all; a
-turn cut by the budget, or an observation that would not fit, ends it with finish_reason "length". An
+turn cut by the budget, or an observation that would not fit, ends it with finish_reason "length" (a turn
+cut by rollout.max_turn_tokens only goes to the environment like any other). An
 environment that raises, hangs or answers something malformed ends its conversation with finish_reason
 "error" and the error in the sample (`fail`: raises EnvError instead, ending the run).
 
@@ -37,6 +38,7 @@ class Budget:
     max_tokens: int  # response tokens per conversation, the model's and the environment's
     max_turns: int
     max_model_len: int
+    max_turn_tokens: int = 0  # one model turn at most (0: no cap but the budget)
 
 
 @dataclass(frozen=True)
@@ -101,7 +103,8 @@ def converse(llm: Any, rows: list[dict], n: int, budget: Budget, sampling: Sampl
         if not todo:
             break
         prompts = [TokensPrompt(prompt_token_ids=c.conv.ids) for c, _ in todo]
-        params = [SamplingParams(n=1, max_tokens=room, temperature=sampling.temperature,
+        cap = budget.max_turn_tokens or budget.max_tokens
+        params = [SamplingParams(n=1, max_tokens=min(room, cap), temperature=sampling.temperature,
                                  top_p=sampling.top_p if sampling.temperature > 0 else 1.0, logprobs=0,
                                  seed=None if sampling.seed is None else sampling.seed + c.k + t * 1_000_003,
                                  stop=stop, include_stop_str_in_output=True)
@@ -122,7 +125,7 @@ def converse(llm: Any, rows: list[dict], n: int, budget: Budget, sampling: Sampl
         steps = guarded([lambda c=c, tn=tn, e=e: c.runner.step(tn, e) for (c, _), (tn, e) in zip(todo, turns)],
                         timeout_s)
         env_s += time.perf_counter() - t0
-        for (c, _), (tn, _), res in zip(todo, turns, steps):
+        for (c, room), (tn, _), res in zip(todo, turns, steps):
             if isinstance(res, EnvError):
                 failed(c, res, f"step of turn {t}")
                 continue
@@ -130,7 +133,7 @@ def converse(llm: Any, rows: list[dict], n: int, budget: Budget, sampling: Sampl
             c.reward += step.reward
             c.tool_calls += step.tool_calls
             c.tool_errors += step.tool_errors
-            if tn.finish_reason == "length":
+            if tn.finish_reason == "length" and len(tn.token_ids) >= room:  # the budget, not the turn cap
                 c.finish, c.open = "length", False
             elif step.done or t + 1 == budget.max_turns:
                 c.open = False
