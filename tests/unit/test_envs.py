@@ -170,3 +170,20 @@ def test_config_refuses_turns_without_an_environment_and_unknown_environments() 
     with pytest.raises(ConfigError, match="cannot import Nope.*fix: algo.environment=calculator"):
         _check_environment(load_config(None, ["algo.environment=colo.envs.base:Nope"], {}))
     _check_environment(load_config(None, ["algo.environment=calculator", "rollout.max_turns=3"], {}))
+
+
+def test_shipped_tool_configs_load() -> None:
+    from pathlib import Path
+
+    from colo.config import load_config, validate
+    from colo.config.checks import _check_environment
+
+    root = Path(__file__).resolve().parents[2]
+    tiny = load_config(str(root / "configs" / "tiny-cpu-tools.yaml"), [], {})
+    gpu = load_config(str(root / "configs" / "python-qwen3-30b-a3b.yaml"), [], {})
+    assert (tiny.algo.environment, tiny.model.path, tiny.data.path) == ("calculator", "auto:tiny-tools", "auto:calc")
+    assert (gpu.algo.environment, gpu.model.path, gpu.data.system_prompt) == ("python", "Qwen/Qwen3-30B-A3B", None)
+    for cfg in (tiny, gpu):
+        assert cfg.rollout.max_turns > 1
+        validate(cfg, check_resources=False)
+        _check_environment(cfg)
