@@ -20,6 +20,10 @@ side has GPUs of its own) and a broadcast from trainer rank 0 to every engine as
 trainers train, the engines idle with weights and KV cache in place: the loop stays on-policy (rollouts
 of step s come from the weights of step s-1), which is what makes the two modes give the same results.
 
+With algo.environment a sample is a conversation (colo.rollout.multiturn, docs/environments.md): the
+rollout phase runs every turn of it inside the engines, the reward adds the environment's rewards to
+algo.rewards on the model's last turn, and the batch trains the model's tokens only.
+
 Resume is exact: a checkpoint holds model, AdamW and RNG state plus the data position, and rollout seeds
 depend only on (run.seed, step), so `--resume` reproduces an uninterrupted run (bit-identical on CPU,
 tests/test_loop.py). A raising reward function, or an engine that dies or raises (in generate, sleep,
