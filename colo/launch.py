@@ -169,21 +169,41 @@ def check_user_data(cfg: ColoConfig, resolved: ColoConfig) -> None:
     at the first row, and a bad row found after config.yaml is written would force --resume on the rerun.
     A system prompt needs a chat template: checked here too, with the checkpoint's tokenizer."""
     from colo import config
-    from colo.data.prompts import read_rows
+    from colo.data.inputs import uses_chat_template
+    from colo.data.prompts import check_prompt_lengths, read_rows
 
+    tok = chat = None
     for key in ("path", "eval_path"):
         value = getattr(cfg.data, key)
         if value and not value.startswith(config.AUTO):
+            path = getattr(resolved.data, key)
             try:
-                read_rows(getattr(resolved.data, key), [cfg.data.prompt_key, cfg.data.answer_key])
+                rows = read_rows(path, [cfg.data.prompt_key, cfg.data.answer_key])
+                if tok is None:
+                    tok = driver_tokenizer(cfg, resolved)
+                    chat = uses_chat_template(cfg, tok)
+                if key == "eval_path":  # only the first data.eval_size rows are used
+                    rows = rows[:cfg.data.eval_size]
+                check_prompt_lengths([str(r[cfg.data.prompt_key]) for r in rows], tok, chat, cfg.data.system_prompt,
+                                     cfg.rollout.max_model_len, cfg.rollout.max_tokens, path)
             except (OSError, ValueError) as e:  # read_rows names the file, the row and the field
                 raise config.ConfigError(f"data: {e}") from e
     if cfg.data.system_prompt and not cfg.model.path.startswith(config.AUTO):  # presets have a template
-        from transformers import AutoTokenizer
+        uses_chat_template(cfg, tok if tok is not None else driver_tokenizer(cfg, resolved))
 
-        from colo.data.inputs import uses_chat_template
 
-        uses_chat_template(cfg, AutoTokenizer.from_pretrained(resolved.model.path))
+def driver_tokenizer(cfg: ColoConfig, resolved: ColoConfig):
+    """The tokenizer the run will use, before the run dir exists: an auto: preset's is built in memory."""
+    from colo import config
+
+    if cfg.model.path.startswith(config.AUTO):
+        from colo.models.tiny import TOKENIZER_VOCAB
+        from colo.models.tokenizer import build_tokenizer
+
+        return build_tokenizer(TOKENIZER_VOCAB)
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(resolved.model.path)
 
 
 if __name__ == "__main__":

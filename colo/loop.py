@@ -26,7 +26,7 @@ algo.rewards on the model's last turn, and the batch trains the model's tokens o
 
 Resume is exact: a checkpoint holds model, AdamW and RNG state plus the data position, and rollout seeds
 depend only on (run.seed, step), so `--resume` reproduces an uninterrupted run (bit-identical on CPU,
-tests/test_loop.py). A raising reward function, or an engine that dies or raises (in generate, sleep,
+tests/e2e/test_loop.py). A raising reward function, or an engine that dies or raises (in generate, sleep,
 wake_up or a sync), ends the run with status 1 after saving the last trained step: one `colo: error:`
 line on the terminal, the traceback in <run.dir>/error.log. After a trainer died or raised only the
 periodic checkpoints remain.
@@ -56,6 +56,7 @@ from colo.data.inputs import RunInputs, open_inputs
 from colo.run.logs import link_ray_logs, log_of
 from colo.host.shm import sweep
 from colo.run.summary import run_summary
+from colo.rollout.vllm_compat import serve_command
 from colo.cluster.placement import init_ray, plan_placement
 from colo.sync.plan import MappingError
 
@@ -189,6 +190,21 @@ def rl_step(step: int, c: Cluster, cfg: ColoConfig, inputs: RunInputs, rewards: 
         metrics["reward/overlong_penalty"] = penalty.mean().item()
     metrics["timing/step_s"] = time.perf_counter() - t_step  # wall clock: the phases plus what lies between
     return metrics
+
+
+class TrainingDiverged(RuntimeError):
+    """Optimizer steps skipped in a row for a non-finite gradient norm reached trainer.max_consecutive_skipped."""
+
+
+def check_skipped(metrics: dict, limit: int) -> None:
+    """Raise TrainingDiverged once `limit` optimizer steps in a row had a non-finite grad norm (each was skipped,
+    so the trainers still hold the last good weights)."""
+    if metrics.get("train/consecutive_skipped", 0) >= limit:
+        raise TrainingDiverged(
+            f"the gradient norm was not finite (inf/nan) in {metrics['train/consecutive_skipped']} optimizer steps in "
+            f"a row, up to step {metrics['step']}; each was skipped, the weights are those of the last good step; "
+            "fix: lower trainer.lr or set trainer.grad_clip, check the rewards and data of these steps, or resume "
+            "from an earlier checkpoint (trainer.max_consecutive_skipped sets how many skips end a run)")
 
 
 def sleep_level(cfg: ColoConfig) -> int:
@@ -330,7 +346,7 @@ def run(cfg: ColoConfig) -> int:
               flush=True)
     wandb = WandbSettings(cfg.run.wandb_project, cfg.run.wandb_mode, to_dict(cfg))
     writer = MetricsWriter(inputs.run_dir, loggers=list(cfg.run.loggers), wandb=wandb)
-    rewards, progress = RewardRunner(list(cfg.algo.rewards)), None
+    rewards, progress = RewardRunner(list(cfg.algo.rewards), timeout_s=cfg.algo.reward_timeout_s), None
     pos = Position(-1, inputs.train_data.state_dict())
     try:
         try:
@@ -358,12 +374,14 @@ def run(cfg: ColoConfig) -> int:
                 metrics.update(evaluate(cluster, cfg, inputs, rewards))
             writer.log(step, metrics)
             progress.update(metrics)
+            check_skipped(metrics, cfg.trainer.max_consecutive_skipped)
             if cfg.loop.checkpoint_every and (step + 1) % cfg.loop.checkpoint_every == 0 or last:
                 save(cluster, inputs, pos)
         cluster.trainer_group.export_hf(str(inputs.run_dir / "export"))
         progress.close()
-        print(run_summary(inputs.run_dir, time.perf_counter() - t_start, list(cfg.run.loggers)), flush=True)
-    except RewardError as e:
+        print(run_summary(inputs.run_dir, time.perf_counter() - t_start, list(cfg.run.loggers), serve_command),
+              flush=True)
+    except (RewardError, TrainingDiverged) as e:  # the trainers hold a whole policy: save it
         return fail(cluster, inputs, pos, e, keep_policy=True, progress=progress)
     except (ActorDied, ActorError) as e:
         # A lost node is the news, not the actor that noticed it first (a trainer whose gloo peer vanished).

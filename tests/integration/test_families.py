@@ -1,7 +1,7 @@
 """Every model family colo claims (colo.models.archs.ARCHS), end to end on CPU with a checkpoint in the
 Hub's layout: synced verified and equivalent, colocated and disaggregated, then a few loop steps.
 
-    pytest -q tests/test_families.py          (~4 min on 2 cores: one cluster for all families)
+    pytest -q tests/integration/test_families.py          (~4 min on 2 cores: one cluster for all families)
 
 Per family, colo.models.families writes a tiny random checkpoint with save_pretrained (per-expert Hub
 tensors, a vocabulary that is not a multiple of 64, the family's shared experts, biases, dense layers,
@@ -175,8 +175,9 @@ class Rig:
     def __init__(self, root: Path, data: Path) -> None:
         self.root, self.data, self.loaded = root, data, None
         first = self.cfg(CPU_FAMILIES[0])
-        # the actor classes live in this test module: workers import it from tests/
-        path = os.pathsep.join([str(ROOT), str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")])
+        # the actor classes live in this test module: workers import it (and the conftest it imports) from tests/
+        here = Path(__file__).resolve().parent
+        path = os.pathsep.join([str(ROOT), str(here.parent), str(here), os.environ.get("PYTHONPATH", "")])
         ray.init(num_cpus=6, num_gpus=3, include_dashboard=False, log_to_driver=False,
                  runtime_env={"env_vars": {"PYTHONPATH": path}})
         self.cluster = start_cluster(first, plan_placement(first), trainer_cls=FamilyTrainer, engine_cls=FamilyEngine)

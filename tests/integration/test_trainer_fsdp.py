@@ -1,6 +1,6 @@
 """TrainWorker on CPU: real FSDP2 over gloo in Ray actors (2 ranks) vs a 1-rank run and plain HF.
 
-    .venv/bin/python -m pytest tests/test_trainer_fsdp.py -q
+    .venv/bin/python -m pytest tests/integration/test_trainer_fsdp.py -q
 
 One module-wide story, so actors start once: pair A (2 ranks, HF weights) and single S (1 rank)
 train on the same global batch; A goes through offload/onload and a checkpoint; pair B (2 ranks,
@@ -114,7 +114,7 @@ def batches(hf) -> list[tuple[dict, list[dict]]]:
 def cluster(model_dir: Path):
     here = Path(__file__).resolve().parent  # workers import ShardTrainer from this module
     ray.init(num_cpus=4, num_gpus=0, include_dashboard=False, log_to_driver=False,
-             runtime_env={"env_vars": {"PYTHONPATH": f"{here.parent}:{here}"}})
+             runtime_env={"env_vars": {"PYTHONPATH": f"{here.parents[1]}:{here}"}})
     pair = _start(_cfg(model_dir), 2)
     single = _start(_cfg(model_dir), 1)
     yield {"A": pair, "S": single}

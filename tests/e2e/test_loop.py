@@ -1,6 +1,6 @@
 """The RL loop end to end through the real CLI (`python -m colo.launch`), as a user runs it.
 
-    pytest -q tests/test_loop.py            # ~6 min on 2 cores: one default job, one resume, 5 failures
+    pytest -q tests/e2e/test_loop.py            # ~6 min on 2 cores: one default job, one resume, 5 failures
 
 - learning: the default job (configs/tiny-cpu.yaml: 70 warm-up SFT steps + 140 GRPO steps on two
   trainer/engine pairs) raises the held-out eval reward, verifies every weight sync, keeps the
@@ -24,6 +24,7 @@ from pathlib import Path
 import pytest
 from conftest import STEP_KEYS, clean_env, run_cli
 
+from colo.rollout.vllm_compat import serve_command
 from colo.run.metrics import read_metrics
 
 pytestmark = pytest.mark.slow
@@ -139,7 +140,7 @@ def test_default_job_terminal_is_quiet_and_ends_with_a_summary(default_job) -> N
     assert bar and len(other) <= 15, other
     assert other[0] == f"colo: run dir {run_dir}", other
     summary = r.stdout[r.stdout.index("colo: done: 140 RL steps"):]
-    for want in ("eval/sampled_reward", str(run_dir / "metrics.jsonl"), f"vllm serve {run_dir / 'export'}",
+    for want in ("eval/sampled_reward", str(run_dir / "metrics.jsonl"), serve_command(run_dir / "export"),
                  f"--resume run.dir={run_dir} loop.steps=280"):
         assert want in summary, summary
     logs = run_dir / "logs"
@@ -209,7 +210,7 @@ def test_resume_reproduces_uninterrupted_run(learned: tuple[Path, list[dict]], t
 # ------------------------------------------------------------------------------------------- failures
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture  # per test (cheap), so each failure run is a group of its own for pytest-xdist
 def reward_env(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     mod_dir = tmp_path_factory.mktemp("rewards")
     (mod_dir / "failing_rewards.py").write_text(FAILING_REWARDS)

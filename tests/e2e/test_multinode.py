@@ -1,7 +1,7 @@
-"""colo on a Ray cluster of two nodes with two IP addresses, on this one machine (tests/twonodes.py: the
+"""colo on a Ray cluster of two nodes with two IP addresses, on this one machine (tests/e2e/twonodes.py: the
 worker node in a network namespace of its own when we are root, else a second raylet on 127.0.0.2).
 
-    pytest -q tests/test_multinode.py -s     # -s shows which kind of second node was used; 366 s on
+    pytest -q tests/e2e/test_multinode.py -s     # -s shows which kind of second node was used; 366 s on
                                              # 2 cores while another suite ran (cluster 37 s, dry run 19 s,
                                              # one-node run 121 s, two-node run + node loss + resume 184 s)
 

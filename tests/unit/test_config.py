@@ -8,6 +8,7 @@ import ast
 import dataclasses
 import json
 import os
+import socket
 from pathlib import Path
 
 import pytest
@@ -15,7 +16,7 @@ import pytest
 from colo import config as C
 from colo.config import ConfigError, load_config, validate
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def write(path: Path, text: str) -> str:
@@ -234,13 +235,14 @@ def test_model_path_errors(tmp_path: Path) -> None:
     assert "model.dummy_weights=true" in error_of(cpu("model.path=auto:qwen3-30b-a3b"))
 
 
+NO_TENSORS = (2).to_bytes(8, "little") + b"{}"  # a whole safetensors file that holds no tensor
 QWEN3_MOE_JSON = {"model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"], "num_experts": 6}
 
 
 def test_local_checkpoint_accepted_and_experts_checked(tmp_path: Path) -> None:
     ckpt = tmp_path / "ckpt"
     write(ckpt / "config.json", json.dumps(QWEN3_MOE_JSON))
-    write(ckpt / "model.safetensors", "")  # only its presence is checked before anything starts
+    (ckpt / "model.safetensors").write_bytes(NO_TENSORS)  # its header is checked before anything starts
     validate(load_config(None, cpu(f"model.path={ckpt}", f"run.dir={tmp_path}/r"), {}))  # CPU: EP 1
     msg = error_of([f"model.path={ckpt}", "placement.device=cuda", "placement.num_gpus=4"])
     assert "6 experts" in msg and "expert-parallel size 4" in msg and "[1, 2, 3, 6]" in msg
@@ -285,7 +287,7 @@ def test_model_family_and_weights_refused_before_anything(tmp_path: Path) -> Non
     msg = error_of(cpu(f"model.path={ckpt}", run))
     assert "no weight files" in msg and "model.dummy_weights=true" in msg
     validate(load_config(None, cpu(f"model.path={ckpt}", "model.dummy_weights=true", run), {}))
-    write(ckpt / "model-00001-of-00002.safetensors", "")
+    (ckpt / "model-00001-of-00002.safetensors").write_bytes(NO_TENSORS)
     validate(load_config(None, cpu(f"model.path={ckpt}", run), {}))
 
 
@@ -383,7 +385,11 @@ def test_ray_address_joins_a_cluster_whose_gpus_are_not_here() -> None:
     assert load_config(None, [], {**env, "COLO_RUN__RAY_ADDRESS": "10.0.0.2:6379"}).run.ray_address == "10.0.0.2:6379"
     assert load_config(None, ["run.ray_address=10.0.0.3:6379"], env).run.ray_address == "10.0.0.3:6379"
     cuda = ["placement.device=cuda", "placement.num_gpus=8", "model.path=auto:tiny"]
-    C.validate(load_config(None, cuda, env))  # the memory plan is colo.plan.job's, after validate
+    with socket.socket() as head:  # validate() asks the address: something must listen there
+        head.bind(("127.0.0.1", 0))
+        head.listen()
+        env = {"RAY_ADDRESS": f"127.0.0.1:{head.getsockname()[1]}"}
+        C.validate(load_config(None, cuda, env))  # the memory plan is colo.plan.job's, after validate
     if not __import__("torch").cuda.is_available():  # here: the same job without a cluster is refused
         with pytest.raises(ConfigError, match="placement.num_gpus=8 but this machine has"):
             C.validate(load_config(None, cuda, {}))

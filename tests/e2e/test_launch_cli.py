@@ -124,7 +124,7 @@ def test_placement_errors_through_cli(tmp_path: Path) -> None:
                                      (8, "qwen3-30b-a3b-8xh100"), (32, "qwen3-235b-a22b-32xh200")])
 def test_dry_run_shape_of_gpu_configs(n: int, name: str, tmp_path: Path) -> None:
     """The 30B configs on a GPU host, rehearsed here through validate(check_resources=False) and the
-    plan (tests/test_readme.py dry-runs the README's GPU commands, which notes the missing GPUs)."""
+    plan (tests/e2e/test_readme.py dry-runs the README's GPU commands, which notes the missing GPUs)."""
     from colo.config import load_config, validate
     from colo.cluster.placement import plan_placement
 
@@ -156,7 +156,7 @@ def test_prepare_run_generates_model_data_and_config(tmp_path: Path) -> None:
 def test_resume_starts_from_the_runs_saved_config(tmp_path: Path) -> None:
     """--resume: the run's newest saved config < COLO_* env < key=value; what differs from the saved run
     is named with its source; config.yaml is never rewritten, each resume adds config.resume-<n>.yaml;
-    a copied run dir resumes from its own model and data. (tests/test_readme.py runs it end to end.)"""
+    a copied run dir resumes from its own model and data. (tests/e2e/test_readme.py runs it end to end.)"""
     import shutil
 
     from colo.config import load_config, resolve
@@ -200,7 +200,7 @@ def test_bad_checkpoints_refused_before_ray(tmp_path: Path) -> None:
     ckpt, runs = tmp_path / "ckpt", f"run.dir={tmp_path}/runs/{{time}}"
     ckpt.mkdir()
     (ckpt / "config.json").write_text(json.dumps({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}))
-    (ckpt / "model.safetensors").write_bytes(b"")
+    (ckpt / "model.safetensors").write_bytes((2).to_bytes(8, "little") + b"{}")  # no tensors
     r = run_cli(f"model.path={ckpt}", runs, cwd=tmp_path)
     assert_config_error(r, "GPT2LMHeadModel", "supported:", "Qwen3MoeForCausalLM", "MixtralForCausalLM")
     qwen = {"model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"], "num_experts": 4}
@@ -208,7 +208,7 @@ def test_bad_checkpoints_refused_before_ray(tmp_path: Path) -> None:
     (ckpt / "model.safetensors").unlink()
     assert_config_error(run_cli(f"model.path={ckpt}", runs, cwd=tmp_path), "no weight files",
                         "model.dummy_weights=true")
-    (ckpt / "model.safetensors").write_bytes(b"")
+    (ckpt / "model.safetensors").write_bytes((2).to_bytes(8, "little") + b"{}")  # no tensors
     (ckpt / "config.json").write_text(json.dumps({**qwen, "model_type": "qwen3_moe_nonesuch"}))
     assert_config_error(run_cli(f"model.path={ckpt}", runs, cwd=tmp_path), "transformers cannot read")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]  # no run dir, no Ray session dir

@@ -2,7 +2,7 @@
 buffers, read back through the receiver's ReceiverBuffers, equal the unsharded model's in vLLM layout,
 with the expert fast path (no all-gather) and without it.
 
-    .venv/bin/python -m pytest tests/test_sync_fsdp.py -q       (~40 s)
+    .venv/bin/python -m pytest tests/integration/test_sync_fsdp.py -q       (~40 s)
 """
 from __future__ import annotations
 

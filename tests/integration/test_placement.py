@@ -85,12 +85,12 @@ def test_ranks_fill_nodes_in_order() -> None:
 
     nodes = [Node("a", "10.0.0.1", 2), Node("b", "10.0.0.2", 3)]
     plan = on_nodes(plan_of("placement.device=cuda", "placement.num_gpus=4"), nodes)
-    assert [(r.trainer_rank, r.dp_rank, r.node) for r in plan.rows] == [
-        (0, 0, "10.0.0.1"), (1, 1, "10.0.0.1"), (2, 2, "10.0.0.2"), (3, 3, "10.0.0.2")]
+    assert [(r.trainer_rank, r.dp_rank, r.node, r.node_ip) for r in plan.rows] == [
+        (0, 0, "a", "10.0.0.1"), (1, 1, "a", "10.0.0.1"), (2, 2, "b", "10.0.0.2"), (3, 3, "b", "10.0.0.2")]
     table = plan.table().splitlines()
     assert "on 2 nodes of the Ray cluster" in table[0] and table[1].split()[:2] == ["gpu", "node"]
     assert table[4].split()[:3] == ["2", "10.0.0.2", "pg2/0"]
-    assert plan.node_order == ["10.0.0.1", "10.0.0.2"]
+    assert plan.node_order == ["a", "b"]
     assert "node" not in plan_of("placement.device=cuda").table().splitlines()[1].split()  # no cluster: as before
     with pytest.raises(ConfigError, match=r"placement\.num_gpus=8 \(colocated\) does not fit .* fix: "
                                           r"placement\.num_gpus=5 or add GPU nodes"):
@@ -100,7 +100,7 @@ def test_ranks_fill_nodes_in_order() -> None:
                    "placement.trainer_gpus=1", "rollout.tp_size=2")
     # the trainer takes a's first GPU; engine 0 needs 2 GPUs on one node: a has 1 left, so b; engine 1 too
     dis = on_nodes(dis5, [Node("a", "10.0.0.1", 2), Node("b", "10.0.0.2", 4)])
-    assert [(r.role, r.dp_rank, r.node) for r in dis.rows] == [
+    assert [(r.role, r.dp_rank, r.node_ip) for r in dis.rows] == [
         ("trainer", -1, "10.0.0.1"), ("engine", 0, "10.0.0.2"), ("engine", 0, "10.0.0.2"),
         ("engine", 1, "10.0.0.2"), ("engine", 1, "10.0.0.2")]
     with pytest.raises(ConfigError, match=r"GPU nodes 10\.0\.0\.1: 2, 10\.0\.0\.2: 3 \(each engine's 2 GPUs on one "
@@ -227,7 +227,7 @@ def test_more_gpus_than_the_cluster_has(ray_four_gpus) -> None:
                                                "placement.trainer_gpus=2", "rollout.tp_size=2"))
 
 
-# colo.cluster.actors.gather reads Ray's errors to name who failed; the loop reports that name (tests/test_loop.py
+# colo.cluster.actors.gather reads Ray's errors to name who failed; the loop reports that name (tests/e2e/test_loop.py
 # runs it against real engines). The actors here play the two roles only so that an engine's error can be
 # raised inside a trainer's call on demand, with no vLLM to start.
 

@@ -1,7 +1,7 @@
 """Every logged loss metric against plain PyTorch on the whole batch, for 1 rank x 1 micro-batch and for
 2 ranks x 4 micro-batches (real FSDP2 over gloo in Ray actors); the KL reference; eval/train modes.
 
-    PYTHONPATH=. .venv/bin/python -m pytest tests/test_loss_layouts.py -q
+    PYTHONPATH=. .venv/bin/python -m pytest tests/integration/test_loss_layouts.py -q
 
 One module-wide story, so the three actors start once. trainer.lr is 0 (sft_lr is not): RL steps then
 leave the weights exactly as they were, so the independent computation, run on an HF export of those
@@ -35,6 +35,7 @@ def _cfg(model_dir: Path, micro_batch_size: int) -> dict:
     c.placement.device = "cpu"
     t = c.trainer
     t.lr, t.sft_lr, t.micro_batch_size, t.mini_batches, t.epochs = 0.0, 5e-4, micro_batch_size, 1, 2
+    t.max_tokens_per_micro_batch = 1 if micro_batch_size == 1 else 10**6  # packed: one row, or all, per micro-batch
     c.rollout.temperature = T_SAMPLE
     c.algo.kl_coef, c.algo.tis_cap, c.algo.clip_ratio_c = KL_COEF, TIS_CAP, 3.0
     return dataclasses.asdict(c)
@@ -246,7 +247,8 @@ def test_logprob_passes_run_in_eval_mode_and_the_update_in_train_mode(layouts, r
 def _record_modes(trainer) -> None:
     trainer.modes = {"policy": [], "ref": []}
     for key, model in (("policy", trainer.model), ("ref", trainer.ref_model)):
-        model.register_forward_pre_hook(lambda m, args, key=key: trainer.modes[key].append(m.training))
+        # every pass runs the decoder (model.colo_logprobs), not the LM's own forward
+        model.get_decoder().register_forward_pre_hook(lambda m, args, key=key: trainer.modes[key].append(m.training))
 
 
 def _recorded_modes(trainer) -> dict:

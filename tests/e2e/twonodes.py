@@ -31,7 +31,7 @@ from pathlib import Path
 import psutil
 
 RAY = str(Path(sys.executable).with_name("ray"))
-SCRIPT = str(Path(__file__).resolve().parent.parent / "launch" / "ray-cluster.sh")  # the README's node starter
+SCRIPT = str(Path(__file__).resolve().parents[2] / "launch" / "ray-cluster.sh")  # the README's node starter
 # Node death is noticed by the GCS health check; Ray's defaults take ~30 s, too slow for a test.
 FAST_HEALTH = {"RAY_health_check_period_ms": "500", "RAY_health_check_timeout_ms": "1000",
                "RAY_health_check_failure_threshold": "3", "RAY_health_check_initial_delay_ms": "1000"}
