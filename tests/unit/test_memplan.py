@@ -17,7 +17,7 @@ from colo.plan.memory import GiB, Settings, model_shape, plan_memory
 from colo.models.tiny import PRESETS
 
 ROOT = Path(__file__).resolve().parents[2]
-SHIPPED_GPU = sorted(p for p in (ROOT / "configs").glob("*.yaml") if p.name != "tiny-cpu.yaml")
+SHIPPED_GPU = sorted(p for p in (ROOT / "configs").glob("*.yaml") if not p.name.startswith("tiny-cpu"))
 TINY = PRESETS["tiny"]
 FAMILIES = {
     "qwen3_moe": dict(PRESETS["qwen3-30b-a3b-L2"]),
