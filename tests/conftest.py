@@ -115,7 +115,8 @@ def _leftover_processes() -> list[str]:
             continue
         path = next((e[11:].decode(errors="replace") for e in env if e.startswith(b"PYTHONPATH=")), "")
         ours = cwd == str(ROOT) or str(ROOT) in path.split(os.pathsep)
-        worker = "exec(eval(" in cmd  # a pytest-xdist worker (execnet), ending with the controller
+        # a pytest-xdist worker (execnet), or this process's multiprocessing resource tracker: both end with it
+        worker = "exec(eval(" in cmd or "resource_tracker" in cmd
         if pid not in mine and ours and not worker and any(w in cmd for w in ("python", "ray", "vllm")):
             out.append(f"{pid} {cmd[:120]}")
     return out
