@@ -231,6 +231,7 @@ def measure(args: argparse.Namespace) -> dict:
            "gpus": args.gpus, "prompts": args.prompts, "n": args.n, "prompt_len": args.prompt_len,
            "max_tokens": args.max_tokens, "max_tokens_per_micro_batch": cfg.trainer.max_tokens_per_micro_batch,
            "micro_batch_size": cfg.trainer.micro_batch_size, "logprob_chunk": cfg.trainer.logprob_chunk,
+           "experts_implementation": cfg.trainer.experts_implementation,
            "overrides": list(args.overrides), "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"),
            "plan_train_gb": None if mem_plan is None else mem_plan.total("train") / 2**30}
     if args.compare:
