@@ -2,10 +2,10 @@
 
 Per token t of a response (all tensors (B, T), aligned so position t scores input_ids[t]):
 
-    ratio_t = exp(logp_t - old_t)                              trainer now vs trainer before update
+    ratio_t = exp(clamp(logp_t - old_t, -20, 20))              trainer now vs trainer before update
     pg_t    = max(-A * ratio_t, -A * clip(ratio_t, 1 - clip_low, 1 + clip_high))
     pg_t    = min(pg_t, -A * clip_ratio_c)   only where A < 0 and clip_ratio_c > 0 (dual-clip)
-    w_t     = min(exp(old_t - rollout_t), tis_cap)  (no grad)  vLLM sampled, trainer scores: the
+    w_t     = min(exp(clamp(old_t - rollout_t, -20, 20)), tis_cap)  (no grad)  vLLM sampled, trainer scores: the
               two disagree (bf16 kernels, MoE routing ties), so the rollout is slightly off-policy
     kl_t    = clamp(exp(d_t) - d_t - 1, -10, 10),  d_t = clamp(ref_t - logp_t, -20, 20)
     loss_t  = w_t * pg_t + kl_coef * kl_t
@@ -42,6 +42,7 @@ import torch
 LOSS_AGGS = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")
 KL_LOG_RATIO_CLAMP = 20.0  # |ref - logp| beyond this is treated as this (exp(20) ~ 5e8)
 KL_CLAMP = 10.0  # a token's k3 term is at most this
+LOG_RATIO_CLAMP = 20.0  # PPO ratio and TIS weight: |log-ratio| beyond this is this (verl, slime: +-20)
 
 
 def policy_loss(
@@ -95,6 +96,8 @@ def policy_loss(
     old = old_logprobs.detach()
 
     log_ratio = torch.where(mask, logprobs - old, torch.zeros_like(logprobs))  # (B, T)
+    # exp(95) is inf in fp32 and exp(25) gives a gradient of ~7e10 * |A|; clamped, such a token has none
+    log_ratio = torch.clamp(log_ratio, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
     ratio = torch.exp(log_ratio)
     pg_unclipped = -adv * ratio
     pg_clipped = -adv * torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high)
@@ -118,6 +121,7 @@ def policy_loss(
     if rollout_logprobs is not None and tis_cap != 0:
         with torch.no_grad():
             tis_log = torch.where(mask, old - rollout_logprobs.to(old.dtype), torch.zeros_like(old))
+            tis_log = torch.clamp(tis_log, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)  # uncapped (tis_cap=None): finite
             tis_w = torch.exp(tis_log)
             if tis_cap is not None:
                 tis_w = torch.clamp(tis_w, max=tis_cap)
@@ -177,7 +181,7 @@ def scale_logits(logits: torch.Tensor, temperature: float) -> torch.Tensor:
 
     vLLM casts the model's logits to float32 *before* dividing by the temperature. Dividing the bf16
     logits first rounds each quotient to 8 mantissa bits: at T = 0.6 on synthetic Qwen-vocab logits that
-    moved log-probs by 0.014-0.023 on average and up to 0.2 (issue 13; tests/test_algo_loss.py), as
+    moved log-probs by 0.014-0.023 on average and up to 0.2 (issue 13; tests/unit/test_algo_loss.py), as
     large as the mismatch TIS corrects.
 
     Memory: one float32 copy, divided in place (the caller's tensor is never modified), so bf16 logits

@@ -5,11 +5,13 @@ units, \\boxed{} extraction), where colo's regex rewards compare strings or last
 
     verified(["... so the answer is \\boxed{\\frac{1}{2}}"], ["0.5"])  -> [True]   (exact_match: 0.0)
 
-Why a process pool: math-verify bounds each parse and comparison with signal.alarm (sympy can take
-minutes on a pathological expression), and signals work only in a process's main thread. colo scores
-rewards in the driver, possibly in a worker thread (RewardRunner.submit), so the checks run in worker
-processes instead, where they are the main thread and the timeouts hold. The pool is started once
-("spawn": never fork a process that runs Ray and vLLM threads) and reused for the whole run.
+Where the checks run: math-verify bounds each parse and comparison with signal.alarm (sympy can take
+minutes on a pathological expression), and signals work only in a process's main thread. Called from the
+main thread (the loop scores there), the checks run right here and math-verify's own timeouts hold. Called
+from another thread (RewardRunner.submit), they run in worker processes instead, where they are the main
+thread. That pool is started once ("spawn": never fork a process that runs Ray and vLLM threads) and
+reused; spawn re-imports the caller's __main__, so a script that calls this off its main thread needs its
+code under `if __name__ == "__main__":`, and a pool that breaks for want of one says so.
 
 The reference answer is parsed as LaTeX (wrapped in \\boxed{} unless it has its own \\boxed or $...$; of a
 GSM8K solution, only the part after its final "####"),
@@ -21,7 +23,9 @@ from __future__ import annotations
 
 import atexit
 import multiprocessing
+import threading
 from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 
 WORKERS = 2  # math-verify is pure Python: one process per core of the 2-core default host is plenty
 TIMEOUT_S = 5  # per parse and per comparison (math-verify's own default); a timeout scores 0
@@ -60,6 +64,13 @@ def verified(responses: list[str], answers: list[str]) -> list[bool]:
     """Per response, whether math-verify finds its final answer equal to the reference (graded in the
     process pool; colo.algo.rewards.math adds exact matches on top)."""
     pairs = list(zip(responses, answers))
+    if threading.current_thread() is threading.main_thread():  # signal.alarm works here: no pool needed
+        return _grade(pairs)
     per = -(-len(pairs) // WORKERS) or 1
     chunks = [pairs[i: i + per] for i in range(0, len(pairs), per)]
-    return [v for fut in [_get_pool().submit(_grade, c) for c in chunks] for v in fut.result()]
+    try:
+        return [v for fut in [_get_pool().submit(_grade, c) for c in chunks] for v in fut.result()]
+    except BrokenProcessPool as e:
+        raise RuntimeError("the math reward's worker processes died at start; a script that scores off its main "
+                           "thread is re-imported by them (multiprocessing spawn); fix: put the script's code under "
+                           "`if __name__ == \"__main__\":`, or score from the main thread") from e

@@ -21,7 +21,10 @@ Built-ins (names usable in `algo.rewards`):
     runner.submit(...)                           -> Future[Scores], scored in a worker thread so a
                                                     slow function (sandbox, HTTP judge) runs while the
                                                     driver does other work; .result() re-raises
-A failing function raises `RewardError` naming the function and the sample.
+A failing function raises `RewardError` naming the function and the sample; so does a user function that has
+not returned after `timeout_s` (algo.reward_timeout_s). In the main thread (where the loop scores) a watchdog
+stops it with a signal, so it runs where signals work (math-verify's alarms, for one) and is really stopped;
+elsewhere it runs in a daemon thread that is abandoned at the timeout. Built-ins bound themselves.
 """
 
 from __future__ import annotations
@@ -30,6 +33,8 @@ import importlib
 import inspect
 import math
 import re
+import signal
+import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -152,7 +157,7 @@ class RewardRunner:
     """Weighted sum of reward functions over a batch, in the caller's thread or a worker thread."""
 
     def __init__(self, names: Sequence[str], weights: Sequence[float] | None = None,
-                 max_workers: int = 1) -> None:
+                 max_workers: int = 1, timeout_s: float | None = None) -> None:
         if not names:
             raise ValueError("at least one reward function is needed")
         if weights is not None and len(weights) != len(names):
@@ -160,6 +165,7 @@ class RewardRunner:
         self.names = list(names)
         self.weights = [1.0] * len(names) if weights is None else [float(w) for w in weights]
         self.fns = [resolve(n) for n in self.names]
+        self.timeout_s = timeout_s  # per call of a user function; None: no limit
         self._takes_finish = [_accepts(fn, "finish_reasons") for fn in self.fns]
         self._pool = ThreadPoolExecutor(max_workers, "colo-reward") if max_workers > 0 else None
 
@@ -177,7 +183,8 @@ class RewardRunner:
         total = [0.0] * n
         for name, fn, w, fin in zip(self.names, self.fns, self.weights, self._takes_finish):
             kw = {"finish_reasons": finish_reasons} if fin and finish_reasons is not None else {}
-            vals = _run_one(name, fn, responses, answers, prompts, kw)
+            limit = None if fn in BUILTINS.values() else self.timeout_s
+            vals = _run_one(name, fn, responses, answers, prompts, kw, limit)
             by_name[name] = vals
             total = [t + w * v for t, v in zip(total, vals)]
         return Scores(total, by_name)
@@ -209,12 +216,69 @@ def _accepts(fn: RewardFn, kw: str) -> bool:
     return kw in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
 
 
-def _run_one(name: str, fn: RewardFn, responses: list[str], answers: list[str],
-             prompts: list[str], kw: dict) -> list[float]:
+class _Timeout(BaseException):  # not an Exception: a reward function's own `except Exception` cannot swallow it
+    pass
+
+
+TIMEOUT_SIGNAL = signal.SIGUSR2  # sent by the watchdog to the main thread; nothing else in colo uses it
+
+
+def _bounded(fn: RewardFn, timeout_s: float | None, *args: list[str], **kw: list[str]) -> list[float]:
+    """fn(*args, **kw), or _Timeout once it has run timeout_s seconds."""
+    if not timeout_s:
+        return fn(*args, **kw)
+    if threading.current_thread() is not threading.main_thread():  # no signals here: a thread to abandon
+        box: dict = {}
+
+        def target() -> None:
+            try:
+                box["value"] = fn(*args, **kw)
+            except BaseException as e:  # noqa: BLE001 (re-raised in the caller's thread)
+                box["error"] = e
+        worker = threading.Thread(target=target, daemon=True, name="colo-reward")
+        worker.start()
+        worker.join(timeout_s)
+        if worker.is_alive():
+            raise _Timeout
+        if "error" in box:
+            raise box["error"]
+        return box["value"]
+    done = threading.Event()
+    main = threading.main_thread().ident
+
+    def watchdog() -> None:
+        if not done.wait(timeout_s):
+            signal.pthread_kill(main, TIMEOUT_SIGNAL)  # interrupts a blocking call too (sleep, socket, lock)
+
+    def on_signal(signum: int, frame: object) -> None:
+        if not done.is_set():
+            raise _Timeout
+
+    previous = signal.signal(TIMEOUT_SIGNAL, on_signal)
+    dog = threading.Thread(target=watchdog, daemon=True, name="colo-reward-watchdog")
+    dog.start()
     try:
-        vals = fn(responses, answers, prompts, **kw)
+        return fn(*args, **kw)
+    finally:
+        done.set()
+        dog.join()  # no signal can come after this
+        signal.signal(TIMEOUT_SIGNAL, previous)
+
+
+def _timed_out(name: str, timeout_s: float) -> RewardError:
+    return RewardError(f"reward function {name!r} did not return within {timeout_s:g} s (algo.reward_timeout_s); "
+                       f"fix: make it return sooner (a timeout on its own calls to servers or sandboxes), or raise "
+                       f"algo.reward_timeout_s", name)
+
+
+def _run_one(name: str, fn: RewardFn, responses: list[str], answers: list[str],
+             prompts: list[str], kw: dict, timeout_s: float | None = None) -> list[float]:
+    try:
+        vals = _bounded(fn, timeout_s, responses, answers, prompts, **kw)
+    except _Timeout:
+        raise _timed_out(name, timeout_s) from None
     except Exception as e:
-        raise _locate(name, fn, responses, answers, prompts, kw, e) from e
+        raise _locate(name, fn, responses, answers, prompts, kw, e, timeout_s) from e
     try:
         vals = [float(v) for v in vals]
     except (TypeError, ValueError) as e:
@@ -230,7 +294,7 @@ def _run_one(name: str, fn: RewardFn, responses: list[str], answers: list[str],
 
 
 def _locate(name: str, fn: RewardFn, responses: list[str], answers: list[str],
-            prompts: list[str], kw: dict, err: Exception) -> RewardError:
+            prompts: list[str], kw: dict, err: Exception, timeout_s: float | None = None) -> RewardError:
     """Find the first sample that makes `fn` raise by calling it one sample at a time.
 
     Reward functions are meant to be pure scorers, so re-running them is safe; a function that
@@ -239,7 +303,9 @@ def _locate(name: str, fn: RewardFn, responses: list[str], answers: list[str],
     for i in range(len(responses)):
         one_kw = {k: v[i:i + 1] for k, v in kw.items()}
         try:
-            fn(responses[i:i + 1], answers[i:i + 1], prompts[i:i + 1], **one_kw)
+            _bounded(fn, timeout_s, responses[i:i + 1], answers[i:i + 1], prompts[i:i + 1], **one_kw)
+        except _Timeout:
+            return _timed_out(name, timeout_s)
         except Exception as e:
             return RewardError(
                 f"reward function {name!r} raised {type(e).__name__}: {e} on sample {i}: "

@@ -1,10 +1,14 @@
 """Node addressing: which node each rank runs on, and the addresses and ports its peers dial.
 
-    nodes = gpu_nodes()                            # alive Ray nodes with GPUs, in a fixed order (by IP)
-    plan = on_nodes(plan, nodes)                   # rows filled node by node; row.node = that node's IP
-    # placement: each GPU's bundle asks for {"node:<ip>": 0.001}, so Ray puts it exactly there
+    nodes = gpu_nodes()                            # alive Ray nodes with GPUs, in a fixed order (by IP, then id)
+    plan = on_nodes(plan, nodes)                   # rows filled node by node; row.node = that node's Ray id
+    # placement: each GPU's bundle carries the label selector {"ray.io/node-id": <id>}, so Ray puts it there
     where = locate(pgs)                            # from a task inside each group: node IP, GPU ids, a port
     trainer rank 0's (node_ip, port) -> torch.distributed rendezvous; engine 0's -> vLLM's DP master
+
+Nodes are told apart by Ray node id, never by IP: two Ray nodes may share an address (a
+ray.cluster_utils.Cluster on one host, containers behind one host address), and keyed by it they
+collapsed into one. Addresses serve the rendezvous only.
 
 Every address is the node's own (Ray's node IP), and every port is picked on the node that will listen
 on it: on one machine "127.0.0.1" and a port free on the driver happen to work, on two machines neither
@@ -31,7 +35,7 @@ if TYPE_CHECKING:
 
     from colo.cluster.placement import PlacementPlan
 
-PIN = 0.001  # of a node's "node:<ip>" resource (1.0 per node): any number of bundles fit, none elsewhere
+NODE_ID_LABEL = "ray.io/node-id"  # the label Ray gives every node: a bundle selecting it lands on that node only
 PROBE_S = 10.0  # a node whose raylet does not run a trivial task in this long counts as unreachable
 
 
@@ -64,8 +68,9 @@ def on_nodes(plan: PlacementPlan, nodes: list[Node]) -> PlacementPlan:
     engine DP ranks are consecutive per node (rank r and r+1 share a node unless one fills up between
     them). Disaggregated: trainers first, then engines, each engine's TP GPUs on one node (a node
     without room for a whole engine is skipped). Raises ConfigError when the GPUs do not fit."""
-    free = {n.ip: n.gpus for n in nodes}
-    order = [n.ip for n in nodes]
+    free = {n.node_id: n.gpus for n in nodes}  # by id: nodes may share an IP
+    order = [n.node_id for n in nodes]
+    ips = {n.node_id: n.ip for n in nodes}
     rows, cursor = list(plan.rows), 0
 
     def take(count: int) -> str:
@@ -78,7 +83,7 @@ def on_nodes(plan: PlacementPlan, nodes: list[Node]) -> PlacementPlan:
                    "placement.trainer_gpus that fills whole nodes, or a smaller rollout.tp_size")
             raise ConfigError(
                 f"placement.num_gpus={plan.num_gpus} ({plan.mode}) does not fit the Ray cluster's GPU nodes "
-                f"{', '.join(f'{n.ip}: {n.gpus}' for n in nodes) or 'none'}" +
+                f"{', '.join(f'{node_label(n.ip, n.node_id, nodes)}: {n.gpus}' for n in nodes) or 'none'}" +
                 (f" (each engine's {plan.tp_size} GPUs on one node)" if plan.tp_size > 1 else "") + f"; fix: {fix}")
         free[order[cursor]] -= count
         return order[cursor]
@@ -89,14 +94,21 @@ def on_nodes(plan: PlacementPlan, nodes: list[Node]) -> PlacementPlan:
         row = rows[i]
         width = plan.tp_size if row.role == "engine" else 1  # an engine's TP rows come together
         node = take(width)
-        out += [replace(r, node=node) for r in rows[i:i + width]]
+        out += [replace(r, node=node, node_ip=ips[node], node_label=node_label(ips[node], node, nodes))
+                for r in rows[i:i + width]]
         i += width
     return replace(plan, rows=tuple(out))
 
 
-def pin(node_ip: str) -> dict[str, float]:
-    """The bundle resource that puts a bundle on this node (Ray gives each node "node:<ip>": 1)."""
-    return {f"node:{node_ip}": PIN} if node_ip else {}
+def node_label(ip: str, node_id: str, nodes: list[Node]) -> str:
+    """How a node is shown: its IP, with the start of its Ray id where another node has the same IP."""
+    shared = sum(n.ip == ip for n in nodes) > 1
+    return f"{ip}/{node_id[:8]}" if shared else ip
+
+
+def pin(node_id: str) -> dict[str, str]:
+    """The bundle label selector that puts a bundle on this node ({} where the plan names no node)."""
+    return {NODE_ID_LABEL: node_id} if node_id else {}
 
 
 def locate(pgs: list[PlacementGroup]) -> list[dict[str, Any]]:

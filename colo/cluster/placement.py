@@ -9,8 +9,8 @@ colocated: one Ray placement group per GPU, a trainer rank and a vLLM rank in ea
 
 Invariant the loop relies on: trainer rank r, engine DP rank r (and on GPU, EP rank r) all live in
 pgs[r], so they share one device; pgs are ordered by (node, GPU id) so rank order follows the
-hardware. With rows placed on nodes (colo.cluster.nodes.on_nodes: filled node by node), each bundle also asks
-for its node's "node:<ip>" resource, and the node order is the plan's.
+hardware. With rows placed on nodes (colo.cluster.nodes.on_nodes: filled node by node), each bundle also selects
+its node by Ray node id (label ray.io/node-id), and the node order is the plan's.
 Why one PG per GPU and not one PG with N bundles: vLLM's Ray executor places its worker
 in "bundle 0" of the placement group it is handed (VLLM_RAY_BUNDLE_INDICES), so each engine needs a
 PG whose bundle 0 is its own GPU (measured: docs/vllm-notes.md, "DP+EP inside Ray").
@@ -52,7 +52,9 @@ class PlacementRow:
     vllm_memory: str  # "gpu_memory_utilization=0.4" (GPU) or "kv_cache=256MiB" (CPU); "-": no engine
     role: str  # colocated "trainer+engine"; disaggregated "trainer" or "engine"
     tp_rank: int  # rank within the engine's tensor-parallel group (-1: no engine on this GPU)
-    node: str = ""  # IP of the node this GPU is on (colo.cluster.nodes.on_nodes); "": wherever Ray puts it
+    node: str = ""  # Ray node id of the node this GPU is on (colo.cluster.nodes.on_nodes); "": wherever Ray puts it
+    node_ip: str = ""  # that node's IP (several nodes may share one)
+    node_label: str = ""  # how tables and errors show the node: its IP, plus the id's start where IPs repeat
 
 
 @dataclass(frozen=True)
@@ -87,7 +89,7 @@ class PlacementPlan:
         nodes = any(r.node for r in self.rows)  # a column only when a cluster was asked (colo.cluster.nodes)
         head = ("gpu", *("node",) * nodes, "bundle", "role", "trainer_rank", "dp_rank", "tp_rank", "ep_rank",
                 "train_frac", "vllm_frac", "vllm_memory")
-        body = [(str(r.gpu), *(r.node,) * nodes, r.bundle, r.role, rank(r.trainer_rank), rank(r.dp_rank),
+        body = [(str(r.gpu), *(r.node_label,) * nodes, r.bundle, r.role, rank(r.trainer_rank), rank(r.dp_rank),
                  rank(r.tp_rank), rank(r.ep_rank), f"{r.train_fraction:g}", f"{r.vllm_fraction:g}", r.vllm_memory)
                 for r in self.rows]
         widths = [max(len(x) for x in col) for col in zip(head, *body)]
@@ -111,7 +113,7 @@ class PlacementPlan:
 
     @property
     def node_order(self) -> list[str]:
-        """The nodes of the rows in the order ranks fill them ([] when no row names one)."""
+        """The nodes (Ray ids) of the rows in the order ranks fill them ([] when no row names one)."""
         return list(dict.fromkeys(r.node for r in self.rows if r.node))
 
 
@@ -172,7 +174,7 @@ def create_placement(plan: PlacementPlan, timeout_s: float = 120.0) -> list[Plac
     if plan.mode != "colocated":
         raise ValueError(f"create_placement is for placement.mode=colocated, not {plan.mode}; "
                          "use create_disaggregated_placement")
-    specs = [[{**plan.bundle(), **pin(r.node)}] for r in plan.rows]
+    specs = [[(plan.bundle(), pin(r.node))] for r in plan.rows]
     return _in_hardware_order(_ready_groups(plan, specs, timeout_s), plan.node_order)
 
 
@@ -187,17 +189,17 @@ def create_disaggregated_placement(plan: PlacementPlan, timeout_s: float = 120.0
                          f"{plan.mode}; use create_placement")
     trainers = [r for r in plan.rows if r.trainer_rank >= 0]
     engines = [[r for r in plan.rows if r.dp_rank == e] for e in range(plan.num_engines)]
-    specs = [[{**plan.bundle(), **pin(r.node)}] for r in trainers] + \
-        [[{**plan.bundle(), **pin(r.node)} for r in rows] for rows in engines]
+    specs = [[(plan.bundle(), pin(r.node))] for r in trainers] + \
+        [[(plan.bundle(), pin(r.node)) for r in rows] for rows in engines]
     pgs = _ready_groups(plan, specs, timeout_s)
     return (_in_hardware_order(pgs[:plan.trainer_world], plan.node_order),
             _in_hardware_order(pgs[plan.trainer_world:], plan.node_order))
 
 
-def _ready_groups(plan: PlacementPlan, specs: list[list[dict[str, float]]],
+def _ready_groups(plan: PlacementPlan, specs: list[list[tuple[dict[str, float], dict[str, str]]]],
                   timeout_s: float) -> list[PlacementGroup]:
-    """One STRICT_PACK group per bundle list in specs, in that order, once all are ready; removes them
-    all and raises when they are not ready within timeout_s."""
+    """One STRICT_PACK group per list of (bundle, label selector) in specs, in that order, once all are ready;
+    removes them all and raises when they are not ready within timeout_s."""
     import ray
     from ray.util.placement_group import placement_group, remove_placement_group
 
@@ -205,12 +207,14 @@ def _ready_groups(plan: PlacementPlan, specs: list[list[dict[str, float]]],
     if have < plan.num_gpus:
         raise ConfigError(f"placement.num_gpus={plan.num_gpus} but the Ray cluster has {have:g} GPU(s); "
                           f"fix: placement.num_gpus={int(have)} or add GPU nodes to the cluster")
-    pgs = [placement_group(bundles, strategy="STRICT_PACK") for bundles in specs]
+    pgs = [placement_group([b for b, _ in spec], strategy="STRICT_PACK",
+                           bundle_label_selector=[sel for _, sel in spec] if any(sel for _, sel in spec) else None)
+           for spec in specs]
     ready, _ = ray.wait([pg.ready() for pg in pgs], num_returns=len(pgs), timeout=timeout_s)
     if len(ready) < len(pgs):
         for pg in pgs:
             remove_placement_group(pg)
-        shapes = sorted({f"{len(b)} x {b[0]}" for b in specs})
+        shapes = sorted({f"{len(b)} x {b[0][0]}" for b in specs})
         packed = " (a multi-bundle group must fit on one node)" if any(len(b) > 1 for b in specs) else ""
         raise RuntimeError(f"only {len(ready)}/{len(pgs)} placement groups of {', '.join(shapes)} were "
                            f"ready after {timeout_s:g} s{packed}; free resources: "
@@ -219,12 +223,12 @@ def _ready_groups(plan: PlacementPlan, specs: list[list[dict[str, float]]],
 
 
 def _in_hardware_order(pgs: list[PlacementGroup], node_order: list[str]) -> list[PlacementGroup]:
-    """Groups sorted by (node, GPU id): nodes in the plan's order when it names them (colo.cluster.nodes), else
-    by node id, which still keeps each node's groups together."""
+    """Groups sorted by (node, GPU id): nodes (Ray ids) in the plan's order when it names them (colo.cluster.nodes),
+    else by node id, which still keeps each node's groups together."""
     where = locate(pgs)
 
     def node_key(w: dict[str, Any]) -> tuple[int, str]:
-        return (node_order.index(w["node_ip"]), "") if w["node_ip"] in node_order else (len(node_order), w["node_id"])
+        return (node_order.index(w["node_id"]), "") if w["node_id"] in node_order else (len(node_order), w["node_id"])
 
     order = sorted(range(len(pgs)), key=lambda i: (node_key(where[i]), where[i]["gpu_ids"]))
     return [pgs[i] for i in order]

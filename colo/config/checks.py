@@ -55,8 +55,10 @@ def validate(cfg: ColoConfig, *, check_resources: bool = True, check_gpus: bool 
     for key in ("data.path", "data.eval_path"):
         _check_data(cfg, key)
     _check_rewards(cfg)
+    _check_environment(cfg)
     if check_gpus or device == "cpu":
         _check_gpus(cfg, device)
+    _check_ray_address(cfg.run.ray_address)
     resolve_run_dir(cfg.run.dir, cfg.run.resume)  # raises on a taken or missing run dir
 
 
@@ -81,17 +83,22 @@ def _check_values(cfg: ColoConfig) -> None:
                           "fix: lower them, e.g. COLO_TRAIN_GPU_FRACTION=0.4 COLO_VLLM_GPU_FRACTION=0.4")
     at_least = {key: 1 for key in (
         "placement.num_gpus", "trainer.micro_batch_size", "trainer.max_tokens_per_micro_batch",
-        "trainer.logprob_chunk", "trainer.mini_batches", "trainer.epochs",
-        "rollout.n", "rollout.tp_size", "rollout.max_tokens", "rollout.max_model_len", "rollout.kv_cache_mb",
+        "trainer.logprob_chunk", "trainer.max_consecutive_skipped", "trainer.mini_batches", "trainer.epochs",
+        "rollout.n", "rollout.tp_size", "rollout.max_tokens", "rollout.max_turns", "rollout.max_model_len",
+        "rollout.kv_cache_mb",
         "sync.bucket_mb", "sync.buffers", "data.prompts_per_step", "data.eval_size", "loop.steps")}
     at_least |= {key: 0 for key in (
-        "placement.cpus_per_bundle", "trainer.weight_decay", "trainer.grad_clip", "rollout.temperature",
+        "placement.cpus_per_bundle", "rollout.max_turn_tokens", "trainer.weight_decay", "trainer.grad_clip",
+        "rollout.temperature",
         "algo.clip_low", "algo.clip_high", "algo.kl_coef", "algo.tis_cap", "algo.overlong_penalty",
         "loop.eval_every", "loop.eval_samples",
         "loop.checkpoint_every", "loop.sft_warmup_steps")}
     for key, low in at_least.items():
         if get(key) < low:
             raise ConfigError(f"{key}={get(key)} must be >= {low}; fix: e.g. {key}={default_value(key)}")
+    if cfg.rollout.n < 2:  # the group is the baseline: one sample is its own mean, so every advantage is 0
+        raise ConfigError(f"rollout.n={cfg.rollout.n}: group-relative advantages need at least 2 samples per prompt "
+                          "(with 1, every advantage is 0 and nothing trains); fix: rollout.n=8 (or any n >= 2)")
     _check_placement_mode(cfg)
     _check_loggers(cfg.run.loggers)
     if cfg.data.system_prompt and not cfg.data.chat_template:
@@ -99,10 +106,12 @@ def _check_values(cfg: ColoConfig) -> None:
                           "lives in the chat template; fix: data.chat_template=true or drop data.system_prompt")
     if p.device in ("cpu", "cuda"):  # "auto" is checked once validate() has resolved it
         _check_tensor_parallel_device(cfg, p.device)
-    for key, ok in (("trainer.lr", cfg.trainer.lr > 0), ("rollout.top_p", 0 < cfg.rollout.top_p <= 1)):
+    for key, ok in (("trainer.lr", cfg.trainer.lr > 0), ("rollout.top_p", 0 < cfg.rollout.top_p <= 1),
+                    ("algo.reward_timeout_s", cfg.algo.reward_timeout_s > 0)):
         if not ok:
             raise ConfigError(f"{key}={get(key)} is out of range; fix: e.g. {key}={default_value(key)}")
     _check_loss(cfg)
+    _check_turns(cfg)
     if cfg.rollout.max_tokens >= cfg.rollout.max_model_len:
         raise ConfigError(f"rollout.max_tokens={cfg.rollout.max_tokens} leaves no room for the prompt "
                           f"in rollout.max_model_len={cfg.rollout.max_model_len}; fix: raise "
@@ -216,7 +225,7 @@ def _check_routing_replay(cfg: ColoConfig, model: dict[str, Any]) -> None:
 
 
 def _check_model_family(cfg: ColoConfig, model: dict[str, Any]) -> None:
-    """Only families colo has a table for (colo.models.archs.ARCHS, each run by tests/test_families.py);
+    """Only families colo has a table for (colo.models.archs.ARCHS, each run by tests/integration/test_families.py);
     quantized checkpoints would need a quantizing sync, which colo does not have."""
     from colo.models.families import refused_architectures
 
@@ -247,6 +256,41 @@ def _check_weights(cfg: ColoConfig) -> None:
         raise ConfigError(f"model.path={cfg.model.path} has a config.json but no weight files "
                           f"({'/'.join('*' + s for s in WEIGHT_SUFFIXES)}); fix: the checkpoint dir with its "
                           "weights, or model.dummy_weights=true for random weights")
+    check_safetensors(local)
+
+
+def check_safetensors(model_dir: Path) -> None:
+    """Every *.safetensors file's header must parse and its tensors must end within the file: a truncated or
+    corrupt file otherwise fails in trainer rank 0 after Ray started. Reads the headers only."""
+    for f in sorted(Path(model_dir).glob("*.safetensors")):
+        problem = _safetensors_problem(f)
+        if problem:
+            raise ConfigError(f"model.path: {f} is {problem}; fix: re-download or re-save that file "
+                              "(e.g. huggingface-cli download <repo> --local-dir <dir>)")
+
+
+def _safetensors_problem(path: Path) -> str | None:
+    size = path.stat().st_size
+    try:
+        with open(path, "rb") as fh:
+            head = fh.read(8)
+            n = int.from_bytes(head, "little") if len(head) == 8 else -1
+            if n < 2 or 8 + n > size:
+                return f"truncated or not safetensors ({size} bytes, header of {max(n, 0)} bytes)"
+            header = json.loads(fh.read(n))
+    except OSError as e:
+        return f"unreadable ({e.strerror or e})"
+    except ValueError as e:
+        return f"corrupt: its header is not JSON ({e})"
+    tensors = [v for k, v in header.items() if k != "__metadata__"] if isinstance(header, dict) else [None]
+    ends = [v["data_offsets"][1] for v in tensors if isinstance(v, dict) and isinstance(v.get("data_offsets"), list)
+            and len(v["data_offsets"]) == 2 and isinstance(v["data_offsets"][1], int)]
+    if len(ends) != len(tensors):
+        return "corrupt: its header does not list tensors with data_offsets"
+    need = 8 + n + max(ends, default=0)
+    if need > size:
+        return f"truncated: {size} bytes, its header needs {need}"
+    return None
 
 
 def check_model_readable(path: str) -> None:
@@ -256,6 +300,9 @@ def check_model_readable(path: str) -> None:
         from transformers import AutoConfig
 
         AutoConfig.from_pretrained(path)
+        check_safetensors(Path(path))  # a Hub model, downloaded since validate(): its files too
+    except ConfigError:
+        raise
     except Exception as e:  # noqa: BLE001 (whatever transformers raises: one line, exit 2)
         what = " ".join(str(e).split())  # one line, however many transformers wrote
         what = what if len(what) <= 240 else what[:237] + "..."
@@ -357,9 +404,9 @@ def _check_data(cfg: ColoConfig, key: str) -> None:
 
             fields = set(pq.read_schema(path).names)
         else:
-            with open(path) as f:
-                first = next((line for line in f if line.strip()), "{}")
-            fields = set(json.loads(first))
+            with open(path, "rb") as f:  # the first row only; every row and byte: colo.data.prompts.read_rows
+                first = next((line for line in f if line.strip()), b"{}")
+            fields = set(json.loads(first.decode("utf-8")))
     except Exception as e:  # unreadable (permissions, not UTF-8, corrupt Parquet, bad JSON line)
         raise ConfigError(f"{key}={value} is unreadable: {type(e).__name__}: "
                           f"{str(e).splitlines()[0] if str(e) else ''}; {fix}") from e
@@ -382,6 +429,26 @@ def _check_rewards(cfg: ColoConfig) -> None:
         except ValueError as e:
             raise ConfigError(f"algo.rewards: {e}; fix: algo.rewards=[exact_match] or a "
                               "module:function importable from here") from e
+
+
+def _check_turns(cfg: ColoConfig) -> None:
+    if cfg.algo.environment is None and cfg.rollout.max_turns > 1:
+        raise ConfigError(f"rollout.max_turns={cfg.rollout.max_turns} needs an environment to answer the model "
+                          "between turns; fix: algo.environment=calculator (or module:Class), or rollout.max_turns=1")
+    if not cfg.algo.env_timeout_s > 0:
+        raise ConfigError(f"algo.env_timeout_s={cfg.algo.env_timeout_s} must be > 0; fix: algo.env_timeout_s=30")
+
+
+def _check_environment(cfg: ColoConfig) -> None:
+    if cfg.algo.environment is None:
+        return
+    from colo.envs.base import load_environment  # imports the user module named here
+
+    try:
+        load_environment(cfg.algo.environment)
+    except ValueError as e:
+        raise ConfigError(f"{e}; fix: algo.environment=calculator, python, or a module:Class importable "
+                          "from here (docs/environments.md)") from e
 
 
 def gpu_count_note(cfg: ColoConfig) -> str | None:
@@ -413,6 +480,23 @@ def _check_gpus(cfg: ColoConfig, device: str) -> None:
     if n > have:
         fix = f"placement.num_gpus={have}" if have else "placement.device=cpu"
         raise ConfigError(f"placement.num_gpus={n} but this machine has {have} CUDA GPU(s); fix: {fix}")
+
+
+RAY_GCS_PORT = 6379  # Ray's default head port, when an address names none
+
+
+def _check_ray_address(address: str) -> None:
+    """A cluster address where nothing listens: ray.init retries silently for minutes, after the run dir exists.
+    "auto" (the cluster Ray started on this machine) is left to Ray."""
+    from colo.host.net import unreachable
+
+    if not address or address in ("auto", "local"):
+        return
+    why = unreachable(address, RAY_GCS_PORT)
+    if why:
+        raise ConfigError(f"run.ray_address={address} (also set by RAY_ADDRESS): no Ray cluster answers there: {why}; "
+                          "fix: start its head (bash launch/ray-cluster.sh head) and use the address it prints, or "
+                          "unset RAY_ADDRESS and run.ray_address to run on this machine alone")
 
 
 def parse_gpu_memory(value: str) -> float:

@@ -3,7 +3,7 @@
     ColoConfig() -> defaults; colo.config.loading fills it from YAML / COLO_* env / key=value,
     colo.config.checks validates it. Imports nothing heavy (no torch/Ray/vLLM, no OmegaConf).
 
-docs/config.md is the user-facing reference; tests/test_config.py keeps both in step.
+docs/config.md is the user-facing reference; tests/unit/test_config.py keeps both in step.
 """
 from __future__ import annotations
 
@@ -21,6 +21,7 @@ CHOICES = {  # must match the consumers: colo.algo.loss.LOSS_AGGS, colo.sync, co
     "algo.loss_agg": ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean"),
     "algo.overlong": ("none", "filter", "penalty"),
     "algo.routing_replay": ("off", "r3"),
+    "algo.env_errors": ("sample", "fail"),
     "sync.mode": ("direct", "load_weights"),
     "trainer.optimizer_dtype": ("float32", "bfloat16"),
     "trainer.experts_implementation": ("auto", "grouped_mm", "batched_mm", "eager"),
@@ -37,7 +38,7 @@ class ConfigError(Exception):
 class ModelConfig:
     path: str = "auto:tiny"
     """Local HF checkpoint dir, Hub repo id ("Qwen/Qwen3-30B-A3B"; HF_HUB_OFFLINE honoured), or
-    "auto:<preset>" (tiny | qwen3-30b-a3b | qwen3-30b-a3b-L12 | qwen3-30b-a3b-L2 | qwen3-235b-a22b), generated
+    "auto:<preset>" (tiny | tiny-tools | qwen3-30b-a3b | qwen3-30b-a3b-L12 | qwen3-30b-a3b-L2 | qwen3-235b-a22b), generated
     into <run.dir>/model. Offline, the plan of Qwen/Qwen3-30B-A3B and Qwen/Qwen3-235B-A22B uses colo's copy of
     their config.json (colo.models.tiny.HUB_PRESETS) and says so."""
     dtype: str = "bfloat16"
@@ -123,6 +124,9 @@ class TrainerConfig:
     optimizer_dtype: str = "float32"
     """float32 | bfloat16: dtype of AdamW's exp_avg and exp_avg_sq. bfloat16 halves the state (updated in
     fp32, stored with stochastic rounding; colo.trainer.optim)."""
+    max_consecutive_skipped: int = 3
+    """An optimizer step whose grad norm is not finite is skipped (train/skipped_steps counts them); this many
+    in a row end the run with one line (the weights stay those of the last good step)."""
     sft_lr: float = 0.0
     """Learning rate of the supervised warm-up (loop.sft_warmup_steps); 0: trainer.lr."""
 
@@ -130,7 +134,7 @@ class TrainerConfig:
 @dataclass
 class RolloutConfig:
     n: int = 8
-    """Samples per prompt (the GRPO group size)."""
+    """Samples per prompt (the GRPO group size), at least 2: the group is its own baseline."""
     max_tokens: int = 1024
     """Longest response, in tokens."""
     max_model_len: int = 2048
@@ -150,6 +154,12 @@ class RolloutConfig:
     sleep_level: Union[int, str] = "auto"
     """vLLM sleep level while training: 1 keeps weights in host RAM, 2 drops them; auto: 2 (the sync
     rewrites every weight anyway)."""
+    max_turns: int = 1
+    """With algo.environment: most model turns per conversation (each followed by the environment's step);
+    rollout.max_tokens is then the budget of the whole response, model and environment tokens together."""
+    max_turn_tokens: int = 0
+    """With algo.environment: most tokens of one model turn (0: what is left of rollout.max_tokens). A turn cut
+    here still goes to the environment (finish_reason "length") and the conversation goes on."""
 
 
 @dataclass
@@ -180,10 +190,22 @@ class AlgoConfig:
     """algo.overlong=penalty: the reward penalty of a response at rollout.max_tokens."""
     rewards: list[str] = field(default_factory=lambda: ["exact_match"])
     """Reward functions, summed: built-ins (exact_match, numeric, format) or "module:function"."""
+    reward_timeout_s: float = 600.0
+    """Longest a call of a user reward function ("module:function") may take, seconds; past it the run ends with
+    one `colo: error:` line naming the function (and the last trained step saved). Built-ins bound themselves."""
     routing_replay: str = "off"
     """off | r3: rollout routing replay. r3: the trainer's MoE layers use the experts the engine chose for
     each token (log-prob recompute and training); the weights still come from the trainer's router. Either
     way the engine's routing is captured every step for the routing/mismatch metric (docs/routing.md)."""
+    environment: Optional[str] = None
+    """Multi-turn rollouts against an environment (docs/environments.md): a built-in (calculator | python) or
+    "module:Class"; null: one response per prompt. Its rewards add to algo.rewards (scored on the last turn)."""
+    env_timeout_s: float = 30.0
+    """Longest an environment's reset or step may take; past it the sample ends with an error."""
+    env_errors: str = "sample"
+    """An environment that raises, hangs or answers something malformed: sample (that sample ends, gets no
+    loss, and the error is logged to <run.dir>/env-errors.log and counted in env/errors) | fail (the run ends
+    with one colo: error: line)."""
 
 
 @dataclass
@@ -203,7 +225,7 @@ class DataConfig:
     path: str = "auto:arith"
     """Training prompts with prompt and answer fields: a JSONL/Parquet file, a Hugging Face dataset (a
     save_to_disk dir[:split], or a Hub id[:config]:split such as openai/gsm8k:main:train), or
-    "auto:<task>" (arith | reverse), a synthetic task from colo.data.tasks written to <run.dir>/data."""
+    "auto:<task>" (arith | reverse | calc), a synthetic task from colo.data.tasks written to <run.dir>/data."""
     eval_path: Optional[str] = None
     """Held-out prompts for eval (same formats as path; auto:<task> = its eval split); null: no eval."""
     prompt_key: str = "prompt"

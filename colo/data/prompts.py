@@ -8,7 +8,7 @@ Sources (`data.path`, `data.eval_path`; DataSource.parse):
                                         (HF_DATASETS_OFFLINE=1 / HF_HUB_OFFLINE=1 use the cache only)
 
     ds = PromptDataset("arith_train.jsonl", "prompt", "answer", tokenizer, chat_template=False, seed=0)
-    batch = ds.next_batch(8)     # [{"prompt_ids": [int], "prompt_text": str, "answer": str}] * 8
+    batch = ds.next_batch(8)     # [{"prompt_ids": [int], "prompt_text": str, "answer": str, "prompt": str}] * 8
     state = ds.state_dict()      # {"epoch", "pos", "seed", "num_rows"}: store it in the checkpoint
     ds.load_state_dict(state)    # the next next_batch() continues exactly where the saved one left off
 
@@ -143,8 +143,14 @@ def read_rows(path: str | os.PathLike, required: Sequence[str], cache_only: bool
         where = [f"row {i}" for i in range(len(rows))]
     elif path.suffix in (".jsonl", ".json", ".ndjson"):
         rows, where = [], []
-        with open(path) as f:
-            for lineno, line in enumerate(f, 1):
+        with open(path, "rb") as f:  # decoded line by line: a bad byte is named by its line, not a decode chunk
+            for lineno, raw in enumerate(f, 1):
+                try:
+                    line = raw.decode("utf-8")
+                except UnicodeDecodeError as e:
+                    raise ValueError(f"{path}: line {lineno}: not UTF-8 (byte {raw[e.start]:#04x} at column "
+                                     f"{e.start + 1}); fix: re-encode the file as UTF-8, e.g. iconv -f latin1 "
+                                     f"-t utf-8") from None
                 if not line.strip():
                     continue
                 try:
@@ -169,6 +175,26 @@ def _check_rows(rows: list[dict], where: list[str], required: Sequence[str], nam
     if not rows:
         raise ValueError(f"{name}: no rows")
     return rows
+
+
+def check_prompt_lengths(prompts: Sequence[str], tokenizer: Any, chat_template: bool, system_prompt: str | None,
+                         max_model_len: int, max_tokens: int, name: str) -> None:
+    """Every prompt, as the engine will get it, must leave rollout.max_tokens of rollout.max_model_len for its
+    response: vLLM refuses a longer prompt only at the first rollout (after the warm-up), and a prompt that
+    leaves less room gets its responses cut short of max_tokens. Raises ValueError naming the first such row,
+    how many there are, and the fix."""
+    budget = max_model_len - max_tokens
+    lengths = [len(encode_prompt(tokenizer, p, chat_template, system_prompt)[1]) for p in prompts]
+    over = [i for i, n in enumerate(lengths) if n > budget]
+    if not over:
+        return
+    first, longest = over[0], max(lengths)
+    what = (f"longer than rollout.max_model_len={max_model_len}" if lengths[first] > max_model_len else
+            f"leaves {max_model_len - lengths[first]} tokens of rollout.max_model_len={max_model_len} for a "
+            f"response of rollout.max_tokens={max_tokens}")
+    raise ValueError(f"{name}: row {first}: its prompt is {lengths[first]} tokens, {what}; {len(over)} of "
+                     f"{len(prompts)} rows are too long (the longest: {longest} tokens); fix: "
+                     f"rollout.max_model_len={longest + max_tokens}, or drop or shorten those rows")
 
 
 def encode_prompt(tokenizer: Any, prompt: str, chat_template: bool,
@@ -226,7 +252,7 @@ class PromptDataset:
 
     def item(self, i: int) -> dict[str, Any]:
         text, ids = encode_prompt(self.tokenizer, self.prompts[i], self.chat_template, self.system_prompt)
-        return {"prompt_ids": ids, "prompt_text": text, "answer": self.answers[i]}
+        return {"prompt_ids": ids, "prompt_text": text, "answer": self.answers[i], "prompt": self.prompts[i]}
 
     def _epoch_order(self, epoch: int) -> list[int]:
         if self._order_epoch != epoch:

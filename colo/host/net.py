@@ -65,3 +65,22 @@ def node_env() -> dict[str, str]:
     ip = ray.util.get_node_ip_address()
     name = interface_of(ip)
     return {"VLLM_HOST_IP": ip, **({"GLOO_SOCKET_IFNAME": name} if name else {})}
+
+
+def unreachable(address: str, default_port: int, timeout_s: float = 5.0) -> str | None:
+    """Why nothing answers a TCP connect to "host:port" (or "scheme://host:port") within timeout_s; None when
+    something listens. Ray's own join retries for minutes before it gives up, so colo asks first."""
+    hostport = address.split("://", 1)[-1].rstrip("/")
+    host, sep, port = hostport.rpartition(":")
+    if not sep or not port.isdigit():
+        host, port = hostport, str(default_port)
+    host = host.strip("[]")  # [::1]:6379
+    try:
+        with socket.create_connection((host, int(port)), timeout=timeout_s):
+            return None
+    except socket.gaierror as e:
+        return f"cannot resolve {host!r} ({e.strerror})"
+    except socket.timeout:
+        return f"no answer from {host}:{port} within {timeout_s:g} s"
+    except OSError as e:
+        return f"{host}:{port}: {e.strerror or type(e).__name__}"

@@ -32,6 +32,19 @@ from colo.models.dtypes import torch_dtype
 STATE_DTYPES = ("float32", "bfloat16")  # config CHOICES["trainer.optimizer_dtype"]
 
 
+def clip_and_step(params: Iterable[torch.nn.Parameter], optimizer: torch.optim.Optimizer, clip: float) -> float:
+    """Clip the global grad norm to `clip` (0: no clipping), step, zero the grads; returns the norm (the same on
+    every FSDP rank: it is the full tensor's). A non-finite norm (inf/nan gradients) skips the step: stepping
+    would write nan into every weight and into AdamW's moments for good."""
+    params = list(params)
+    norm = torch.nn.utils.clip_grad_norm_(params, clip if clip > 0 else float("inf"))
+    norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+    if math.isfinite(norm):
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return norm
+
+
 def make_optimizer(params: Iterable[torch.nn.Parameter], *, lr: float, weight_decay: float,
                    state_dtype: str = "float32", on_host: bool = False,
                    device: torch.device | str = "cpu") -> torch.optim.Optimizer:

@@ -21,6 +21,7 @@ gradient checkpointing, which only acts while training).
 
 from __future__ import annotations
 
+import math
 import os
 import time
 
@@ -43,7 +44,7 @@ from colo.trainer import checkpoint
 from colo.models.archs import expert_shard_range, num_experts
 from colo.trainer.fsdp import build_sharded, persistent_buffers
 from colo.trainer.offload import Offloader, state_bytes
-from colo.trainer.optim import make_optimizer
+from colo.trainer.optim import clip_and_step, make_optimizer
 
 
 ADDITIVE = ("pg_loss", "kl_loss")  # policy_loss metrics already divided by global counts: summed, not weighted
@@ -69,6 +70,7 @@ class Trainer:
         self.model = self.ref_model = self.optimizer = None
         self.ref_frozen = False  # the reference holds the policy of the first RL step (see _freeze_reference)
         self.offloaded = False
+        self.consecutive_skipped = 0  # optimizer steps skipped in a row for a non-finite grad norm
         self.sender = None  # colo.sync.sender.Sender, built by prepare_sync
         self._slots = [0.0, 0.0]  # (token slots computed, real sample tokens) of the train step in progress
         self._packed: Packed | None = None  # the layout of the micro-batch last scored (packed) or None (padded)
@@ -245,13 +247,10 @@ class Trainer:
         """Clip and step; `lr` overrides trainer.lr for this step only (the warm-up uses its own)."""
         for g in self.optimizer.param_groups:
             g["lr"] = float(self.cfg.trainer.lr) if lr is None else lr
-        clip = float(self.cfg.trainer.grad_clip)
-        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(),
-                                              clip if clip > 0 else float("inf"))
-        norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        return float(norm)
+        norm = clip_and_step(self.model.parameters(), self.optimizer, float(self.cfg.trainer.grad_clip))
+        # skipped (non-finite norm) in a row, over RL and warm-up steps; every rank counts alike (global norm)
+        self.consecutive_skipped = 0 if math.isfinite(norm) else self.consecutive_skipped + 1
+        return norm
 
     def sft_step(self, batch: dict) -> dict:
         """One AdamW step of token-mean cross-entropy on loss_mask tokens (the whole batch)."""
@@ -353,7 +352,10 @@ class Trainer:
         updates = max(1, int(t.epochs)) * M
         tokens = max(tot.pop("tokens"), 1.0)
         out = {k: tot.pop(k) / updates for k in ("loss", *ADDITIVE) if k in tot}  # mean over updates
-        out |= {"grad_norm": sum(norms) / len(norms), "grad_norm/max": max(norms), "updates": updates,
+        finite = [x for x in norms if math.isfinite(x)]  # the others were skipped (clip_and_step)
+        out |= {"grad_norm": sum(finite) / len(finite) if finite else float("nan"),
+                "grad_norm/max": max(finite) if finite else float("nan"), "updates": updates,
+                "train/skipped_steps": len(norms) - len(finite), "train/consecutive_skipped": self.consecutive_skipped,
                 "trainer/lr": float(self.optimizer.param_groups[0]["lr"])}  # as the optimizer ran it
         out.update({k: v / tokens for k, v in tot.items()})
         out.update(self._parity(batch, old))

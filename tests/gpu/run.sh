@@ -2,7 +2,7 @@
 # The one command a GPU host runs: colo's GPU tests, then the weight-sync benchmark, each step under its
 # own `timeout` so one hang cannot eat the others, logs written to $OUT (default /tmp/colo-gpu-out).
 #
-#   export PYTHONPATH=/tmp/site:$PWD VLLM_USE_FLASHINFER_SAMPLER=0     # where vLLM and Ray are installed
+#   source /tmp/site/env.sh       # vLLM 0.32 and Ray from the offline bundle (tests/gpu/README.md)
 #   bash tests/gpu/run.sh [TOTAL_SECONDS=540]
 #   STEPS="bench loop" bash tests/gpu/run.sh 580    # a subset (a device call runs at most 10 minutes)
 #
@@ -21,7 +21,9 @@
 # Everything this script leaves in $OUT is at most 8 files, one level deep: what a device call brings back.
 # Exit status: 0 when every step passed. A step that failed or timed out leaves Ray daemons and vLLM
 # workers behind (holding GPU memory); `ray stop --force` clears them before the next step (this host runs
-# nothing but this script).
+# nothing but this script). After every step, /dev/shm is cleaned: colo's sweep (its colo_* segments and the
+# vLLM queues its engines registered), then the psm_* segments no live process maps (vLLM's own, e.g. from
+# Ray-placed workers): the tests' shared-memory check counts only colo's (tests/conftest.py).
 set -u
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-/tmp/colo-gpu-out}
@@ -38,6 +40,16 @@ clean_after() {  # $1 = exit status of the step just run
     "$PY" -m ray.scripts.scripts stop --force >/dev/null 2>&1 || true
     status=1
   fi
+  "$PY" - <<'EOF' || true
+import os
+from colo.host.shm import SHM, mapped_segments, sweep
+swept = sweep()
+live = {n for p in os.listdir("/proc") if p.isdigit() for n in mapped_segments(int(p), children=False)}
+orphans = [e for e in SHM.iterdir() if e.name.startswith("psm_") and e.name not in live]
+for e in orphans:
+    e.unlink(missing_ok=True)
+print(f"[shm] colo's sweep removed {len(swept)}; removed {len(orphans)} psm_* no live process maps")
+EOF
   nvidia-smi --query-gpu=index,memory.used --format=csv,noheader | sed 's/^/[gpu-mem] /'
 }
 
