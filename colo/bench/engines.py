@@ -149,13 +149,33 @@ class LengthEngine(Engine):
 
 class StepTrainer(Trainer):
     """Trainer plus what colo.bench.step reads: the layout switch (packed or padded, one build for both),
-    the peak memory and seconds of the policy's log-prob pass, and the step's token sums for the FLOP count."""
+    the peak memory and seconds of the policy's log-prob pass, the seconds of the onload, the updates'
+    forward + backward and the optimizer steps (device-synchronized), and the step's token sums for the FLOPs."""
 
     def set_packing(self, on: bool) -> None:
         self.cfg.trainer.packing = bool(on)
 
     def device_name(self) -> str:
         return torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu"
+
+    def _sync(self) -> float:
+        import time
+
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter()
+
+    def onload(self) -> dict:
+        t0 = self._sync()
+        out = super().onload()
+        self._onload_s = self._sync() - t0
+        return out
+
+    def _optim_step(self, lr: float | None = None) -> float:
+        t0 = self._sync()
+        out = super()._optim_step(lr)
+        self._optim_s += self._sync() - t0
+        return out
 
     def _logprobs(self, model: torch.nn.Module, batch: dict) -> torch.Tensor:
         import time
@@ -181,14 +201,18 @@ class StepTrainer(Trainer):
 
         import torch.distributed as dist
 
-        t0 = time.perf_counter()
+        self._optim_s = 0.0
+        t0 = self._sync()
         out = super().train_step(batch)
+        t1 = self._sync()
         real = batch["sample_index"] >= 0 if "sample_index" in batch else torch.ones(len(batch["input_ids"]), dtype=torch.bool)
         lengths = batch["attention_mask"][real].sum(1).double()  # (B',) prompt + response tokens per sample
         sums = self._agree([float(lengths.sum()), float((lengths ** 2).sum()), float(real.sum())], dist.ReduceOp.SUM)
         peak, own = self._lp_mem
+        onload, self._onload_s = getattr(self, "_onload_s", 0.0), 0.0
         out |= {"bench/tokens": sums[0], "bench/tokens_sq": sums[1], "bench/samples": sums[2],
-                "bench/logprob_s": self._lp_s,
-                "bench/update_s": time.perf_counter() - t0 - self._lp_s,
+                "bench/logprob_s": self._lp_s, "bench/optim_s": self._optim_s,
+                "bench/update_s": t1 - t0 - self._lp_s - self._optim_s,  # forward + backward of the updates
+                "bench/onload_s": onload,  # this step's (the loop onloads right before train_step)
                 "bench/logprob_peak_gb": peak, "bench/logprob_pass_gb": own}
         return out

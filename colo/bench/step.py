@@ -21,7 +21,9 @@ The JSON line (last stdout line with --json) holds, over the measured steps:
                              (1 forward, +1 for a KL reference) and each update (forward + backward = 3 forwards);
                              gradient checkpointing's recompute is not counted (model FLOPs, not hardware FLOPs)
     padding_fraction         share of the token slots the train phase computed that held no sample
-    phases                   seconds per phase (loop's timing/*), logprob / update inside train
+    phases                   seconds per phase (loop's timing/*); inside train: onload, logprob (the old
+                             log-prob pass), update (the updates' forward + backward), optim (optimizer steps)
+    compute_mfu              train_mfu's FLOPs over logprob + update seconds only
     logprob_peak_gb          the trainer's allocated peak during its log-prob pass (GPU; null on CPU), and
                              logprob_pass_gb, that peak above what was allocated when the pass began
 --no-packing measures the padded path (trainer.packing=false) instead; --compare measures both in one run
@@ -149,13 +151,17 @@ def summarize(steps: list[dict], cfg: Any, config_json: dict, gpus: int, device_
     peaks = [m["bench/logprob_peak_gb"] for m in steps if m["bench/logprob_peak_gb"] is not None]
     own = [m["bench/logprob_pass_gb"] for m in steps if m["bench/logprob_pass_gb"] is not None]
     phases = {p: total(f"timing/{p}_s") / len(steps) for p in PHASES}
-    phases |= {"logprob": total("bench/logprob_s") / len(steps), "update": total("bench/update_s") / len(steps)}
+    phases |= {k: total(f"bench/{k}_s") / len(steps) for k in ("onload", "logprob", "update", "optim")}
+    compute_s = total("bench/logprob_s") + total("bench/update_s")
     return {
         "tokens_per_s_per_gpu": total("bench/tokens") / step_s / gpus,
         "response_tokens_per_s_per_gpu": generated / step_s / gpus,
         "generated_tokens_per_s": generated / rollout_s,
         "train_mfu": flops / train_s / (peak * gpus) if peak else None,
         "train_tflops_per_gpu": flops / train_s / gpus / 1e12,
+        # the same FLOPs over the log-prob pass and the updates' forward + backward only (no onload, no
+        # optimizer step, no batch building): what the model's kernels achieve
+        "compute_mfu": flops / compute_s / (peak * gpus) if peak else None,
         "padding_fraction": 1.0 - total("train/real_tokens") / max(total("train/token_slots"), 1.0),
         "phases": phases,
         "logprob_peak_gb": max(peaks) if peaks else None,
@@ -231,6 +237,7 @@ def measure(args: argparse.Namespace) -> dict:
            "gpus": args.gpus, "prompts": args.prompts, "n": args.n, "prompt_len": args.prompt_len,
            "max_tokens": args.max_tokens, "max_tokens_per_micro_batch": cfg.trainer.max_tokens_per_micro_batch,
            "micro_batch_size": cfg.trainer.micro_batch_size, "logprob_chunk": cfg.trainer.logprob_chunk,
+           "experts_implementation": cfg.trainer.experts_implementation,
            "overrides": list(args.overrides), "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"),
            "plan_train_gb": None if mem_plan is None else mem_plan.total("train") / 2**30}
     if args.compare:

@@ -24,6 +24,7 @@ CHOICES = {  # must match the consumers: colo.algo.loss.LOSS_AGGS, colo.sync, co
     "algo.env_errors": ("sample", "fail"),
     "sync.mode": ("direct", "load_weights"),
     "trainer.optimizer_dtype": ("float32", "bfloat16"),
+    "trainer.experts_implementation": ("auto", "grouped_mm", "batched_mm", "eager"),
     "run.wandb_mode": ("auto", "online", "offline"),
 }
 LOGGERS = ("jsonl", "tensorboard", "wandb")
@@ -98,6 +99,10 @@ class TrainerConfig:
     max_tokens_per_micro_batch: int = 16384
     """Packing: real tokens per forward/backward on each rank; samples are packed first-fit-decreasing under
     this budget (a longer sample gets a micro-batch of its own). Sets the activation memory the plan counts."""
+    experts_implementation: str = "auto"
+    """How the trainer's transformers MoE blocks run their experts: grouped_mm (one grouped GEMM over all experts;
+    transformers' default where torch has it), batched_mm, eager (a loop over experts); auto: transformers'
+    choice. colo.bench.step compares them."""
     logprob_chunk: int = 1024
     """Tokens per lm_head chunk of the log-prob / entropy pass (colo.algo.logprobs): the pass never holds more
     than this many rows of (tokens, vocab) float32 logits."""

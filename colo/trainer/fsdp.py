@@ -27,14 +27,17 @@ from torch.distributed.tensor import DTensor
 from colo.algo.logprobs import shifted_logprobs
 from colo.trainer.attention import attention_for
 
-def meta_model(model_path: str, attn_implementation: str | None = None) -> nn.Module:
+def meta_model(model_path: str, attn_implementation: str | None = None,
+               experts_implementation: str | None = None) -> nn.Module:
     """The unsharded HF causal LM on the meta device (no memory), fp32, from the checkpoint's config.json;
     parallelize() shards it, then to_empty() + load_sharded() or materialize() fill each rank's shards."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.from_pretrained(model_path)
     with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation=attn_implementation)
+        extra = {} if experts_implementation is None else {"experts_implementation": experts_implementation}
+        return AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation=attn_implementation,
+                                                **extra)
 
 
 def _logprob_forward(self: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
@@ -166,10 +169,11 @@ def build_sharded(
     param_dtype: torch.dtype = torch.bfloat16,
     seed: int = 0,
     gradient_checkpointing: bool = False,
+    experts_implementation: str | None = None,
 ) -> nn.Module:
     """The whole build: meta model on every rank, sharded, then each rank's rows of the checkpoint, or random.
     The result also has `colo_logprobs` (enable_logprob_forward)."""
-    model = meta_model(model_path, attention_for(device))
+    model = meta_model(model_path, attention_for(device), experts_implementation)
     parallelize(model, mesh, param_dtype=param_dtype, gradient_checkpointing=gradient_checkpointing)
     enable_logprob_forward(model)
     if dummy:

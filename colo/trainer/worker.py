@@ -111,8 +111,9 @@ class Trainer:
         seed = int(c.trainer.seed)
         torch.manual_seed(seed)
         self.param_dtype = torch_dtype(c.model.dtype)
+        experts = None if c.trainer.experts_implementation == "auto" else str(c.trainer.experts_implementation)
         build = dict(dummy=bool(c.model.dummy_weights), mesh=self.mesh, device=self.device,
-                     param_dtype=self.param_dtype, seed=seed)
+                     param_dtype=self.param_dtype, seed=seed, experts_implementation=experts)
         self.model = build_sharded(
             c.model.path, gradient_checkpointing=c.trainer.gradient_checkpointing, **build)
         self.ref_model, self.ref_frozen = None, False

@@ -7,7 +7,7 @@ import json
 
 from conftest import run_cli
 
-KEYS = ("tokens_per_s_per_gpu", "generated_tokens_per_s", "train_mfu", "padding_fraction", "phases",
+KEYS = ("tokens_per_s_per_gpu", "generated_tokens_per_s", "train_mfu", "compute_mfu", "padding_fraction", "phases",
         "logprob_peak_gb", "logprob_pass_gb")
 
 
@@ -22,7 +22,10 @@ def test_bench_step_compare_on_cpu(tmp_path) -> None:
             assert key in layout, key
         assert layout["train_mfu"] is None and layout["logprob_peak_gb"] is None  # CPU: no peak FLOP/s, no allocator
         assert layout["tokens_per_s_per_gpu"] > 0 and layout["generated_tokens_per_s"] > 0
-        assert set(layout["phases"]) >= {"rollout", "reward", "sleep", "train", "sync", "wake", "step", "logprob"}
+        phases = layout["phases"]
+        assert set(phases) >= {"rollout", "reward", "sleep", "train", "sync", "wake", "step", "onload", "logprob",
+                               "update", "optim"}
+        assert 0 < phases["logprob"] + phases["update"] + phases["optim"] + phases["onload"] <= phases["train"]
         # the long tail: lengths drawn per sample, median a quarter of max_tokens; most stop before the limit
         assert 4 < layout["response_len_mean"] < 40 and layout["truncated_frac"] < 0.5
     assert out["packing"] is True and out["tokens_per_step"] == out["no_packing"]["tokens_per_step"]  # same workload

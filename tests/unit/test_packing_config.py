@@ -16,3 +16,14 @@ def test_packing_defaults_and_types():
     assert load_config(None, [], {}).trainer.packing is True
     with pytest.raises(ConfigError):
         load_config(None, ["trainer.max_tokens_per_micro_batch=lots"], {})
+
+
+def test_experts_implementation_reaches_the_model(tmp_path):
+    from colo.models.tiny import make_tiny_model
+    from colo.trainer.fsdp import meta_model
+
+    with pytest.raises(ConfigError, match="trainer.experts_implementation"):
+        validate(load_config(None, ["trainer.experts_implementation=fast"], {}), check_resources=False)
+    path = str(make_tiny_model(tmp_path / "m", "tiny", 0))
+    assert meta_model(path, "sdpa", "batched_mm").config._experts_implementation == "batched_mm"
+    assert meta_model(path, "sdpa").config._experts_implementation == "grouped_mm"  # transformers' default here
