@@ -83,6 +83,9 @@ def _run(args: argparse.Namespace) -> int:
         resumed = load_resumed(cfg.run.dir, overrides)
         cfg, path = resumed.cfg, str(resumed.base)
     config.validate(cfg, check_gpus=not args.dry_run)
+    from colo.rollout.vllm_compat import check_installed  # package metadata only: no vLLM import
+
+    check_installed()  # an older vLLM stops here, with the version colo needs
     from colo.plan.job import check_fits, memory_plan, refusal  # light: no torch until a GPU size is read
 
     if args.dry_run:

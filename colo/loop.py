@@ -20,9 +20,13 @@ side has GPUs of its own) and a broadcast from trainer rank 0 to every engine as
 trainers train, the engines idle with weights and KV cache in place: the loop stays on-policy (rollouts
 of step s come from the weights of step s-1), which is what makes the two modes give the same results.
 
+With algo.environment a sample is a conversation (colo.rollout.multiturn, docs/environments.md): the
+rollout phase runs every turn of it inside the engines, the reward adds the environment's rewards to
+algo.rewards on the model's last turn, and the batch trains the model's tokens only.
+
 Resume is exact: a checkpoint holds model, AdamW and RNG state plus the data position, and rollout seeds
 depend only on (run.seed, step), so `--resume` reproduces an uninterrupted run (bit-identical on CPU,
-tests/test_loop.py). A raising reward function, or an engine that dies or raises (in generate, sleep,
+tests/e2e/test_loop.py). A raising reward function, or an engine that dies or raises (in generate, sleep,
 wake_up or a sync), ends the run with status 1 after saving the last trained step: one `colo: error:`
 line on the terminal, the traceback in <run.dir>/error.log. After a trainer died or raised only the
 periodic checkpoints remain. So does a full disk (the line says so) and trainer.max_consecutive_skipped
@@ -93,14 +97,24 @@ def memory_probe(c: Cluster) -> Callable[[], dict]:
 
 
 def generate(c: Cluster, prompts: list[dict], n: int, cfg: ColoConfig, *, greedy: bool, seed: int,
-             routing: bool = False) -> list[dict]:
+             routing: bool = False, stats: dict | None = None) -> list[dict]:
     """Spread prompts over the engines by count; returns samples in prompt order, prompt_index global.
-    `routing`: samples carry the engine's expert ids (colo.rollout.capture) for replay and routing/mismatch."""
+    `routing`: samples carry the engine's expert ids (colo.rollout.capture) for replay and routing/mismatch.
+    With algo.environment each sample is a conversation (colo.rollout.multiturn); `stats` then receives
+    "env_s", the longest any engine waited for its environments."""
     w = len(c.engines)
     chunks = [list(range(r, len(prompts), w)) for r in range(w)]  # round robin: counts differ by ≤ 1
     temp, top_p = (0.0, 1.0) if greedy else (cfg.rollout.temperature, cfg.rollout.top_p)
-    per_engine = c.engine_group.generate([[prompts[i]["prompt_ids"] for i in idx] for idx in chunks], n,
-                                         cfg.rollout.max_tokens, temp, top_p, [seed + r for r in range(w)], routing)
+    seeds = [seed + r for r in range(w)]
+    if cfg.algo.environment:
+        answers = c.engine_group.rollout([[prompts[i] for i in idx] for idx in chunks], n, cfg.rollout.max_tokens,
+                                         temp, top_p, seeds, routing)
+        per_engine = [samples for samples, _ in answers]
+        if stats is not None:
+            stats["env_s"] = max(st["env_s"] for _, st in answers)
+    else:
+        per_engine = c.engine_group.generate([[prompts[i]["prompt_ids"] for i in idx] for idx in chunks], n,
+                                             cfg.rollout.max_tokens, temp, top_p, seeds, routing)
     samples = []
     for idx, outs in zip(chunks, per_engine):
         for s in outs:
@@ -109,11 +123,29 @@ def generate(c: Cluster, prompts: list[dict], n: int, cfg: ColoConfig, *, greedy
 
 
 def score(rewards: RewardRunner, prompts: list[dict], samples: list[dict], tokenizer) -> torch.Tensor:
-    texts = tokenizer.batch_decode([s["response_ids"] for s in samples], skip_special_tokens=True)
+    """algo.rewards on each response (a conversation's: on the model's last turn), plus the environment's
+    rewards of a conversation."""
+    texts = tokenizer.batch_decode([s.get("final_ids", s["response_ids"]) for s in samples], skip_special_tokens=True)
     answers = [prompts[s["prompt_index"]]["answer"] for s in samples]
     questions = [prompts[s["prompt_index"]]["prompt_text"] for s in samples]
     finish = [s["finish_reason"] for s in samples]  # lets `format` see truncated responses
-    return torch.tensor(rewards(texts, answers, questions, finish), dtype=torch.float32)  # (N*G,)
+    env = torch.tensor([float(s.get("env_reward", 0.0)) for s in samples])  # (N*G,)
+    return torch.tensor(rewards(texts, answers, questions, finish), dtype=torch.float32) + env  # (N*G,)
+
+
+def conversation_metrics(samples: list[dict], stats: dict, run_dir: Path, step: int) -> dict:
+    """What a multi-turn step logs; each environment error goes to <run_dir>/env-errors.log."""
+    turns = [s["turns"] for s in samples]
+    model = sum(sum(s["model_mask"]) for s in samples)
+    errors = [s["env_error"] for s in samples if s.get("env_error")]
+    if errors:
+        with (run_dir / "env-errors.log").open("a") as f:
+            f.writelines(f"step {step}: {e}\n" for e in errors)
+    return {"rollout/turns/mean": sum(turns) / len(turns), "rollout/turns/max": max(turns),
+            "rollout/tool_calls_per_sample": sum(s["tool_calls"] for s in samples) / len(samples),
+            "rollout/tool_errors": sum(s["tool_errors"] for s in samples), "env/errors": len(errors),
+            "rollout/model_token_frac": model / max(1, sum(len(s["response_ids"]) for s in samples)),
+            "env/seconds": stats.get("env_s", 0.0)}
 
 
 @dataclass
@@ -133,8 +165,9 @@ def rl_step(step: int, c: Cluster, cfg: ColoConfig, inputs: RunInputs, rewards: 
     trainers, engines, t_step = c.trainer_group, c.engine_group, time.perf_counter()
     with t("rollout"):
         prompts = inputs.train_data.next_batch(cfg.data.prompts_per_step)
+        stats: dict = {}
         samples = generate(c, prompts, n, cfg, greedy=False, seed=cfg.run.seed * 100_003 + step * 1_009,
-                           routing=True)  # every step: routing/mismatch is logged with replay on or off
+                           routing=True, stats=stats)  # every step: routing/mismatch is logged with replay on or off
     with t("reward"):
         reward = score(rewards, prompts, samples, inputs.tokenizer)  # (N*G,)
         adv, penalty = step_advantages(samples, reward, n, cfg.algo, cfg.rollout.max_tokens)  # (N*G,) each
@@ -165,6 +198,8 @@ def rl_step(step: int, c: Cluster, cfg: ColoConfig, inputs: RunInputs, rewards: 
                "response_len/mean": lens.mean().item(),
                "response/truncated_frac": sum(s["finish_reason"] == "length" for s in samples) / len(samples),
                **train, **synced, **t.seconds, **t.memory}
+    if cfg.algo.environment:
+        metrics.update(conversation_metrics(samples, stats, inputs.run_dir, step))
     if cfg.algo.overlong == "penalty":  # reward/mean stays the reward functions' own
         metrics["reward/overlong_penalty"] = penalty.mean().item()
     metrics["timing/step_s"] = time.perf_counter() - t_step  # wall clock: the phases plus what lies between

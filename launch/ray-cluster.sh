@@ -15,7 +15,7 @@
 # Environment: RAY_PORT (6379), NODE_IP (this host's address the others reach: Ray's guess otherwise),
 # NUM_GPUS / NUM_CPUS (Ray's detection otherwise), RAY_TMPDIR (/tmp/ray), BLOCK=1 (stay in the
 # foreground: for Slurm steps and tests, which stop the node by this process's pid), DASHBOARD=0 (no
-# dashboard: `ray job submit` needs it), RAY_BIN (.venv/bin/ray). tests/twonodes.py starts both nodes of
+# dashboard: `ray job submit` needs it), RAY_BIN (.venv/bin/ray). tests/e2e/twonodes.py starts both nodes of
 # the multi-node test with this script. Ray 2.60 asks clients for
 # the cluster's token: the head writes it to ~/.ray/auth_token; copy that file to the workers (a shared
 # home does it) or export RAY_AUTH_TOKEN on every host.

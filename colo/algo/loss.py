@@ -181,7 +181,7 @@ def scale_logits(logits: torch.Tensor, temperature: float) -> torch.Tensor:
 
     vLLM casts the model's logits to float32 *before* dividing by the temperature. Dividing the bf16
     logits first rounds each quotient to 8 mantissa bits: at T = 0.6 on synthetic Qwen-vocab logits that
-    moved log-probs by 0.014-0.023 on average and up to 0.2 (issue 13; tests/test_algo_loss.py), as
+    moved log-probs by 0.014-0.023 on average and up to 0.2 (issue 13; tests/unit/test_algo_loss.py), as
     large as the mismatch TIS corrects.
 
     Memory: one float32 copy, divided in place (the caller's tensor is never modified), so bf16 logits

@@ -74,7 +74,8 @@ class BenchEngine(Engine):
 
 
 class VllmIpcEngine(BenchEngine):
-    """BenchEngine that also builds vLLM's own weight-transfer engine (vLLM 0.26's LLM methods)."""
+    """BenchEngine that also builds vLLM's own weight-transfer engine (`LLM(weight_transfer_config=...)` and
+    the LLM's weight-update methods). CUDA only: it moves CUDA IPC handles."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         # read by vLLM's msgpack encoder in every process it starts: set before vLLM is imported
@@ -84,8 +85,11 @@ class VllmIpcEngine(BenchEngine):
     def _llm_kwargs(self) -> dict[str, Any]:
         from colo.rollout.vllm_compat import require_weight_transfer
 
-        require_weight_transfer()
+        require_weight_transfer(self.device)
         return {**super()._llm_kwargs(), "weight_transfer_config": {"backend": "ipc"}}
+
+    def vllm_init_weight_transfer(self, init_info: dict) -> None:
+        self.llm.init_weight_transfer_engine({"init_info": init_info})  # the trainer's wire params (packed)
 
     def vllm_start_weight_update(self) -> None:
         self.llm.start_weight_update()
@@ -96,3 +100,95 @@ class VllmIpcEngine(BenchEngine):
     def vllm_finish_weight_update(self) -> None:
         self.llm.finish_weight_update()
         self._drop_prefix_cache()  # as the product sync does after every update
+
+
+# ---- colo.bench.step: the RL step at imposed response lengths --------------------------------------------
+
+def response_length(seed: int, max_tokens: int, median_frac: float = 0.25, tail_frac: float = 0.05) -> int:
+    """A long-tail response length in [1, max_tokens], a pure function of `seed`: lognormal with median
+    median_frac * max_tokens and sigma chosen so that a tail_frac share would run past max_tokens (those
+    stop there, as truncated responses do). Defaults: median max/4, 5% at the limit."""
+    import math
+    import random
+    from statistics import NormalDist
+
+    sigma = math.log(1.0 / median_frac) / NormalDist().inv_cdf(1.0 - tail_frac)
+    x = random.Random(seed).lognormvariate(math.log(median_frac * max_tokens), sigma)
+    return max(1, min(max_tokens, round(x)))
+
+
+class LengthEngine(Engine):
+    """An Engine whose responses have imposed lengths: random weights never sample EOS on purpose, so the
+    length of each response is drawn (response_length, from the request's own seed: the same step gives the
+    same lengths in every run) and imposed with min_tokens = max_tokens = that length and ignore_eos.
+    Every sample is its own request (n=1), so the n samples of a prompt get lengths of their own; a sample
+    shorter than max_tokens reports finish_reason "stop", as one that sampled EOS would."""
+
+    def generate(self, prompt_ids: list[list[int]], n: int, max_tokens: int, *args: Any, **kwargs: Any) -> list[dict]:
+        samples = super().generate(prompt_ids, n, max_tokens, *args, **kwargs)
+        for s in samples:
+            if len(s["response_ids"]) < max_tokens:
+                s["finish_reason"] = "stop"
+        return samples
+
+    def _requests(self, prompts: int, n: int, max_tokens: int, temperature: float, top_p: float,
+                  seed: int | None) -> tuple[list[int], list]:
+        from vllm import SamplingParams
+
+        index, params = [], []
+        for i in range(prompts):
+            for j in range(n):
+                s = (seed or 0) * 1_000_003 + i * n + j
+                length = response_length(s, max_tokens)
+                index.append(i)
+                params.append(SamplingParams(n=1, max_tokens=length, min_tokens=length, ignore_eos=True,
+                                             temperature=temperature, top_p=top_p if temperature > 0 else 1.0,
+                                             logprobs=0, seed=s))
+        return index, params
+
+
+class StepTrainer(Trainer):
+    """Trainer plus what colo.bench.step reads: the layout switch (packed or padded, one build for both),
+    the peak memory and seconds of the policy's log-prob pass, and the step's token sums for the FLOP count."""
+
+    def set_packing(self, on: bool) -> None:
+        self.cfg.trainer.packing = bool(on)
+
+    def device_name(self) -> str:
+        return torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu"
+
+    def _logprobs(self, model: torch.nn.Module, batch: dict) -> torch.Tensor:
+        import time
+
+        cuda = self.device.type == "cuda"
+        if cuda:
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+            before = torch.cuda.memory_allocated(self.device)
+        t0 = time.perf_counter()
+        out = super()._logprobs(model, batch)
+        if cuda:
+            torch.cuda.synchronize(self.device)
+            peak = torch.cuda.max_memory_allocated(self.device)
+            self._lp_mem = (peak / 2**30, (peak - before) / 2**30)
+        else:
+            self._lp_mem = (None, None)
+        self._lp_s = time.perf_counter() - t0
+        return out
+
+    def train_step(self, batch: dict) -> dict:
+        import time
+
+        import torch.distributed as dist
+
+        t0 = time.perf_counter()
+        out = super().train_step(batch)
+        real = batch["sample_index"] >= 0 if "sample_index" in batch else torch.ones(len(batch["input_ids"]), dtype=torch.bool)
+        lengths = batch["attention_mask"][real].sum(1).double()  # (B',) prompt + response tokens per sample
+        sums = self._agree([float(lengths.sum()), float((lengths ** 2).sum()), float(real.sum())], dist.ReduceOp.SUM)
+        peak, own = self._lp_mem
+        out |= {"bench/tokens": sums[0], "bench/tokens_sq": sums[1], "bench/samples": sums[2],
+                "bench/logprob_s": self._lp_s,
+                "bench/update_s": time.perf_counter() - t0 - self._lp_s,
+                "bench/logprob_peak_gb": peak, "bench/logprob_pass_gb": own}
+        return out

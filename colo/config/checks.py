@@ -55,6 +55,7 @@ def validate(cfg: ColoConfig, *, check_resources: bool = True, check_gpus: bool 
     for key in ("data.path", "data.eval_path"):
         _check_data(cfg, key)
     _check_rewards(cfg)
+    _check_environment(cfg)
     if check_gpus or device == "cpu":
         _check_gpus(cfg, device)
     _check_ray_address(cfg.run.ray_address)
@@ -81,11 +82,14 @@ def _check_values(cfg: ColoConfig) -> None:
                           f"{p.train_gpu_fraction} + {p.vllm_gpu_fraction} > 1.0: both share one GPU; "
                           "fix: lower them, e.g. COLO_TRAIN_GPU_FRACTION=0.4 COLO_VLLM_GPU_FRACTION=0.4")
     at_least = {key: 1 for key in (
-        "placement.num_gpus", "trainer.micro_batch_size", "trainer.max_consecutive_skipped", "trainer.mini_batches", "trainer.epochs",
-        "rollout.n", "rollout.tp_size", "rollout.max_tokens", "rollout.max_model_len", "rollout.kv_cache_mb",
+        "placement.num_gpus", "trainer.micro_batch_size", "trainer.max_tokens_per_micro_batch",
+        "trainer.logprob_chunk", "trainer.max_consecutive_skipped", "trainer.mini_batches", "trainer.epochs",
+        "rollout.n", "rollout.tp_size", "rollout.max_tokens", "rollout.max_turns", "rollout.max_model_len",
+        "rollout.kv_cache_mb",
         "sync.bucket_mb", "sync.buffers", "data.prompts_per_step", "data.eval_size", "loop.steps")}
     at_least |= {key: 0 for key in (
-        "placement.cpus_per_bundle", "trainer.weight_decay", "trainer.grad_clip", "rollout.temperature",
+        "placement.cpus_per_bundle", "rollout.max_turn_tokens", "trainer.weight_decay", "trainer.grad_clip",
+        "rollout.temperature",
         "algo.clip_low", "algo.clip_high", "algo.kl_coef", "algo.tis_cap", "algo.overlong_penalty",
         "loop.eval_every", "loop.eval_samples",
         "loop.checkpoint_every", "loop.sft_warmup_steps")}
@@ -107,6 +111,7 @@ def _check_values(cfg: ColoConfig) -> None:
         if not ok:
             raise ConfigError(f"{key}={get(key)} is out of range; fix: e.g. {key}={default_value(key)}")
     _check_loss(cfg)
+    _check_turns(cfg)
     if cfg.rollout.max_tokens >= cfg.rollout.max_model_len:
         raise ConfigError(f"rollout.max_tokens={cfg.rollout.max_tokens} leaves no room for the prompt "
                           f"in rollout.max_model_len={cfg.rollout.max_model_len}; fix: raise "
@@ -220,7 +225,7 @@ def _check_routing_replay(cfg: ColoConfig, model: dict[str, Any]) -> None:
 
 
 def _check_model_family(cfg: ColoConfig, model: dict[str, Any]) -> None:
-    """Only families colo has a table for (colo.models.archs.ARCHS, each run by tests/test_families.py);
+    """Only families colo has a table for (colo.models.archs.ARCHS, each run by tests/integration/test_families.py);
     quantized checkpoints would need a quantizing sync, which colo does not have."""
     from colo.models.families import refused_architectures
 
@@ -424,6 +429,26 @@ def _check_rewards(cfg: ColoConfig) -> None:
         except ValueError as e:
             raise ConfigError(f"algo.rewards: {e}; fix: algo.rewards=[exact_match] or a "
                               "module:function importable from here") from e
+
+
+def _check_turns(cfg: ColoConfig) -> None:
+    if cfg.algo.environment is None and cfg.rollout.max_turns > 1:
+        raise ConfigError(f"rollout.max_turns={cfg.rollout.max_turns} needs an environment to answer the model "
+                          "between turns; fix: algo.environment=calculator (or module:Class), or rollout.max_turns=1")
+    if not cfg.algo.env_timeout_s > 0:
+        raise ConfigError(f"algo.env_timeout_s={cfg.algo.env_timeout_s} must be > 0; fix: algo.env_timeout_s=30")
+
+
+def _check_environment(cfg: ColoConfig) -> None:
+    if cfg.algo.environment is None:
+        return
+    from colo.envs.base import load_environment  # imports the user module named here
+
+    try:
+        load_environment(cfg.algo.environment)
+    except ValueError as e:
+        raise ConfigError(f"{e}; fix: algo.environment=calculator, python, or a module:Class importable "
+                          "from here (docs/environments.md)") from e
 
 
 def gpu_count_note(cfg: ColoConfig) -> str | None:

@@ -3,7 +3,7 @@
     ColoConfig() -> defaults; colo.config.loading fills it from YAML / COLO_* env / key=value,
     colo.config.checks validates it. Imports nothing heavy (no torch/Ray/vLLM, no OmegaConf).
 
-docs/config.md is the user-facing reference; tests/test_config.py keeps both in step.
+docs/config.md is the user-facing reference; tests/unit/test_config.py keeps both in step.
 """
 from __future__ import annotations
 
@@ -21,6 +21,7 @@ CHOICES = {  # must match the consumers: colo.algo.loss.LOSS_AGGS, colo.sync, co
     "algo.loss_agg": ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean"),
     "algo.overlong": ("none", "filter", "penalty"),
     "algo.routing_replay": ("off", "r3"),
+    "algo.env_errors": ("sample", "fail"),
     "sync.mode": ("direct", "load_weights"),
     "trainer.optimizer_dtype": ("float32", "bfloat16"),
     "run.wandb_mode": ("auto", "online", "offline"),
@@ -36,7 +37,7 @@ class ConfigError(Exception):
 class ModelConfig:
     path: str = "auto:tiny"
     """Local HF checkpoint dir, Hub repo id ("Qwen/Qwen3-30B-A3B"; HF_HUB_OFFLINE honoured), or
-    "auto:<preset>" (tiny | qwen3-30b-a3b | qwen3-30b-a3b-L12 | qwen3-30b-a3b-L2 | qwen3-235b-a22b), generated
+    "auto:<preset>" (tiny | tiny-tools | qwen3-30b-a3b | qwen3-30b-a3b-L12 | qwen3-30b-a3b-L2 | qwen3-235b-a22b), generated
     into <run.dir>/model. Offline, the plan of Qwen/Qwen3-30B-A3B and Qwen/Qwen3-235B-A22B uses colo's copy of
     their config.json (colo.models.tiny.HUB_PRESETS) and says so."""
     dtype: str = "bfloat16"
@@ -87,7 +88,19 @@ class TrainerConfig:
     grad_clip: float = 1.0
     """Clip the global grad norm to this (0 disables)."""
     micro_batch_size: int = 4
-    """Sequences per forward/backward on each rank (gradient accumulation over the rest)."""
+    """Sequences per forward/backward on each rank (gradient accumulation over the rest), when packing is
+    false. Packed micro-batches are formed by max_tokens_per_micro_batch instead."""
+    packing: bool = True
+    """Pack several samples into one row per micro-batch (position ids restart at each sample, so attention
+    stays inside it: varlen flash-attention on GPU, a block-diagonal mask on CPU), so no compute goes to
+    padding. false: the padded path, micro_batch_size rows padded to the longest. Losses and metrics are the
+    same either way (docs/loss.md)."""
+    max_tokens_per_micro_batch: int = 16384
+    """Packing: real tokens per forward/backward on each rank; samples are packed first-fit-decreasing under
+    this budget (a longer sample gets a micro-batch of its own). Sets the activation memory the plan counts."""
+    logprob_chunk: int = 1024
+    """Tokens per lm_head chunk of the log-prob / entropy pass (colo.algo.logprobs): the pass never holds more
+    than this many rows of (tokens, vocab) float32 logits."""
     mini_batches: int = 1
     """Optimizer steps per RL step: each rank's batch is split into this many mini-batches."""
     epochs: int = 1
@@ -136,6 +149,12 @@ class RolloutConfig:
     sleep_level: Union[int, str] = "auto"
     """vLLM sleep level while training: 1 keeps weights in host RAM, 2 drops them; auto: 2 (the sync
     rewrites every weight anyway)."""
+    max_turns: int = 1
+    """With algo.environment: most model turns per conversation (each followed by the environment's step);
+    rollout.max_tokens is then the budget of the whole response, model and environment tokens together."""
+    max_turn_tokens: int = 0
+    """With algo.environment: most tokens of one model turn (0: what is left of rollout.max_tokens). A turn cut
+    here still goes to the environment (finish_reason "length") and the conversation goes on."""
 
 
 @dataclass
@@ -173,6 +192,15 @@ class AlgoConfig:
     """off | r3: rollout routing replay. r3: the trainer's MoE layers use the experts the engine chose for
     each token (log-prob recompute and training); the weights still come from the trainer's router. Either
     way the engine's routing is captured every step for the routing/mismatch metric (docs/routing.md)."""
+    environment: Optional[str] = None
+    """Multi-turn rollouts against an environment (docs/environments.md): a built-in (calculator | python) or
+    "module:Class"; null: one response per prompt. Its rewards add to algo.rewards (scored on the last turn)."""
+    env_timeout_s: float = 30.0
+    """Longest an environment's reset or step may take; past it the sample ends with an error."""
+    env_errors: str = "sample"
+    """An environment that raises, hangs or answers something malformed: sample (that sample ends, gets no
+    loss, and the error is logged to <run.dir>/env-errors.log and counted in env/errors) | fail (the run ends
+    with one colo: error: line)."""
 
 
 @dataclass
@@ -192,7 +220,7 @@ class DataConfig:
     path: str = "auto:arith"
     """Training prompts with prompt and answer fields: a JSONL/Parquet file, a Hugging Face dataset (a
     save_to_disk dir[:split], or a Hub id[:config]:split such as openai/gsm8k:main:train), or
-    "auto:<task>" (arith | reverse), a synthetic task from colo.data.tasks written to <run.dir>/data."""
+    "auto:<task>" (arith | reverse | calc), a synthetic task from colo.data.tasks written to <run.dir>/data."""
     eval_path: Optional[str] = None
     """Held-out prompts for eval (same formats as path; auto:<task> = its eval split); null: no eval."""
     prompt_key: str = "prompt"

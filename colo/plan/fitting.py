@@ -23,7 +23,11 @@ def ways_to_fit(config_json: dict[str, Any], s: Settings, gpu_bytes: float, limi
     experts must divide by the count)."""
     m = model_shape(config_json)
     fractions = sorted({round(x * 0.05, 2) for x in range(2, 19)} | {s.vllm_fraction})
-    mbs = sorted({s.micro_batch_size} | {b for b in (1, 2, 4, 8) if b < s.micro_batch_size}, reverse=True)
+    # the micro-batch lever: rows when padded, the token budget when packed (down to one max_model_len)
+    field_name = "max_tokens_per_micro_batch" if s.packing else "micro_batch_size"
+    size = getattr(s, field_name)
+    floor = s.max_model_len if s.packing else 1
+    mbs = sorted({size} | {size // 2**k for k in (1, 2, 3) if size // 2**k >= floor}, reverse=True)
     gpus = [s.num_gpus] + [n for n in (2 * s.num_gpus, 4 * s.num_gpus, 8 * s.num_gpus)
                            if s.mode != "colocated" or not m.experts or m.experts % n == 0]
     levers = [("offload", True, 0.3), ("gradient_checkpointing", True, 1.0), ("optimizer_offload", True, 1.2),
@@ -34,12 +38,12 @@ def ways_to_fit(config_json: dict[str, Any], s: Settings, gpu_bytes: float, limi
         for mb in mbs:
             for mask in range(1 << len(levers)):
                 chosen = [lv for i, lv in enumerate(levers) if mask >> i & 1]
-                trial = replace(s, num_gpus=n, micro_batch_size=mb, **{k: v for k, v, _ in chosen})
+                trial = replace(s, num_gpus=n, **{field_name: mb}, **{k: v for k, v, _ in chosen})
                 best = _best_fraction(config_json, trial, gpu_bytes, fractions)
                 if best is None:
                     continue
                 f, plan = best
-                cost = (4.0 * n_i + math.log2(s.micro_batch_size / mb) * 0.8 + sum(c for *_, c in chosen)
+                cost = (4.0 * n_i + math.log2(size / mb) * 0.8 + sum(c for *_, c in chosen)
                         + (f != s.vllm_fraction) * 0.1)
                 found.append((cost, _diff(s, replace(trial, vllm_fraction=f)), plan))
     found.sort(key=lambda x: x[0])
@@ -69,7 +73,8 @@ FRACTION_PHASES = ("start", "rollout", "engine GPU")  # the phases vLLM's fracti
 
 
 KEYS = {"num_gpus": "placement.num_gpus", "vllm_fraction": "placement.vllm_gpu_fraction",
-        "micro_batch_size": "trainer.micro_batch_size", "gradient_checkpointing": "trainer.gradient_checkpointing",
+        "micro_batch_size": "trainer.micro_batch_size",
+        "max_tokens_per_micro_batch": "trainer.max_tokens_per_micro_batch", "gradient_checkpointing": "trainer.gradient_checkpointing",
         "offload": "trainer.offload", "optimizer_offload": "trainer.optimizer_offload",
         "optimizer_dtype": "trainer.optimizer_dtype"}
 

@@ -23,7 +23,8 @@ Where the figures come from (docs/benchmarks.md, "Memory plan: calibration", hol
 - First principles: parameter counts (checked against transformers' own models in tests), FSDP2's dim-0
   shard on the largest rank, AdamW's two fp32 states, foreach AdamW's one fp32 temporary per parameter
   (torch/optim/adam.py `_foreach_sqrt`), activations per token per layer read off the HF Qwen3-MoE code
-  (what autograd saves), logits as bf16 + fp32 copies of (tokens x vocab).
+  (what autograd saves), the log-prob pass's lm_head chunk as bf16 + fp32 copies of (chunk x vocab)
+  (colo.algo.logprobs: never the whole micro-batch's logits).
 - Calibrated on the measured `qwen3-30b-a3b-L2` loop (1xH200 and 1xH100, vLLM at 0.3, same figures on
   both): OVERHEAD (CUDA contexts, NCCL, what vLLM holds outside its fraction), the vLLM reserve that
   survives sleep (its profiling activations; fitted on L2 and on the tiny model's sleep figures), and
@@ -199,6 +200,9 @@ class Settings:
     ref_model: bool = False  # algo.kl_coef > 0: a frozen fp32 copy of the policy
     bucket_bytes: int = GiB
     buffers: int = 2
+    packing: bool = False  # trainer.packing: micro-batches of max_tokens_per_micro_batch tokens, not rows
+    max_tokens_per_micro_batch: int = 16384
+    logprob_chunk: int = 1024  # tokens per lm_head chunk (colo.algo.logprobs)
     batch_seqs: int = 128  # sequences one engine generates per step (prompts x n / engines)
     sleep_level: int = 2
 
@@ -213,8 +217,23 @@ class Settings:
                    optimizer_dtype=str(getattr(t, "optimizer_dtype", "float32")),
                    param_bytes=4 if cfg.model.dtype == "float32" else 2, ref_model=cfg.algo.kl_coef > 0,
                    bucket_bytes=cfg.sync.bucket_mb * 2**20, buffers=cfg.sync.buffers,
+                   packing=bool(t.packing), max_tokens_per_micro_batch=int(t.max_tokens_per_micro_batch),
+                   logprob_chunk=int(t.logprob_chunk),
                    batch_seqs=-(-cfg.data.prompts_per_step * r.n // engines),
                    sleep_level=1 if r.sleep_level == 1 else 2)
+
+    @property
+    def micro_tokens(self) -> int:
+        """Token slots of the largest micro-batch: packed, the budget (or one sample of max_model_len when that
+        is longer: it gets a micro-batch of its own); padded, micro_batch_size rows of max_model_len."""
+        if self.packing:
+            return max(self.max_tokens_per_micro_batch, self.max_model_len)
+        return self.micro_batch_size * self.max_model_len
+
+    @property
+    def micro_label(self) -> str:
+        return (f"{self.micro_tokens} tok packed" if self.packing
+                else f"{self.micro_batch_size}x{self.max_model_len} tok")
 
     @property
     def trainer_world(self) -> int:
@@ -246,19 +265,21 @@ def _has_shared(m: ModelShape) -> bool:
     return any(".shared_expert." in p.name for p in m.params)
 
 
-LOGITS_BYTES = 14
-"""Bytes per (token x vocab) of one micro-batch in the train phase: the bf16 logits (2, alive until the
-step's entropy), the fp32 copy gather_logprobs saves for logsumexp's backward (4) and backward's fp32
-temporaries (exp(x - lse), the grad; 8). Measured on 1xH200 (colo.bench.trainmem, qwen3-30b-a3b width, 2
-and 4 layers, 1 x 4096 tokens): the entropy after backward (bf16 logits + log_softmax, exp, product in
-fp32: 14) peaked at state + grads + 8.11 GiB = 14.0 B x 622M, within 0.2%; the no-grad old-log-prob pass
-(2 + 4 + logsumexp's one temporary 4 = 10 B) at state + 10 B x 622M + the root and last layer gathered,
-within 0.3%."""
+LOGITS_BYTES = 20
+"""Bytes per (token of one lm_head chunk x vocab) in a backward of colo.algo.logprobs: the chunk's bf16 logits
+(2), their fp32 copy turned into log p in place (4), p (4), the logits' gradient in fp32 (4) and a product
+temporary (4), its bf16 cast (2). Read off the code, not yet measured: colo.bench.step reports the pass's
+measured peak (logprob_pass_gb). The old full-logits path held 14 B x every token of the micro-batch
+(measured 1xH200, 1 x 4096 tokens: 8.11 GiB for Qwen3's vocabulary), now 20 B x one chunk (1024 tokens:
+2.9 GiB at any length)."""
+LOGITS_NO_GRAD_BYTES = 14
+"""The same per chunk in a forward (log-prob pass, and the update's forward): bf16 logits 2, fp32 4,
+logsumexp's temporary 4, exp's 4."""
 
 
 def activation_bytes(m: ModelShape, s: Settings) -> dict[str, int]:
-    """Peak activation memory of one micro-batch of micro_batch_size x max_model_len tokens."""
-    tokens = s.micro_batch_size * s.max_model_len
+    """Peak activation memory of one micro-batch (Settings.micro_tokens), and of the lm_head chunk in backward."""
+    tokens = s.micro_tokens
     per_layer = [layer_activation_bytes(m, tokens, moe=i < m.moe_layers) for i in range(m.layers)]
     if s.gradient_checkpointing:
         # non-reentrant checkpoint per decoder layer: each layer keeps its input, and backward recomputes
@@ -266,7 +287,9 @@ def activation_bytes(m: ModelShape, s: Settings) -> dict[str, int]:
         layers = m.layers * tokens * m.hidden * s.param_bytes + max(per_layer)
     else:
         layers = sum(per_layer)
-    return {"layers": layers, "logits": LOGITS_BYTES * tokens * m.vocab}
+    chunk = min(s.logprob_chunk, tokens)
+    # the chunk's temporaries and, summed over chunks, the unsharded lm_head gradient in the compute dtype
+    return {"layers": layers, "logits": LOGITS_BYTES * chunk * m.vocab + s.param_bytes * m.vocab * m.hidden}
 
 
 # ---------------------------------------------------------------------------------------------- the plan
@@ -365,10 +388,12 @@ def trainer_terms(m: ModelShape, s: Settings) -> dict[str, float]:
     """The trainer's allocations on its largest rank (bytes), and the four moments one of which is the train
     phase's peak (each includes the state and the sync buffers):
 
-    - no_grad: the old-log-prob pass: 10 B per logit, the root and last layer still gathered
+    - no_grad: the old-log-prob pass: 14 B per logit of one lm_head chunk, the root and last layer still gathered
     - backward: the start of a micro-batch's backward once earlier micro-batches left their grads: every
-      layer's saved activations, 14 B per logit, gathered units and one unit's reduce-scatter buffers
-    - entropy: right after backward, every grad and the entropy's 14 B per logit, nothing gathered
+      layer's saved activations, one lm_head chunk's backward (20 B per logit) and its weight gradient,
+      gathered units and one unit's reduce-scatter buffers
+    - entropy: right after backward: every grad, nothing gathered (the entropy comes with the log-probs,
+      chunk by chunk; the full-logits path computed it here)
     - step: grads and the optimizer step's temporaries
     """
     W = s.trainer_world
@@ -386,7 +411,7 @@ def trainer_terms(m: ModelShape, s: Settings) -> dict[str, float]:
     ref = params if s.ref_model else 0
     resident = s.bucket_bytes * s.buffers + OFFLOADED_REST
     act = activation_bytes(m, s)
-    tok_v = s.micro_batch_size * s.max_model_len * m.vocab
+    chunk_v = min(s.logprob_chunk, s.micro_tokens) * m.vocab
     # FSDP2 units in bf16 (world 1 too: it still copies into bf16 buffers): the root (embeddings, lm_head)
     # stays gathered through forward and backward, a layer's unit is gathered and the next prefetched;
     # backward also holds a unit's unsharded bf16 grads and their fp32 copy for the reduce-scatter.
@@ -400,9 +425,9 @@ def trainer_terms(m: ModelShape, s: Settings) -> dict[str, float]:
            "gathered": s.param_bytes * (root + 2 * unit), "reduce": (s.param_bytes + 4) * unit,
            # sync: dense units gathered in bf16 (one packed, the next prefetched); expert shards read locally
            "sync_gather": s.param_bytes * sum(dense_units[-2:])}
-    out["no_grad"] = state + 10 * tok_v + s.param_bytes * (root + last)
+    out["no_grad"] = state + LOGITS_NO_GRAD_BYTES * chunk_v + s.param_bytes * (root + last)
     out["backward"] = state + params + act["layers"] + act["logits"] + out["gathered"] + out["reduce"]
-    out["entropy"] = state + params + LOGITS_BYTES * tok_v
+    out["entropy"] = state + params
     out["step"] = state + params + step_tmp
     out["sync"] = params + optim + ref + resident + out["sync_gather"]
     return out
@@ -448,9 +473,9 @@ def plan_memory(config_json: dict[str, Any], s: Settings, gpu_bytes: Optional[fl
          {"train": optim, "step": optim, "sync": optim}),
         ("reference model fp32 (kl_coef > 0)", {"start": ref, "train": ref, "step": ref, "sync": ref}),
         ("sync buffers + rest", {"train": resident, "step": resident, "sync": resident}),
-        (f"activations {s.micro_batch_size}x{s.max_model_len} tok, checkpointing "
+        (f"activations {s.micro_label}, checkpointing "
          f"{'on' if s.gradient_checkpointing else 'off'}", {"train": t["activations"]}),
-        (f"logits {s.micro_batch_size}x{s.max_model_len}x{m.vocab}", {"train": t["logits"]}),
+        (f"lm_head chunk {min(s.logprob_chunk, s.micro_tokens)}x{m.vocab} + its weight grad", {"train": t["logits"]}),
         ("gathered FSDP units bf16 + reduce-scatter", {"train": t["gathered"] + t["reduce"]}),
         # with few layers the entropy after backward (all grads + 14 B per logit) can top backward's start
         ("peak at the entropy after backward instead", {"train": max(0.0, t["entropy"] - t["backward"])}),

@@ -144,7 +144,7 @@ def _unlink_all(segs: list[shared_memory.SharedMemory], tensors: list[torch.Tens
 
 class CudaIpcArgs(NamedTuple):
     """The arguments of torch.multiprocessing.reductions.rebuild_cuda_tensor, in its order, as plain data:
-    the one place colo depends on torch's CUDA-IPC layout (tests/test_sync_pack.py compares these
+    the one place colo depends on torch's CUDA-IPC layout (tests/unit/test_sync_pack.py compares these
     names with rebuild_cuda_tensor's signature, so a torch that changes it fails on CPU). Classes and the
     dtype travel as None / names; the device index is replaced by the receiver's own."""
 

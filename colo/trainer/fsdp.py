@@ -24,14 +24,46 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
-def meta_model(model_path: str) -> nn.Module:
+from colo.algo.logprobs import shifted_logprobs
+from colo.trainer.attention import attention_for
+
+def meta_model(model_path: str, attn_implementation: str | None = None) -> nn.Module:
     """The unsharded HF causal LM on the meta device (no memory), fp32, from the checkpoint's config.json;
     parallelize() shards it, then to_empty() + load_sharded() or materialize() fill each rank's shards."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.from_pretrained(model_path)
     with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        return AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation=attn_implementation)
+
+
+def _logprob_forward(self: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
+                     position_ids: torch.Tensor, temperature: float, chunk: int,
+                     bounds: tuple[int, ...] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(b, T) log-probs and entropies of input_ids (colo.algo.logprobs.shifted_logprobs), from the decoder's
+    hidden states and the lm_head weight, without the (b, T, V) logits. A packed row: attention_mask None,
+    `bounds` its samples' start offsets and its length (colo.trainer.attention)."""
+    extra = {} if bounds is None else {"colo_bounds": tuple(bounds)}
+    hidden = self.get_decoder()(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                                use_cache=False, **extra).last_hidden_state  # (b, T, H)
+    return shifted_logprobs(hidden, self.get_output_embeddings().weight, input_ids,
+                            position_ids if attention_mask is None else None, temperature, chunk)
+
+
+def enable_logprob_forward(model: nn.Module) -> nn.Module:
+    """Give the sharded root `model.colo_logprobs(input_ids, attention_mask, position_ids, temperature, chunk,
+    bounds)`,
+    registered with FSDP2 as a forward method: its pre/post-forward hooks gather the root's params (embedding,
+    final norm, lm_head) around it as around forward, and backward reduce-scatters the lm_head's gradient that
+    the chunked function produces. Calling the decoder and the weight outside such a method would read
+    sharded DTensors."""
+    import types
+
+    from torch.distributed.fsdp import register_fsdp_forward_method
+
+    model.colo_logprobs = types.MethodType(_logprob_forward, model)
+    register_fsdp_forward_method(model, "colo_logprobs")
+    return model
 
 
 def decoder_layers(model: nn.Module) -> nn.ModuleList:
@@ -135,9 +167,11 @@ def build_sharded(
     seed: int = 0,
     gradient_checkpointing: bool = False,
 ) -> nn.Module:
-    """The whole build: meta model on every rank, sharded, then each rank's rows of the checkpoint, or random."""
-    model = meta_model(model_path)
+    """The whole build: meta model on every rank, sharded, then each rank's rows of the checkpoint, or random.
+    The result also has `colo_logprobs` (enable_logprob_forward)."""
+    model = meta_model(model_path, attention_for(device))
     parallelize(model, mesh, param_dtype=param_dtype, gradient_checkpointing=gradient_checkpointing)
+    enable_logprob_forward(model)
     if dummy:
         materialize(model, device, seed=seed)
         return model

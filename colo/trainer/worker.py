@@ -30,7 +30,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 
-from colo.algo.loss import gather_logprobs, policy_loss, scale_logits, token_entropy
+from colo.algo.loss import policy_loss
+from colo.algo.packing import Packed, pack_bins
 from colo.algo.parity import gap_metrics, logprob_gap
 from colo.algo.replay import RouterTap
 from colo.config import ColoConfig, from_dict
@@ -71,6 +72,8 @@ class Trainer:
         self.offloaded = False
         self.consecutive_skipped = 0  # optimizer steps skipped in a row for a non-finite grad norm
         self.sender = None  # colo.sync.sender.Sender, built by prepare_sync
+        self._slots = [0.0, 0.0]  # (token slots computed, real sample tokens) of the train step in progress
+        self._packed: Packed | None = None  # the layout of the micro-batch last scored (packed) or None (padded)
         self._group_host: WeightGroupHost | None = None
         self._weight_group: WeightGroup | None = None  # disaggregated, rank 0: the broadcast group
 
@@ -139,16 +142,40 @@ class Trainer:
         if self.offloaded:
             raise RuntimeError("TrainWorker is offloaded: call onload() before using the model")
 
-    def _forward(self, model: torch.nn.Module, mb: dict, temperature: float = 1.0) -> torch.Tensor:
-        """(b, T, V) float32 logits / temperature, divided in float32 as vLLM's sampler does."""
+    def _score(self, model: torch.nn.Module, mb: dict, temperature: float = 1.0,
+               dummy: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """(b, T) float32 log-probs and entropies of the micro-batch's tokens, aligned as the batch contract has
+        them, from logits / temperature divided in float32 as vLLM's sampler does (colo.algo.logprobs: the
+        lm_head runs by chunks, no (b, T, V) logits). Packed (trainer.packing): the rows' real tokens run as one
+        row and the results come back in the padded (b, T) layout, so everything downstream is unchanged."""
         ids = mb["input_ids"].to(self.device)  # (b, T)
         am = mb["attention_mask"].to(self.device)  # (b, T)
-        # positions count real tokens, so left padding (if a caller uses it) matches vLLM's
-        pos = (am.long().cumsum(-1) - 1).clamp(min=0)  # (b, T)
-        if model is self.model:  # the engine's (b, T, M, K) expert ids, kept through backward's recompute
-            self.routing.set(mb.get("routed_experts"), replay=str(self.cfg.algo.routing_replay) == "r3")
-        logits = model(input_ids=ids, attention_mask=am, position_ids=pos, use_cache=False).logits
-        return scale_logits(logits, temperature)  # (b, T, V)
+        routed = mb.get("routed_experts")  # (b, T, M, K) or None
+        chunk = int(self.cfg.trainer.logprob_chunk)
+        packed = Packed.of(mb["attention_mask"]) if self.cfg.trainer.packing else None  # on the host: no syncs
+        b, T = ids.shape
+        self._slots[0] += packed.tokens if packed else b * T  # token slots computed
+        if not dummy:  # real tokens: shard fillers (sample_index -1) and dummy micro-batches are padding
+            real = mb["attention_mask"]  # (b, T) on the host
+            if "sample_index" in mb:
+                real = real * (mb["sample_index"] >= 0)[:, None]
+            self._slots[1] += float(real.sum())
+        if packed is not None:
+            ids, pos, am = packed.pack(ids), packed.position_ids.to(self.device), None  # (1, N) each
+            routed = None if routed is None else packed.pack(routed)  # (1, N, M, K): token by token, as ids
+        else:
+            # positions count real tokens, so left padding (if a caller uses it) matches vLLM's
+            pos = (am.long().cumsum(-1) - 1).clamp(min=0)  # (b, T)
+        if model is self.model:  # the engine's expert ids, kept through backward's recompute
+            self.routing.set(routed, replay=str(self.cfg.algo.routing_replay) == "r3")
+        bounds = packed.bounds if packed is not None else None
+        lp, ent = model.colo_logprobs(ids, am, pos, temperature, chunk, bounds)  # (b, T) or (1, N)
+        if packed is not None:
+            lp, ent = packed.unpack(lp), packed.unpack(ent)  # (b, T)
+            self._packed = packed
+        else:
+            self._packed = None
+        return lp, ent
 
     @property
     def _policy_temperature(self) -> float:
@@ -162,10 +189,20 @@ class Trainer:
         dist.all_reduce(t, op=op)
         return t.tolist()
 
-    def _micro_plan(self, idx: torch.Tensor) -> list[tuple[torch.Tensor, bool]]:
-        """Micro-batches of `idx` rows; the count is agreed over ranks (pads with dummies)."""
-        mbs = max(1, int(self.cfg.trainer.micro_batch_size))
-        chunks = list(idx.split(mbs)) if idx.numel() else []
+    def _micro_plan(self, idx: torch.Tensor, batch: dict) -> list[tuple[torch.Tensor, bool]]:
+        """Micro-batches of `idx` rows; the count is agreed over ranks (pads with dummies).
+
+        Packing: rows grouped by trainer.max_tokens_per_micro_batch real tokens (colo.algo.packing), the shard's
+        filler rows (sample_index -1: zero loss, there only to even out padded row counts) left out.
+        Padded: trainer.micro_batch_size rows at a time."""
+        t = self.cfg.trainer
+        if t.packing:
+            if "sample_index" in batch and idx.numel():
+                idx = idx[batch["sample_index"][idx] >= 0]
+            lengths = batch["attention_mask"][idx].sum(1).tolist()
+            chunks = [idx[torch.tensor(b, dtype=torch.long)] for b in pack_bins(lengths, int(t.max_tokens_per_micro_batch))]
+        else:
+            chunks = list(idx.split(max(1, int(t.micro_batch_size)))) if idx.numel() else []
         n = int(self._agree([len(chunks)], dist.ReduceOp.MAX)[0])
         filler = idx[:1] if idx.numel() else torch.zeros(1, dtype=torch.long)
         return [(c, False) for c in chunks] + [(filler, True)] * (n - len(chunks))
@@ -177,15 +214,17 @@ class Trainer:
         training = model.training
         model.eval()  # the log-probs of the policy itself, not of one dropout draw of it
         try:
-            for idx, dummy in self._micro_plan(torch.arange(batch["input_ids"].shape[0])):
+            for idx, dummy in self._micro_plan(torch.arange(batch["input_ids"].shape[0]), batch):
                 mb = _rows(batch, idx, dummy)
-                lp = gather_logprobs(self._forward(model, mb, self._policy_temperature),
-                                     batch["input_ids"][idx].to(self.device))
+                lp, _ = self._score(model, mb, self._policy_temperature, dummy)
                 if not dummy:
                     out[idx] = lp.float().cpu()
                     if model is self.model and "routed_experts" in mb:  # real rows only: padding rows score nothing
                         valid = mb["attention_mask"] * (mb["loss_mask"].sum(1, keepdim=True) > 0)  # (b, T)
-                        routing = [a + b for a, b in zip(routing, self.routing.mismatch(mb["routed_experts"], valid))]
+                        ids = mb["routed_experts"]
+                        if self._packed is not None:  # the tap saw the packed row: compare token by token there
+                            valid, ids = self._packed.pack(valid), self._packed.pack(ids)
+                        routing = [a + b for a, b in zip(routing, self.routing.mismatch(ids, valid))]
         finally:
             model.train(training)
         if model is self.model:
@@ -219,9 +258,9 @@ class Trainer:
         tokens = self._agree([float(batch["loss_mask"].sum())], dist.ReduceOp.SUM)[0]
         loss_sum = 0.0
         self.model.train()
-        for idx, dummy in self._micro_plan(rows):
+        for idx, dummy in self._micro_plan(rows, batch):
             mb = _rows(batch, idx, dummy)
-            lp = gather_logprobs(self._forward(self.model, mb), mb["input_ids"].to(self.device))
+            lp, _ = self._score(self.model, mb, 1.0, dummy)
             mask = mb["loss_mask"].to(self.device, torch.float32)  # (b, T)
             loss = -(lp * mask).sum() / max(tokens, 1.0)
             (loss * self.world_size).backward()
@@ -233,12 +272,11 @@ class Trainer:
         return {"sft_loss": loss, "grad_norm": grad_norm, "tokens": tokens}
 
     def _ppo_micro(self, mb: dict, old: torch.Tensor, ref: torch.Tensor | None,
-                   token_count: float, seq_count: float) -> dict[str, torch.Tensor]:
+                   token_count: float, seq_count: float, dummy: bool) -> dict[str, torch.Tensor]:
         """Forward + backward of one micro-batch; returns detached, token-weighted metric sums."""
         a = self.cfg.algo
         mask = mb["loss_mask"].to(self.device)  # (b, T)
-        logits = self._forward(self.model, mb, self._policy_temperature)  # (b, T, V)
-        lp = gather_logprobs(logits, mb["input_ids"].to(self.device))  # (b, T)
+        lp, ent = self._score(self.model, mb, self._policy_temperature, dummy)  # (b, T) each
         rollout = mb.get("rollout_logprobs")
         loss, met = policy_loss(
             lp, old.to(self.device), mb["advantages"].to(self.device), mask,
@@ -252,7 +290,7 @@ class Trainer:
         with torch.no_grad():
             # token means -> token-weighted sums; the aggregated parts are already additive (global counts)
             out = {k: v.detach().float() * (1.0 if k in ADDITIVE else n) for k, v in met.items()}
-            out["entropy"] = (token_entropy(logits.detach()) * mask).sum()
+            out["entropy"] = (ent.detach() * mask).sum()
         out["loss"], out["tokens"] = loss.detach().float(), n
         return out
 
@@ -281,6 +319,7 @@ class Trainer:
         """
         self._check_ready()
         t, a = self.cfg.trainer, self.cfg.algo
+        self._slots = [0.0, 0.0]
         B = batch["input_ids"].shape[0]
         mask = batch["loss_mask"].float()  # (B, T)
         if self.ref_model is not None and not self.ref_frozen:
@@ -300,10 +339,10 @@ class Trainer:
         norms: list[float] = []
         for _ in range(max(1, int(t.epochs))):
             for m, rows in enumerate(minis):
-                for idx, dummy in self._micro_plan(rows):
+                for idx, dummy in self._micro_plan(rows, batch):
                     got = self._ppo_micro(_rows(batch, idx, dummy), old[idx],
                                           None if ref is None else ref[idx],
-                                          max(counts[m], 1.0), max(counts[M + m], 1.0))
+                                          max(counts[m], 1.0), max(counts[M + m], 1.0), dummy)
                     for k, v in got.items():
                         sums[k] = sums.get(k, 0.0) + v
                 norms.append(self._optim_step())
@@ -319,6 +358,11 @@ class Trainer:
                 "trainer/lr": float(self.optimizer.param_groups[0]["lr"])}  # as the optimizer ran it
         out.update({k: v / tokens for k, v in tot.items()})
         out.update(self._parity(batch, old))
+        slots, real = self._agree(self._slots, dist.ReduceOp.SUM)
+        # the share of token slots the train phase computed (every log-prob and update pass) that held no
+        # sample: padding, shard fillers, dummy micro-batches. The one metric that depends on the layout.
+        out |= {"train/padding_fraction": 1.0 - real / max(slots, 1.0), "train/token_slots": slots,
+                "train/real_tokens": real}
         self._release_cache()
         return out
 

@@ -1,0 +1,83 @@
+"""Sequence packing: micro-batches by a token budget, several samples in one row, no padding.
+
+    bins = pack_bins(lengths, budget)                  # row indices per micro-batch, first-fit decreasing
+    p = Packed.of(attention_mask)                      # (b, T) padded rows -> one (1, N) row of their tokens
+    ids, pos = p.pack(input_ids), p.position_ids       # (1, N) each; pos restarts at 0 on every sample
+    p.bounds                                           # (0, L0, L0 + L1, ..., N): where each sample starts
+    lp = p.unpack(lp_packed)                           # (1, N) -> (b, T), zeros where the padding was
+
+A packed row holds samples back to back:
+
+    input_ids      a0 a1 a2 a3 b0 b1 c0 c1 c2
+    position_ids    0  1  2  3  0  1  0  1  2
+
+The trainer's attention keeps each token inside its own sample: colo.trainer.attention's sdpa_varlen runs
+SDPA per sample from `bounds` (no N x N mask), flash-attention (where installed) sees batch 1 with restarting
+positions and calls its varlen kernel; transformers' own sdpa / eager would build a block-diagonal mask from
+the restarts (masking_utils.find_packed_sequence_indices; tests/unit/test_packed_attention.py checks all
+three against separate forwards). The rotary positions are the padded path's. The trainer then unpacks every per-token result to the padded (b, T) layout before
+the loss, so losses, TIS, KL, the R3 ids and every metric are computed exactly as on the padded path
+(tests/integration/test_packing.py).
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+
+def pack_bins(lengths: Sequence[int], budget: int) -> list[list[int]]:
+    """Indices into `lengths` grouped into bins of at most `budget` tokens, first-fit decreasing (a length
+    above the budget gets a bin of its own); bins in creation order, indices ascending inside each. Deterministic."""
+    if budget < 1:
+        raise ValueError(f"budget must be >= 1, got {budget}")
+    bins: list[list[int]] = []
+    room: list[int] = []
+    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        for b, free in enumerate(room):
+            if lengths[i] <= free:
+                bins[b].append(i)
+                room[b] -= lengths[i]
+                break
+        else:
+            bins.append([i])
+            room.append(budget - lengths[i])
+    return [sorted(b) for b in bins]
+
+
+@dataclass
+class Packed:
+    """Where the real tokens of (b, T) padded rows sit in one packed (1, N) row."""
+
+    index: torch.Tensor  # (N,) flat positions into the (b*T) padded layout, row-major
+    position_ids: torch.Tensor  # (1, N) position of each token inside its own sample
+    shape: tuple[int, int]  # (b, T) of the padded rows
+
+    @classmethod
+    def of(cls, attention_mask: torch.Tensor) -> Packed:
+        am = attention_mask.long()  # (b, T)
+        pos = (am.cumsum(-1) - 1).clamp(min=0)  # (b, T) the padded path's positions (left padding too)
+        index = am.reshape(-1).nonzero().squeeze(1)  # (N,)
+        return cls(index, pos.reshape(-1)[index][None], tuple(am.shape))
+
+    @property
+    def bounds(self) -> tuple[int, ...]:
+        """Start offset of every sample in the packed row, then its length: (0, L0, L0 + L1, ..., N)."""
+        starts = (self.position_ids[0] == 0).nonzero().squeeze(1).tolist()
+        return (*starts, self.tokens)
+
+    @property
+    def tokens(self) -> int:
+        return int(self.index.numel())
+
+    def pack(self, x: torch.Tensor) -> torch.Tensor:
+        """(b, T, ...) -> (1, N, ...)."""
+        b, T = self.shape
+        return x.reshape(b * T, *x.shape[2:])[self.index.to(x.device)][None]
+
+    def unpack(self, x: torch.Tensor) -> torch.Tensor:
+        """(1, N) -> (b, T), zeros off the tokens; differentiable in `x`."""
+        b, T = self.shape
+        out = x.new_zeros(b * T)
+        return out.index_copy(0, self.index.to(x.device), x.reshape(-1)).view(b, T)

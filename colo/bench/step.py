@@ -1,0 +1,271 @@
+"""The whole RL step at real response lengths: tokens/s/GPU, generation speed, train MFU, padding, phases.
+
+    python -m colo.bench.step --preset qwen3-30b-a3b-L4 --device cuda --max-tokens 4096 --compare --json  # 1 GPU
+    python -m colo.bench.step --preset tiny --device cpu --steps 3 --json                                 # CPU
+    python -m colo.bench.step --model /path/to/checkpoint --device cuda trainer.max_tokens_per_micro_batch=8192
+
+Runs colo.loop.rl_step itself (rollout, reward, sleep, train, sync, wake) --warmup + --steps times on one
+cluster. Prompts are random token ids (--prompt-len each). Responses have a long-tail length distribution,
+imposed per sample because random weights never sample EOS on purpose: each sample is its own vLLM request
+with min_tokens = max_tokens = a length drawn from a lognormal with median max_tokens/4 whose upper 5% is cut
+at max_tokens, and ignore_eos (colo.bench.engines.LengthEngine; the draw is a function of the request's seed,
+so every run and both layouts see the same lengths at the same step).
+
+The JSON line (last stdout line with --json) holds, over the measured steps:
+    tokens_per_s_per_gpu     trained tokens (prompt + response of every sample) / step time / GPUs (NeMo-RL's count)
+    generated_tokens_per_s   response tokens / rollout-phase seconds
+    train_mfu                model FLOPs of the train phase / its seconds / (GPUs x the device's peak dense bf16
+                             FLOP/s); null on CPU or an unknown device. FLOPs: 2 x active parameters per token
+                             (attention, the routed experts' top-k share, router, lm_head; not the embedding lookup)
+                             plus causal attention 2 x layers x heads x head_dim x sum(L^2), for the log-prob pass
+                             (1 forward, +1 for a KL reference) and each update (forward + backward = 3 forwards);
+                             gradient checkpointing's recompute is not counted (model FLOPs, not hardware FLOPs)
+    padding_fraction         share of the token slots the train phase computed that held no sample
+    phases                   seconds per phase (loop's timing/*), logprob / update inside train
+    logprob_peak_gb          the trainer's allocated peak during its log-prob pass (GPU; null on CPU), and
+                             logprob_pass_gb, that peak above what was allocated when the pass began
+--no-packing measures the padded path (trainer.packing=false) instead; --compare measures both in one run
+(packed first, the same steps again padded) and adds "no_packing" and "speedup" (packed / padded). The padded
+path runs trainer.micro_batch_size = max_tokens_per_micro_batch // max_model_len rows (at least 1) unless
+given: the activation memory of the packed path's budget.
+Arguments are parsed before torch, Ray or vLLM are imported.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+PRESETS = ("tiny", "qwen3-30b-a3b-L2", "qwen3-30b-a3b-L4", "qwen3-30b-a3b-L12", "qwen3-30b-a3b")
+TOKEN_ID_LIMIT = 512  # the presets' tokenizer vocabulary: every id below it is a real token
+DEFAULTS = {"cpu": dict(prompts=4, n=4, prompt_len=16, max_tokens=64),
+            "cuda": dict(prompts=16, n=8, prompt_len=256, max_tokens=4096)}
+PEAK_BF16 = {"H100 PCIe": 756e12, "H100 NVL": 835e12, "H100": 989e12, "H200": 989e12, "H800": 989e12,
+             "GH200": 989e12, "A100": 312e12, "B200": 2250e12, "GB200": 2500e12, "B300": 2250e12}
+"""Dense bf16 tensor-core peak FLOP/s by device name (vendor data sheets, SXM unless named); first match wins."""
+PHASES = ("rollout", "reward", "sleep", "train", "sync", "wake", "step")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="python -m colo.bench.step", description=__doc__.splitlines()[0])
+    ap.add_argument("--preset", choices=PRESETS, default="tiny", help="a colo.models.tiny preset (random weights "
+                    "beyond tiny)")
+    ap.add_argument("--model", help="a checkpoint dir instead of a preset (its weights; --dummy-weights: random)")
+    ap.add_argument("--dummy-weights", action="store_true", help="with --model: random weights of its shape")
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    ap.add_argument("--gpus", type=int, default=1, help="GPUs (colocated: one trainer + engine on each)")
+    ap.add_argument("--steps", type=int, default=3, help="measured RL steps")
+    ap.add_argument("--warmup", type=int, default=1, help="RL steps run first and not measured")
+    ap.add_argument("--prompts", type=int, help="prompts per step (cpu 4, cuda 16)")
+    ap.add_argument("--n", type=int, help="samples per prompt (cpu 4, cuda 8)")
+    ap.add_argument("--prompt-len", type=int, help="tokens per prompt (cpu 16, cuda 256)")
+    ap.add_argument("--max-tokens", type=int, help="longest response (cpu 64, cuda 4096); median a quarter of it")
+    ap.add_argument("--no-packing", action="store_true", help="the padded path (trainer.packing=false)")
+    ap.add_argument("--compare", action="store_true", help="packed and padded in one run, with their ratio")
+    ap.add_argument("--json", action="store_true", help="print one JSON object (last stdout line)")
+    ap.add_argument("--workdir", default=os.path.join(tempfile.gettempdir(), "colo-bench"))
+    ap.add_argument("overrides", nargs="*", metavar="key=value", help="colo config overrides, e.g. "
+                    "trainer.max_tokens_per_micro_batch=8192")
+    args = ap.parse_args(argv)
+    for k, v in DEFAULTS[args.device].items():
+        if getattr(args, k) is None:
+            setattr(args, k, v)
+    if min(args.gpus, args.steps, args.prompts, args.n, args.prompt_len, args.max_tokens) < 1 or args.warmup < 0:
+        ap.error("--gpus, --steps, --prompts, --n, --prompt-len and --max-tokens must be >= 1, --warmup >= 0")
+    if args.no_packing and args.compare:
+        ap.error("--compare already measures the padded path; drop --no-packing")
+    if any("=" not in o for o in args.overrides):
+        ap.error(f"overrides are key=value, got {[o for o in args.overrides if '=' not in o]}")
+    return args
+
+
+def make_config(args: argparse.Namespace, model_dir: str, dummy: bool) -> Any:
+    from colo.config import load_config, validate
+
+    cfg = load_config(None, list(args.overrides))
+    cfg.model.path, cfg.model.dummy_weights = model_dir, dummy
+    cfg.placement.device, cfg.placement.num_gpus = args.device, args.gpus
+    cfg.rollout.max_tokens, cfg.rollout.n = args.max_tokens, args.n
+    cfg.rollout.max_model_len = args.prompt_len + args.max_tokens
+    cfg.rollout.enforce_eager = cfg.rollout.enforce_eager or args.device == "cpu"
+    cfg.data.prompts_per_step = args.prompts
+    cfg.loop.sft_warmup_steps = 0
+    if not any(o.startswith("trainer.micro_batch_size=") for o in args.overrides):
+        # the padded path gets the rows that fit the packed path's token budget: the same activation memory
+        cfg.trainer.micro_batch_size = max(1, cfg.trainer.max_tokens_per_micro_batch // cfg.rollout.max_model_len)
+    cfg.run.dir = str(Path(args.workdir) / "step-run")
+    validate(cfg, check_resources=False)
+    return cfg
+
+
+class RandomPrompts:
+    """The loop's train_data: --prompts random-id prompts per step, the same sequence in every pass."""
+
+    def __init__(self, count: int, length: int, seed: int = 1234) -> None:
+        import random
+
+        self.rng, self.count, self.length = random.Random(seed), count, length
+
+    def next_batch(self, k: int) -> list[dict]:
+        return [{"prompt_ids": [self.rng.randrange(3, TOKEN_ID_LIMIT) for _ in range(self.length)],
+                 "answer": "0", "prompt_text": ""} for _ in range(k)]
+
+    def state_dict(self) -> dict:
+        return {}
+
+
+def forward_flops(config_json: dict, tokens: float, tokens_sq: float) -> float:
+    """Model FLOPs of one forward over samples of total length `tokens` and sum of squared lengths `tokens_sq`."""
+    from colo.plan.memory import model_shape
+
+    m = model_shape(config_json)
+    dense = sum(p.numel for p in m.params if not p.expert and len(p.shape) == 2 and p.name != "model.embed_tokens.weight")
+    if config_json.get("tie_word_embeddings", False):
+        dense += m.vocab * m.hidden  # the embedding is the lm_head too
+    active = dense + (m.expert_numel * m.top_k / m.experts if m.experts else 0)
+    return 2.0 * active * tokens + 2.0 * m.layers * m.heads * m.head_dim * tokens_sq
+
+
+def peak_flops(device_name: str) -> float | None:
+    for key, flops in PEAK_BF16.items():
+        if key in device_name:
+            return flops
+    return None
+
+
+def summarize(steps: list[dict], cfg: Any, config_json: dict, gpus: int, device_name: str) -> dict:
+    """One layout's figures over its measured steps (each a colo.loop.rl_step record)."""
+    total = lambda key: sum(float(m[key]) for m in steps)  # noqa: E731
+    step_s, train_s, rollout_s = total("timing/step_s"), total("timing/train_s"), total("timing/rollout_s")
+    generated = sum(m["response_len/mean"] * m["bench/samples"] for m in steps)
+    passes = 1 + (1 if float(cfg.algo.kl_coef) > 0 else 0) + 3 * int(cfg.trainer.epochs)
+    flops = sum(passes * forward_flops(config_json, m["bench/tokens"], m["bench/tokens_sq"]) for m in steps)
+    peak = peak_flops(device_name) if cfg.placement.device == "cuda" else None
+    peaks = [m["bench/logprob_peak_gb"] for m in steps if m["bench/logprob_peak_gb"] is not None]
+    own = [m["bench/logprob_pass_gb"] for m in steps if m["bench/logprob_pass_gb"] is not None]
+    phases = {p: total(f"timing/{p}_s") / len(steps) for p in PHASES}
+    phases |= {"logprob": total("bench/logprob_s") / len(steps), "update": total("bench/update_s") / len(steps)}
+    return {
+        "tokens_per_s_per_gpu": total("bench/tokens") / step_s / gpus,
+        "response_tokens_per_s_per_gpu": generated / step_s / gpus,
+        "generated_tokens_per_s": generated / rollout_s,
+        "train_mfu": flops / train_s / (peak * gpus) if peak else None,
+        "train_tflops_per_gpu": flops / train_s / gpus / 1e12,
+        "padding_fraction": 1.0 - total("train/real_tokens") / max(total("train/token_slots"), 1.0),
+        "phases": phases,
+        "logprob_peak_gb": max(peaks) if peaks else None,
+        "logprob_pass_gb": max(own) if own else None,
+        "tokens_per_step": total("bench/tokens") / len(steps),
+        "response_len_mean": sum(m["response_len/mean"] for m in steps) / len(steps),
+        "truncated_frac": sum(m["response/truncated_frac"] for m in steps) / len(steps),
+        "steps": len(steps),
+    }
+
+
+def measure(args: argparse.Namespace) -> dict:
+    import ray
+    import torch
+
+    from colo.algo.rewards import RewardRunner
+    from colo.bench.engines import LengthEngine, StepTrainer
+    from colo.cluster.actors import start_cluster
+    from colo.cluster.placement import init_ray, plan_placement
+    from colo.config import model_config_json
+    from colo.data.inputs import RunInputs
+    from colo.loop import Position, check_sync, offloads, rl_step, sync_all
+    from colo.plan.job import check_fits
+    from colo.models.tiny import WITH_WEIGHTS, make_tiny_model
+
+    if args.model:
+        model_dir, dummy, name = args.model, args.dummy_weights, args.model
+    else:
+        model_dir = str(make_tiny_model(Path(args.workdir) / f"{args.preset}-s0", args.preset, 0))
+        dummy, name = args.preset not in WITH_WEIGHTS, args.preset
+    cfg = make_config(args, model_dir, dummy)
+    config_json = model_config_json(cfg)
+    layouts = [True, False] if args.compare else [not args.no_packing]
+    for packing in layouts[::-1]:  # GPU: refuses a layout the memory plan says does not fit (ConfigError, fixes)
+        cfg.trainer.packing = packing
+        mem_plan = check_fits(cfg)
+    Path(cfg.run.dir).mkdir(parents=True, exist_ok=True)
+    plan = plan_placement(cfg)
+    init_ray(plan, log_to_driver=not args.json)
+    results: dict[bool, dict] = {}
+    rewards = RewardRunner(list(cfg.algo.rewards))
+    cluster = None
+    try:
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(model_dir)
+        cluster = start_cluster(cfg, plan, trainer_cls=StepTrainer, engine_cls=LengthEngine)
+        device_name = ray.get(cluster.trainers[0].device_name.remote())
+        check_sync(cluster)
+        sync_all(cluster)
+        if offloads(cluster, cfg):
+            cluster.trainer_group.offload()
+        for packing in layouts:
+            ray.get([t.set_packing.remote(packing) for t in cluster.trainers])
+            inputs = RunInputs(Path(cfg.run.dir), tok, RandomPrompts(args.prompts, args.prompt_len), [])
+            pos, records = Position(-1, {}), []
+            for step in range(args.warmup + args.steps):  # same step numbers, same lengths, in both layouts
+                m = rl_step(step, cluster, cfg, inputs, rewards, pos)
+                if step >= args.warmup:
+                    records.append(m)
+                if not args.json:
+                    print(f"[bench.step] packing={packing} step {step}: {m['timing/step_s']:.2f}s, "
+                          f"train {m['timing/train_s']:.2f}s, padding {m['train/padding_fraction']:.3f}", flush=True)
+            results[packing] = summarize(records, cfg, config_json, args.gpus, device_name)
+    finally:
+        rewards.close()
+        if cluster is not None:
+            ends = [a.shutdown.remote() for _, a in cluster.actors()]
+            ray.wait(ends, num_returns=len(ends), timeout=60)
+        ray.shutdown()
+    main = results[layouts[0]]
+    out = {**main, "packing": layouts[0], "model": name, "device": args.device, "device_name": device_name,
+           "gpus": args.gpus, "prompts": args.prompts, "n": args.n, "prompt_len": args.prompt_len,
+           "max_tokens": args.max_tokens, "max_tokens_per_micro_batch": cfg.trainer.max_tokens_per_micro_batch,
+           "micro_batch_size": cfg.trainer.micro_batch_size, "logprob_chunk": cfg.trainer.logprob_chunk,
+           "overrides": list(args.overrides), "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"),
+           "plan_train_gb": None if mem_plan is None else mem_plan.total("train") / 2**30}
+    if args.compare:
+        pad = results[False]
+        out["no_packing"] = pad
+        out["speedup"] = {"tokens_per_s_per_gpu": main["tokens_per_s_per_gpu"] / pad["tokens_per_s_per_gpu"],
+                          "train": pad["phases"]["train"] / main["phases"]["train"],
+                          "step": pad["phases"]["step"] / main["phases"]["step"]}
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    from colo.config import ConfigError
+
+    try:
+        out = measure(args)
+    except ConfigError as e:
+        print(f"colo: error: {e}", file=sys.stderr, flush=True)
+        return 2
+    if args.json:
+        print(json.dumps(out, sort_keys=True), flush=True)
+    else:
+        def line(tag: str, r: dict) -> str:
+            mfu = "n/a" if r["train_mfu"] is None else f"{100 * r['train_mfu']:.1f}%"
+            return (f"{tag}: {r['tokens_per_s_per_gpu']:.0f} tok/s/GPU, generation {r['generated_tokens_per_s']:.0f} "
+                    f"tok/s, train MFU {mfu}, padding {r['padding_fraction']:.3f}, phases "
+                    + ", ".join(f"{k} {v:.2f}s" for k, v in r["phases"].items()))
+        print(line("packed" if out["packing"] else "padded", out))
+        if "no_packing" in out:
+            print(line("padded", out["no_packing"]))
+            print(f"speedup packed/padded: {out['speedup']['tokens_per_s_per_gpu']:.2f}x tokens/s/GPU, "
+                  f"{out['speedup']['train']:.2f}x train phase")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

