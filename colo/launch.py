@@ -49,7 +49,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     from colo.config import ConfigError  # omegaconf + yaml only: still fast
+    from colo.run.signals import StopSignals
 
+    early = StopSignals()  # Ctrl-C / SIGTERM before the loop takes them over (colo.loop.run): nothing to save yet
+    early.install()
     try:
         return _run(args)
     except ConfigError as e:
@@ -57,11 +60,13 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"colo: error: {e}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:  # before the run installed its own handling (colo.run.signals), or after it
+    except KeyboardInterrupt:
         if args.debug:
             raise
-        print("colo: stopped by SIGINT", file=sys.stderr)
-        return 130
+        print(f"colo: stopped by {early.name or 'SIGINT'}", file=sys.stderr)
+        return early.exit_status if early.signum else 130
+    finally:
+        early.restore()
 
 
 def _run(args: argparse.Namespace) -> int:

@@ -29,7 +29,12 @@ depend only on (run.seed, step), so `--resume` reproduces an uninterrupted run (
 tests/e2e/test_loop.py). A raising reward function, or an engine that dies or raises (in generate, sleep,
 wake_up or a sync), ends the run with status 1 after saving the last trained step: one `colo: error:`
 line on the terminal, the traceback in <run.dir>/error.log. After a trainer died or raised only the
-periodic checkpoints remain.
+periodic checkpoints remain. So does a full disk (the line says so) and trainer.max_consecutive_skipped
+optimizer steps in a row with a non-finite grad norm.
+
+Ctrl-C or SIGTERM stops the run: the last finished step is saved (a signal during a step's train..save waits
+for it), one line says what was saved and how to --resume, and the exit status is 130 / 143; a second signal
+skips the save (colo.run.signals). Every way out stops the actors, Ray and their /dev/shm segments (shut_down).
 """
 
 from __future__ import annotations
@@ -286,10 +291,24 @@ def save(c: Cluster, inputs: RunInputs, pos: Position, timeout: float | None = N
     try:
         c.trainer_group.save_checkpoint(str(tmp), {"step": pos.step, "data": pos.data}, timeout=timeout)
         tmp.rename(path)
-    except BaseException:
+    except BaseException as err:
+        full = nearly_full(path.parent)  # asked before the half-written files go: they filled it
         shutil.rmtree(tmp, ignore_errors=True)  # half-written: gone, and its space with it
+        if full and isinstance(err, Exception):  # torch's writer reports a short write as "unexpected pos"
+            raise OSError(errno.ENOSPC, f"No space left on device: saving {path.name} failed "
+                                        f"({(str(err).strip().splitlines() or [''])[0]})") from err
         raise
     return path
+
+
+FULL_BELOW = 64 << 20  # free bytes under which a failed write is put down to a full disk
+
+
+def nearly_full(path: Path) -> bool:
+    try:
+        return shutil.disk_usage(path).free < FULL_BELOW
+    except OSError:
+        return False
 
 
 def restore(c: Cluster, inputs: RunInputs, writer: MetricsWriter) -> Position | None:
@@ -375,7 +394,9 @@ def run(cfg: ColoConfig) -> int:
         init_ray(plan, address=cfg.run.ray_address, log_to_driver=cfg.run.verbose,
                  logging_level=logging.INFO if cfg.run.verbose else logging.ERROR)
         link_ray_logs(inputs.run_dir)
+        stop.install()  # again: ray.init replaced the SIGTERM handler with its own
         cluster = start_cluster(cfg, plan)
+        stop.install()  # and whatever start-up imported may have too
         if len(cluster.ranks_by_node) > 1:  # a run over several nodes says where each rank is
             print("colo: nodes: " + "; ".join(f"{ip}: {', '.join(names)}"
                                                for ip, names in cluster.ranks_by_node.values()), flush=True)

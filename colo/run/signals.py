@@ -46,8 +46,10 @@ class StopSignals:
         return EXIT_STATUS.get(self.signum, 128 + (self.signum or 0))
 
     def install(self) -> None:
+        """Take SIGINT and SIGTERM; again after ray.init, which sets a SIGTERM handler of its own (sys.exit)."""
         for sig in STOP_SIGNALS:
-            self._previous[sig] = signal.signal(sig, self._on_signal)
+            previous = signal.signal(sig, self._on_signal)
+            self._previous.setdefault(sig, previous)
 
     def restore(self) -> None:
         for sig, handler in self._previous.items():

@@ -25,6 +25,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_state_dict, set_model_state_dict,
                                                      set_state_dict)
@@ -59,12 +60,24 @@ def save(path: str, model: nn.Module, optimizer: torch.optim.Optimizer, extra: d
     out = Path(path)
     out.mkdir(parents=True, exist_ok=True)
     msd, osd = get_state_dict(model, optimizer)
-    dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(out))
+    _dcp_save({"model": msd, "optim": osd}, out)
     torch.save(_rng_state(), out / f"rng_rank{rank}.pt")
     if rank == 0:
         # json, not pickle: the loop's resume state stays readable and version-proof
         (out / "extra.json").write_text(json.dumps(extra, indent=1, sort_keys=True))
     dist.barrier()
+
+
+def _dcp_save(state: dict, out: Path) -> None:
+    """dcp.save, with an OSError of a rank (a full disk) raised as itself: DCP wraps it in a CheckpointException
+    whose message names only the ranks ("CheckpointException ranks:dict_keys([0])")."""
+    try:
+        dcp.save(state, checkpoint_id=str(out))
+    except CheckpointException as e:
+        first = next((f[0] if isinstance(f, tuple) else f for f in getattr(e, "failures", {}).values()), None)
+        if isinstance(first, OSError):
+            raise first from e
+        raise
 
 
 def load(path: str, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
@@ -92,7 +105,7 @@ def load(path: str, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
 
 def save_weights(path: str, model: nn.Module) -> None:
     """Collective: a model's weights alone (the frozen KL reference) as a DCP checkpoint at `path`."""
-    dcp.save({"model": get_model_state_dict(model)}, checkpoint_id=str(path))
+    _dcp_save({"model": get_model_state_dict(model)}, Path(path))
     dist.barrier()
 
 

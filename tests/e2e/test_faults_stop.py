@@ -99,8 +99,9 @@ def test_ctrl_c_second_launch_damaged_checkpoint_sigterm(tmp_path: Path) -> None
     shard = next(saved[-1].glob("*.distcp"))
     shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
     p = launch(run_dir, "--resume")
-    redone = run_dir / "checkpoints" / f"step_{last:06d}" / "extra.json"  # the damaged one was set aside
-    wait_for(p, redone.exists, f"step {last} redone and saved")
+    redone = run_dir / "checkpoints" / f"step_{last:06d}"  # once the damaged one is set aside, saved again
+    aside = redone.with_name(redone.name + ".damaged")
+    wait_for(p, lambda: aside.is_dir() and (redone / "extra.json").exists(), f"step {last} redone and saved")
     pids = process_tree(p.pid)
     os.kill(p.pid, signal.SIGTERM)  # a scheduler's preemption: the driver alone
     out, err = p.communicate(timeout=300)
@@ -113,3 +114,31 @@ def test_ctrl_c_second_launch_damaged_checkpoint_sigterm(tmp_path: Path) -> None
     assert "continue with: python -m colo.launch --resume" in line
     assert_nothing_left(pids)
     assert not any(checkpoint_problem(c) for c in complete_checkpoints(run_dir))
+
+
+def test_disk_full_mid_run(tmp_path: Path) -> None:
+    """run.dir on a 40 MiB filesystem: the model, the data and four ~9 MB checkpoints fit, the fifth does not.
+    The run ends with one line naming the full disk, keeps no half-written checkpoint, and leaves nothing behind."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=40m", "tmpfs", str(disk)],
+                                           capture_output=True).returncode:
+        pytest.skip("needs root to mount a small filesystem")
+    try:
+        run_dir = disk / "run"
+        p = launch(run_dir)
+        wait_for(p, (run_dir / "checkpoints" / "step_000000" / "extra.json").exists, "step 0 saved")
+        pids = process_tree(p.pid)
+        out, err = p.communicate(timeout=600)
+        assert p.returncode == 1, err[-3000:]
+        assert "Traceback" not in err, err[-3000:]
+        errors = [ln for ln in err.splitlines() if ln.startswith("colo: error:")]
+        assert len(errors) == 1 and errors[0].startswith(f"colo: error: the disk of {run_dir} is full ("), err[-3000:]
+        assert f"--resume run.dir={run_dir}" in err
+        assert_nothing_left(pids)
+        saved = complete_checkpoints(run_dir)
+        assert saved and not any(checkpoint_problem(c) for c in saved)
+        assert not list((run_dir / "checkpoints").glob("*.tmp")), "a half-written checkpoint was left"
+    finally:
+        with contextlib.suppress(Exception):
+            subprocess.run(["umount", "-l", str(disk)], check=False)
