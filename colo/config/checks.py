@@ -89,7 +89,7 @@ def _check_values(cfg: ColoConfig) -> None:
         "placement.cpus_per_bundle", "trainer.weight_decay", "trainer.grad_clip", "rollout.temperature",
         "algo.clip_low", "algo.clip_high", "algo.kl_coef", "algo.tis_cap", "algo.overlong_penalty",
         "loop.eval_every", "loop.eval_samples",
-        "loop.checkpoint_every", "loop.sft_warmup_steps")}
+        "loop.checkpoint_every", "loop.sft_warmup_steps", "loop.max_staleness")}
     for key, low in at_least.items():
         if get(key) < low:
             raise ConfigError(f"{key}={get(key)} must be >= {low}; fix: e.g. {key}={default_value(key)}")
@@ -97,6 +97,7 @@ def _check_values(cfg: ColoConfig) -> None:
         raise ConfigError(f"rollout.n={cfg.rollout.n}: group-relative advantages need at least 2 samples per prompt "
                           "(with 1, every advantage is 0 and nothing trains); fix: rollout.n=8 (or any n >= 2)")
     _check_placement_mode(cfg)
+    _check_async(cfg)
     _check_loggers(cfg.run.loggers)
     if cfg.data.system_prompt and not cfg.data.chat_template:
         raise ConfigError("data.system_prompt is set but data.chat_template is false, and a system prompt "
@@ -131,6 +132,22 @@ def _check_values(cfg: ColoConfig) -> None:
         if preset not in WITH_WEIGHTS and not cfg.model.dummy_weights:
             raise ConfigError(f"model.path={cfg.model.path} has a config but no weights; "
                               "fix: model.dummy_weights=true (random weights)")
+
+
+def _check_async(cfg: ColoConfig) -> None:
+    """loop.mode=async is the colocated step with carried samples (docs/config.md, "Async")."""
+    if cfg.rollout.oversample < 1:
+        raise ConfigError(f"rollout.oversample={cfg.rollout.oversample} must be >= 1 (prompts in flight per "
+                          "data.prompts_per_step); fix: rollout.oversample=1.5")
+    if cfg.loop.mode != "async":
+        return
+    if cfg.placement.mode == "disaggregated":
+        raise ConfigError("loop.mode=async runs on colocated GPUs only (disaggregated async is not built); fix: "
+                          "placement.mode=colocated with loop.mode=async, or loop.mode=sync with "
+                          "placement.mode=disaggregated")
+    if cfg.algo.tis_cap == 0:
+        raise ConfigError("loop.mode=async trains on tokens sampled by older weights, which needs the truncated "
+                          "behaviour-to-trainer importance weight that algo.tis_cap=0 turns off; fix: algo.tis_cap=2.0")
 
 
 def _check_loss(cfg: ColoConfig) -> None:
