@@ -31,12 +31,13 @@ periodic checkpoints remain.
 from __future__ import annotations
 
 import logging
+import math
 import sys
 import time
 import traceback
 from collections.abc import Callable
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import ray
@@ -52,6 +53,7 @@ from colo.data.inputs import RunInputs, open_inputs
 from colo.run.logs import link_ray_logs, log_of
 from colo.host.shm import sweep
 from colo.run.summary import run_summary
+from colo.rollout.buffer import RolloutBuffer
 from colo.rollout.vllm_compat import serve_command
 from colo.cluster.placement import init_ray, plan_placement
 from colo.sync.plan import MappingError
@@ -99,6 +101,35 @@ def generate(c: Cluster, prompts: list[dict], n: int, cfg: ColoConfig, *, greedy
     return sorted(samples, key=lambda s: s["prompt_index"])  # stable: keeps each prompt's n samples together
 
 
+def rollout_async(step: int, c: Cluster, cfg: ColoConfig, inputs: RunInputs, pos: Position
+                  ) -> tuple[list[dict], list[dict], dict]:
+    """loop.mode=async's rollout phase (docs/config.md, "Async"): drop stale groups, top up to oversample x
+    prompts_per_step groups, run every unfinished sample until prompts_per_step whole groups exist, take them.
+    Returns (prompts, samples, async/* metrics); the rest stays in pos.buffer for the next step."""
+    if pos.buffer is None:
+        pos.buffer = RolloutBuffer(cfg.rollout.n, cfg.rollout.max_tokens, cfg.loop.max_staleness)
+    buf, k, w = pos.buffer, cfg.data.prompts_per_step, len(c.engines)
+    buf.drop_stale(step)
+    new = buf.wanted(math.ceil(cfg.rollout.oversample * k))
+    if new:
+        buf.add(inputs.train_data.next_batch(new), seed=cfg.run.seed * 100_003 + step * 1_009)
+    reqs = buf.requests()
+    # groups round robin over the engines (a carried sample resumes anywhere: its KV is recomputed anyway);
+    # the groups still needed are shared the same way, each engine's share capped by the groups it holds
+    order = list(dict.fromkeys(r["group"] for r in reqs))
+    engine_of = {g: i % w for i, g in enumerate(order)}
+    held, quota = [len(order[e::w]) for e in range(w)], [0] * w
+    for i in range(min(buf.need(k), len(order))):
+        quota[i % w] += 1
+    per_engine = [[r for r in reqs if engine_of[r["group"]] == e] for e in range(w)]
+    assert all(q <= h for q, h in zip(quota, held))
+    results = c.engine_group.generate_partial(per_engine, quota, cfg.rollout.temperature, cfg.rollout.top_p,
+                                              routing=True)
+    buf.absorb([r for rs in per_engine for r in rs], [o for os in results for o in os], version=step)
+    prompts, samples = buf.take(k, step)
+    return prompts, samples, buf.metrics(samples, step)
+
+
 def score(rewards: RewardRunner, prompts: list[dict], samples: list[dict], tokenizer) -> torch.Tensor:
     texts = tokenizer.batch_decode([s["response_ids"] for s in samples], skip_special_tokens=True)
     answers = [prompts[s["prompt_index"]]["answer"] for s in samples]
@@ -114,15 +145,20 @@ class Position:
 
     step: int
     data: dict
+    buffer: RolloutBuffer | None = field(default=None, repr=False)  # loop.mode=async: carried samples (not checkpointed)
 
 
 def rl_step(step: int, c: Cluster, cfg: ColoConfig, inputs: RunInputs, rewards: RewardRunner, pos: Position) -> dict:
     t, n = Timer(memory_probe(c) if cfg.loop.memory_stats else None), cfg.rollout.n
     trainers, engines, t_step = c.trainer_group, c.engine_group, time.perf_counter()
     with t("rollout"):
-        prompts = inputs.train_data.next_batch(cfg.data.prompts_per_step)
-        samples = generate(c, prompts, n, cfg, greedy=False, seed=cfg.run.seed * 100_003 + step * 1_009,
-                           routing=True)  # every step: routing/mismatch is logged with replay on or off
+        carry = {}
+        if cfg.loop.mode == "async":  # what is generated, carried and dropped: colo.rollout.buffer
+            prompts, samples, carry = rollout_async(step, c, cfg, inputs, pos)
+        else:
+            prompts = inputs.train_data.next_batch(cfg.data.prompts_per_step)
+            samples = generate(c, prompts, n, cfg, greedy=False, seed=cfg.run.seed * 100_003 + step * 1_009,
+                               routing=True)  # every step: routing/mismatch is logged with replay on or off
     with t("reward"):
         reward = score(rewards, prompts, samples, inputs.tokenizer)  # (N*G,)
         adv, penalty = step_advantages(samples, reward, n, cfg.algo, cfg.rollout.max_tokens)  # (N*G,) each
@@ -150,7 +186,7 @@ def rl_step(step: int, c: Cluster, cfg: ColoConfig, inputs: RunInputs, rewards: 
     metrics = {"step": step, "reward/mean": reward.mean().item(), "reward/std": reward.std().item(),
                "response_len/mean": lens.mean().item(),
                "response/truncated_frac": sum(s["finish_reason"] == "length" for s in samples) / len(samples),
-               **train, **synced, **t.seconds, **t.memory}
+               **carry, **train, **synced, **t.seconds, **t.memory}
     if cfg.algo.overlong == "penalty":  # reward/mean stays the reward functions' own
         metrics["reward/overlong_penalty"] = penalty.mean().item()
     metrics["timing/step_s"] = time.perf_counter() - t_step  # wall clock: the phases plus what lies between

@@ -51,6 +51,9 @@ def validate(cfg: ColoConfig, *, check_resources: bool = True, check_gpus: bool 
     _check_attention_heads(cfg, model.get("num_attention_heads"))
     _check_model_family(cfg, model)
     _check_routing_replay(cfg, model)
+    if cfg.loop.mode == "async" and device == "cuda" and cfg.algo.routing_replay == "r3":
+        raise ConfigError("algo.routing_replay=r3 with loop.mode=async runs on CPU engines only (the GPU engines' "
+                          "routing of a stopped request is not read yet); fix: algo.routing_replay=off or loop.mode=sync")
     _check_weights(cfg)
     for key in ("data.path", "data.eval_path"):
         _check_data(cfg, key)
