@@ -2,8 +2,8 @@
 
     .venv/bin/python -m pytest tests/e2e/test_async_job.py -q
 
-Two SFT steps only, so the tiny policy is near random and its response lengths spread from 1 token (an early
-end-of-turn) to rollout.max_tokens: with twice the prompts in flight, the rollout stops with samples unfinished,
+A long tail: after 10 SFT steps most answers end in a few tokens, while some run on to rollout.max_tokens=32.
+With twice the prompts in flight, the rollout stops once the short groups are done, with samples unfinished,
 which the next step resumes under new weights (staleness 1) or drops (older than loop.max_staleness).
 """
 from __future__ import annotations
@@ -14,8 +14,8 @@ from conftest import clean_env, run_cli
 
 from colo.run.metrics import read_metrics
 
-JOB = ["loop.steps=5", "loop.sft_warmup_steps=2", "loop.eval_every=0", "loop.eval_samples=0", "loop.checkpoint_every=0",
-       "data.prompts_per_step=4", "rollout.n=4", "data.eval_size=8"]
+JOB = ["loop.steps=5", "loop.sft_warmup_steps=10", "loop.eval_every=0", "loop.eval_samples=0", "loop.checkpoint_every=0",
+       "data.prompts_per_step=4", "rollout.n=4", "data.eval_size=8", "rollout.max_tokens=32"]
 KEYS = ("async/staleness_mean", "async/staleness_max", "async/offpolicy_frac", "async/carried", "async/dropped",
         "async/dropped_tokens", "async/completed", "async/resumed", "async/buffered_groups")
 
