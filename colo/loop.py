@@ -108,6 +108,8 @@ def rollout_async(step: int, c: Cluster, cfg: ColoConfig, inputs: RunInputs, pos
     Returns (prompts, samples, async/* metrics); the rest stays in pos.buffer for the next step."""
     if pos.buffer is None:
         pos.buffer = RolloutBuffer(cfg.rollout.n, cfg.rollout.max_tokens, cfg.loop.max_staleness)
+        if pos.carry:  # resumed: what the checkpointed step left carried
+            pos.buffer.load_state_dict(pos.carry)
     buf, k, w = pos.buffer, cfg.data.prompts_per_step, len(c.engines)
     buf.drop_stale(step)
     new = buf.wanted(math.ceil(cfg.rollout.oversample * k))
@@ -145,7 +147,8 @@ class Position:
 
     step: int
     data: dict
-    buffer: RolloutBuffer | None = field(default=None, repr=False)  # loop.mode=async: carried samples (not checkpointed)
+    buffer: RolloutBuffer | None = field(default=None, repr=False)  # loop.mode=async: the carried samples
+    carry: dict | None = field(default=None, repr=False)  # buffer.state_dict() after `step`: what a checkpoint holds
 
 
 def rl_step(step: int, c: Cluster, cfg: ColoConfig, inputs: RunInputs, rewards: RewardRunner, pos: Position) -> dict:
@@ -173,6 +176,7 @@ def rl_step(step: int, c: Cluster, cfg: ColoConfig, inputs: RunInputs, rewards: 
         shards = shard_batch(batch, len(c.trainers))
         train = trainers.train_step(shards)[0]  # metrics are already all-reduced over ranks
         pos.step, pos.data = step, inputs.train_data.state_dict()  # a failure from here on saves this step
+        pos.carry = pos.buffer.state_dict() if pos.buffer is not None else None
     with t("sync"):
         if c.colocated:
             engines.wake_up(["weights"])
@@ -270,6 +274,8 @@ def save(c: Cluster, inputs: RunInputs, pos: Position, timeout: float | None = N
     path = inputs.run_dir / "checkpoints" / f"step_{pos.step:06d}"
     if not (path / "extra.json").exists():  # a failure right after a periodic save: nothing new to write
         extra = {"step": pos.step, "data": pos.data}
+        if pos.carry is not None:  # loop.mode=async: the samples carried into the next step
+            extra["async_buffer"] = pos.carry
         c.trainer_group.save_checkpoint(str(path), extra, timeout=timeout)
     return path
 
@@ -283,7 +289,7 @@ def restore(c: Cluster, inputs: RunInputs, writer: MetricsWriter) -> Position | 
     extra = c.trainer_group.load_checkpoint(last)
     inputs.train_data.load_state_dict(extra["data"])
     writer.resume_from(extra["step"])  # drops records of steps after the checkpoint: they are redone
-    return Position(extra["step"], extra["data"])
+    return Position(extra["step"], extra["data"], carry=extra.get("async_buffer"))
 
 
 def fail(c: Cluster, inputs: RunInputs, pos: Position, e: Exception, keep_policy: bool,

@@ -19,6 +19,8 @@ Plain bookkeeping: no Ray, no vLLM; the loop drives the engines (colo.loop.rollo
 """
 from __future__ import annotations
 
+import base64
+import copy
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -130,6 +132,20 @@ class RolloutBuffer:
                 samples.append(out)
         return prompts, samples
 
+    def state_dict(self) -> dict:
+        """A JSON-able copy of what is carried (checkpoint extra.json; routing rows as base64 of their bytes)."""
+        groups = []
+        for gid, g in self.groups.items():
+            samples = [{**copy.deepcopy({k: v for k, v in s.items() if k != "routing"}),
+                        "routing": [_encode(a) for a in s["routing"]]} for s in g.samples]
+            groups.append([gid, copy.deepcopy(g.prompt), samples])
+        return {"next_id": self.next_id, "groups": groups}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.next_id = int(state["next_id"])
+        self.groups = {int(gid): Group(prompt, [{**s, "routing": [_decode(a) for a in s["routing"]]} for s in samples])
+                       for gid, prompt, samples in state["groups"]}
+
     def metrics(self, samples: Sequence[dict], version: int) -> dict:
         """The step's async/* metrics: token staleness of the batch, and the buffer's counters."""
         lag = np.array([version - v for s in samples for v in s["versions"]], dtype=np.float64)
@@ -139,3 +155,12 @@ class RolloutBuffer:
                     "async/offpolicy_frac": float((lag > 0).mean()) if lag.size else 0.0,
                     "async/buffered_groups": sum(g.complete() for g in self.groups.values())})
         return out
+
+
+def _encode(a: np.ndarray) -> dict:
+    a = np.ascontiguousarray(a)
+    return {"dtype": a.dtype.str, "shape": list(a.shape), "b64": base64.b64encode(a.tobytes()).decode()}
+
+
+def _decode(d: dict) -> np.ndarray:
+    return np.frombuffer(base64.b64decode(d["b64"]), dtype=np.dtype(d["dtype"])).reshape(d["shape"]).copy()

@@ -168,3 +168,26 @@ def test_decoupled_loss_on_tokens_of_two_versions_matches_a_plain_loop() -> None
     # the naive loss (ratio against the behaviour log-probs, no pi_old) is a different objective
     naive, _ = policy_loss(logp, behaviour, adv, mask, clip_low=0.2, clip_high=0.28)
     assert abs(naive.item() - loss.item()) > 1e-3
+
+
+def test_state_dict_round_trips_through_json() -> None:
+    """What a checkpoint's extra.json holds: the carried groups, their versions, log-probs and routing rows."""
+    import json
+
+    buf = RolloutBuffer(n=2, max_tokens=8, max_staleness=1)
+    buf.drop_stale(0)
+    buf.add(_prompts(2), seed=5)
+    rows = np.arange(8, dtype=np.uint8).reshape(4, 2, 1)
+    buf.absorb(buf.requests(), [_result([1, 2], None, -0.5, rows), _result([3], "stop", -0.25, rows[:3]),
+                                _result([4], None, routing=rows[:3]), _result([], None)], version=0)
+    state = json.loads(json.dumps(buf.state_dict()))
+    back = RolloutBuffer(n=2, max_tokens=8, max_staleness=1)
+    back.load_state_dict(state)
+    assert back.next_id == buf.next_id and back.requests() == buf.requests()
+    for gid, g in buf.groups.items():
+        assert back.groups[gid].prompt == g.prompt
+        for a, b in zip(g.samples, back.groups[gid].samples):
+            assert {k: v for k, v in a.items() if k != "routing"} == {k: v for k, v in b.items() if k != "routing"}
+            assert all(np.array_equal(x, y) and x.dtype == y.dtype for x, y in zip(a["routing"], b["routing"]))
+    buf.groups[0].samples[0]["response_ids"].append(9)
+    assert state["groups"][0][2][0]["response_ids"] == [1, 2]
