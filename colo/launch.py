@@ -57,6 +57,11 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"colo: error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # before the run installed its own handling (colo.run.signals), or after it
+        if args.debug:
+            raise
+        print("colo: stopped by SIGINT", file=sys.stderr)
+        return 130
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -73,6 +78,9 @@ def _run(args: argparse.Namespace) -> int:
         resumed = load_resumed(cfg.run.dir, overrides)
         cfg, path = resumed.cfg, str(resumed.base)
     config.validate(cfg, check_gpus=not args.dry_run)
+    from colo.rollout.vllm_compat import check_installed  # package metadata only: no vLLM import
+
+    check_installed()  # an older vLLM stops here, with the version colo needs
     from colo.plan.job import check_fits, memory_plan, refusal  # light: no torch until a GPU size is read
 
     if args.dry_run:
@@ -122,6 +130,8 @@ def prepare_run(cfg: ColoConfig) -> ColoConfig:
     model and data it started with."""
     from colo import config
 
+    from colo.run import rundir
+
     resolved = config.resolve(cfg)  # may download a Hub model: still before anything is written
     check_user_data(cfg, resolved)
     if not cfg.model.path.startswith(config.AUTO):  # presets are written by colo itself
@@ -129,7 +139,15 @@ def prepare_run(cfg: ColoConfig) -> ColoConfig:
 
         check_model_readable(resolved.model.path)
     run_dir = Path(resolved.run.dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        rundir.check_writable(run_dir)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        rundir.lock(run_dir)  # held until this process exits: a second launch into run_dir is refused
+    except (rundir.RunDirError, OSError) as e:
+        raise config.ConfigError(str(e) if isinstance(e, rundir.RunDirError) else
+                                 f"run.dir={run_dir}: {e}; fix: a writable run.dir") from e
+    if cfg.run.resume:
+        set_aside_damaged(run_dir)
     if cfg.model.path.startswith(config.AUTO):
         from transformers.utils import logging as hf_logging
 
@@ -150,6 +168,27 @@ def prepare_run(cfg: ColoConfig) -> ColoConfig:
     else:
         config.save_resolved(resolved, run_dir)
     return resolved
+
+
+def set_aside_damaged(run_dir: Path) -> None:
+    """Before a resume: checkpoints newer than the newest usable one are renamed step_NNNNNN.damaged (kept for a
+    look, out of --resume's way; their steps are redone and saved again), with one line each. Refuses, naming
+    the file, when checkpoints exist but none is usable."""
+    from colo import config
+    from colo.run.rundir import usable_checkpoint
+
+    good, damaged = usable_checkpoint(run_dir)
+    if damaged and good is None:
+        path, problem = damaged[0]  # the newest
+        raise config.ConfigError(f"--resume: every checkpoint in {run_dir / 'checkpoints'} is damaged; the newest, "
+                                 f"{path.name}: {problem}; fix: restore the file, or move the step_* dirs away to "
+                                 "start the run over from its warm-up")
+    for path, problem in damaged:
+        aside = next(path.with_name(f"{path.name}.damaged" + (f"-{i}" if i else "")) for i in range(1000)
+                     if not path.with_name(f"{path.name}.damaged" + (f"-{i}" if i else "")).exists())
+        path.rename(aside)
+        print(f"colo: checkpoint {path.name} is damaged ({problem}); resuming from {good.name} instead "
+              f"(kept as {aside.name})", flush=True)
 
 
 def _prompt_preview(cfg: ColoConfig) -> str:

@@ -20,6 +20,10 @@ side has GPUs of its own) and a broadcast from trainer rank 0 to every engine as
 trainers train, the engines idle with weights and KV cache in place: the loop stays on-policy (rollouts
 of step s come from the weights of step s-1), which is what makes the two modes give the same results.
 
+With algo.environment a sample is a conversation (colo.rollout.multiturn, docs/environments.md): the
+rollout phase runs every turn of it inside the engines, the reward adds the environment's rewards to
+algo.rewards on the model's last turn, and the batch trains the model's tokens only.
+
 Resume is exact: a checkpoint holds model, AdamW and RNG state plus the data position, and rollout seeds
 depend only on (run.seed, step), so `--resume` reproduces an uninterrupted run (bit-identical on CPU,
 tests/e2e/test_loop.py). A raising reward function, or an engine that dies or raises (in generate, sleep,
@@ -30,8 +34,10 @@ periodic checkpoints remain.
 
 from __future__ import annotations
 
+import errno
 import logging
 import math
+import shutil
 import sys
 import time
 import traceback
@@ -51,6 +57,8 @@ from colo.config import ColoConfig, to_dict
 from colo.run.metrics import MetricsWriter, ProgressLine, WandbSettings
 from colo.data.inputs import RunInputs, open_inputs
 from colo.run.logs import link_ray_logs, log_of
+from colo.run.rundir import complete_checkpoints
+from colo.run.signals import StopSignals
 from colo.host.shm import sweep
 from colo.run.summary import run_summary
 from colo.rollout.buffer import RolloutBuffer
@@ -86,14 +94,24 @@ def memory_probe(c: Cluster) -> Callable[[], dict]:
 
 
 def generate(c: Cluster, prompts: list[dict], n: int, cfg: ColoConfig, *, greedy: bool, seed: int,
-             routing: bool = False) -> list[dict]:
+             routing: bool = False, stats: dict | None = None) -> list[dict]:
     """Spread prompts over the engines by count; returns samples in prompt order, prompt_index global.
-    `routing`: samples carry the engine's expert ids (colo.rollout.capture) for replay and routing/mismatch."""
+    `routing`: samples carry the engine's expert ids (colo.rollout.capture) for replay and routing/mismatch.
+    With algo.environment each sample is a conversation (colo.rollout.multiturn); `stats` then receives
+    "env_s", the longest any engine waited for its environments."""
     w = len(c.engines)
     chunks = [list(range(r, len(prompts), w)) for r in range(w)]  # round robin: counts differ by ≤ 1
     temp, top_p = (0.0, 1.0) if greedy else (cfg.rollout.temperature, cfg.rollout.top_p)
-    per_engine = c.engine_group.generate([[prompts[i]["prompt_ids"] for i in idx] for idx in chunks], n,
-                                         cfg.rollout.max_tokens, temp, top_p, [seed + r for r in range(w)], routing)
+    seeds = [seed + r for r in range(w)]
+    if cfg.algo.environment:
+        answers = c.engine_group.rollout([[prompts[i] for i in idx] for idx in chunks], n, cfg.rollout.max_tokens,
+                                         temp, top_p, seeds, routing)
+        per_engine = [samples for samples, _ in answers]
+        if stats is not None:
+            stats["env_s"] = max(st["env_s"] for _, st in answers)
+    else:
+        per_engine = c.engine_group.generate([[prompts[i]["prompt_ids"] for i in idx] for idx in chunks], n,
+                                             cfg.rollout.max_tokens, temp, top_p, seeds, routing)
     samples = []
     for idx, outs in zip(chunks, per_engine):
         for s in outs:
@@ -133,11 +151,29 @@ def rollout_async(step: int, c: Cluster, cfg: ColoConfig, inputs: RunInputs, pos
 
 
 def score(rewards: RewardRunner, prompts: list[dict], samples: list[dict], tokenizer) -> torch.Tensor:
-    texts = tokenizer.batch_decode([s["response_ids"] for s in samples], skip_special_tokens=True)
+    """algo.rewards on each response (a conversation's: on the model's last turn), plus the environment's
+    rewards of a conversation."""
+    texts = tokenizer.batch_decode([s.get("final_ids", s["response_ids"]) for s in samples], skip_special_tokens=True)
     answers = [prompts[s["prompt_index"]]["answer"] for s in samples]
     questions = [prompts[s["prompt_index"]]["prompt_text"] for s in samples]
     finish = [s["finish_reason"] for s in samples]  # lets `format` see truncated responses
-    return torch.tensor(rewards(texts, answers, questions, finish), dtype=torch.float32)  # (N*G,)
+    env = torch.tensor([float(s.get("env_reward", 0.0)) for s in samples])  # (N*G,)
+    return torch.tensor(rewards(texts, answers, questions, finish), dtype=torch.float32) + env  # (N*G,)
+
+
+def conversation_metrics(samples: list[dict], stats: dict, run_dir: Path, step: int) -> dict:
+    """What a multi-turn step logs; each environment error goes to <run_dir>/env-errors.log."""
+    turns = [s["turns"] for s in samples]
+    model = sum(sum(s["model_mask"]) for s in samples)
+    errors = [s["env_error"] for s in samples if s.get("env_error")]
+    if errors:
+        with (run_dir / "env-errors.log").open("a") as f:
+            f.writelines(f"step {step}: {e}\n" for e in errors)
+    return {"rollout/turns/mean": sum(turns) / len(turns), "rollout/turns/max": max(turns),
+            "rollout/tool_calls_per_sample": sum(s["tool_calls"] for s in samples) / len(samples),
+            "rollout/tool_errors": sum(s["tool_errors"] for s in samples), "env/errors": len(errors),
+            "rollout/model_token_frac": model / max(1, sum(len(s["response_ids"]) for s in samples)),
+            "env/seconds": stats.get("env_s", 0.0)}
 
 
 @dataclass
@@ -151,23 +187,28 @@ class Position:
     carry: dict | None = field(default=None, repr=False)  # buffer.state_dict() after `step`: what a checkpoint holds
 
 
-def rl_step(step: int, c: Cluster, cfg: ColoConfig, inputs: RunInputs, rewards: RewardRunner, pos: Position) -> dict:
+def rl_step(step: int, c: Cluster, cfg: ColoConfig, inputs: RunInputs, rewards: RewardRunner, pos: Position,
+            stop: StopSignals | None = None) -> dict:
+    """One RL step. From its train phase on, a stop signal is held (`stop`), so that the trainers' weights and
+    the data position stay together; the caller releases it once the step is logged and saved."""
     t, n = Timer(memory_probe(c) if cfg.loop.memory_stats else None), cfg.rollout.n
     trainers, engines, t_step = c.trainer_group, c.engine_group, time.perf_counter()
     with t("rollout"):
-        carry = {}
+        carry, stats = {}, {}
         if cfg.loop.mode == "async":  # what is generated, carried and dropped: colo.rollout.buffer
             prompts, samples, carry = rollout_async(step, c, cfg, inputs, pos)
         else:
             prompts = inputs.train_data.next_batch(cfg.data.prompts_per_step)
             samples = generate(c, prompts, n, cfg, greedy=False, seed=cfg.run.seed * 100_003 + step * 1_009,
-                               routing=True)  # every step: routing/mismatch is logged with replay on or off
+                               routing=True, stats=stats)  # every step: routing/mismatch is logged with replay on or off
     with t("reward"):
         reward = score(rewards, prompts, samples, inputs.tokenizer)  # (N*G,)
         adv, penalty = step_advantages(samples, reward, n, cfg.algo, cfg.rollout.max_tokens)  # (N*G,) each
     with t("sleep"):
         if c.colocated:
             engines.sleep(sleep_level(cfg))
+    if stop is not None:
+        stop.hold()
     with t("train"):
         if offloads(c, cfg):
             trainers.onload()
@@ -191,6 +232,8 @@ def rl_step(step: int, c: Cluster, cfg: ColoConfig, inputs: RunInputs, rewards: 
                "response_len/mean": lens.mean().item(),
                "response/truncated_frac": sum(s["finish_reason"] == "length" for s in samples) / len(samples),
                **carry, **train, **synced, **t.seconds, **t.memory}
+    if cfg.algo.environment:
+        metrics.update(conversation_metrics(samples, stats, inputs.run_dir, step))
     if cfg.algo.overlong == "penalty":  # reward/mean stays the reward functions' own
         metrics["reward/overlong_penalty"] = penalty.mean().item()
     metrics["timing/step_s"] = time.perf_counter() - t_step  # wall clock: the phases plus what lies between
@@ -271,12 +314,23 @@ def warm_up(c: Cluster, cfg: ColoConfig, inputs: RunInputs) -> dict:
 
 
 def save(c: Cluster, inputs: RunInputs, pos: Position, timeout: float | None = None) -> Path:
+    """Checkpoint the trainers as step_NNNNNN: written as step_NNNNNN.tmp and renamed once every rank is done,
+    so a save cut off (a full disk, a kill) never leaves a checkpoint that --resume would pick up."""
     path = inputs.run_dir / "checkpoints" / f"step_{pos.step:06d}"
-    if not (path / "extra.json").exists():  # a failure right after a periodic save: nothing new to write
-        extra = {"step": pos.step, "data": pos.data}
-        if pos.carry is not None:  # loop.mode=async: the samples carried into the next step
-            extra["async_buffer"] = pos.carry
-        c.trainer_group.save_checkpoint(str(path), extra, timeout=timeout)
+    if (path / "extra.json").exists():  # a failure right after a periodic save: nothing new to write
+        return path
+    extra = {"step": pos.step, "data": pos.data}
+    if pos.carry is not None:  # loop.mode=async: the samples carried into the next step
+        extra["async_buffer"] = pos.carry
+    tmp = path.with_name(path.name + ".tmp")
+    for stale in (tmp, path):  # a save of this step cut off earlier
+        shutil.rmtree(stale, ignore_errors=True)
+    try:
+        c.trainer_group.save_checkpoint(str(tmp), extra, timeout=timeout)
+        tmp.rename(path)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)  # half-written: gone, and its space with it
+        raise
     return path
 
 
@@ -301,10 +355,16 @@ def fail(c: Cluster, inputs: RunInputs, pos: Position, e: Exception, keep_policy
     <run.dir>/error.log, which that line names."""
     if progress:  # ends the bar's line: the error starts a line of its own
         progress.close()
-    log = log_error(inputs.run_dir, e)
+    full = disk_full(e)
+    try:
+        where = f"traceback: {log_error(inputs.run_dir, e)}"
+    except OSError as err:  # the disk that ended the run cannot take the traceback either
+        where = f"traceback not written: {err.strerror or err}"
     actor_log = log_of(inputs.run_dir, getattr(e, "name", ""))  # ActorDied / ActorError name the actor
-    lines = [f"colo: error: {e} (traceback: {log}" + (f"; its log: {actor_log})" if actor_log else ")")]
-    if keep_policy and pos.step >= 0:
+    what = (f"the disk of {inputs.run_dir} is full ({e}); fix: free space there, then continue the run"
+            if full else str(e))
+    lines = [f"colo: error: {what} ({where}" + (f"; its log: {actor_log})" if actor_log else ")")]
+    if keep_policy and pos.step >= 0 and not full:  # a full disk would only fail the save a second time
         try:  # bounded: a rank stuck in a collective with a dead peer must not hang the exit
             save(c, inputs, pos, timeout=SAVE_ON_FAILURE_S)
         except Exception as err:  # noqa: BLE001 (report and exit; the periodic checkpoints remain)
@@ -328,10 +388,16 @@ def log_error(run_dir: Path, e: Exception) -> Path:
 SAVE_ON_FAILURE_S = 900.0  # a DCP save of a 30B model takes minutes; a hung collective takes forever
 
 
+def disk_full(e: BaseException) -> bool:
+    """ENOSPC anywhere in the failure: the driver's own OSError, or an actor's (inside a DCP CheckpointException)."""
+    if isinstance(e, OSError) and e.errno == errno.ENOSPC:
+        return True
+    return "No space left on device" in "".join(traceback.format_exception(e))
+
+
 def checkpoints(run_dir: Path) -> list[Path]:
-    """Complete checkpoints, oldest first: rank 0 writes extra.json after the DCP shards, so a save that
-    was cut off (killed run) has none and is skipped."""
-    return sorted(p for p in (run_dir / "checkpoints").glob("step_*") if (p / "extra.json").exists())
+    """Complete checkpoints, oldest first (colo.run.rundir.complete_checkpoints: renamed into place)."""
+    return complete_checkpoints(run_dir)
 
 
 def run(cfg: ColoConfig) -> int:
@@ -340,20 +406,32 @@ def run(cfg: ColoConfig) -> int:
     A reward function that raises or an actor that dies or raises ends the run with status 1 after a
     checkpoint of the last completed step, when the trainers still hold one (not after a trainer failed)."""
     t_start = time.perf_counter()
-    inputs = open_inputs(cfg)
-    sweep()  # sync buffers and vLLM queues that killed runs left in this host's /dev/shm (colo.host.shm)
-    plan = plan_placement(cfg)
-    # the actors' output stays in <run.dir>/logs unless the run is verbose (colo.run.logs)
-    init_ray(plan, address=cfg.run.ray_address, log_to_driver=cfg.run.verbose,
-             logging_level=logging.INFO if cfg.run.verbose else logging.ERROR)
-    link_ray_logs(inputs.run_dir)
-    cluster = start_cluster(cfg, plan)
-    if len(cluster.ranks_by_node) > 1:  # a run over several nodes says where each rank is
-        print("colo: nodes: " + "; ".join(f"{ip}: {', '.join(names)}" for ip, names in cluster.ranks_by_node.values()),
-              flush=True)
-    wandb = WandbSettings(cfg.run.wandb_project, cfg.run.wandb_mode, to_dict(cfg))
-    writer = MetricsWriter(inputs.run_dir, loggers=list(cfg.run.loggers), wandb=wandb)
-    rewards, progress = RewardRunner(list(cfg.algo.rewards), timeout_s=cfg.algo.reward_timeout_s), None
+    stop = StopSignals()
+    stop.install()  # from here on Ctrl-C / SIGTERM stop the run cleanly (colo.run.signals), start-up included
+    inputs, cluster, writer, rewards, progress = None, None, None, None, None
+    try:
+        inputs = open_inputs(cfg)
+        sweep()  # sync buffers and vLLM queues that killed runs left in this host's /dev/shm (colo.host.shm)
+        plan = plan_placement(cfg)
+        # the actors' output stays in <run.dir>/logs unless the run is verbose (colo.run.logs)
+        init_ray(plan, address=cfg.run.ray_address, log_to_driver=cfg.run.verbose,
+                 logging_level=logging.INFO if cfg.run.verbose else logging.ERROR)
+        link_ray_logs(inputs.run_dir)
+        cluster = start_cluster(cfg, plan)
+        if len(cluster.ranks_by_node) > 1:  # a run over several nodes says where each rank is
+            print("colo: nodes: " + "; ".join(f"{ip}: {', '.join(names)}"
+                                               for ip, names in cluster.ranks_by_node.values()), flush=True)
+        wandb = WandbSettings(cfg.run.wandb_project, cfg.run.wandb_mode, to_dict(cfg))
+        writer = MetricsWriter(inputs.run_dir, loggers=list(cfg.run.loggers), wandb=wandb)
+        rewards = RewardRunner(list(cfg.algo.rewards), timeout_s=cfg.algo.reward_timeout_s)
+    except KeyboardInterrupt:  # nothing trained yet: nothing to save
+        print(f"colo: stopped by {stop.name} during start-up; nothing was trained, nothing saved",
+              file=sys.stderr, flush=True)
+        shut_down(cluster, None, None, None, stop)
+        return stop.exit_status
+    except BaseException:
+        shut_down(cluster, writer, None, rewards, stop)
+        raise
     pos = Position(-1, inputs.train_data.state_dict())
     try:
         try:
@@ -375,7 +453,7 @@ def run(cfg: ColoConfig) -> int:
             cluster.trainer_group.offload()
         progress = ProgressLine(cfg.loop.steps, initial_step=pos.step + 1)
         for step in range(pos.step + 1, cfg.loop.steps):
-            metrics = rl_step(step, cluster, cfg, inputs, rewards, pos)
+            metrics = rl_step(step, cluster, cfg, inputs, rewards, pos, stop)  # holds a stop from its train phase
             last = step + 1 == cfg.loop.steps  # evaluated and saved too: --resume can extend a finished run
             if cfg.loop.eval_every and (step + 1) % cfg.loop.eval_every == 0 or last:
                 metrics.update(evaluate(cluster, cfg, inputs, rewards))
@@ -384,11 +462,16 @@ def run(cfg: ColoConfig) -> int:
             check_skipped(metrics, cfg.trainer.max_consecutive_skipped)
             if cfg.loop.checkpoint_every and (step + 1) % cfg.loop.checkpoint_every == 0 or last:
                 save(cluster, inputs, pos)
+            stop.release()  # the step is trained, logged and saved as configured: a stop that came meanwhile
         cluster.trainer_group.export_hf(str(inputs.run_dir / "export"))
         progress.close()
         print(run_summary(inputs.run_dir, time.perf_counter() - t_start, list(cfg.run.loggers), serve_command),
               flush=True)
+    except KeyboardInterrupt:  # Ctrl-C or SIGTERM (colo.run.signals)
+        return stopped(cluster, inputs, pos, stop, progress)
     except (RewardError, TrainingDiverged) as e:  # the trainers hold a whole policy: save it
+        return fail(cluster, inputs, pos, e, keep_policy=True, progress=progress)
+    except OSError as e:  # the driver's own writes (metrics, logs): a full or vanished disk
         return fail(cluster, inputs, pos, e, keep_policy=True, progress=progress)
     except (ActorDied, ActorError) as e:
         # A lost node is the news, not the actor that noticed it first (a trainer whose gloo peer vanished).
@@ -399,14 +482,60 @@ def run(cfg: ColoConfig) -> int:
         # its shards are gone or may be half-updated (and its peers may sit in a collective): do not save.
         return fail(cluster, inputs, pos, e, keep_policy=e.name.startswith("engine"), progress=progress)
     finally:
-        writer.close()
+        shut_down(cluster, writer, progress, rewards, stop)
+    return 0
+
+
+def stopped(c: Cluster, inputs: RunInputs, pos: Position, stop: StopSignals, progress: ProgressLine | None) -> int:
+    """A stop signal: checkpoint the last finished step (unless a second signal asks for haste), then one line
+    saying what was saved and how to continue; the exit status is 130 (SIGINT) or 143 (SIGTERM)."""
+    if progress:
+        progress.close()
+    hint = f"continue with: python -m colo.launch --resume run.dir={inputs.run_dir}"
+    saved = None
+    if pos.step >= 0 and not stop.hurry:
+        try:
+            saved = save(c, inputs, pos, timeout=SAVE_ON_FAILURE_S)
+        except KeyboardInterrupt:  # a second Ctrl-C during the save: exit at once, nothing half-written kept
+            pass
+        except Exception as err:  # noqa: BLE001 (report and exit; the periodic checkpoints remain)
+            print(f"colo: could not checkpoint step {pos.step}: {type(err).__name__}: {err}", file=sys.stderr)
+    newest = checkpoints(inputs.run_dir)[-1] if checkpoints(inputs.run_dir) else None
+    if saved is not None:
+        what = f"saved step {pos.step} in {saved}"
+    elif newest is not None:
+        what = (f"step {pos.step} not saved (second signal)" if pos.step >= 0 else "no RL step finished") + \
+               f"; newest checkpoint {newest}"
+    else:
+        what = "no RL step finished yet, nothing saved" if pos.step < 0 else f"step {pos.step} not saved"
+    print(f"colo: stopped by {stop.name}: {what}; {hint}", file=sys.stderr, flush=True)
+    return stop.exit_status
+
+
+def shut_down(cluster: Cluster | None, writer: MetricsWriter | None, progress: ProgressLine | None,
+              rewards: RewardRunner | None, stop: StopSignals) -> None:
+    """Close the run's files and stop its actors, Ray and their shared memory; never raises, and every step runs
+    even when one fails (a full disk fails metrics.png). A stop signal that arrives now only hurries it."""
+    stop.closing = True  # no KeyboardInterrupt in the middle of the cleanup: a second signal only shortens the wait
+    try:
+        if writer is not None:
+            try:
+                writer.close()  # metrics.png: on a full disk this fails too
+            except OSError:
+                pass
         if progress:
             progress.close()
-        rewards.close()
-        # best effort, bounded: unlink the trainers' sync buffers and stop vLLM's engine cores (ray.shutdown
-        # kills actors without their atexit hooks, which would leave segments in /dev/shm)
-        gone = set(cluster.lost)  # actors on a lost node: a call would wait out the timeout
-        ends = [a.shutdown.remote() for name, a in cluster.actors() if name not in gone]
-        ray.wait(ends, num_returns=len(ends), timeout=30)
+        if rewards is not None:
+            rewards.close()
+        if cluster is not None and ray.is_initialized():
+            # best effort, bounded: unlink the trainers' sync buffers and stop vLLM's engine cores (ray.shutdown
+            # kills actors without their atexit hooks, which would leave segments in /dev/shm)
+            gone = set(cluster.lost)  # actors on a lost node: a call would wait out the timeout
+            ends = [a.shutdown.remote() for name, a in cluster.actors() if name not in gone]
+            deadline = time.monotonic() + 30
+            while ends and time.monotonic() < deadline and not stop.hurry:  # a second signal: stop waiting
+                _, ends = ray.wait(ends, num_returns=len(ends), timeout=0.5)
         ray.shutdown()
-    return 0
+        sweep()  # what an actor that did not get to its shutdown left in this host's /dev/shm
+    finally:
+        stop.restore()

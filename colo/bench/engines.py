@@ -74,7 +74,8 @@ class BenchEngine(Engine):
 
 
 class VllmIpcEngine(BenchEngine):
-    """BenchEngine that also builds vLLM's own weight-transfer engine (vLLM 0.26's LLM methods)."""
+    """BenchEngine that also builds vLLM's own weight-transfer engine (`LLM(weight_transfer_config=...)` and
+    the LLM's weight-update methods). CUDA only: it moves CUDA IPC handles."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         # read by vLLM's msgpack encoder in every process it starts: set before vLLM is imported
@@ -84,8 +85,11 @@ class VllmIpcEngine(BenchEngine):
     def _llm_kwargs(self) -> dict[str, Any]:
         from colo.rollout.vllm_compat import require_weight_transfer
 
-        require_weight_transfer()
+        require_weight_transfer(self.device)
         return {**super()._llm_kwargs(), "weight_transfer_config": {"backend": "ipc"}}
+
+    def vllm_init_weight_transfer(self, init_info: dict) -> None:
+        self.llm.init_weight_transfer_engine({"init_info": init_info})  # the trainer's wire params (packed)
 
     def vllm_start_weight_update(self) -> None:
         self.llm.start_weight_update()

@@ -31,7 +31,9 @@ so the buffer is in its steady state. Its token counts are those trained at each
 earlier step: tokens_per_s_per_gpu stays comparable over steps, generated_tokens_per_s is then trained response
 tokens per rollout second, not the engine's own rate.
 --no-packing measures the padded path (trainer.packing=false) instead; --compare measures both in one run
-(packed first, the same steps again padded) and adds "no_packing" and "speedup" (packed / padded).
+(packed first, the same steps again padded) and adds "no_packing" and "speedup" (packed / padded). The padded
+path runs trainer.micro_batch_size = max_tokens_per_micro_batch // max_model_len rows (at least 1) unless
+given: the activation memory of the packed path's budget.
 Arguments are parsed before torch, Ray or vLLM are imported.
 """
 from __future__ import annotations
@@ -99,6 +101,9 @@ def make_config(args: argparse.Namespace, model_dir: str, dummy: bool) -> Any:
     cfg.rollout.enforce_eager = cfg.rollout.enforce_eager or args.device == "cpu"
     cfg.data.prompts_per_step = args.prompts
     cfg.loop.sft_warmup_steps = 0
+    if not any(o.startswith("trainer.micro_batch_size=") for o in args.overrides):
+        # the padded path gets the rows that fit the packed path's token budget: the same activation memory
+        cfg.trainer.micro_batch_size = max(1, cfg.trainer.max_tokens_per_micro_batch // cfg.rollout.max_model_len)
     cfg.run.dir = str(Path(args.workdir) / "step-run")
     validate(cfg, check_resources=False)
     return cfg
@@ -191,6 +196,7 @@ def measure(args: argparse.Namespace) -> dict:
     from colo.config import model_config_json
     from colo.data.inputs import RunInputs
     from colo.loop import Position, check_sync, offloads, rl_step, sync_all
+    from colo.plan.job import check_fits
     from colo.models.tiny import WITH_WEIGHTS, make_tiny_model
 
     if args.model:
@@ -200,10 +206,13 @@ def measure(args: argparse.Namespace) -> dict:
         dummy, name = args.preset not in WITH_WEIGHTS, args.preset
     cfg = make_config(args, model_dir, dummy)
     config_json = model_config_json(cfg)
+    layouts = [True, False] if args.compare else [not args.no_packing]
+    for packing in layouts[::-1]:  # GPU: refuses a layout the memory plan says does not fit (ConfigError, fixes)
+        cfg.trainer.packing = packing
+        mem_plan = check_fits(cfg)
     Path(cfg.run.dir).mkdir(parents=True, exist_ok=True)
     plan = plan_placement(cfg)
     init_ray(plan, log_to_driver=not args.json)
-    layouts = [True, False] if args.compare else [not args.no_packing]
     results: dict[bool, dict] = {}
     rewards = RewardRunner(list(cfg.algo.rewards))
     cluster = None
@@ -240,7 +249,8 @@ def measure(args: argparse.Namespace) -> dict:
            "gpus": args.gpus, "prompts": args.prompts, "n": args.n, "prompt_len": args.prompt_len,
            "max_tokens": args.max_tokens, "max_tokens_per_micro_batch": cfg.trainer.max_tokens_per_micro_batch,
            "micro_batch_size": cfg.trainer.micro_batch_size, "logprob_chunk": cfg.trainer.logprob_chunk,
-           "overrides": list(args.overrides), "torch": torch.__version__, "date": time.strftime("%Y-%m-%d")}
+           "overrides": list(args.overrides), "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"),
+           "plan_train_gb": None if mem_plan is None else mem_plan.total("train") / 2**30}
     if args.compare:
         pad = results[False]
         out["no_packing"] = pad
@@ -252,7 +262,13 @@ def measure(args: argparse.Namespace) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    out = measure(args)
+    from colo.config import ConfigError
+
+    try:
+        out = measure(args)
+    except ConfigError as e:
+        print(f"colo: error: {e}", file=sys.stderr, flush=True)
+        return 2
     if args.json:
         print(json.dumps(out, sort_keys=True), flush=True)
     else:

@@ -12,7 +12,7 @@
               match), packed into B reusable buffers, copy-load, coverage check   x reps (1st = warm-up)
     baseline  yardsticks.push_weights_baseline: full_tensor() per param, per-expert un-fusing, a fresh
               buffer per bucket, vLLM's load_weights for every tensor             x reps
-    vllm_ipc  yardsticks.push_weights_vllm_ipc (colocated GPU runs with vLLM 0.26): vLLM's own packed CUDA-IPC
+    vllm_ipc  yardsticks.push_weights_vllm_ipc (colocated GPU runs, vLLM 0.32): vLLM's own packed CUDA-IPC
               weight-transfer engine as its FSDP+EP example drives it; then checked to write exactly
               what ours writes (parameter digests after a perturbation)                    x reps
     --check   perturb trainer weights -> ours -> greedy on every engine; export_hf -> a fresh engine
@@ -175,8 +175,8 @@ def vllm_ipc_reason(args: argparse.Namespace, device: str) -> str | None:
         return "--no-vllm-ipc"
     if args.mode != "colocated" or device != "cuda":
         return "CUDA IPC: colocated GPU runs only (--device cuda, --mode colocated)"
-    if found is None or found[0] != "vllm" or not found[1].startswith("0.26."):
-        return f"driven through vLLM 0.26's weight-transfer API; installed: {found}"
+    if found is None or found[0] != "vllm":
+        return f"driven through vLLM's CUDA weight-transfer API (vllm 0.32); installed: {found}"
     return None
 
 

@@ -8,8 +8,9 @@
   re-runs vLLM's post-load processing).
 - `broadcast_weights_baseline` (disaggregated): as vLLM's RLHF examples do it, one broadcast and one
   load_weights per tensor.
-- `push_weights_vllm_ipc` (colocated GPU, vLLM 0.26): vLLM's own packed CUDA-IPC weight-transfer engine,
-  driven as its FSDP+EP example drives it (the engine side is colo.bench.sync.VllmIpcEngine).
+- `push_weights_vllm_ipc` (colocated GPU): vLLM's own packed CUDA-IPC weight-transfer engine, driven as its
+  FSDP+EP example drives it: the trainer-side `IPCTrainerWeightTransferEngine` over a `WeightSource`, talking
+  to the engines (colo.bench.engines.VllmIpcEngine) through a client object (`_EngineClient`).
 
 colo's own reference mode (`sync.mode: load_weights`) is not these: it runs through colo.sync.sender's
 plan, buffers and links like the direct mode.
@@ -160,22 +161,41 @@ def broadcast_weights_baseline(model: nn.Module, engines: list, group: Any, sync
     return report
 
 
+class _EngineClient:
+    """vLLM 0.32's weight-sync client protocol (`VLLMWeightSyncClient`: four methods, structural) over colo's
+    VllmIpcEngine actors: each call goes to every engine and waits for all of them, as vLLM's own
+    RayVLLMWeightSyncClient does for its LLM actors. Only trainer rank 0 (the sender) calls it."""
+
+    def __init__(self, engines: list, sent: dict) -> None:
+        self.engines, self.sent = engines, sent
+
+    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+        ray.get([e.vllm_init_weight_transfer.remote(init_info) for e in self.engines])
+
+    def start_weight_update(self) -> None:
+        ray.get([e.vllm_start_weight_update.remote() for e in self.engines])
+
+    def update_weights(self, update_info: Any) -> None:  # one packed chunk: names, shapes, the merged IPC handles
+        self.sent["chunks"] += 1
+        ray.get([e.vllm_update_weights.remote(update_info) for e in self.engines])
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        ray.get([e.vllm_finish_weight_update.remote() for e in self.engines])
+
+
 def push_weights_vllm_ipc(model: nn.Module, engines: list, sync_cfg: SyncConfig) -> dict:
     """vLLM's own packed CUDA-IPC weight-transfer engine, driven as its FSDP+EP RL example drives it: every
     rank iterates `full_tensor()` of each parameter (experts un-fused) into vLLM's reusable packed
     buffer and all-gathers the buffer's IPC handle; rank 0 sends the merged handles of each chunk to every
     engine (`LLM.update_weights`, whose workers pick their own GPU's buffer and run vLLM's layerwise
     `load_weights`), between `start_weight_update` and `finish_weight_update`. Needs engines of class
-    colo.bench.sync.VllmIpcEngine and vLLM 0.26's API. It reports no coverage of its own:
-    colo.bench.sync compares the engines' parameters with what colo's sync writes (`param_digest`)."""
-    from dataclasses import asdict
-
-    from vllm.distributed.weight_transfer.ipc_engine import IPCTrainerSendWeightsArgs, IPCWeightTransferEngine
-
+    colo.bench.engines.VllmIpcEngine. It reports no coverage of its own: colo.bench.sync compares the
+    engines' parameters with what colo's sync writes (`param_digest`)."""
     t_start = time.perf_counter()
     arch = model_arch(model)
     dtype = DTYPE
-    sender = not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
+    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+    sender = rank == 0
     sent = {"tensors": 0, "bytes": 0, "chunks": 0}
 
     def weights():
@@ -186,17 +206,21 @@ def push_weights_vllm_ipc(model: nn.Module, engines: list, sync_cfg: SyncConfig)
                 sent["bytes"] += w.numel() * w.element_size()
                 yield ckpt, w
 
-    def send(update_info: Any) -> None:  # rank 0 only: one chunk to every engine, each waits for its load
-        sent["chunks"] += 1
-        ray.get([e.vllm_update_weights.remote(asdict(update_info)) for e in engines])
+    from vllm.distributed.weight_transfer.base import ParamMeta, WeightSource
+    from vllm.distributed.weight_transfer.ipc_engine import IPCTrainerInitInfo, IPCTrainerWeightTransferEngine
 
-    if sender:
-        ray.get([e.vllm_start_weight_update.remote() for e in engines])
-    bucket = bucket_bytes(sync_cfg)
-    IPCWeightTransferEngine.trainer_send_weights(
-        weights(), IPCTrainerSendWeightsArgs(send_mode=send, packed=True, packed_buffer_size_bytes=bucket))
-    if sender:
-        ray.get([e.vllm_finish_weight_update.remote() for e in engines])
+    class Source(WeightSource):
+        def metadata(self) -> list:  # what iteration yields, without gathering (DTensor.shape is global)
+            return [ParamMeta(n, dtype, tuple(shape)) for name, p in sync_tensors(model)
+                    for n, _, shape in reference_segments(arch, name, tuple(p.shape))]
+
+        def __iter__(self):
+            return weights()
+
+    engine = IPCTrainerWeightTransferEngine.trainer_init(
+        IPCTrainerInitInfo(rank=rank, packed=True, packed_buffer_size_bytes=bucket_bytes(sync_cfg)),
+        client=_EngineClient(engines, sent), source=Source())
+    engine.send_weights()  # start, every packed chunk (all ranks gather; rank 0 sends), finish
     return {"seconds": time.perf_counter() - t_start, "gather_s": 0.0, "pack_s": 0.0, "load_s": 0.0,
             "verify_s": 0.0, "tensors": sent["tensors"] if sender else 0, "bytes": sent["bytes"] if sender else 0,
             "buckets": sent["chunks"], "verified": None, "errors": []}  # None: checked by the caller, see above

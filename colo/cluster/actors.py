@@ -326,6 +326,13 @@ class EngineGroup:
         return self._gather([e.generate_partial.remote(r, k, temperature, top_p, routing)
                              for e, r, k in zip(self.engines, requests, need)])
 
+    def rollout(self, rows: list[list[dict]], n: int, max_tokens: int, temperature: float, top_p: float,
+                seeds: list[int], routing: bool = False) -> list[tuple[list[dict], dict]]:
+        """Multi-turn (algo.environment): engine e converses over rows[e] with seed seeds[e]; per engine
+        (samples, {"env_s"}) (colo.rollout.multiturn)."""
+        return self._gather([e.rollout.remote(r, n, max_tokens, temperature, top_p, s, routing)
+                             for e, r, s in zip(self.engines, rows, seeds)])
+
     def sleep(self, level: int) -> list[float]:
         return self._gather([e.sleep.remote(level) for e in self.engines])
 

@@ -58,6 +58,7 @@ def validate(cfg: ColoConfig, *, check_resources: bool = True, check_gpus: bool 
     for key in ("data.path", "data.eval_path"):
         _check_data(cfg, key)
     _check_rewards(cfg)
+    _check_environment(cfg)
     if check_gpus or device == "cpu":
         _check_gpus(cfg, device)
     _check_ray_address(cfg.run.ray_address)
@@ -86,10 +87,12 @@ def _check_values(cfg: ColoConfig) -> None:
     at_least = {key: 1 for key in (
         "placement.num_gpus", "trainer.micro_batch_size", "trainer.max_tokens_per_micro_batch",
         "trainer.logprob_chunk", "trainer.max_consecutive_skipped", "trainer.mini_batches", "trainer.epochs",
-        "rollout.n", "rollout.tp_size", "rollout.max_tokens", "rollout.max_model_len", "rollout.kv_cache_mb",
+        "rollout.n", "rollout.tp_size", "rollout.max_tokens", "rollout.max_turns", "rollout.max_model_len",
+        "rollout.kv_cache_mb",
         "sync.bucket_mb", "sync.buffers", "data.prompts_per_step", "data.eval_size", "loop.steps")}
     at_least |= {key: 0 for key in (
-        "placement.cpus_per_bundle", "trainer.weight_decay", "trainer.grad_clip", "rollout.temperature",
+        "placement.cpus_per_bundle", "rollout.max_turn_tokens", "trainer.weight_decay", "trainer.grad_clip",
+        "rollout.temperature",
         "algo.clip_low", "algo.clip_high", "algo.kl_coef", "algo.tis_cap", "algo.overlong_penalty",
         "loop.eval_every", "loop.eval_samples",
         "loop.checkpoint_every", "loop.sft_warmup_steps", "loop.max_staleness")}
@@ -112,6 +115,7 @@ def _check_values(cfg: ColoConfig) -> None:
         if not ok:
             raise ConfigError(f"{key}={get(key)} is out of range; fix: e.g. {key}={default_value(key)}")
     _check_loss(cfg)
+    _check_turns(cfg)
     if cfg.rollout.max_tokens >= cfg.rollout.max_model_len:
         raise ConfigError(f"rollout.max_tokens={cfg.rollout.max_tokens} leaves no room for the prompt "
                           f"in rollout.max_model_len={cfg.rollout.max_model_len}; fix: raise "
@@ -148,6 +152,10 @@ def _check_async(cfg: ColoConfig) -> None:
         raise ConfigError("loop.mode=async runs on colocated GPUs only (disaggregated async is not built); fix: "
                           "placement.mode=colocated with loop.mode=async, or loop.mode=sync with "
                           "placement.mode=disaggregated")
+    if cfg.algo.environment:
+        raise ConfigError(f"loop.mode=async runs single-turn rollouts only (multi-turn conversations are not carried "
+                          f"across steps yet), but algo.environment={cfg.algo.environment}; fix: loop.mode=sync with "
+                          "algo.environment, or drop algo.environment")
     if cfg.algo.tis_cap == 0:
         raise ConfigError("loop.mode=async trains on tokens sampled by older weights, which needs the truncated "
                           "behaviour-to-trainer importance weight that algo.tis_cap=0 turns off; fix: algo.tis_cap=2.0")
@@ -445,6 +453,26 @@ def _check_rewards(cfg: ColoConfig) -> None:
         except ValueError as e:
             raise ConfigError(f"algo.rewards: {e}; fix: algo.rewards=[exact_match] or a "
                               "module:function importable from here") from e
+
+
+def _check_turns(cfg: ColoConfig) -> None:
+    if cfg.algo.environment is None and cfg.rollout.max_turns > 1:
+        raise ConfigError(f"rollout.max_turns={cfg.rollout.max_turns} needs an environment to answer the model "
+                          "between turns; fix: algo.environment=calculator (or module:Class), or rollout.max_turns=1")
+    if not cfg.algo.env_timeout_s > 0:
+        raise ConfigError(f"algo.env_timeout_s={cfg.algo.env_timeout_s} must be > 0; fix: algo.env_timeout_s=30")
+
+
+def _check_environment(cfg: ColoConfig) -> None:
+    if cfg.algo.environment is None:
+        return
+    from colo.envs.base import load_environment  # imports the user module named here
+
+    try:
+        load_environment(cfg.algo.environment)
+    except ValueError as e:
+        raise ConfigError(f"{e}; fix: algo.environment=calculator, python, or a module:Class importable "
+                          "from here (docs/environments.md)") from e
 
 
 def gpu_count_note(cfg: ColoConfig) -> str | None:

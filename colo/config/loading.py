@@ -22,6 +22,7 @@ import yaml
 from omegaconf import OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
 
+from colo.run.rundir import held_by
 from colo.config.schema import AUTO, ColoConfig, ConfigError, all_keys, default_value, did_you_mean, leaf_type
 
 ENV_SHORTCUTS = {"COLO_TRAIN_GPU_FRACTION": "placement.train_gpu_fraction",
@@ -183,6 +184,10 @@ def resolve_run_dir(pattern: str, resume: bool) -> str:
         stamp = time.strftime("%Y%m%d-%H%M%S")
         runs = (pattern.replace("{time}", stamp + (f"-{i}" if i else "")) for i in range(1000))
         return next(d for d in runs if not Path(d).exists())  # same-second runs get -1, -2, ...
+    busy = held_by(pattern)
+    if busy:
+        raise ConfigError(f"run.dir={pattern} is in use by another colo run ({busy}); fix: wait for it to end "
+                          "(or stop it), or give this one another run.dir")
     has_run = (Path(pattern) / "config.yaml").is_file()
     if resume and not has_run:
         raise ConfigError(f"--resume: run.dir={pattern} holds no earlier run (no config.yaml); fix: "

@@ -22,6 +22,7 @@ CHOICES = {  # must match the consumers: colo.algo.loss.LOSS_AGGS, colo.sync, co
     "algo.loss_agg": ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean"),
     "algo.overlong": ("none", "filter", "penalty"),
     "algo.routing_replay": ("off", "r3"),
+    "algo.env_errors": ("sample", "fail"),
     "sync.mode": ("direct", "load_weights"),
     "trainer.optimizer_dtype": ("float32", "bfloat16"),
     "run.wandb_mode": ("auto", "online", "offline"),
@@ -37,7 +38,7 @@ class ConfigError(Exception):
 class ModelConfig:
     path: str = "auto:tiny"
     """Local HF checkpoint dir, Hub repo id ("Qwen/Qwen3-30B-A3B"; HF_HUB_OFFLINE honoured), or
-    "auto:<preset>" (tiny | qwen3-30b-a3b | qwen3-30b-a3b-L12 | qwen3-30b-a3b-L2 | qwen3-235b-a22b), generated
+    "auto:<preset>" (tiny | tiny-tools | qwen3-30b-a3b | qwen3-30b-a3b-L12 | qwen3-30b-a3b-L2 | qwen3-235b-a22b), generated
     into <run.dir>/model. Offline, the plan of Qwen/Qwen3-30B-A3B and Qwen/Qwen3-235B-A22B uses colo's copy of
     their config.json (colo.models.tiny.HUB_PRESETS) and says so."""
     dtype: str = "bfloat16"
@@ -152,6 +153,12 @@ class RolloutConfig:
     oversample: float = 1.5
     """loop.mode=async only: prompts in flight per step, as a multiple of data.prompts_per_step (>= 1). The
     rollout stops once data.prompts_per_step whole groups have finished; the rest are carried to the next step."""
+    max_turns: int = 1
+    """With algo.environment: most model turns per conversation (each followed by the environment's step);
+    rollout.max_tokens is then the budget of the whole response, model and environment tokens together."""
+    max_turn_tokens: int = 0
+    """With algo.environment: most tokens of one model turn (0: what is left of rollout.max_tokens). A turn cut
+    here still goes to the environment (finish_reason "length") and the conversation goes on."""
 
 
 @dataclass
@@ -189,6 +196,15 @@ class AlgoConfig:
     """off | r3: rollout routing replay. r3: the trainer's MoE layers use the experts the engine chose for
     each token (log-prob recompute and training); the weights still come from the trainer's router. Either
     way the engine's routing is captured every step for the routing/mismatch metric (docs/routing.md)."""
+    environment: Optional[str] = None
+    """Multi-turn rollouts against an environment (docs/environments.md): a built-in (calculator | python) or
+    "module:Class"; null: one response per prompt. Its rewards add to algo.rewards (scored on the last turn)."""
+    env_timeout_s: float = 30.0
+    """Longest an environment's reset or step may take; past it the sample ends with an error."""
+    env_errors: str = "sample"
+    """An environment that raises, hangs or answers something malformed: sample (that sample ends, gets no
+    loss, and the error is logged to <run.dir>/env-errors.log and counted in env/errors) | fail (the run ends
+    with one colo: error: line)."""
 
 
 @dataclass
@@ -208,7 +224,7 @@ class DataConfig:
     path: str = "auto:arith"
     """Training prompts with prompt and answer fields: a JSONL/Parquet file, a Hugging Face dataset (a
     save_to_disk dir[:split], or a Hub id[:config]:split such as openai/gsm8k:main:train), or
-    "auto:<task>" (arith | reverse), a synthetic task from colo.data.tasks written to <run.dir>/data."""
+    "auto:<task>" (arith | reverse | calc), a synthetic task from colo.data.tasks written to <run.dir>/data."""
     eval_path: Optional[str] = None
     """Held-out prompts for eval (same formats as path; auto:<task> = its eval split); null: no eval."""
     prompt_key: str = "prompt"

@@ -29,19 +29,51 @@ class RunInputs:
     chat_template: bool = False
     seed: int = 0
     system_prompt: str | None = None
+    environment: str | None = None  # algo.environment
 
     def sft_batch(self, k: int, step: int) -> dict[str, torch.Tensor]:
-        """k supervised examples (prompt → answer + EOS), loss on the answer tokens only.
+        """k supervised examples (prompt → answer + EOS), loss on the answer tokens only. With an environment
+        that has demonstrations (Environment.solution), each example is a whole conversation assembled the
+        way a rollout is (colo.envs.framing, the environment's real answers), with loss on the model's turns.
 
         Drawn with a seed of (run seed, step) so a resumed warm-up sees the same examples."""
         rng = random.Random(f"sft:{self.seed}:{step}")
         tok, samples = self.tokenizer, []
         for prompt, answer in (rng.choice(self.sft_pairs) for _ in range(k)):
+            conv = self._demonstration(prompt, answer)
+            if conv is not None:
+                samples.append(conv)
+                continue
             _, p = encode_prompt(tok, prompt, self.chat_template, self.system_prompt)
             r = tok(completion(answer, self.chat_template), add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
             samples.append({"prompt_ids": p, "response_ids": r, "logprobs": [0.0] * len(r)})
         batch = build_batch(samples, torch.zeros(k), pad_id=tok.pad_token_id)  # right-padded, loss on r
         return {key: batch[key] for key in ("input_ids", "attention_mask", "loss_mask")}  # (B, T) each
+
+    def _demonstration(self, prompt: str, answer: str) -> dict | None:
+        """The environment's demonstration of one row as a sample (model_mask on the model's turns), or None
+        when there is no environment or it has no demonstration for the row."""
+        if not self.environment:
+            return None
+        from colo.envs.base import Turn, load_environment
+        from colo.envs.framing import ChatFraming, Conversation
+        from colo.envs.runner import EnvRunner
+
+        framing = ChatFraming(self.tokenizer, self.system_prompt if self.chat_template else None, self.chat_template)
+        runner, row = EnvRunner(load_environment(self.environment), framing), {"prompt": prompt, "answer": answer}
+        conv = Conversation(runner.reset(row))
+        turns = runner.env.solution(row) if hasattr(runner.env, "solution") else None
+        if not turns:
+            return None
+        for t, text in enumerate(turns):
+            ids = framing.encode(text) + [framing.eos_id]
+            conv.add_model(ids, [0.0] * len(ids))
+            step, obs = runner.step(Turn(text, tuple(ids), t, "stop"), after_eos=True)
+            if step.done:
+                break
+            conv.add_env(obs)
+        return {"prompt_ids": conv.prompt_ids, "response_ids": conv.response_ids, "logprobs": conv.logprobs,
+                "model_mask": conv.model_mask}
 
 
 def open_inputs(cfg: ColoConfig) -> RunInputs:
@@ -61,7 +93,7 @@ def open_inputs(cfg: ColoConfig) -> RunInputs:
         pairs = sft_examples(cfg.data.path, *keys) if cfg.loop.sft_warmup_steps else []
     except (OSError, ValueError) as e:  # read_rows names the file, the row and the field
         raise ConfigError(f"data: {e}") from e
-    return RunInputs(Path(cfg.run.dir), tok, train, evals, pairs, chat, cfg.run.seed, system)
+    return RunInputs(Path(cfg.run.dir), tok, train, evals, pairs, chat, cfg.run.seed, system, cfg.algo.environment)
 
 
 def uses_chat_template(cfg: ColoConfig, tokenizer: Any) -> bool:
@@ -84,10 +116,10 @@ def preview_prompt(cfg: ColoConfig) -> str:
     from colo.config import AUTO
 
     if cfg.model.path.startswith(AUTO):
-        from colo.models.tiny import TOKENIZER_VOCAB
+        from colo.models.tiny import TOKENIZER_VOCAB, TOOL_PRESETS
         from colo.models.tokenizer import build_tokenizer
 
-        tok = build_tokenizer(TOKENIZER_VOCAB)
+        tok = build_tokenizer(TOKENIZER_VOCAB, tools=cfg.model.path[len(AUTO):] in TOOL_PRESETS)
     else:
         from transformers import AutoTokenizer
 

@@ -8,7 +8,7 @@ Sources (`data.path`, `data.eval_path`; DataSource.parse):
                                         (HF_DATASETS_OFFLINE=1 / HF_HUB_OFFLINE=1 use the cache only)
 
     ds = PromptDataset("arith_train.jsonl", "prompt", "answer", tokenizer, chat_template=False, seed=0)
-    batch = ds.next_batch(8)     # [{"prompt_ids": [int], "prompt_text": str, "answer": str}] * 8
+    batch = ds.next_batch(8)     # [{"prompt_ids": [int], "prompt_text": str, "answer": str, "prompt": str}] * 8
     state = ds.state_dict()      # {"epoch", "pos", "seed", "num_rows"}: store it in the checkpoint
     ds.load_state_dict(state)    # the next next_batch() continues exactly where the saved one left off
 
@@ -252,7 +252,7 @@ class PromptDataset:
 
     def item(self, i: int) -> dict[str, Any]:
         text, ids = encode_prompt(self.tokenizer, self.prompts[i], self.chat_template, self.system_prompt)
-        return {"prompt_ids": ids, "prompt_text": text, "answer": self.answers[i]}
+        return {"prompt_ids": ids, "prompt_text": text, "answer": self.answers[i], "prompt": self.prompts[i]}
 
     def _epoch_order(self, epoch: int) -> list[int]:
         if self._order_epoch != epoch:

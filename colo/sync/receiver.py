@@ -84,12 +84,9 @@ class _ColoState:
 
 def _logical_shape(module: torch.nn.Module, pname: str, param: torch.Tensor) -> tuple[int, ...]:
     """Shape before vLLM's post-load processing (vLLM records it on meta tensors for in-place reload)."""
-    try:
-        from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
+    from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
 
-        meta = LAYERWISE_INFO[module].restore_metadata[0].get(pname) if module in LAYERWISE_INFO else None
-    except ImportError:  # older vLLM (0.26): no reload metadata; CUDA does not repack anyway
-        meta = None
+    meta = LAYERWISE_INFO[module].restore_metadata[0].get(pname) if module in LAYERWISE_INFO else None
     return tuple(meta.shape) if meta is not None else tuple(param.shape)
 
 
@@ -313,10 +310,7 @@ class SyncReceiver:
 
     def _colo_reload(self, weights: list[tuple[str, torch.Tensor]]) -> None:
         runner = self.model_runner  # type: ignore[attr-defined]
-        if hasattr(runner, "reload_weights"):  # vLLM >= 0.3x: re-runs post-load processing per layer
-            runner.reload_weights(weights_iterator=iter(weights), is_checkpoint_format=True)
-        else:
-            runner.model.load_weights(weights=weights)
+        runner.reload_weights(weights_iterator=iter(weights), is_checkpoint_format=True)  # re-runs post-load steps
         # vLLM 0.32's reload re-runs UnquantizedFusedMoEMethod.process_weights_after_loading, which skips
         # the experts' own post-processing on a weight update; on CPU that is the prepack, so the kernel
         # would read checkpoint-layout w13/w2 as packed (measured: wrong tokens). Pack them here.

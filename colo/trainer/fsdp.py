@@ -25,6 +25,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from colo.algo.logprobs import shifted_logprobs
+from colo.trainer.attention import attention_for
 
 def meta_model(model_path: str, attn_implementation: str | None = None) -> nn.Module:
     """The unsharded HF causal LM on the meta device (no memory), fp32, from the checkpoint's config.json;
@@ -36,29 +37,22 @@ def meta_model(model_path: str, attn_implementation: str | None = None) -> nn.Mo
         return AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation=attn_implementation)
 
 
-def attention_for(device: torch.device) -> str:
-    """flash_attention_2 on GPU where the flash_attn package is installed (packed rows then run its varlen
-    kernel), else sdpa (packed rows get a block-diagonal mask from transformers' masking_utils)."""
-    if device.type == "cuda":
-        import importlib.util
-
-        if importlib.util.find_spec("flash_attn") is not None:
-            return "flash_attention_2"
-    return "sdpa"
-
-
 def _logprob_forward(self: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
-                     position_ids: torch.Tensor, temperature: float, chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
+                     position_ids: torch.Tensor, temperature: float, chunk: int,
+                     bounds: tuple[int, ...] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(b, T) log-probs and entropies of input_ids (colo.algo.logprobs.shifted_logprobs), from the decoder's
-    hidden states and the lm_head weight, without the (b, T, V) logits. `attention_mask` None: packed rows."""
+    hidden states and the lm_head weight, without the (b, T, V) logits. A packed row: attention_mask None,
+    `bounds` its samples' start offsets and its length (colo.trainer.attention)."""
+    extra = {} if bounds is None else {"colo_bounds": tuple(bounds)}
     hidden = self.get_decoder()(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                                use_cache=False).last_hidden_state  # (b, T, H)
+                                use_cache=False, **extra).last_hidden_state  # (b, T, H)
     return shifted_logprobs(hidden, self.get_output_embeddings().weight, input_ids,
                             position_ids if attention_mask is None else None, temperature, chunk)
 
 
 def enable_logprob_forward(model: nn.Module) -> nn.Module:
-    """Give the sharded root `model.colo_logprobs(input_ids, attention_mask, position_ids, temperature, chunk)`,
+    """Give the sharded root `model.colo_logprobs(input_ids, attention_mask, position_ids, temperature, chunk,
+    bounds)`,
     registered with FSDP2 as a forward method: its pre/post-forward hooks gather the root's params (embedding,
     final norm, lm_head) around it as around forward, and backward reduce-scatters the lm_head's gradient that
     the chunked function produces. Calling the decoder and the weight outside such a method would read

@@ -152,11 +152,13 @@ class Trainer:
         am = mb["attention_mask"].to(self.device)  # (b, T)
         routed = mb.get("routed_experts")  # (b, T, M, K) or None
         chunk = int(self.cfg.trainer.logprob_chunk)
-        packed = Packed.of(am) if self.cfg.trainer.packing else None
+        packed = Packed.of(mb["attention_mask"]) if self.cfg.trainer.packing else None  # on the host: no syncs
         b, T = ids.shape
         self._slots[0] += packed.tokens if packed else b * T  # token slots computed
         if not dummy:  # real tokens: shard fillers (sample_index -1) and dummy micro-batches are padding
-            real = am if "sample_index" not in mb else am * (mb["sample_index"].to(self.device) >= 0)[:, None]
+            real = mb["attention_mask"]  # (b, T) on the host
+            if "sample_index" in mb:
+                real = real * (mb["sample_index"] >= 0)[:, None]
             self._slots[1] += float(real.sum())
         if packed is not None:
             ids, pos, am = packed.pack(ids), packed.position_ids.to(self.device), None  # (1, N) each
@@ -166,7 +168,8 @@ class Trainer:
             pos = (am.long().cumsum(-1) - 1).clamp(min=0)  # (b, T)
         if model is self.model:  # the engine's expert ids, kept through backward's recompute
             self.routing.set(routed, replay=str(self.cfg.algo.routing_replay) == "r3")
-        lp, ent = model.colo_logprobs(ids, am, pos, temperature, chunk)  # (b, T) or (1, N)
+        bounds = packed.bounds if packed is not None else None
+        lp, ent = model.colo_logprobs(ids, am, pos, temperature, chunk, bounds)  # (b, T) or (1, N)
         if packed is not None:
             lp, ent = packed.unpack(lp), packed.unpack(ent)  # (b, T)
             self._packed = packed

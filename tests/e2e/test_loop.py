@@ -2,7 +2,7 @@
 
     pytest -q tests/e2e/test_loop.py            # ~6 min on 2 cores: one default job, one resume, 5 failures
 
-- learning: the default job (configs/tiny-cpu.yaml: 70 warm-up SFT steps + 140 GRPO steps on two
+- learning: the default job (configs/tiny-cpu.yaml: 70 warm-up SFT steps + GRPO steps, 80 of the 140 here, on two
   trainer/engine pairs) raises the held-out eval reward, verifies every weight sync, keeps the
   vLLM/trainer log-prob gap small and leaves every output (metrics, TensorBoard, plot, config, an
   export that transformers loads and that scores like the run's last eval).
@@ -22,7 +22,7 @@ import shutil
 from pathlib import Path
 
 import pytest
-from conftest import STEP_KEYS, clean_env, run_cli
+from conftest import DEFAULT_JOB_STEPS, STEP_KEYS, clean_env, run_cli
 
 from colo.rollout.vllm_compat import serve_command
 from colo.run.metrics import read_metrics
@@ -106,12 +106,15 @@ def test_default_job_learns(learned: tuple[Path, list[dict]]) -> None:
     _, rows = learned
     warm, steps = rows[0], rows[1:]
     assert warm["step"] == -1 and warm["sync/verified"] is True, warm
-    assert [r["step"] for r in steps] == list(range(140)), "each step logged exactly once, in order"
+    assert [r["step"] for r in steps] == list(range(DEFAULT_JOB_STEPS)), "each step logged exactly once, in order"
     evals = [r for r in steps if "eval/reward" in r]
-    assert len(evals) == 14, [r["step"] for r in evals]  # eval_every 10
-    # GRPO maximizes the reward of samples at the rollout temperature: that eval must rise clearly
-    # (measured 0.31 -> 0.39 over the last three evals); the greedy one (already ~0.5 after the warm-up
-    # here) must not fall
+    assert len(evals) == DEFAULT_JOB_STEPS // 10, [r["step"] for r in evals]  # eval_every 10
+    # GRPO maximizes the reward of samples at the rollout temperature: the training reward and that held-out
+    # eval must rise clearly (measured over 80 steps: training reward 0.30 over the first 10 steps -> 0.40 over
+    # the last 10; held-out sampled 0.25 after the warm-up -> 0.36 over the last three evals); the greedy
+    # eval (already ~0.45 after the warm-up) must not fall
+    train = [r["reward/mean"] for r in steps]
+    assert sum(train[-10:]) / 10 >= sum(train[:10]) / 10 + 0.05, f"training reward {train}"
     sampled = [r["eval/sampled_reward"] for r in evals]
     last3 = sum(sampled[-3:]) / 3
     assert last3 >= warm["eval/sampled_reward"] + 0.06, \
@@ -139,9 +142,9 @@ def test_default_job_terminal_is_quiet_and_ends_with_a_summary(default_job) -> N
     other = [ln for ln in lines if ln not in bar]
     assert bar and len(other) <= 15, other
     assert other[0] == f"colo: run dir {run_dir}", other
-    summary = r.stdout[r.stdout.index("colo: done: 140 RL steps"):]
+    summary = r.stdout[r.stdout.index(f"colo: done: {DEFAULT_JOB_STEPS} RL steps"):]
     for want in ("eval/sampled_reward", str(run_dir / "metrics.jsonl"), serve_command(run_dir / "export"),
-                 f"--resume run.dir={run_dir} loop.steps=280"):
+                 f"--resume run.dir={run_dir} loop.steps={2 * DEFAULT_JOB_STEPS}"):
         assert want in summary, summary
     logs = run_dir / "logs"
     assert {p.name for p in logs.iterdir()} >= {"engine-0.log", "engine-1.log", "trainer-0.log", "trainer-1.log"}
@@ -161,9 +164,9 @@ def test_run_dir_outputs_and_export(learned: tuple[Path, list[dict]]) -> None:
     assert list((run_dir / "tb").glob("events.out.tfevents.*")), "no TensorBoard event file"
     assert (run_dir / "metrics.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     saved = yaml.safe_load((run_dir / "config.yaml").read_text())
-    assert saved["run"]["dir"] == str(run_dir) and saved["loop"]["steps"] == 140
+    assert saved["run"]["dir"] == str(run_dir) and saved["loop"]["steps"] == DEFAULT_JOB_STEPS
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == [
-        f"step_{s:06d}" for s in range(9, 140, 10)]
+        f"step_{s:06d}" for s in range(9, DEFAULT_JOB_STEPS, 10)]
 
     # The export is the final policy: transformers' greedy answers score what vLLM's did in the last eval.
     cfg = load_config(str(run_dir / "config.yaml"), [])

@@ -54,7 +54,7 @@ SETUP = {  # exact command -> why the suite does not run it
     ".venv/bin/python -m pytest -q -n 2 --dist loadgroup --durations=15 tests": "the suite itself",
     ".venv/bin/python -m pytest -q tests/unit": "a tier of the suite itself",
     "python3 -m venv .venv": "GPU set-up: the venv for the gpu extra below",
-    '.venv/bin/pip install -e ".[gpu,test]"': "GPU set-up: vllm 0.26 CUDA wheels, no GPU here",
+    '.venv/bin/pip install -e ".[gpu,test]"': "GPU set-up: vllm 0.32 CUDA wheels, no GPU here",
 }
 LAUNCH = ("python", ".venv/bin/python")
 

@@ -2,7 +2,7 @@
 # The one command a GPU host runs: colo's GPU tests, then the weight-sync benchmark, each step under its
 # own `timeout` so one hang cannot eat the others, logs written to $OUT (default /tmp/colo-gpu-out).
 #
-#   export PYTHONPATH=/tmp/site:$PWD VLLM_USE_FLASHINFER_SAMPLER=0     # where vLLM and Ray are installed
+#   source /tmp/site/env.sh       # vLLM 0.32 and Ray from the offline bundle (tests/gpu/README.md)
 #   bash tests/gpu/run.sh [TOTAL_SECONDS=540]
 #   STEPS="bench loop" bash tests/gpu/run.sh 580    # a subset (a device call runs at most 10 minutes)
 #
@@ -15,11 +15,15 @@
 # $RUN_ROOT/colo-loop, default /tmp, outside $OUT; its metrics.jsonl is copied to $OUT/loop-metrics.jsonl);
 # routing = test_routing_gpu.py (1 GPU: routing mismatch and log-prob gap with and without R3 on
 # qwen3-30b-a3b-L2); rollout = colo.bench.rollout, the colocated engine's output tokens/s against a standalone one (only when
-# named in STEPS: it takes ~8 minutes on an H100).
+# named in STEPS: it takes ~8 minutes on an H100); step = colo.bench.step, whole RL steps of qwen3-30b-a3b-L4 at
+# 4k-token long-tail responses, packed vs padded (only when named: `STEPS=step bash tests/gpu/run.sh 600`;
+# STEP_ARGS adds config overrides, e.g. trainer.gradient_checkpointing=true).
 # Everything this script leaves in $OUT is at most 8 files, one level deep: what a device call brings back.
 # Exit status: 0 when every step passed. A step that failed or timed out leaves Ray daemons and vLLM
 # workers behind (holding GPU memory); `ray stop --force` clears them before the next step (this host runs
-# nothing but this script).
+# nothing but this script). After every step, /dev/shm is cleaned: colo's sweep (its colo_* segments and the
+# vLLM queues its engines registered), then the psm_* segments no live process maps (vLLM's own, e.g. from
+# Ray-placed workers): the tests' shared-memory check counts only colo's (tests/conftest.py).
 set -u
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-/tmp/colo-gpu-out}
@@ -36,6 +40,16 @@ clean_after() {  # $1 = exit status of the step just run
     "$PY" -m ray.scripts.scripts stop --force >/dev/null 2>&1 || true
     status=1
   fi
+  "$PY" - <<'EOF' || true
+import os
+from colo.host.shm import SHM, mapped_segments, sweep
+swept = sweep()
+live = {n for p in os.listdir("/proc") if p.isdigit() for n in mapped_segments(int(p), children=False)}
+orphans = [e for e in SHM.iterdir() if e.name.startswith("psm_") and e.name not in live]
+for e in orphans:
+    e.unlink(missing_ok=True)
+print(f"[shm] colo's sweep removed {len(swept)}; removed {len(orphans)} psm_* no live process maps")
+EOF
   nvidia-smi --query-gpu=index,memory.used --format=csv,noheader | sed 's/^/[gpu-mem] /'
 }
 
@@ -55,7 +69,7 @@ step() {  # step NAME MAX_SECONDS CMD...
 { nvidia-smi -L; "$PY" -c "import torch, vllm, ray; print('torch', torch.__version__, 'vllm', vllm.__version__, 'ray', ray.__version__)"; } 2>&1 | tee "$OUT/host.txt"
 ngpu=$(nvidia-smi -L | wc -l)
 
-STEPS=${STEPS:-colocated ipc dpep routing bench loop}  # and: rollout
+STEPS=${STEPS:-colocated ipc dpep routing bench loop}  # and: rollout, step
 want() { case " $STEPS " in *" $1 "*) return 0;; *) return 1;; esac; }
 
 want colocated && step pytest-colocated 420 "$PY" -m pytest tests/gpu/test_colocated.py -x -q -s -p no:cacheprovider
@@ -98,6 +112,23 @@ fi
 if want rollout; then  # colocated engine's output tokens/s against the same engine alone on the GPU
   step rollout 560 "$PY" -m colo.bench.rollout --preset qwen3-30b-a3b-L12 --ranks 1 --device cuda --prompts 128 \
       --n 8 --prompt-len 128 --max-tokens 256 --reps 2 ${ROLLOUT_ARGS:-}
+fi
+if want step; then  # the whole RL step at 4k-token long-tail lengths, packed and padded in one run (1 GPU)
+  # 4 layers of Qwen3-30B-A3B (3.1B params, random weights). The memory plan (checked by the bench) fits one
+  # H100 with bf16 AdamW state and 8192 packed tokens per micro-batch: train phase 73.6 of 79.2 GiB.
+  # The JSON line is the last line of $OUT/step.json (docs/benchmarks.md, "The whole RL step").
+  t=$(left); [ "$t" -gt 590 ] && t=590
+  echo "[run.sh] step: python -m colo.bench.step (limit ${t}s)"
+  t0=$SECONDS
+  timeout -k 15 "$t" "$PY" -m colo.bench.step --preset qwen3-30b-a3b-L4 --device cuda --gpus 1 --max-tokens 4096 \
+      --prompt-len 256 --prompts 16 --n 8 --warmup 1 --steps 2 --compare --json --workdir "${RUN_ROOT:-/tmp}/colo-step" \
+      trainer.optimizer_dtype=bfloat16 trainer.max_tokens_per_micro_batch=8192 ${STEP_ARGS:-} \
+      >"$OUT/step.json" 2>"$OUT/step.log"
+  rc=$?
+  echo "[run.sh] step: rc=$rc in $((SECONDS - t0))s"
+  tail -n 15 "$OUT/step.log"
+  tail -n 1 "$OUT/step.json"
+  clean_after $rc
 fi
 echo "[run.sh] done in $((SECONDS - start))s, status $status"
 exit $status

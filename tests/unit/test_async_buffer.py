@@ -37,6 +37,7 @@ def test_config_defaults_and_refusals() -> None:
     assert "rollout.oversample=0.5 must be >= 1" in _error(["rollout.oversample=0.5"])
     assert "loop.max_staleness=-1 must be >= 0" in _error(["loop.max_staleness=-1"])
     assert "did you mean 'async'" in _error(["loop.mode=asynch"])
+    assert "single-turn rollouts only" in _error(["loop.mode=async", "algo.environment=calculator"])
 
 
 def _prompts(k: int, start: int = 0) -> list[dict]:

@@ -95,7 +95,7 @@ def test_colo_import_graph_has_no_cycle() -> None:
 # them acyclic.
 FLOORS: list[tuple[str, ...]] = [
     ("colo.models", "colo.host", "colo.run"),  # what a model family is; this host's shm and ports; run outputs
-    ("colo.config", "colo.data", "colo.algo"),  # the job: its settings, its data, its RL math
+    ("colo.config", "colo.data", "colo.algo", "colo.envs"),  # the job: its settings, its data, its RL math, its environments
     ("colo.plan", "colo.sync"),  # whether it fits; the weight path
     ("colo.trainer", "colo.rollout"),  # the two actors
     ("colo.cluster",),  # where they run: placement, nodes, the actors started and their group handles

@@ -2,22 +2,18 @@
 figures, the shipped configs' plans, and refusals whose suggested settings fit when planned again."""
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 from colo import config as C
-from colo.plan.fitting import format_changes, ways_to_fit
 from colo.config.checks import parse_gpu_memory
 from colo.plan.memory import GiB, Settings, model_shape, plan_memory
 from colo.models.tiny import PRESETS
 
 ROOT = Path(__file__).resolve().parents[2]
-SHIPPED_GPU = sorted(p for p in (ROOT / "configs").glob("*.yaml") if p.name != "tiny-cpu.yaml")
+SHIPPED_GPU = sorted(p for p in (ROOT / "configs").glob("*.yaml") if not p.name.startswith("tiny-cpu"))
 TINY = PRESETS["tiny"]
 FAMILIES = {
     "qwen3_moe": dict(PRESETS["qwen3-30b-a3b-L2"]),
@@ -77,35 +73,6 @@ def test_shipped_config_fits_its_plan(path: Path) -> None:
     text = path.read_text()
     for phase in plan.phases:
         assert f"{plan.total(phase) / GiB:.2f}" in text, (phase, plan.table())
-
-
-def _cli(*args: str) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("COLO_")}
-    env.update(PYTHONPATH=str(ROOT), HF_HUB_OFFLINE="1")
-    return subprocess.run([sys.executable, "-m", "colo.launch", *args], capture_output=True, text=True, env=env,
-                          cwd=ROOT, timeout=300)
-
-
-def test_dry_run_plans_a_gpu_job_here_and_refuses_what_cannot_fit() -> None:
-    name = "configs/qwen3-30b-a3b-8xh100.yaml"
-    r = _cli("--config", name, "--dry-run")
-    assert r.returncode == 0, r.stderr
-    assert "memory plan: Qwen3MoeForCausalLM 30.53B params" in r.stdout and "\nfits\n" in r.stdout
-    assert "colo's copy of its config.json" in r.stderr  # no Hub here: said in one line
-    too_big = ["trainer.optimizer_offload=false", "trainer.gradient_checkpointing=false", "trainer.micro_batch_size=2"]
-    r = _cli("--config", name, "--dry-run", *too_big)
-    assert r.returncode == 2 and "does NOT fit" in r.stdout
-    err = r.stderr.strip().splitlines()[-1]
-    assert err.startswith("colo: error: the memory plan does not fit: the ") and "; fix: " in err
-    # every suggestion, planned again, fits
-    cfg = C.load_config(str(ROOT / name), too_big, {})
-    model = C.model_config_json(cfg)
-    ways = ways_to_fit(model, Settings.from_config(cfg), parse_gpu_memory("H100"))
-    assert ways and all(p.fits for _, p in ways)
-    for changes, _ in ways:
-        assert format_changes(changes, cfg.placement.train_gpu_fraction) in err
-        fixed = C.load_config(str(ROOT / name), too_big + format_changes(changes, cfg.placement.train_gpu_fraction).split(), {})
-        assert plan_memory(model, Settings.from_config(fixed), parse_gpu_memory("H100")).fits
 
 
 def test_plan_without_gpu_size_says_how_to_check() -> None:

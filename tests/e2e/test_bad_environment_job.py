@@ -1,0 +1,48 @@
+"""A misbehaving environment in a real run (`python -m colo.launch`, configs/tiny-cpu-tools.yaml shortened):
+by default the samples it breaks end with a logged error and the run goes on; with algo.env_errors=fail the
+run ends with one `colo: error:` line that names the environment and what it did."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from conftest import clean_env, run_cli
+
+MOODY = '''
+from colo.envs.calculator import CalculatorEnv
+
+
+class Moody(CalculatorEnv):
+    """The calculator, except that it breaks on every prompt with a 7 in it."""
+
+    def step(self, turn):
+        if "7" in self.prompt:
+            raise RuntimeError("the tool fell over")
+        return super().step(turn)
+
+    def reset(self, row):
+        self.prompt = row["prompt"]
+        return super().reset(row)
+'''
+ARGS = ["--config", "configs/tiny-cpu-tools.yaml", "algo.environment=moody:Moody", "loop.sft_warmup_steps=0",
+        "loop.steps=1", "loop.eval_every=0", "data.eval_path=null", "rollout.max_turn_tokens=8"]
+
+
+def test_a_breaking_environment_ends_samples_or_the_run(tmp_path: Path) -> None:
+    (tmp_path / "moody.py").write_text(MOODY)
+    env = clean_env(PYTHONPATH=f"{tmp_path}:{clean_env()['PYTHONPATH']}")
+    run_dir = tmp_path / "survives"
+    r = run_cli(*ARGS, f"run.dir={run_dir}", env=env, timeout=900)
+    assert r.returncode == 0, r.stderr[-3000:]
+    step = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()][-1]
+    logged = (run_dir / "env-errors.log").read_text().splitlines()
+    assert step["step"] == 0 and step["env/errors"] == len(logged) > 0
+    assert all(line.startswith("step 0: row ") and "RuntimeError: the tool fell over" in line for line in logged)
+    assert step["sync/verified"] is True  # the rest of the step went on
+
+    run_dir = tmp_path / "fails"
+    r = run_cli(*ARGS, f"run.dir={run_dir}", "algo.env_errors=fail", env=env, timeout=900)
+    assert r.returncode == 1
+    errors = [line for line in r.stderr.splitlines() if line.startswith("colo: error:")]
+    assert len(errors) == 1, r.stderr[-3000:]
+    assert "raised EnvError: environment Moody: row" in errors[0] and "the tool fell over" in errors[0]

@@ -1,0 +1,115 @@
+"""Stopping and breaking a real run (`python -m colo.launch`): Ctrl-C, SIGTERM, a second launch into the same run
+dir, a damaged newest checkpoint, a disk that fills mid-run. Each ends with one line, saves what the trainers
+hold, and leaves no process and no /dev/shm segment of the run behind.
+
+Two small jobs on one trainer/engine pair (~1-2 min each on 2 cores): the first is stopped with Ctrl-C after
+step 1 (a second launch into its dir is refused meanwhile); its newest checkpoint is then truncated and the run
+resumed, which falls back to the checkpoint before and is stopped with SIGTERM. The full-disk job (root only: a
+tmpfs) is a third.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from conftest import clean_env, run_cli
+
+from colo.host.shm import SHM, owner_pid, process_tree
+from colo.run.rundir import checkpoint_problem, complete_checkpoints
+
+pytestmark = pytest.mark.slow
+
+JOB = ["loop.steps=8", "loop.sft_warmup_steps=2", "loop.eval_every=0", "loop.eval_samples=0", "loop.checkpoint_every=1",
+       "data.prompts_per_step=4", "rollout.n=4", "data.eval_size=8", "placement.num_gpus=1"]
+
+
+def launch(run_dir: Path, *args: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "colo.launch", f"run.dir={run_dir}", *JOB, *args], env=clean_env(),
+                            start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def steps(run_dir: Path) -> list[int]:
+    path = run_dir / "metrics.jsonl"
+    lines = path.read_text().splitlines() if path.exists() else []
+    return [json.loads(ln)["step"] for ln in lines if ln.strip()]
+
+
+def wait_for(p: subprocess.Popen, done, what: str, timeout: float = 600) -> None:
+    deadline = time.monotonic() + timeout
+    while not done():
+        if p.poll() is not None:
+            out, err = p.communicate()
+            pytest.fail(f"the run ended (exit {p.returncode}) before {what}\n{out[-2000:]}\n{err[-3000:]}")
+        assert time.monotonic() < deadline, f"no {what} after {timeout} s"
+        time.sleep(0.3)
+
+
+def gone(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] in ("Z", "X")  # zombie: dead
+    except OSError:
+        return True
+
+
+def assert_nothing_left(pids: list[int]) -> None:
+    deadline = time.monotonic() + 30
+    while not all(gone(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.3)
+    left = [f"{p} {Path(f'/proc/{p}/cmdline').read_text()[:80]!r}" for p in pids if not gone(p)]
+    assert not left, f"processes of the run left behind: {left}"
+    segments = [n for n in os.listdir(SHM) if owner_pid(n) in set(pids)]
+    assert not segments, f"/dev/shm segments of the run left behind: {segments}"
+
+
+def stop_line(err: str, sig: str) -> str:
+    assert "Traceback" not in err, err[-3000:]
+    lines = [ln for ln in err.splitlines() if ln.startswith("colo: stopped by")]
+    assert len(lines) == 1 and lines[0].startswith(f"colo: stopped by {sig}: "), err[-3000:]
+    return lines[0]
+
+
+def test_ctrl_c_second_launch_damaged_checkpoint_sigterm(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    p = launch(run_dir)
+    wait_for(p, lambda: 1 in steps(run_dir), "step 1")
+    second = run_cli("--resume", f"run.dir={run_dir}", timeout=120)  # into the running run's dir
+    assert second.returncode == 2 and second.stderr.count("\n") == 1, second.stderr
+    assert "is in use by another colo run (pid" in second.stderr and "fix:" in second.stderr
+    pids = process_tree(p.pid)
+    os.killpg(p.pid, signal.SIGINT)  # a terminal's Ctrl-C: the driver's whole process group
+    out, err = p.communicate(timeout=300)
+    assert p.returncode == 130, err[-3000:]
+    line = stop_line(err, "SIGINT")
+    last = max(steps(run_dir))
+    assert f"saved step {last} in {run_dir / 'checkpoints' / f'step_{last:06d}'}" in line, (line, steps(run_dir))
+    assert line.endswith(f"continue with: python -m colo.launch --resume run.dir={run_dir}")
+    assert_nothing_left(pids)
+    saved = complete_checkpoints(run_dir)
+    assert saved[-1].name == f"step_{last:06d}" and not any(checkpoint_problem(c) for c in saved)
+    assert not list((run_dir / "checkpoints").glob("*.tmp"))
+
+    # one shard of the newest checkpoint cut short: --resume says so and goes back to the one before
+    shard = next(saved[-1].glob("*.distcp"))
+    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
+    p = launch(run_dir, "--resume")
+    redone = run_dir / "checkpoints" / f"step_{last:06d}" / "extra.json"  # the damaged one was set aside
+    wait_for(p, redone.exists, f"step {last} redone and saved")
+    pids = process_tree(p.pid)
+    os.kill(p.pid, signal.SIGTERM)  # a scheduler's preemption: the driver alone
+    out, err = p.communicate(timeout=300)
+    assert p.returncode == 143, err[-3000:]
+    damaged = [ln for ln in out.splitlines() if "is damaged" in ln]
+    assert len(damaged) == 1 and damaged[0].startswith(f"colo: checkpoint step_{last:06d} is damaged ({shard} is "
+                                                       "truncated") and \
+        f"resuming from step_{last - 1:06d} instead" in damaged[0], out[-2000:]
+    line = stop_line(err, "SIGTERM")
+    assert "continue with: python -m colo.launch --resume" in line
+    assert_nothing_left(pids)
+    assert not any(checkpoint_problem(c) for c in complete_checkpoints(run_dir))

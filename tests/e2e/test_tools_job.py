@@ -1,0 +1,28 @@
+"""configs/tiny-cpu-tools.yaml end to end (`python -m colo.launch`): the warm-up on the calculator's
+demonstrations, then RL steps whose samples are conversations with the calculator. Shortened (fewer steps);
+the shipped config's full run is described in docs/environments.md."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from conftest import run_cli
+
+
+def test_tool_job_runs_conversations_and_logs_their_metrics(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    r = run_cli("--config", "configs/tiny-cpu-tools.yaml", f"run.dir={run_dir}", "loop.steps=3", "loop.eval_every=0",
+                timeout=1500)
+    assert r.returncode == 0, r.stderr[-3000:]
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    warm, steps = records[0], records[1:]
+    assert warm["step"] == -1 and warm["sft/loss_last"] < warm["sft/loss_first"] / 4
+    assert [s["step"] for s in steps] == [0, 1, 2]
+    for s in steps:
+        assert s["rollout/turns/mean"] > 1 and s["rollout/turns/max"] <= 3  # the model calls the tool
+        assert s["rollout/tool_calls_per_sample"] > 0.5 and s["env/errors"] == 0
+        assert 0.2 < s["rollout/model_token_frac"] < 0.9  # the tool's tokens are in the rows, without loss
+        assert s["sync/verified"] is True and s["env/seconds"] >= 0 and s["rollout/tool_errors"] >= 0
+        assert s["logprob_diff/mean"] < 0.05  # trainer and vLLM agree on the model's tokens
+    assert "eval/reward" in steps[-1]
+    assert not (run_dir / "env-errors.log").exists()

@@ -1,0 +1,101 @@
+"""The run dir: writable before anything starts, one run at a time, checkpoints whole or set aside."""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import clean_env
+
+from colo.config import ConfigError
+from colo.run.rundir import RunDirError, check_writable, checkpoint_problem, held_by, lock, usable_checkpoint
+
+
+@contextlib.contextmanager
+def tmpfs(path: Path, options: str):
+    """A small tmpfs at path (root only: skips elsewhere)."""
+    path.mkdir()
+    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(path)],
+                                           capture_output=True).returncode:
+        pytest.skip("needs root to mount a tmpfs")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)], check=False)
+
+
+def test_unwritable_run_dir_refused(tmp_path: Path) -> None:
+    """Read-only and full filesystems are refused up front, naming the place and the fix."""
+    check_writable(tmp_path / "runs" / "a")  # a dir that does not exist yet: its nearest ancestor is probed
+    with tmpfs(tmp_path / "ro", "ro,size=4m") as ro:
+        with pytest.raises(RunDirError, match=r"cannot write to .*/ro \(Read-only file system\); fix:"):
+            check_writable(ro / "runs" / "x")
+    with tmpfs(tmp_path / "full", "size=512k") as full:  # less than the 1 MiB probe: "full"
+        with pytest.raises(RunDirError, match=r"No space left on device\); fix: free space there"):
+            check_writable(full / "run")
+        assert list(full.iterdir()) == [], "the probe is removed"
+
+
+HOLD = "import sys, time\nfrom colo.run.rundir import lock\nlock(sys.argv[1])\nprint('locked', flush=True)\ntime.sleep(120)\n"
+
+
+def test_second_launch_into_a_held_run_dir_refused(tmp_path: Path) -> None:
+    from colo.config.loading import resolve_run_dir
+
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "config.yaml").write_text("{}\n")
+    holder = subprocess.Popen([sys.executable, "-c", HOLD, str(run_dir)], env=clean_env(), stdout=subprocess.PIPE,
+                              text=True)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        assert f"pid {holder.pid}" in held_by(run_dir)
+        with pytest.raises(RunDirError, match=f"in use by another colo run \\(pid {holder.pid} on"):
+            lock(run_dir)
+        for resume in (False, True):  # a plain launch and a --resume alike, at config time
+            with pytest.raises(ConfigError, match="is in use by another colo run .*; fix: wait for it to end"):
+                resolve_run_dir(str(run_dir), resume)
+    finally:
+        holder.kill()
+        holder.wait()
+    assert held_by(run_dir) is None  # the kernel dropped the dead holder's lock
+    lock(run_dir)
+    assert resolve_run_dir(str(run_dir), True) == str(run_dir)  # this process's own lock does not refuse it
+
+
+def checkpoint(run_dir: Path, step: int) -> Path:
+    import torch.distributed.checkpoint as dcp
+
+    path = run_dir / "checkpoints" / f"step_{step:06d}"
+    dcp.save({"model": {"w": torch.arange(4096.0) + step}}, checkpoint_id=str(path))
+    (path / "extra.json").write_text(json.dumps({"step": step, "data": {}}))
+    return path
+
+
+def test_damaged_newest_checkpoint_is_set_aside_or_refused(tmp_path: Path, capsys) -> None:
+    """A truncated shard of the newest checkpoint: --resume goes back to the one before with one line; with no
+    good one left it refuses naming the file. A step_*.tmp (a save cut off) is never a checkpoint."""
+    from colo.launch import set_aside_damaged
+
+    old, new = checkpoint(tmp_path, 3), checkpoint(tmp_path, 7)
+    (tmp_path / "checkpoints" / "step_000009.tmp").mkdir()
+    assert usable_checkpoint(tmp_path) == (new, [])
+    shard = next(new.glob("*.distcp"))
+    size = shard.stat().st_size
+    shard.write_bytes(shard.read_bytes()[:100])
+    assert checkpoint_problem(new) == f"{shard} is truncated (100 of {size} bytes)"
+    set_aside_damaged(tmp_path)
+    out = capsys.readouterr().out.strip().splitlines()
+    assert len(out) == 1 and out[0].startswith("colo: checkpoint step_000007 is damaged (") and \
+        "resuming from step_000003 instead" in out[0], out
+    assert usable_checkpoint(tmp_path) == (old, []) and (tmp_path / "checkpoints" / "step_000007.damaged").is_dir()
+    next(old.glob("*.distcp")).unlink()
+    with pytest.raises(ConfigError, match=r"every checkpoint .* is damaged; the newest, step_000003: .*distcp is "
+                                          r"missing; fix:"):
+        set_aside_damaged(tmp_path)
