@@ -41,13 +41,14 @@ from __future__ import annotations
 
 import errno
 import logging
+import math
 import shutil
 import sys
 import time
 import traceback
 from collections.abc import Callable
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import ray
@@ -65,6 +66,7 @@ from colo.run.rundir import complete_checkpoints
 from colo.run.signals import StopSignals
 from colo.host.shm import sweep
 from colo.run.summary import run_summary
+from colo.rollout.buffer import RolloutBuffer
 from colo.rollout.vllm_compat import serve_command
 from colo.cluster.placement import init_ray, plan_placement
 from colo.sync.plan import MappingError
@@ -122,6 +124,37 @@ def generate(c: Cluster, prompts: list[dict], n: int, cfg: ColoConfig, *, greedy
     return sorted(samples, key=lambda s: s["prompt_index"])  # stable: keeps each prompt's n samples together
 
 
+def rollout_async(step: int, c: Cluster, cfg: ColoConfig, inputs: RunInputs, pos: Position
+                  ) -> tuple[list[dict], list[dict], dict]:
+    """loop.mode=async's rollout phase (docs/config.md, "Async"): drop stale groups, top up to oversample x
+    prompts_per_step groups, run every unfinished sample until prompts_per_step whole groups exist, take them.
+    Returns (prompts, samples, async/* metrics); the rest stays in pos.buffer for the next step."""
+    if pos.buffer is None:
+        pos.buffer = RolloutBuffer(cfg.rollout.n, cfg.rollout.max_tokens, cfg.loop.max_staleness)
+        if pos.carry:  # resumed: what the checkpointed step left carried
+            pos.buffer.load_state_dict(pos.carry)
+    buf, k, w = pos.buffer, cfg.data.prompts_per_step, len(c.engines)
+    buf.drop_stale(step)
+    new = buf.wanted(math.ceil(cfg.rollout.oversample * k))
+    if new:
+        buf.add(inputs.train_data.next_batch(new), seed=cfg.run.seed * 100_003 + step * 1_009)
+    reqs = buf.requests()
+    # groups round robin over the engines (a carried sample resumes anywhere: its KV is recomputed anyway);
+    # the groups still needed are shared the same way, each engine's share capped by the groups it holds
+    order = list(dict.fromkeys(r["group"] for r in reqs))
+    engine_of = {g: i % w for i, g in enumerate(order)}
+    held, quota = [len(order[e::w]) for e in range(w)], [0] * w
+    for i in range(min(buf.need(k), len(order))):
+        quota[i % w] += 1
+    per_engine = [[r for r in reqs if engine_of[r["group"]] == e] for e in range(w)]
+    assert all(q <= h for q, h in zip(quota, held))
+    results = c.engine_group.generate_partial(per_engine, quota, cfg.rollout.temperature, cfg.rollout.top_p,
+                                              routing=True)
+    buf.absorb([r for rs in per_engine for r in rs], [o for os in results for o in os], version=step)
+    prompts, samples = buf.take(k, step)
+    return prompts, samples, buf.metrics(samples, step)
+
+
 def score(rewards: RewardRunner, prompts: list[dict], samples: list[dict], tokenizer) -> torch.Tensor:
     """algo.rewards on each response (a conversation's: on the model's last turn), plus the environment's
     rewards of a conversation."""
@@ -155,6 +188,8 @@ class Position:
 
     step: int
     data: dict
+    buffer: RolloutBuffer | None = field(default=None, repr=False)  # loop.mode=async: the carried samples
+    carry: dict | None = field(default=None, repr=False)  # buffer.state_dict() after `step`: what a checkpoint holds
 
 
 def rl_step(step: int, c: Cluster, cfg: ColoConfig, inputs: RunInputs, rewards: RewardRunner, pos: Position,
@@ -164,10 +199,13 @@ def rl_step(step: int, c: Cluster, cfg: ColoConfig, inputs: RunInputs, rewards: 
     t, n = Timer(memory_probe(c) if cfg.loop.memory_stats else None), cfg.rollout.n
     trainers, engines, t_step = c.trainer_group, c.engine_group, time.perf_counter()
     with t("rollout"):
-        prompts = inputs.train_data.next_batch(cfg.data.prompts_per_step)
-        stats: dict = {}
-        samples = generate(c, prompts, n, cfg, greedy=False, seed=cfg.run.seed * 100_003 + step * 1_009,
-                           routing=True, stats=stats)  # every step: routing/mismatch is logged with replay on or off
+        carry, stats = {}, {}
+        if cfg.loop.mode == "async":  # what is generated, carried and dropped: colo.rollout.buffer
+            prompts, samples, carry = rollout_async(step, c, cfg, inputs, pos)
+        else:
+            prompts = inputs.train_data.next_batch(cfg.data.prompts_per_step)
+            samples = generate(c, prompts, n, cfg, greedy=False, seed=cfg.run.seed * 100_003 + step * 1_009,
+                               routing=True, stats=stats)  # every step: routing/mismatch is logged with replay on or off
     with t("reward"):
         reward = score(rewards, prompts, samples, inputs.tokenizer)  # (N*G,)
         adv, penalty = step_advantages(samples, reward, n, cfg.algo, cfg.rollout.max_tokens)  # (N*G,) each
@@ -184,6 +222,7 @@ def rl_step(step: int, c: Cluster, cfg: ColoConfig, inputs: RunInputs, rewards: 
         shards = shard_batch(batch, len(c.trainers))
         train = trainers.train_step(shards)[0]  # metrics are already all-reduced over ranks
         pos.step, pos.data = step, inputs.train_data.state_dict()  # a failure from here on saves this step
+        pos.carry = pos.buffer.state_dict() if pos.buffer is not None else None
     with t("sync"):
         if c.colocated:
             engines.wake_up(["weights"])
@@ -197,7 +236,7 @@ def rl_step(step: int, c: Cluster, cfg: ColoConfig, inputs: RunInputs, rewards: 
     metrics = {"step": step, "reward/mean": reward.mean().item(), "reward/std": reward.std().item(),
                "response_len/mean": lens.mean().item(),
                "response/truncated_frac": sum(s["finish_reason"] == "length" for s in samples) / len(samples),
-               **train, **synced, **t.seconds, **t.memory}
+               **carry, **train, **synced, **t.seconds, **t.memory}
     if cfg.algo.environment:
         metrics.update(conversation_metrics(samples, stats, inputs.run_dir, step))
     if cfg.algo.overlong == "penalty":  # reward/mean stays the reward functions' own
@@ -285,11 +324,14 @@ def save(c: Cluster, inputs: RunInputs, pos: Position, timeout: float | None = N
     path = inputs.run_dir / "checkpoints" / f"step_{pos.step:06d}"
     if (path / "extra.json").exists():  # a failure right after a periodic save: nothing new to write
         return path
+    extra = {"step": pos.step, "data": pos.data}
+    if pos.carry is not None:  # loop.mode=async: the samples carried into the next step
+        extra["async_buffer"] = pos.carry
     tmp = path.with_name(path.name + ".tmp")
     for stale in (tmp, path):  # a save of this step cut off earlier
         shutil.rmtree(stale, ignore_errors=True)
     try:
-        c.trainer_group.save_checkpoint(str(tmp), {"step": pos.step, "data": pos.data}, timeout=timeout)
+        c.trainer_group.save_checkpoint(str(tmp), extra, timeout=timeout)
         tmp.rename(path)
     except BaseException as err:
         full = nearly_full(path.parent)  # asked before the half-written files go: they filled it
@@ -320,7 +362,7 @@ def restore(c: Cluster, inputs: RunInputs, writer: MetricsWriter) -> Position | 
     extra = c.trainer_group.load_checkpoint(last)
     inputs.train_data.load_state_dict(extra["data"])
     writer.resume_from(extra["step"])  # drops records of steps after the checkpoint: they are redone
-    return Position(extra["step"], extra["data"])
+    return Position(extra["step"], extra["data"], carry=extra.get("async_buffer"))
 
 
 def fail(c: Cluster, inputs: RunInputs, pos: Position, e: Exception, keep_policy: bool,

@@ -10,6 +10,11 @@ Per token t of a response (all tensors (B, T), aligned so position t scores inpu
     kl_t    = clamp(exp(d_t) - d_t - 1, -10, 10),  d_t = clamp(ref_t - logp_t, -20, 20)
     loss_t  = w_t * pg_t + kl_coef * kl_t
 
+rollout_t is the behaviour log-prob of each token: what vLLM reported when it sampled it. In loop.mode=async a
+response may mix tokens of several weight versions, each with its own behaviour log-prob; the same formula is
+then decoupled PPO: the ratio's trust region is around pi_old (old_t, the trainer's recompute before the
+update) and w_t, truncated, corrects behaviour -> pi_old (docs/loss.md, "Tokens from older weights").
+
 kl_t is the k3 estimator of KL(pi || ref) on tokens sampled from pi (unbiased for the sequence KL,
 always >= 0, low variance; Schulman's "approximating KL"). The clamps (verl's low_var_kl, slime) keep
 one token whose log-ratio has run away from dominating the step; outside them the token's KL term has

@@ -131,6 +131,22 @@ class LengthEngine(Engine):
                 s["finish_reason"] = "stop"
         return samples
 
+    def generate_partial(self, requests: list[dict], *args: Any, **kwargs: Any) -> list[dict]:
+        out = super().generate_partial(requests, *args, **kwargs)
+        for r, o in zip(requests, out):  # loop.mode=async: a sample that reached its imposed length "stopped"
+            if o["finish_reason"] is not None and len(r["response_ids"]) + len(o["tokens"]) < r["max_tokens"]:
+                o["finish_reason"] = "stop"
+        return out
+
+    def _segment_params(self, request: dict, temperature: float, top_p: float) -> Any:
+        """The sample's imposed length (drawn from its own seed, as in _requests) less the tokens it has."""
+        from vllm import SamplingParams
+
+        p = super()._segment_params(request, temperature, top_p)
+        left = response_length(int(request["seed"]), int(request["max_tokens"])) - len(request["response_ids"])
+        return SamplingParams(n=1, max_tokens=left, min_tokens=left, ignore_eos=True, temperature=p.temperature,
+                              top_p=p.top_p, logprobs=0, seed=p.seed)
+
     def _requests(self, prompts: int, n: int, max_tokens: int, temperature: float, top_p: float,
                   seed: int | None) -> tuple[list[int], list]:
         from vllm import SamplingParams

@@ -26,6 +26,12 @@ The JSON line (last stdout line with --json) holds, over the measured steps:
     compute_mfu              train_mfu's FLOPs over logprob + update seconds only
     logprob_peak_gb          the trainer's allocated peak during its log-prob pass (GPU; null on CPU), and
                              logprob_pass_gb, that peak above what was allocated when the pass began
+loop.mode=async (an override, e.g. `loop.mode=async rollout.oversample=1.5 loop.max_staleness=1`) runs the async
+step (docs/config.md, "Async"; LengthEngine imposes each sample's length across its segments) and adds "async":
+staleness and carried/dropped counts. Compare it with a sync run at the same arguments; give it --warmup 2 or more
+so the buffer is in its steady state. Its token counts are those trained at each step, some generated in an
+earlier step: tokens_per_s_per_gpu stays comparable over steps, generated_tokens_per_s is then trained response
+tokens per rollout second, not the engine's own rate.
 --no-packing measures the padded path (trainer.packing=false) instead; --compare measures both in one run
 (packed first, the same steps again padded) and adds "no_packing" and "speedup" (packed / padded). The padded
 path runs trainer.micro_batch_size = max_tokens_per_micro_batch // max_model_len rows (at least 1) unless
@@ -170,7 +176,19 @@ def summarize(steps: list[dict], cfg: Any, config_json: dict, gpus: int, device_
         "response_len_mean": sum(m["response_len/mean"] for m in steps) / len(steps),
         "truncated_frac": sum(m["response/truncated_frac"] for m in steps) / len(steps),
         "steps": len(steps),
+        **async_summary(steps),
     }
+
+
+def async_summary(steps: list[dict]) -> dict:
+    """loop.mode=async: {"async": staleness and carry figures over the measured steps}; {} in sync mode."""
+    if "async/staleness_mean" not in steps[0]:
+        return {}
+    mean = lambda key: sum(float(m[key]) for m in steps) / len(steps)  # noqa: E731
+    return {"async": {"staleness_mean": mean("async/staleness_mean"), "offpolicy_frac": mean("async/offpolicy_frac"),
+                      "staleness_max": max(int(m["async/staleness_max"]) for m in steps),
+                      **{k: sum(int(m[f"async/{k}"]) for m in steps) for k in ("completed", "carried", "dropped",
+                                                                               "dropped_tokens", "resumed")}}}
 
 
 def measure(args: argparse.Namespace) -> dict:

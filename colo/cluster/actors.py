@@ -320,6 +320,12 @@ class EngineGroup:
         return self._gather([e.generate.remote(p, n, max_tokens, temperature, top_p, s, routing)
                              for e, p, s in zip(self.engines, prompt_ids, seeds)])
 
+    def generate_partial(self, requests: list[list[dict]], need: list[int], temperature: float, top_p: float,
+                         routing: bool = False) -> list[list[dict]]:
+        """loop.mode=async: engine e runs requests[e] until need[e] of its groups finished (colo.rollout.partial)."""
+        return self._gather([e.generate_partial.remote(r, k, temperature, top_p, routing)
+                             for e, r, k in zip(self.engines, requests, need)])
+
     def rollout(self, rows: list[list[dict]], n: int, max_tokens: int, temperature: float, top_p: float,
                 seeds: list[int], routing: bool = False) -> list[tuple[list[dict], dict]]:
         """Multi-turn (algo.environment): engine e converses over rows[e] with seed seeds[e]; per engine

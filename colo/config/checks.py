@@ -51,6 +51,9 @@ def validate(cfg: ColoConfig, *, check_resources: bool = True, check_gpus: bool 
     _check_attention_heads(cfg, model.get("num_attention_heads"))
     _check_model_family(cfg, model)
     _check_routing_replay(cfg, model)
+    if cfg.loop.mode == "async" and device == "cuda" and cfg.algo.routing_replay == "r3":
+        raise ConfigError("algo.routing_replay=r3 with loop.mode=async runs on CPU engines only (the GPU engines' "
+                          "routing of a stopped request is not read yet); fix: algo.routing_replay=off or loop.mode=sync")
     _check_weights(cfg)
     for key in ("data.path", "data.eval_path"):
         _check_data(cfg, key)
@@ -92,7 +95,7 @@ def _check_values(cfg: ColoConfig) -> None:
         "rollout.temperature",
         "algo.clip_low", "algo.clip_high", "algo.kl_coef", "algo.tis_cap", "algo.overlong_penalty",
         "loop.eval_every", "loop.eval_samples",
-        "loop.checkpoint_every", "loop.sft_warmup_steps")}
+        "loop.checkpoint_every", "loop.sft_warmup_steps", "loop.max_staleness")}
     for key, low in at_least.items():
         if get(key) < low:
             raise ConfigError(f"{key}={get(key)} must be >= {low}; fix: e.g. {key}={default_value(key)}")
@@ -100,6 +103,7 @@ def _check_values(cfg: ColoConfig) -> None:
         raise ConfigError(f"rollout.n={cfg.rollout.n}: group-relative advantages need at least 2 samples per prompt "
                           "(with 1, every advantage is 0 and nothing trains); fix: rollout.n=8 (or any n >= 2)")
     _check_placement_mode(cfg)
+    _check_async(cfg)
     _check_loggers(cfg.run.loggers)
     if cfg.data.system_prompt and not cfg.data.chat_template:
         raise ConfigError("data.system_prompt is set but data.chat_template is false, and a system prompt "
@@ -135,6 +139,26 @@ def _check_values(cfg: ColoConfig) -> None:
         if preset not in WITH_WEIGHTS and not cfg.model.dummy_weights:
             raise ConfigError(f"model.path={cfg.model.path} has a config but no weights; "
                               "fix: model.dummy_weights=true (random weights)")
+
+
+def _check_async(cfg: ColoConfig) -> None:
+    """loop.mode=async is the colocated step with carried samples (docs/config.md, "Async")."""
+    if cfg.rollout.oversample < 1:
+        raise ConfigError(f"rollout.oversample={cfg.rollout.oversample} must be >= 1 (prompts in flight per "
+                          "data.prompts_per_step); fix: rollout.oversample=1.5")
+    if cfg.loop.mode != "async":
+        return
+    if cfg.placement.mode == "disaggregated":
+        raise ConfigError("loop.mode=async runs on colocated GPUs only (disaggregated async is not built); fix: "
+                          "placement.mode=colocated with loop.mode=async, or loop.mode=sync with "
+                          "placement.mode=disaggregated")
+    if cfg.algo.environment:
+        raise ConfigError(f"loop.mode=async runs single-turn rollouts only (multi-turn conversations are not carried "
+                          f"across steps yet), but algo.environment={cfg.algo.environment}; fix: loop.mode=sync with "
+                          "algo.environment, or drop algo.environment")
+    if cfg.algo.tis_cap == 0:
+        raise ConfigError("loop.mode=async trains on tokens sampled by older weights, which needs the truncated "
+                          "behaviour-to-trainer importance weight that algo.tis_cap=0 turns off; fix: algo.tis_cap=2.0")
 
 
 def _check_loss(cfg: ColoConfig) -> None:

@@ -17,6 +17,7 @@ CHOICES = {  # must match the consumers: colo.algo.loss.LOSS_AGGS, colo.sync, co
     "model.dtype": ("bfloat16", "float16", "float32"),
     "placement.device": ("auto", "cpu", "cuda"),
     "placement.mode": ("colocated", "disaggregated"),
+    "loop.mode": ("sync", "async"),
     "rollout.sleep_level": ("auto", 1, 2),
     "algo.loss_agg": ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean"),
     "algo.overlong": ("none", "filter", "penalty"),
@@ -154,6 +155,9 @@ class RolloutConfig:
     sleep_level: Union[int, str] = "auto"
     """vLLM sleep level while training: 1 keeps weights in host RAM, 2 drops them; auto: 2 (the sync
     rewrites every weight anyway)."""
+    oversample: float = 1.5
+    """loop.mode=async only: prompts in flight per step, as a multiple of data.prompts_per_step (>= 1). The
+    rollout stops once data.prompts_per_step whole groups have finished; the rest are carried to the next step."""
     max_turns: int = 1
     """With algo.environment: most model turns per conversation (each followed by the environment's step);
     rollout.max_tokens is then the budget of the whole response, model and environment tokens together."""
@@ -260,6 +264,13 @@ class LoopConfig:
     """Checkpoint every this many steps (0: never)."""
     sft_warmup_steps: int = 0
     """Supervised steps on reference answers before RL (lets a random tiny model sometimes succeed)."""
+    mode: str = "sync"
+    """sync: every step trains on samples of the weights it starts with, waiting for its longest response.
+    async (colocated only): rollout.oversample x prompts in flight, the rollout stops once enough whole groups
+    finished, unfinished samples continue next step under the new weights (docs/config.md, "Async")."""
+    max_staleness: int = 1
+    """loop.mode=async: the most weight versions a trained token may lag the policy being updated; a group
+    holding an older token is dropped (counted in async/dropped) before it is resumed. 0: nothing is carried."""
 
 
 @dataclass

@@ -335,6 +335,45 @@ class Engine:
                   for i in index]
         return index, params
 
+    def generate_partial(self, requests: list[dict], need_groups: int, temperature: float, top_p: float,
+                         routing: bool = False) -> list[dict]:
+        """loop.mode=async: one segment of each sample request, stopping once `need_groups` whole groups finished.
+
+        requests[i]: {"group", "prompt_ids", "response_ids" (tokens so far), "max_tokens" (the whole response's
+        budget), "seed", "segment"}; a resumed sample prefills prompt + its tokens again (colo.rollout.partial).
+        Returns per request {"tokens", "logprobs" (the new segment's), "finish_reason" (None: stopped)} and,
+        with `routing`, "routing": the rows this segment routed, (n_rows, M, K): from row 0 for a first
+        segment, else from the row of the last token it already had (never forwarded before)."""
+        from colo.rollout.partial import resume_prompt, run_until
+
+        if self.sleeping:
+            raise RuntimeError(f"generate_partial() on rank {self.rank} while {sorted(self.sleeping)} still sleep")
+        params = [self._segment_params(r, temperature, top_p) for r in requests]
+        out = run_until(self.llm.llm_engine, [resume_prompt(r) for r in requests], params,
+                        [r["group"] for r in requests], need_groups)
+        if routing and self.routing == "prefill":  # rows of this segment, from these weights
+            todo = [i for i, o in enumerate(out) if o["tokens"]]
+            seqs = [(resume_prompt(requests[i]) + out[i]["tokens"])[:-1] for i in todo]
+            for i, ids in zip(todo, capture_by_prefill(self.llm, self._rpc, seqs, self._ids_dtype)):
+                r = requests[i]
+                start = 0 if not r["response_ids"] else len(r["prompt_ids"]) + len(r["response_ids"]) - 1
+                out[i]["routing"] = ids[start:]
+        # GPU ("vllm" capture): a stopped request's routed_experts are not read yet, so async samples carry no
+        # routing there (no routing/mismatch metric; algo.routing_replay=r3 with async on GPU is refused at load)
+        return out
+
+    def _segment_params(self, request: dict, temperature: float, top_p: float) -> Any:
+        """SamplingParams of one sample's next segment: n=1, the rest of its token budget, a seed of its own
+        per segment (colo.bench.engines.LengthEngine imposes lengths here)."""
+        from vllm import SamplingParams
+
+        left = int(request["max_tokens"]) - len(request["response_ids"])
+        if left < 1:
+            raise ValueError(f"a sample of group {request['group']} has no token budget left ({left})")
+        return SamplingParams(n=1, max_tokens=left, temperature=temperature,
+                              top_p=top_p if temperature > 0 else 1.0, logprobs=0,
+                              seed=int(request["seed"]) + 7919 * int(request["segment"]))
+
     def _moe_layers(self) -> list[int]:
         if not hasattr(self, "_moe_layer_ids"):
             self._moe_layer_ids = self._rpc("colo_moe_layers")
