@@ -48,6 +48,16 @@ def pytest_itemcollected(item: pytest.Item) -> None:
     item.add_marker(pytest.mark.xdist_group(_shared_group(item)))
 
 
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Under `--dist loadgroup` every test's id must carry its group (xdist appends `@group`): where it does not
+    (pytest 9 with xdist 3.8), the default job and each module's engines would start once per worker."""
+    if hasattr(session.config, "workerinput") and session.config.getvalue("loadgroup"):
+        ungrouped = [i.nodeid for i in session.items if "@" not in i.nodeid]
+        if ungrouped:
+            raise pytest.UsageError(f"pytest-xdist did not group {ungrouped[0]} (pytest {pytest.__version__}); "
+                                    "fix: pip install -e '.[cpu,test]' (pytest<9)")
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     tiers = {ROOT / "tests" / tier: getattr(pytest.mark, tier) for tier in TIERS}
     for item in items:
