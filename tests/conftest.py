@@ -242,3 +242,15 @@ def default_job(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, CliResu
     tests/e2e/test_routing_job.py its routing metrics."""
     run_dir = tmp_path_factory.mktemp("default-job") / "run"
     return run_dir, run_cli(f"run.dir={run_dir}", f"loop.steps={DEFAULT_JOB_STEPS}", timeout=900)
+
+
+def experts_got(model) -> dict:
+    """Routing replay tests (unit and integration): what each MoE layer's experts module of a transformers model
+    actually receives as top_k_index, read by a forward pre-hook, independent of colo's RouterTap."""
+    from colo.algo.replay import routers
+
+    got: dict = {}
+    for layer, r in routers(model):
+        block = next(m for m in model.modules() if getattr(m, "gate", None) is r)
+        block.experts.register_forward_pre_hook(lambda mod, args, layer=layer: got.__setitem__(layer, args[1].clone()))
+    return got

@@ -17,6 +17,8 @@ import torch
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from conftest import experts_got
+
 from colo.algo.batch import NO_EXPERT, build_batch
 from colo.algo.parity import gap_metrics, logprob_gap
 from colo.algo.replay import RouterTap, routers
@@ -24,15 +26,6 @@ from colo.config import ColoConfig
 
 
 # ------------------------------------------------------------------------------------ engine level
-
-def _experts_got(model: torch.nn.Module) -> dict[int, torch.Tensor]:
-    """What each layer's experts module actually receives as top_k_index (independent of RouterTap)."""
-    got: dict[int, torch.Tensor] = {}
-    for layer, r in routers(model):
-        block = next(m for m in model.modules() if getattr(m, "gate", None) is r)
-        block.experts.register_forward_pre_hook(lambda mod, args, layer=layer: got.__setitem__(layer, args[1].clone()))
-    return got
-
 
 
 PROMPT = [int(x) for x in np.random.default_rng(3).integers(3, 500, 200)]  # > one 128-token CPU KV block
@@ -101,7 +94,7 @@ def test_trainer_replays_the_engines_routing_exactly(engines) -> None:
     samples = ray.get(engines["fresh"].generate.remote([PROMPT[:60], PROMPT[100:140]], 4, 8, 1.0, 1.0, 5, True))
     batch = build_batch(samples, [0.0] * len(samples))
     model = AutoModelForCausalLM.from_pretrained(engines["pert"], dtype=torch.bfloat16).eval()
-    tap, got = RouterTap(model), _experts_got(model)
+    tap, got = RouterTap(model), experts_got(model)
     ids, am = batch["routed_experts"], batch["attention_mask"]
     gaps = {}
     for replay in (False, True):

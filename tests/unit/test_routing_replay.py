@@ -10,6 +10,8 @@ import numpy as np
 import pytest
 import torch
 
+from conftest import experts_got
+
 from colo.algo.batch import NO_EXPERT, build_batch, shard_batch
 from colo.algo.parity import gap_metrics, logprob_gap
 from colo.algo.replay import RouterTap, routers
@@ -39,19 +41,10 @@ def _hf_model(family: str) -> torch.nn.Module:
     return model
 
 
-def _experts_got(model: torch.nn.Module) -> dict[int, torch.Tensor]:
-    """What each layer's experts module actually receives as top_k_index (independent of RouterTap)."""
-    got: dict[int, torch.Tensor] = {}
-    for layer, r in routers(model):
-        block = next(m for m in model.modules() if getattr(m, "gate", None) is r)
-        block.experts.register_forward_pre_hook(lambda mod, args, layer=layer: got.__setitem__(layer, args[1].clone()))
-    return got
-
-
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_replay_uses_given_ids_with_the_familys_weights(family: str) -> None:
     model = _hf_model(family)
-    tap, got = RouterTap(model), _experts_got(model)
+    tap, got = RouterTap(model), experts_got(model)
     ids = torch.randint(0, 96, (3, 7))
     plain = model(input_ids=ids).logits
     own = torch.stack([got[layer].view(3, 7, 2) for layer, _ in routers(model)], dim=2)  # (b, T, M, K)
