@@ -26,3 +26,18 @@ def test_tool_job_runs_conversations_and_logs_their_metrics(tmp_path: Path) -> N
         assert s["logprob_diff/mean"] < 0.05  # trainer and vLLM agree on the model's tokens
     assert "eval/reward" in steps[-1]
     assert not (run_dir / "env-errors.log").exists()
+
+
+def test_tool_job_runs_disaggregated(tmp_path: Path) -> None:
+    """The same conversations with trainer and engine on separate (logical) GPUs: the engine runs them the
+    same way, and the broadcast sync is verified."""
+    run_dir = tmp_path / "run"
+    r = run_cli("--config", "configs/tiny-cpu-tools.yaml", f"run.dir={run_dir}", "placement.mode=disaggregated",
+                "placement.trainer_gpus=1", "loop.steps=2", "loop.eval_every=0", "data.eval_path=null",
+                "loop.sft_warmup_steps=40", timeout=1500)
+    assert r.returncode == 0, r.stderr[-3000:]
+    steps = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()][1:]
+    assert [s["step"] for s in steps] == [0, 1]
+    for s in steps:
+        assert s["rollout/turns/mean"] > 1 and s["env/errors"] == 0 and s["sync/verified"] is True
+        assert s["logprob_diff/mean"] < 0.05
