@@ -1,6 +1,6 @@
 """Attention for packed rows without an (N, N) mask: `sdpa_varlen`, a transformers attention implementation.
 
-    model = AutoModelForCausalLM.from_config(config, attn_implementation=attention_for(device))
+    model = AutoModelForCausalLM.from_config(config, attn_implementation=attention_for(device, config))
     model.model(input_ids=ids, position_ids=pos, colo_bounds=(0, 37, 52, 90), use_cache=False)   # (1, 90) packed
 
 Why: transformers reads packed rows from position_ids, but for sdpa and eager it turns them into a dense
@@ -62,12 +62,24 @@ def register() -> str:
     return NAME
 
 
-def attention_for(device: torch.device) -> str:
+def attention_for(device: torch.device, config=None) -> str:
     """flash_attention_2 on GPU where the flash_attn package is installed (its varlen kernel reads the packed
-    rows from position_ids), else sdpa_varlen."""
+    rows from position_ids), else sdpa_varlen; eager for a model class transformers runs without SDPA (GPT-OSS:
+    its attention sinks are in eager and flash kernels only, so SDPA per sample would drop them), where
+    transformers' own block-diagonal mask from the packed position ids keeps attention inside each sample."""
+    if config is not None and not supports_sdpa(config):
+        return "eager"
     if device.type == "cuda":
         import importlib.util
 
         if importlib.util.find_spec("flash_attn") is not None:
             return "flash_attention_2"
     return register()
+
+
+def supports_sdpa(config) -> bool:
+    """Whether transformers runs this config's causal-LM class through SDPA (its `_supports_sdpa`)."""
+    from transformers import AutoModelForCausalLM
+
+    cls = AutoModelForCausalLM._model_mapping.get(type(config), None)
+    return bool(getattr(cls, "_supports_sdpa", False))

@@ -25,7 +25,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from colo.algo.logprobs import shifted_logprobs
-from colo.trainer.attention import attention_for
+from colo.trainer.attention import attention_for, supports_sdpa
 
 def meta_model(model_path: str, attn_implementation: str | None = None,
                experts_implementation: str | None = None) -> nn.Module:
@@ -34,6 +34,8 @@ def meta_model(model_path: str, attn_implementation: str | None = None,
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.from_pretrained(model_path)
+    if attn_implementation is not None and not supports_sdpa(config):
+        attn_implementation = "eager"  # GPT-OSS: sinks live in eager/flash only (colo.trainer.attention.attention_for)
     with torch.device("meta"):
         extra = {} if experts_implementation is None else {"experts_implementation": experts_implementation}
         return AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation=attn_implementation,

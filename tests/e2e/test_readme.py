@@ -267,9 +267,12 @@ def test_resume_keeps_the_runs_config_and_learning_rate(cpu_runs: list[Ran]) -> 
     second = yaml.safe_load((run_dir / "config.resume-1.yaml").read_text())
     assert second["trainer"]["lr"] == 1e-3 and second["loop"]["steps"] == 2 and second["run"]["resume"] is True
     assert [x["trainer/lr"] for x in resumed.rows[1:]] == [1e-3] * 2, "step 0 and the resumed step 1"
-    # the other jobs' learning rates, as logged: the README's trainer.lr=1e-3 and tiny-cpu.yaml's 4e-4
+    # the other jobs' learning rates, as logged: the README's trainer.lr=1e-3, else their config file's
+    # (tiny-cpu.yaml's 4e-4 by default)
     for ran in cpu_runs:
         if ran is not resumed and ran is not by_lr:
-            want = 1e-3 if "trainer.lr=1e-3" in ran.cmd.args else 4e-4
+            config = ran.cmd.args[ran.cmd.args.index("--config") + 1] if "--config" in ran.cmd.args \
+                else "configs/tiny-cpu.yaml"
+            want = 1e-3 if "trainer.lr=1e-3" in ran.cmd.args else yaml.safe_load((ROOT / config).read_text())["trainer"]["lr"]
             assert {x["trainer/lr"] for x in ran.rows[1:]} == {want}, ran.cmd.text
 
