@@ -32,6 +32,9 @@ staleness and carried/dropped counts. Compare it with a sync run at the same arg
 so the buffer is in its steady state. Its token counts are those trained at each step, some generated in an
 earlier step: tokens_per_s_per_gpu stays comparable over steps, generated_tokens_per_s is then trained response
 tokens per rollout second, not the engine's own rate.
+--compare-async measures both in one run: the async step first (loop.mode=async with the given rollout.oversample
+and loop.max_staleness, else their defaults), then the same steps in sync mode on the same cluster, and adds
+"sync" and "speedup" (async / sync).
 --no-packing measures the padded path (trainer.packing=false) instead; --compare measures both in one run
 (packed first, the same steps again padded) and adds "no_packing" and "speedup" (packed / padded). The padded
 path runs trainer.micro_batch_size = max_tokens_per_micro_batch // max_model_len rows (at least 1) unless
@@ -75,6 +78,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--max-tokens", type=int, help="longest response (cpu 64, cuda 4096); median a quarter of it")
     ap.add_argument("--no-packing", action="store_true", help="the padded path (trainer.packing=false)")
     ap.add_argument("--compare", action="store_true", help="packed and padded in one run, with their ratio")
+    ap.add_argument("--compare-async", action="store_true", help="loop.mode=async and sync in one run, with their ratio")
     ap.add_argument("--json", action="store_true", help="print one JSON object (last stdout line)")
     ap.add_argument("--workdir", default=os.path.join(tempfile.gettempdir(), "colo-bench"))
     ap.add_argument("overrides", nargs="*", metavar="key=value", help="colo config overrides, e.g. "
@@ -87,6 +91,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         ap.error("--gpus, --steps, --prompts, --n, --prompt-len and --max-tokens must be >= 1, --warmup >= 0")
     if args.no_packing and args.compare:
         ap.error("--compare already measures the padded path; drop --no-packing")
+    if args.compare and args.compare_async:
+        ap.error("--compare and --compare-async are two runs: give one")
+    if args.compare_async and any(o.startswith("loop.mode=") for o in args.overrides):
+        ap.error("--compare-async sets loop.mode itself (async, then sync); drop the loop.mode override")
     if any("=" not in o for o in args.overrides):
         ap.error(f"overrides are key=value, got {[o for o in args.overrides if '=' not in o]}")
     return args
@@ -199,7 +207,7 @@ def measure(args: argparse.Namespace) -> dict:
     from colo.bench.engines import LengthEngine, StepTrainer
     from colo.cluster.actors import start_cluster
     from colo.cluster.placement import init_ray, plan_placement
-    from colo.config import model_config_json
+    from colo.config import model_config_json, validate
     from colo.data.inputs import RunInputs
     from colo.loop import Position, check_sync, offloads, rl_step, sync_all
     from colo.plan.job import check_fits
@@ -212,14 +220,21 @@ def measure(args: argparse.Namespace) -> dict:
         dummy, name = args.preset not in WITH_WEIGHTS, args.preset
     cfg = make_config(args, model_dir, dummy)
     config_json = model_config_json(cfg)
-    layouts = [True, False] if args.compare else [not args.no_packing]
-    for packing in layouts[::-1]:  # GPU: refuses a layout the memory plan says does not fit (ConfigError, fixes)
-        cfg.trainer.packing = packing
+    # the measured variants, each (trainer.packing, loop.mode), run one after the other on one cluster
+    if args.compare:
+        layouts = [(True, cfg.loop.mode), (False, cfg.loop.mode)]
+    elif args.compare_async:
+        layouts = [(not args.no_packing, "async"), (not args.no_packing, "sync")]
+    else:
+        layouts = [(not args.no_packing, cfg.loop.mode)]
+    for packing, mode in layouts[::-1]:  # GPU: refuses a layout the memory plan says does not fit (ConfigError, fixes)
+        cfg.trainer.packing, cfg.loop.mode = packing, mode
+        validate(cfg, check_resources=False)  # what the variant's mode refuses (docs/config.md, "Async")
         mem_plan = check_fits(cfg)
     Path(cfg.run.dir).mkdir(parents=True, exist_ok=True)
     plan = plan_placement(cfg)
     init_ray(plan, log_to_driver=not args.json)
-    results: dict[bool, dict] = {}
+    results: dict[tuple[bool, str], dict] = {}
     rewards = RewardRunner(list(cfg.algo.rewards))
     cluster = None
     try:
@@ -232,7 +247,8 @@ def measure(args: argparse.Namespace) -> dict:
         sync_all(cluster)
         if offloads(cluster, cfg):
             cluster.trainer_group.offload()
-        for packing in layouts:
+        for packing, mode in layouts:
+            cfg.loop.mode = mode
             ray.get([t.set_packing.remote(packing) for t in cluster.trainers])
             inputs = RunInputs(Path(cfg.run.dir), tok, RandomPrompts(args.prompts, args.prompt_len), [])
             pos, records = Position(-1, {}), []
@@ -240,10 +256,11 @@ def measure(args: argparse.Namespace) -> dict:
                 m = rl_step(step, cluster, cfg, inputs, rewards, pos)
                 if step >= args.warmup:
                     records.append(m)
-                if not args.json:
-                    print(f"[bench.step] packing={packing} step {step}: {m['timing/step_s']:.2f}s, "
-                          f"train {m['timing/train_s']:.2f}s, padding {m['train/padding_fraction']:.3f}", flush=True)
-            results[packing] = summarize(records, cfg, config_json, args.gpus, device_name)
+                # progress on stderr, also with --json: a run stopped at its time limit still shows its steps
+                print(f"[bench.step] packing={packing} mode={mode} step {step}: {m['timing/step_s']:.2f}s, "
+                      f"rollout {m['timing/rollout_s']:.2f}s, train {m['timing/train_s']:.2f}s, trained tokens "
+                      f"{m['bench/tokens']}, padding {m['train/padding_fraction']:.3f}", file=sys.stderr, flush=True)
+            results[packing, mode] = summarize(records, cfg, config_json, args.gpus, device_name)
     finally:
         rewards.close()
         if cluster is not None:
@@ -251,19 +268,20 @@ def measure(args: argparse.Namespace) -> dict:
             ray.wait(ends, num_returns=len(ends), timeout=60)
         ray.shutdown()
     main = results[layouts[0]]
-    out = {**main, "packing": layouts[0], "model": name, "device": args.device, "device_name": device_name,
+    out = {**main, "packing": layouts[0][0], "mode": layouts[0][1], "model": name, "device": args.device, "device_name": device_name,
            "gpus": args.gpus, "prompts": args.prompts, "n": args.n, "prompt_len": args.prompt_len,
            "max_tokens": args.max_tokens, "max_tokens_per_micro_batch": cfg.trainer.max_tokens_per_micro_batch,
            "micro_batch_size": cfg.trainer.micro_batch_size, "logprob_chunk": cfg.trainer.logprob_chunk,
            "experts_implementation": cfg.trainer.experts_implementation,
            "overrides": list(args.overrides), "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"),
            "plan_train_gb": None if mem_plan is None else mem_plan.total("train") / 2**30}
-    if args.compare:
-        pad = results[False]
-        out["no_packing"] = pad
-        out["speedup"] = {"tokens_per_s_per_gpu": main["tokens_per_s_per_gpu"] / pad["tokens_per_s_per_gpu"],
-                          "train": pad["phases"]["train"] / main["phases"]["train"],
-                          "step": pad["phases"]["step"] / main["phases"]["step"]}
+    if len(layouts) == 2:  # --compare: packed / padded; --compare-async: async / sync
+        base = results[layouts[1]]
+        out["no_packing" if args.compare else "sync"] = base
+        out["speedup"] = {"tokens_per_s_per_gpu": main["tokens_per_s_per_gpu"] / base["tokens_per_s_per_gpu"],
+                          "train": base["phases"]["train"] / main["phases"]["train"],
+                          "rollout": base["phases"]["rollout"] / main["phases"]["rollout"],
+                          "step": base["phases"]["step"] / main["phases"]["step"]}
     return out
 
 
@@ -284,11 +302,15 @@ def main(argv: list[str] | None = None) -> int:
             return (f"{tag}: {r['tokens_per_s_per_gpu']:.0f} tok/s/GPU, generation {r['generated_tokens_per_s']:.0f} "
                     f"tok/s, train MFU {mfu}, padding {r['padding_fraction']:.3f}, phases "
                     + ", ".join(f"{k} {v:.2f}s" for k, v in r["phases"].items()))
-        print(line("packed" if out["packing"] else "padded", out))
+        print(line(("packed" if out["packing"] else "padded") + f" {out['mode']}", out))
         if "no_packing" in out:
             print(line("padded", out["no_packing"]))
             print(f"speedup packed/padded: {out['speedup']['tokens_per_s_per_gpu']:.2f}x tokens/s/GPU, "
                   f"{out['speedup']['train']:.2f}x train phase")
+        if "sync" in out:
+            print(line("sync", out["sync"]))
+            print(f"speedup async/sync: {out['speedup']['tokens_per_s_per_gpu']:.2f}x tokens/s/GPU, "
+                  f"{out['speedup']['rollout']:.2f}x rollout phase")
     return 0
 
 

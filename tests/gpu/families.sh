@@ -42,6 +42,6 @@ print(('ok  ' if ok else 'FAIL'), r['family'], 'rc', r.get('rc', 0), 'verified',
       'equivalent', r.get('equivalent'), 'ours_ms', round(1000 * r['seconds'], 1) if r.get('seconds') else None,
       'speedup', r.get('speedup'))")
   echo "[families] $summary (${LIMIT}s limit, took $((SECONDS - t0))s)"
-  case "$summary" in ok*) ;; *) status=1; "$PY" -m ray.scripts.scripts stop --force >/dev/null 2>&1 || true;; esac
+  case "$summary" in ok*) ;; *) status=1; [ "${SHARED_HOST:-0}" = 1 ] || "$PY" -m ray.scripts.scripts stop --force >/dev/null 2>&1 || true;; esac
 done
 exit $status

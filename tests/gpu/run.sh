@@ -17,7 +17,10 @@
 # qwen3-30b-a3b-L2); rollout = colo.bench.rollout, the colocated engine's output tokens/s against a standalone one (only when
 # named in STEPS: it takes ~8 minutes on an H100); step = colo.bench.step, whole RL steps of qwen3-30b-a3b-L4 at
 # 4k-token long-tail responses, packed vs padded (only when named: `STEPS=step bash tests/gpu/run.sh 600`;
-# STEP_ARGS adds config overrides, e.g. trainer.gradient_checkpointing=true).
+# STEP_ARGS adds config overrides, e.g. trainer.gradient_checkpointing=true); async = colo.bench.step --compare-async,
+# loop.mode=async against sync on the same workload (only when named; ASYNC_ARGS adds overrides).
+# CUDA_VISIBLE_DEVICES limits the GPUs it counts and uses; SHARED_HOST=1 leaves Ray running after a failed step
+# (tests/gpu/streams.sh runs two of these at once, one per GPU).
 # Everything this script leaves in $OUT is at most 8 files, one level deep: what a device call brings back.
 # Exit status: 0 when every step passed. A step that failed or timed out leaves Ray daemons and vLLM
 # workers behind (holding GPU memory); `ray stop --force` clears them before the next step (this host runs
@@ -37,7 +40,8 @@ left() { echo $((TOTAL - (SECONDS - start))); }
 
 clean_after() {  # $1 = exit status of the step just run
   if [ "$1" -ne 0 ]; then
-    "$PY" -m ray.scripts.scripts stop --force >/dev/null 2>&1 || true
+    # SHARED_HOST=1 (tests/gpu/streams.sh: another stream runs on the host's other GPU): its Ray stays up
+    [ "${SHARED_HOST:-0}" = 1 ] || "$PY" -m ray.scripts.scripts stop --force >/dev/null 2>&1 || true
     status=1
   fi
   "$PY" - <<'EOF' || true
@@ -68,8 +72,9 @@ step() {  # step NAME MAX_SECONDS CMD...
 
 { nvidia-smi -L; "$PY" -c "import torch, vllm, ray; print('torch', torch.__version__, 'vllm', vllm.__version__, 'ray', ray.__version__)"; } 2>&1 | tee "$OUT/host.txt"
 ngpu=$(nvidia-smi -L | wc -l)
+if [ -n "${CUDA_VISIBLE_DEVICES:-}" ]; then ngpu=$(echo "$CUDA_VISIBLE_DEVICES" | tr ',' '\n' | grep -c .); fi
 
-STEPS=${STEPS:-colocated ipc dpep routing bench loop}  # and: rollout, step
+STEPS=${STEPS:-colocated ipc dpep routing bench loop}  # and: rollout, step, async
 want() { case " $STEPS " in *" $1 "*) return 0;; *) return 1;; esac; }
 
 want colocated && step pytest-colocated 420 "$PY" -m pytest tests/gpu/test_colocated.py -x -q -s -p no:cacheprovider
@@ -128,6 +133,20 @@ if want step; then  # the whole RL step at 4k-token long-tail lengths, packed an
   echo "[run.sh] step: rc=$rc in $((SECONDS - t0))s"
   tail -n 15 "$OUT/step.log"
   tail -n 1 "$OUT/step.json"
+  clean_after $rc
+fi
+if want async; then  # loop.mode=async against sync at the same 4k long-tail workload, one run (1 GPU)
+  t=$(left); [ "$t" -gt 590 ] && t=590
+  echo "[run.sh] async: python -m colo.bench.step --compare-async (limit ${t}s)"
+  t0=$SECONDS
+  timeout -k 15 "$t" "$PY" -m colo.bench.step --preset qwen3-30b-a3b-L4 --device cuda --gpus 1 --max-tokens 4096 \
+      --prompt-len 256 --prompts 16 --n 8 --warmup 2 --steps 2 --compare-async --json \
+      --workdir "${RUN_ROOT:-/tmp}/colo-async" trainer.optimizer_dtype=bfloat16 \
+      trainer.max_tokens_per_micro_batch=8192 ${ASYNC_ARGS:-} >"$OUT/async.json" 2>"$OUT/async.log"
+  rc=$?
+  echo "[run.sh] async: rc=$rc in $((SECONDS - t0))s"
+  tail -n 15 "$OUT/async.log"
+  tail -n 1 "$OUT/async.json"
   clean_after $rc
 fi
 echo "[run.sh] done in $((SECONDS - start))s, status $status"
