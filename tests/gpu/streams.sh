@@ -25,7 +25,7 @@ stream() {  # stream GPU STEPS
   if [ -n "${run_steps// /}" ]; then STEPS="$run_steps" bash tests/gpu/run.sh "$total"; fi
   if [ -n "$fams" ]; then
     left=$((total - (SECONDS - start)))
-    FAMILY_LIMIT=${FAMILY_LIMIT:-200} CKPT_ROOT=/tmp/fams-gpu$gpu timeout -k 10 "$left" \
+    FAMILY_LIMIT=${FAMILY_LIMIT:-360} CKPT_ROOT=/tmp/fams-gpu$gpu timeout -k 10 "$left" \
         bash tests/gpu/families.sh $(echo $fams | tr ',' ' ')
   fi
 }
