@@ -2,7 +2,7 @@
 
     pytest -q tests/e2e/test_loop.py            # ~6 min on 2 cores: one default job, one resume, 5 failures
 
-- learning: the default job (configs/tiny-cpu.yaml: 70 warm-up SFT steps + GRPO steps, 80 of the 140 here, on two
+- learning: the default job (configs/tiny-cpu.yaml: 70 warm-up SFT steps + GRPO steps, 40 of the 140 here, on two
   trainer/engine pairs) raises the held-out eval reward, verifies every weight sync, keeps the
   vLLM/trainer log-prob gap small and leaves every output (metrics, TensorBoard, plot, config, an
   export that transformers loads and that scores like the run's last eval).
@@ -110,9 +110,9 @@ def test_default_job_learns(learned: tuple[Path, list[dict]]) -> None:
     evals = [r for r in steps if "eval/reward" in r]
     assert len(evals) == DEFAULT_JOB_STEPS // 10, [r["step"] for r in evals]  # eval_every 10
     # GRPO maximizes the reward of samples at the rollout temperature: the training reward and that held-out
-    # eval must rise clearly (measured over 80 steps: training reward 0.30 over the first 10 steps -> 0.40 over
-    # the last 10; held-out sampled 0.25 after the warm-up -> 0.36 over the last three evals); the greedy
-    # eval (already ~0.45 after the warm-up) must not fall
+    # eval must rise clearly (measured over 40 steps, float32: training reward 0.28 over the first 10 steps ->
+    # 0.40 over the last 10; held-out sampled 0.19 after the warm-up -> 0.30 over the last three evals); the
+    # greedy eval (0.23 after the warm-up, 0.46 over the last three) must not fall
     train = [r["reward/mean"] for r in steps]
     assert sum(train[-10:]) / 10 >= sum(train[:10]) / 10 + 0.05, f"training reward {train}"
     sampled = [r["eval/sampled_reward"] for r in evals]
@@ -172,7 +172,7 @@ def test_run_dir_outputs_and_export(learned: tuple[Path, list[dict]]) -> None:
     cfg = load_config(str(run_dir / "config.yaml"), [])
     inputs = open_inputs(cfg)
     tok, prompts = inputs.tokenizer, inputs.eval_prompts
-    model = AutoModelForCausalLM.from_pretrained(run_dir / "export", dtype=torch.bfloat16)
+    model = AutoModelForCausalLM.from_pretrained(run_dir / "export", dtype=getattr(torch, cfg.model.dtype))
     T = max(len(p["prompt_ids"]) for p in prompts)
     ids = torch.full((len(prompts), T), tok.pad_token_id)  # (B, T) left-padded
     mask = torch.zeros_like(ids)  # (B, T)
@@ -184,7 +184,7 @@ def test_run_dir_outputs_and_export(learned: tuple[Path, list[dict]]) -> None:
     texts = tok.batch_decode(out[:, T:], skip_special_tokens=True)
     hf = sum(exact_match(texts, [p["answer"] for p in prompts], [""] * len(prompts))) / len(prompts)
     last_eval = rows[-1]["eval/reward"]
-    # measured: equal (0.484 both); bf16 ties may flip a few of the 64 answers
+    # measured: equal (0.484 both, in bf16); near-ties may flip a few of the 64 answers
     assert abs(hf - last_eval) <= 0.05, f"export scores {hf:.3f}, the run's last eval {last_eval:.3f}"
 
 

@@ -40,7 +40,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import ROOT, STEP_KEYS, clean_env, run_cli
+from conftest import ROOT, STEP_KEYS, TOOLS_JOB_ARGS, clean_env, run_cli
 
 from colo.run.metrics import read_metrics
 
@@ -193,14 +193,19 @@ class Ran:
 
 
 @pytest.fixture(scope="module")
-def cpu_runs(tmp_path_factory: pytest.TempPathFactory) -> list[Ran]:
+def cpu_runs(tmp_path_factory: pytest.TempPathFactory, tools_job) -> list[Ran]:
     """Each CPU job of the README but the bare default job (test_loop.py's), in README order, into one runs dir
     (so --resume finds the newest). Not tied to the session's default job, so that another xdist worker runs
-    these jobs while one runs that."""
+    these jobs while one runs that. The tools command is the session's tools job (tests/conftest.py), which
+    test_tools_job.py checks further: run once, in this group."""
     runs = tmp_path_factory.mktemp("readme") / "runs" / "tiny-cpu"
     out, chunked_modes = [], set()
     for cmd in _of("cpu-run"):
         if not cmd.args and not cmd.env:  # the default job: conftest's default_job, checked by test_loop.py
+            continue
+        if cmd.args == ["--config", "configs/tiny-cpu-tools.yaml"] and not cmd.env:
+            run_dir, r = tools_job
+            out.append(Ran(cmd, list(TOOLS_JOB_ARGS), r, run_dir, read_metrics(run_dir / "metrics.jsonl")))
             continue
         env, extra = dict(cmd.env), list(SHORT)
         if "--resume" in cmd.args:
@@ -224,7 +229,7 @@ def test_cpu_jobs_run_to_the_end(cpu_runs: list[Ran]) -> None:
         r = ran.result
         assert r.returncode == 0, f"{ran.cmd.text}\n{_tail(r)}"
         steps = [x["step"] for x in ran.rows]
-        last = 2 if "--resume" in ran.cmd.args else 1
+        last = 2 if "--resume" in ran.cmd.args else 3 if ran.extra == TOOLS_JOB_ARGS else 1
         assert steps == list(range(-1, last)), (ran.cmd.text, steps)
         assert all(x["sync/verified"] for x in ran.rows), ran.cmd.text
         for row in ran.rows[1:]:  # colocated and disaggregated log the same step record

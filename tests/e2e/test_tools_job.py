@@ -9,10 +9,9 @@ from pathlib import Path
 from conftest import run_cli
 
 
-def test_tool_job_runs_conversations_and_logs_their_metrics(tmp_path: Path) -> None:
-    run_dir = tmp_path / "run"
-    r = run_cli("--config", "configs/tiny-cpu-tools.yaml", f"run.dir={run_dir}", "loop.steps=3", "loop.eval_every=0",
-                timeout=1500)
+def test_tool_job_runs_conversations_and_logs_their_metrics(tools_job) -> None:
+    """The session's tools job (tests/conftest.py: the README's tools command, 3 RL steps)."""
+    run_dir, r = tools_job
     assert r.returncode == 0, r.stderr[-3000:]
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     warm, steps = records[0], records[1:]
