@@ -66,7 +66,7 @@ def run(args: argparse.Namespace) -> dict:
     cfg.rollout.max_model_len = args.prompt_len + args.max_tokens + 8
     cfg.rollout.kv_cache_mb, cfg.rollout.enforce_eager = 128, True
     cfg.trainer.micro_batch_size = 64
-    ray.init(num_cpus=4, num_gpus=1, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=4, num_gpus=1, include_dashboard=False, log_to_driver=False)
     pg = placement_group([{"GPU": 1, "CPU": 1}])
     ray.get(pg.ready())
     engine = RolloutEngine.options(num_gpus=0.4, num_cpus=0, scheduling_strategy=PlacementGroupSchedulingStrategy(

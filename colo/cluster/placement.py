@@ -152,7 +152,8 @@ def init_ray(plan: PlacementPlan, address: str = "", **kwargs: Any) -> None:
     """Start (or join) Ray. `address` (run.ray_address): join that cluster, whose nodes bring their own
     (logical) GPUs and CPUs. CPU: a local instance with plan.num_gpus logical GPUs and enough logical
     CPUs for every bundle (one per GPU, in both modes) plus the driver's tasks. GPU: ray.init() as
-    usual. No-op when Ray is already initialized."""
+    usual, as a new local instance even where `ray start` runs a cluster on this machine. No-op when Ray is
+    already initialized."""
     import ray
 
     if ray.is_initialized():
@@ -161,6 +162,10 @@ def init_ray(plan: PlacementPlan, address: str = "", **kwargs: Any) -> None:
         ray.init(address=address, **{k: v for k, v in kwargs.items() if k in ("log_to_driver", "logging_level")})
         return
     kwargs.setdefault("include_dashboard", False)
+    # "local": a new instance of our own. Without an address ray.init() joins the newest cluster `ray start`
+    # left on this machine (/tmp/ray/ray_current_cluster), then refuses our resource counts; joining is
+    # run.ray_address's job (RAY_ADDRESS sets it)
+    kwargs.setdefault("address", "local")
     if plan.device == "cpu":
         need = len(plan.rows) * plan.cpus_per_bundle + 2
         kwargs.setdefault("num_cpus", max(os.cpu_count() or 1, need))

@@ -49,7 +49,7 @@ def versions() -> str:
 def ray_gpu() -> str:
     import ray
 
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
 
     @ray.remote(num_gpus=1)
     def probe():

@@ -178,7 +178,7 @@ class Rig:
         # the actor classes live in this test module: workers import it (and the conftest it imports) from tests/
         here = Path(__file__).resolve().parent
         path = os.pathsep.join([str(ROOT), str(here.parent), str(here), os.environ.get("PYTHONPATH", "")])
-        ray.init(num_cpus=6, num_gpus=3, include_dashboard=False, log_to_driver=False,
+        ray.init(address="local", num_cpus=6, num_gpus=3, include_dashboard=False, log_to_driver=False,
                  runtime_env={"env_vars": {"PYTHONPATH": path}})
         self.cluster = start_cluster(first, plan_placement(first), trainer_cls=FamilyTrainer, engine_cls=FamilyEngine)
         # engine 3 (the disk oracle, then the disaggregated target): a logical GPU of its own

@@ -69,7 +69,7 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def layouts(model_dir: Path):
-    ray.init(num_cpus=4, num_gpus=0, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=4, num_gpus=0, include_dashboard=False, log_to_driver=False)
     # the helpers handed to actors through __ray_call__ travel by value (tests/ is no package there)
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
     # 8 rows: one rank, micro-batch 8 -> 1 micro-batch; two ranks of 4 rows, micro-batch 1 -> 4 each

@@ -80,7 +80,7 @@ def engine(tmp_path_factory: pytest.TempPathFactory):
     cfg.rollout.max_model_len, cfg.rollout.kv_cache_mb, cfg.rollout.enforce_eager = 256, 64, True
     cfg.rollout.max_turns, cfg.rollout.max_turn_tokens = 3, 6
     cfg.algo.environment, cfg.algo.env_timeout_s = f"{__name__}:Scripted", 3.0
-    ray.init(num_cpus=4, num_gpus=1, include_dashboard=False, log_to_driver=False,
+    ray.init(address="local", num_cpus=4, num_gpus=1, include_dashboard=False, log_to_driver=False,
              runtime_env={"env_vars": {"PYTHONPATH": f"{ROOT}:{Path(__file__).parent}:{os.environ.get('PYTHONPATH', '')}"}})
     pg = placement_group([{"GPU": 1, "CPU": 1}])
     ray.get(pg.ready())

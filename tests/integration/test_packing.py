@@ -34,7 +34,7 @@ def workers(tmp_path_factory: pytest.TempPathFactory):
     # lr 0: every step sees the same weights, so the layouts can be compared step against step
     t.lr, t.micro_batch_size, t.max_tokens_per_micro_batch, t.epochs, t.logprob_chunk = 0.0, 2, 40, 1, 16
     c.rollout.temperature, c.algo.kl_coef, c.algo.tis_cap = 0.8, 0.05, 2.0
-    ray.init(num_cpus=4, num_gpus=0, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=4, num_gpus=0, include_dashboard=False, log_to_driver=False)
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

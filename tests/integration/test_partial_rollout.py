@@ -55,7 +55,7 @@ def engines(tmp_path_factory: pytest.TempPathFactory):
     for f in os.listdir(base):  # tokenizer files beside the weights
         if not (pert / f).exists() and (base / f).is_file():
             os.link(base / f, pert / f)
-    ray.init(num_cpus=4, num_gpus=2, include_dashboard=False, log_to_driver=False,
+    ray.init(address="local", num_cpus=4, num_gpus=2, include_dashboard=False, log_to_driver=False,
              runtime_env={"env_vars": {"PYTHONPATH": os.getcwd()}})
     pg = placement_group([{"GPU": 1, "CPU": 1}] * 2)
     ray.get(pg.ready())

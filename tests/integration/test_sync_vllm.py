@@ -55,7 +55,7 @@ def setup(tmp_path_factory):
     for f in os.listdir(base):  # tokenizer files beside the weights
         if not os.path.exists(pert / f):
             os.link(base / f, pert / f) if os.path.isfile(base / f) else None
-    ray.init(num_cpus=4, include_dashboard=False, runtime_env={"env_vars": {"PYTHONPATH": os.getcwd()}})
+    ray.init(address="local", num_cpus=4, include_dashboard=False, runtime_env={"env_vars": {"PYTHONPATH": os.getcwd()}})
     runs = tmp_path_factory.mktemp("runs")
     synced, fresh = _engine(base, runs / "synced"), _engine(pert, runs / "fresh")
     want = greedy(fresh)

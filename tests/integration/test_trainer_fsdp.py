@@ -113,7 +113,7 @@ def batches(hf) -> list[tuple[dict, list[dict]]]:
 @pytest.fixture(scope="module")
 def cluster(model_dir: Path):
     here = Path(__file__).resolve().parent  # workers import ShardTrainer from this module
-    ray.init(num_cpus=4, num_gpus=0, include_dashboard=False, log_to_driver=False,
+    ray.init(address="local", num_cpus=4, num_gpus=0, include_dashboard=False, log_to_driver=False,
              runtime_env={"env_vars": {"PYTHONPATH": f"{here.parents[1]}:{here}"}})
     pair = _start(_cfg(model_dir), 2)
     single = _start(_cfg(model_dir), 1)
