@@ -31,8 +31,9 @@ STEP_KEYS = ["step", "reward/mean", "reward/std", "response_len/mean", "loss", "
 def _shared_group(item: pytest.Item) -> str:
     """The xdist group of a test (README command: `-n 2 --dist loadgroup`): tests that share a fixture wider
     than one test run in one worker, so nothing is started twice. A CLI job shared across files (a session
-    fixture of SESSION_JOBS: the default job, the tools job) is one group; a module-scoped fixture (engines, trainers, a cluster) makes its module one group;
-    a test that shares nothing is a group of its own, so two workers can split a file of CLI jobs."""
+    fixture of SESSION_JOBS: the default job, the tools job) is one group; a module-scoped fixture (engines,
+    trainers, a cluster) makes its module one group; a test that shares nothing is a group of its own, so two
+    workers can split a file of CLI jobs."""
     info = getattr(item, "_fixtureinfo", None)
     if info is None:
         return item.nodeid

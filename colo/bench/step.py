@@ -78,7 +78,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--max-tokens", type=int, help="longest response (cpu 64, cuda 4096); median a quarter of it")
     ap.add_argument("--no-packing", action="store_true", help="the padded path (trainer.packing=false)")
     ap.add_argument("--compare", action="store_true", help="packed and padded in one run, with their ratio")
-    ap.add_argument("--compare-async", action="store_true", help="loop.mode=async and sync in one run, with their ratio")
+    ap.add_argument("--compare-async", action="store_true",
+                    help="loop.mode=async and sync in one run, with their ratio")
     ap.add_argument("--json", action="store_true", help="print one JSON object (last stdout line)")
     ap.add_argument("--workdir", default=os.path.join(tempfile.gettempdir(), "colo-bench"))
     ap.add_argument("overrides", nargs="*", metavar="key=value", help="colo config overrides, e.g. "
@@ -268,8 +269,9 @@ def measure(args: argparse.Namespace) -> dict:
             ray.wait(ends, num_returns=len(ends), timeout=60)
         ray.shutdown()
     main = results[layouts[0]]
-    out = {**main, "packing": layouts[0][0], "mode": layouts[0][1], "model": name, "device": args.device, "device_name": device_name,
-           "gpus": args.gpus, "prompts": args.prompts, "n": args.n, "prompt_len": args.prompt_len,
+    out = {**main, "packing": layouts[0][0], "mode": layouts[0][1], "model": name, "device": args.device,
+           "device_name": device_name, "gpus": args.gpus, "prompts": args.prompts, "n": args.n,
+           "prompt_len": args.prompt_len,
            "max_tokens": args.max_tokens, "max_tokens_per_micro_batch": cfg.trainer.max_tokens_per_micro_batch,
            "micro_batch_size": cfg.trainer.micro_batch_size, "logprob_chunk": cfg.trainer.logprob_chunk,
            "experts_implementation": cfg.trainer.experts_implementation,
