@@ -118,36 +118,28 @@ if want rollout; then  # colocated engine's output tokens/s against the same eng
   step rollout 560 "$PY" -m colo.bench.rollout --preset qwen3-30b-a3b-L12 --ranks 1 --device cuda --prompts 128 \
       --n 8 --prompt-len 128 --max-tokens 256 --reps 2 ${ROLLOUT_ARGS:-}
 fi
-if want step; then  # the whole RL step at 4k-token long-tail lengths, packed and padded in one run (1 GPU)
-  # 4 layers of Qwen3-30B-A3B (3.1B params, random weights). The memory plan (checked by the bench) fits one
-  # H100 with bf16 AdamW state and 8192 packed tokens per micro-batch: train phase 73.6 of 79.2 GiB.
-  # The JSON line is the last line of $OUT/step.json (docs/benchmarks.md, "The whole RL step").
-  t=$(left); [ "$t" -gt 590 ] && t=590
-  echo "[run.sh] step: python -m colo.bench.step (limit ${t}s)"
-  t0=$SECONDS
+# The whole RL step at 4k-token long-tail lengths, one run of colo.bench.step with two variants (1 GPU): 4 layers of
+# Qwen3-30B-A3B (3.1B params, random weights). The memory plan (checked by the bench) fits one H100 with bf16 AdamW
+# state and 8192 packed tokens per micro-batch: train phase 73.6 of 79.2 GiB. The JSON line is the last line of
+# $OUT/NAME.json (docs/benchmarks.md, "The whole RL step").
+bench_step() {  # bench_step NAME WARMUP COMPARE_FLAG [OVERRIDES...]
+  local name=$1 warmup=$2 flag=$3; shift 3
+  local t=$(left); [ "$t" -gt 590 ] && t=590
+  echo "[run.sh] $name: python -m colo.bench.step $flag (limit ${t}s)"
+  local t0=$SECONDS
   timeout -k 15 "$t" "$PY" -m colo.bench.step --preset qwen3-30b-a3b-L4 --device cuda --gpus 1 --max-tokens 4096 \
-      --prompt-len 256 --prompts 16 --n 8 --warmup 1 --steps 2 --compare --json --workdir "${RUN_ROOT:-/tmp}/colo-step" \
-      trainer.optimizer_dtype=bfloat16 trainer.max_tokens_per_micro_batch=8192 ${STEP_ARGS:-} \
-      >"$OUT/step.json" 2>"$OUT/step.log"
-  rc=$?
-  echo "[run.sh] step: rc=$rc in $((SECONDS - t0))s"
-  tail -n 15 "$OUT/step.log"
-  tail -n 1 "$OUT/step.json"
+      --prompt-len 256 --prompts 16 --n 8 --warmup "$warmup" --steps 2 "$flag" --json \
+      --workdir "${RUN_ROOT:-/tmp}/colo-$name" trainer.optimizer_dtype=bfloat16 trainer.max_tokens_per_micro_batch=8192 \
+      "$@" >"$OUT/$name.json" 2>"$OUT/$name.log"
+  local rc=$?
+  echo "[run.sh] $name: rc=$rc in $((SECONDS - t0))s"
+  tail -n 15 "$OUT/$name.log"
+  tail -n 1 "$OUT/$name.json"
   clean_after $rc
-fi
-if want async; then  # loop.mode=async against sync at the same 4k long-tail workload, one run (1 GPU)
-  t=$(left); [ "$t" -gt 590 ] && t=590
-  echo "[run.sh] async: python -m colo.bench.step --compare-async (limit ${t}s)"
-  t0=$SECONDS
-  timeout -k 15 "$t" "$PY" -m colo.bench.step --preset qwen3-30b-a3b-L4 --device cuda --gpus 1 --max-tokens 4096 \
-      --prompt-len 256 --prompts 16 --n 8 --warmup 2 --steps 2 --compare-async --json \
-      --workdir "${RUN_ROOT:-/tmp}/colo-async" trainer.optimizer_dtype=bfloat16 \
-      trainer.max_tokens_per_micro_batch=8192 ${ASYNC_ARGS:-} >"$OUT/async.json" 2>"$OUT/async.log"
-  rc=$?
-  echo "[run.sh] async: rc=$rc in $((SECONDS - t0))s"
-  tail -n 15 "$OUT/async.log"
-  tail -n 1 "$OUT/async.json"
-  clean_after $rc
-fi
+}
+# shellcheck disable=SC2086
+want step && bench_step step 1 --compare ${STEP_ARGS:-}           # packed against padded
+# shellcheck disable=SC2086
+want async && bench_step async 2 --compare-async ${ASYNC_ARGS:-}  # loop.mode=async against sync; 2 warm-up steps
 echo "[run.sh] done in $((SECONDS - start))s, status $status"
 exit $status
