@@ -212,15 +212,48 @@ class StepTrainer(Trainer):
         self._lp_s = time.perf_counter() - t0
         return out
 
+    def profile_next_step(self) -> None:
+        """Run the next train_step under torch.profiler; its kernel table is then `profile_table()`."""
+        self._profile = True
+
+    def profile_table(self, rows: int = 25) -> str:
+        """The profiled step's operators by their own device time (CPU time where there is no GPU)."""
+        prof = getattr(self, "_prof", None)
+        if prof is None:
+            return ""
+        key = "self_cuda_time_total" if self.device.type == "cuda" else "self_cpu_time_total"
+        return prof.key_averages().table(sort_by=key, row_limit=rows, max_name_column_width=60)
+
+    def _alloc_retries(self) -> int:
+        """The caching allocator's cudaMalloc retries so far: each one frees every cached block and
+        synchronizes the device, the signature of a train phase that runs at the edge of memory."""
+        if self.device.type != "cuda":
+            return 0
+        return int(torch.cuda.memory_stats(self.device).get("num_alloc_retries", 0))
+
     def train_step(self, batch: dict) -> dict:
+        import contextlib
         import time
 
         import torch.distributed as dist
 
         self._optim_s = 0.0
+        retries = self._alloc_retries()
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+        prof = contextlib.nullcontext()
+        if getattr(self, "_profile", False):
+            from torch.profiler import ProfilerActivity, profile
+
+            acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.device.type == "cuda" else [])
+            prof = self._prof = profile(activities=acts)
+            self._profile = False
         t0 = self._sync()
-        out = super().train_step(batch)
-        t1 = self._sync()
+        with prof:
+            out = super().train_step(batch)
+            t1 = self._sync()
+        # _logprobs reset the peak: this one is of the updates (and the optimizer step)
+        reserved = torch.cuda.max_memory_reserved(self.device) / 2**30 if self.device.type == "cuda" else None
         real = batch["sample_index"] >= 0 if "sample_index" in batch else torch.ones(len(batch["input_ids"]), dtype=torch.bool)
         lengths = batch["attention_mask"][real].sum(1).double()  # (B',) prompt + response tokens per sample
         sums = self._agree([float(lengths.sum()), float((lengths ** 2).sum()), float(real.sum())], dist.ReduceOp.SUM)
@@ -230,5 +263,6 @@ class StepTrainer(Trainer):
                 "bench/logprob_s": self._lp_s, "bench/optim_s": self._optim_s,
                 "bench/update_s": t1 - t0 - self._lp_s - self._optim_s,  # forward + backward of the updates
                 "bench/onload_s": onload,  # this step's (the loop onloads right before train_step)
-                "bench/logprob_peak_gb": peak, "bench/logprob_pass_gb": own}
+                "bench/logprob_peak_gb": peak, "bench/logprob_pass_gb": own,
+                "bench/alloc_retries": self._alloc_retries() - retries, "bench/update_reserved_gb": reserved}
         return out

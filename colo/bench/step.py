@@ -26,6 +26,8 @@ The JSON line (last stdout line with --json) holds, over the measured steps:
     compute_mfu              train_mfu's FLOPs over logprob + update seconds only
     logprob_peak_gb          the trainer's allocated peak during its log-prob pass (GPU; null on CPU), and
                              logprob_pass_gb, that peak above what was allocated when the pass began
+    alloc_retries            the caching allocator's cudaMalloc retries in the train phases (GPU; each frees the
+                             cache and synchronizes), update_reserved_gb the reserved peak of the updates
 loop.mode=async (an override, e.g. `loop.mode=async rollout.oversample=1.5 loop.max_staleness=1`) runs the async
 step (docs/config.md, "Async"; LengthEngine imposes each sample's length across its segments) and adds "async":
 staleness and carried/dropped counts. Compare it with a sync run at the same arguments; give it --warmup 2 or more
@@ -81,6 +83,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--compare-async", action="store_true",
                     help="loop.mode=async and sync in one run, with their ratio")
     ap.add_argument("--json", action="store_true", help="print one JSON object (last stdout line)")
+    ap.add_argument("--profile", action="store_true", help="torch.profiler over step 0's train phase (rank 0): "
+                    "its operator table by device time on stderr (needs --warmup >= 1: measured steps stay unprofiled)")
     ap.add_argument("--workdir", default=os.path.join(tempfile.gettempdir(), "colo-bench"))
     ap.add_argument("overrides", nargs="*", metavar="key=value", help="colo config overrides, e.g. "
                     "trainer.max_tokens_per_micro_batch=8192")
@@ -90,6 +94,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             setattr(args, k, v)
     if min(args.gpus, args.steps, args.prompts, args.n, args.prompt_len, args.max_tokens) < 1 or args.warmup < 0:
         ap.error("--gpus, --steps, --prompts, --n, --prompt-len and --max-tokens must be >= 1, --warmup >= 0")
+    if args.profile and args.warmup < 1:
+        ap.error("--profile profiles step 0, a warm-up step: give --warmup 1 or more")
     if args.no_packing and args.compare:
         ap.error("--compare already measures the padded path; drop --no-packing")
     if args.compare and args.compare_async:
@@ -181,6 +187,9 @@ def summarize(steps: list[dict], cfg: Any, config_json: dict, gpus: int, device_
         "phases": phases,
         "logprob_peak_gb": max(peaks) if peaks else None,
         "logprob_pass_gb": max(own) if own else None,
+        "alloc_retries": int(total("bench/alloc_retries")),
+        "update_reserved_gb": max((m["bench/update_reserved_gb"] for m in steps
+                                   if m["bench/update_reserved_gb"] is not None), default=None),
         "tokens_per_step": total("bench/tokens") / len(steps),
         "response_len_mean": sum(m["response_len/mean"] for m in steps) / len(steps),
         "truncated_frac": sum(m["response/truncated_frac"] for m in steps) / len(steps),
@@ -254,13 +263,20 @@ def measure(args: argparse.Namespace) -> dict:
             inputs = RunInputs(Path(cfg.run.dir), tok, RandomPrompts(args.prompts, args.prompt_len), [])
             pos, records = Position(-1, {}), []
             for step in range(args.warmup + args.steps):  # same step numbers, same lengths, in both layouts
+                if args.profile and step == 0:  # the warm-up step (not measured), so timings stay unprofiled
+                    ray.get(cluster.trainers[0].profile_next_step.remote())
                 m = rl_step(step, cluster, cfg, inputs, rewards, pos)
                 if step >= args.warmup:
                     records.append(m)
                 # progress on stderr, also with --json: a run stopped at its time limit still shows its steps
                 print(f"[bench.step] packing={packing} mode={mode} step {step}: {m['timing/step_s']:.2f}s, "
-                      f"rollout {m['timing/rollout_s']:.2f}s, train {m['timing/train_s']:.2f}s, trained tokens "
-                      f"{m['bench/tokens']}, padding {m['train/padding_fraction']:.3f}", file=sys.stderr, flush=True)
+                      f"rollout {m['timing/rollout_s']:.2f}s, train {m['timing/train_s']:.2f}s (logprob "
+                      f"{m['bench/logprob_s']:.2f}, update {m['bench/update_s']:.2f}, optim {m['bench/optim_s']:.2f}), "
+                      f"trained tokens {m['bench/tokens']}, padding {m['train/padding_fraction']:.3f}, allocator "
+                      f"retries {m['bench/alloc_retries']}", file=sys.stderr, flush=True)
+                if args.profile and step == 0:
+                    print(f"[bench.step] profile of step 0's train phase, packing={packing} mode={mode}:\n"
+                          + ray.get(cluster.trainers[0].profile_table.remote()), file=sys.stderr, flush=True)
             results[packing, mode] = summarize(records, cfg, config_json, args.gpus, device_name)
     finally:
         rewards.close()

@@ -8,19 +8,22 @@ import json
 from conftest import run_cli
 
 KEYS = ("tokens_per_s_per_gpu", "generated_tokens_per_s", "train_mfu", "compute_mfu", "padding_fraction", "phases",
-        "logprob_peak_gb", "logprob_pass_gb")
+        "logprob_peak_gb", "logprob_pass_gb", "alloc_retries", "update_reserved_gb")
 
 
 def test_bench_step_compare_on_cpu(tmp_path) -> None:
     res = run_cli("--preset", "tiny", "--device", "cpu", "--steps", "1",
-                  "--warmup", "0", "--prompts", "2", "--n", "4", "--prompt-len", "8", "--max-tokens", "48",
-                  "--compare", "--json", "--workdir", str(tmp_path), timeout=900, module="colo.bench.step")
+                  "--warmup", "1", "--prompts", "2", "--n", "4", "--prompt-len", "8", "--max-tokens", "48",
+                  "--compare", "--profile", "--json", "--workdir", str(tmp_path), timeout=900, module="colo.bench.step")
     assert res.returncode == 0, res.stderr[-3000:]
+    # --profile: the warm-up step's train phase as an operator table, once per layout (rank 0's matmuls in it)
+    assert res.stderr.count("profile of step 0's train phase") == 2 and "aten::mm" in res.stderr
     out = json.loads([x for x in res.stdout.splitlines() if x.startswith("{")][-1])
     for layout in (out, out["no_packing"]):
         for key in KEYS:
             assert key in layout, key
         assert layout["train_mfu"] is None and layout["logprob_peak_gb"] is None  # CPU: no peak FLOP/s, no allocator
+        assert layout["alloc_retries"] == 0 and layout["update_reserved_gb"] is None
         assert layout["tokens_per_s_per_gpu"] > 0 and layout["generated_tokens_per_s"] > 0
         phases = layout["phases"]
         assert set(phases) >= {"rollout", "reward", "sleep", "train", "sync", "wake", "step", "onload", "logprob",

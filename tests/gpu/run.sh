@@ -18,7 +18,8 @@
 # named in STEPS: it takes ~8 minutes on an H100); step = colo.bench.step, whole RL steps of qwen3-30b-a3b-L4 at
 # 4k-token long-tail responses, packed vs padded (only when named: `STEPS=step bash tests/gpu/run.sh 600`;
 # STEP_ARGS adds config overrides, e.g. trainer.gradient_checkpointing=true); async = colo.bench.step --compare-async,
-# loop.mode=async against sync on the same workload (only when named; ASYNC_ARGS adds overrides).
+# loop.mode=async against sync on the same workload (only when named; ASYNC_ARGS adds overrides). Both: BENCH_STEPS
+# measured steps (2), BENCH_MAX_TOKENS (4096), BENCH_FLAGS more bench flags (--profile: the warm-up's kernel table).
 # CUDA_VISIBLE_DEVICES limits the GPUs it counts and uses; SHARED_HOST=1 leaves Ray running after a failed step
 # (tests/gpu/streams.sh runs two of these at once, one per GPU).
 # Everything this script leaves in $OUT is at most 8 files, one level deep: what a device call brings back.
@@ -127,8 +128,10 @@ bench_step() {  # bench_step NAME WARMUP COMPARE_FLAG [OVERRIDES...]
   local t=$(left); [ "$t" -gt 590 ] && t=590
   echo "[run.sh] $name: python -m colo.bench.step $flag (limit ${t}s)"
   local t0=$SECONDS
-  timeout -k 15 "$t" "$PY" -m colo.bench.step --preset qwen3-30b-a3b-L4 --device cuda --gpus 1 --max-tokens 4096 \
-      --prompt-len 256 --prompts 16 --n 8 --warmup "$warmup" --steps 2 "$flag" --json \
+  # shellcheck disable=SC2086
+  timeout -k 15 "$t" "$PY" -m colo.bench.step --preset qwen3-30b-a3b-L4 --device cuda --gpus 1 \
+      --max-tokens "${BENCH_MAX_TOKENS:-4096}" --prompt-len 256 --prompts 16 --n 8 --warmup "$warmup" \
+      --steps "${BENCH_STEPS:-2}" "$flag" ${BENCH_FLAGS:-} --json \
       --workdir "${RUN_ROOT:-/tmp}/colo-$name" trainer.optimizer_dtype=bfloat16 trainer.max_tokens_per_micro_batch=8192 \
       "$@" >"$OUT/$name.json" 2>"$OUT/$name.log"
   local rc=$?
