@@ -63,6 +63,14 @@ def _has_linear_attention(model_path: str) -> bool:
     return any(t not in ("full_attention", "sliding_attention") for t in cfg.get("layer_types") or [])
 
 
+def _has_experts(model_path: str) -> bool:
+    """The checkpoint has routed experts: vLLM (0.32) refuses enable_expert_parallel on a dense model ("Number
+    of experts in the model must be greater than 0 when expert parallelism is enabled")."""
+    from colo.models.archs import num_experts
+
+    return num_experts(json.loads((Path(model_path) / "config.json").read_text())) > 0
+
+
 def check_model_dir(path: str) -> None:
     """Fail before the ~10 s vLLM import when model.path is not a checkpoint directory."""
     p = Path(path)
@@ -175,7 +183,7 @@ class Engine:
         elif self.disaggregated:
             kwargs.update(distributed_executor_backend="ray", gpu_memory_utilization=self.cfg.placement.vllm_gpu_fraction)
         else:
-            kwargs.update(distributed_executor_backend="ray", enable_expert_parallel=True,
+            kwargs.update(distributed_executor_backend="ray", enable_expert_parallel=_has_experts(m.path),
                           gpu_memory_utilization=self.cfg.placement.vllm_gpu_fraction)
         return kwargs
 

@@ -16,3 +16,15 @@ def test_cuda_variant_is_its_own_build() -> None:
     for name in FAMILIES:
         if name not in CUDA_KWARGS:
             assert _marker(name, 0, cuda=True) == _marker(name, 0)
+
+
+def test_expert_parallel_only_for_models_with_experts(tmp_path) -> None:
+    """GPU engines ask vLLM for expert parallelism only where there are experts: vLLM 0.32 refuses it on a
+    dense model (Qwen3's family check on an H200 died on it, 2026-11-25)."""
+    from colo.rollout.engine import _has_experts
+
+    for name in FAMILIES:
+        d = tmp_path / name
+        d.mkdir()
+        family_config(name).to_json_file(d / "config.json")
+        assert _has_experts(str(d)) == (name not in ("qwen3", "llama")), name
