@@ -12,7 +12,8 @@ A packed row holds samples back to back:
     position_ids    0  1  2  3  0  1  0  1  2
 
 The trainer's attention keeps each token inside its own sample: colo.trainer.attention's sdpa_varlen runs
-SDPA per sample from `bounds` (no N x N mask), flash-attention (where installed) sees batch 1 with restarting
+one flash-attention varlen call per row on CUDA and SDPA per sample on CPU, from `bounds` (no N x N mask);
+the flash_attn package (where installed) sees batch 1 with restarting
 positions and calls its varlen kernel; transformers' own sdpa / eager would build a block-diagonal mask from
 the restarts (masking_utils.find_packed_sequence_indices; tests/unit/test_packed_attention.py checks all
 three against separate forwards). The rotary positions are the padded path's. The trainer then unpacks every per-token result to the padded (b, T) layout before

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from colo.bench.lengths import response_length
 from colo.bench.yardsticks import broadcast_weights_baseline, push_weights_baseline, push_weights_vllm_ipc
 from colo.rollout.engine import Engine
 from colo.rollout.extension import WorkerExtension
@@ -103,19 +104,6 @@ class VllmIpcEngine(BenchEngine):
 
 
 # ---- colo.bench.step: the RL step at imposed response lengths --------------------------------------------
-
-def response_length(seed: int, max_tokens: int, median_frac: float = 0.25, tail_frac: float = 0.05) -> int:
-    """A long-tail response length in [1, max_tokens], a pure function of `seed`: lognormal with median
-    median_frac * max_tokens and sigma chosen so that a tail_frac share would run past max_tokens (those
-    stop there, as truncated responses do). Defaults: median max/4, 5% at the limit."""
-    import math
-    import random
-    from statistics import NormalDist
-
-    sigma = math.log(1.0 / median_frac) / NormalDist().inv_cdf(1.0 - tail_frac)
-    x = random.Random(seed).lognormvariate(math.log(median_frac * max_tokens), sigma)
-    return max(1, min(max_tokens, round(x)))
-
 
 class LengthEngine(Engine):
     """An Engine whose responses have imposed lengths: random weights never sample EOS on purpose, so the

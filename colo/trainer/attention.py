@@ -9,18 +9,95 @@ computes every one of the N^2 scores, then masks them: a 16k-token micro-batch o
 the attention work it needs, and the mask alone is N^2 bytes. flash-attention's varlen kernel skips it (the
 trainer uses flash_attention_2 where the flash_attn package is installed), but it is not part of torch.
 
-sdpa_varlen runs SDPA once per sample of a packed row with is_causal=True (the flash / cuDNN kernels on GPU),
-on views of q, k, v: exactly causal attention inside each sample, no mask, no N^2 term. `colo_bounds` (the
-samples' start offsets and the row length, host ints: no device sync per layer) reach the attention function
-through transformers' **kwargs (model -> decoder layer -> self_attn -> attention interface). Without them
-(padded rows, attention_mask given) it is transformers' own sdpa, mask and all: the mask function registered
-with it is sdpa's where a 2-D mask is given and none otherwise (plain causal, or a packed row).
+On a packed row sdpa_varlen runs exactly causal attention inside each sample, no mask, no N^2 term, with one of
+two kernels (`packed_attention`):
+- `varlen` (CUDA, torch.nn.attention.varlen): one flash-attention varlen call for the whole row from its
+  cumulative sample offsets, GQA in the kernel.
+- `per_sample` (CPU, or a torch without varlen): SDPA once per sample with is_causal=True on views of q, k, v.
+  On CUDA it leaves cuDNN's SDPA out: cuDNN builds (and caches) an execution graph per distinct shape, and every
+  sample of a long-tail batch has a length of its own, so each call paid a graph build on the host. Measured on
+  an H200 (2026-11-25, colo.bench.step at 4k): the packed train phase's kernels ran 5.2 s of its 34.5 s, the host
+  the rest, and packing lost to the padded path (whose rows all have one length); colo.bench.packed_attention measures
+  the three choices against each other.
+`colo_bounds` (the samples' start offsets and the row length, host ints: no device sync per layer) reach the
+attention function through transformers' **kwargs (model -> decoder layer -> self_attn -> attention interface).
+Without them (padded rows, attention_mask given) it is transformers' own sdpa, mask and all: the mask function
+registered with it is sdpa's where a 2-D mask is given and none otherwise (plain causal, or a packed row).
 """
 from __future__ import annotations
 
 import torch
 
 NAME = "sdpa_varlen"
+
+
+def per_sample(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, bounds: tuple[int, ...],
+               scale: float | None = None, dropout: float = 0.0, cudnn: bool = False) -> torch.Tensor:
+    """query (1, h, N, d), key / value (1, h_kv, N, d), samples at `bounds` -> (1, N, h, d): SDPA per sample.
+    cudnn=False keeps cuDNN's SDPA out on CUDA (a graph build per new sample length; module docstring)."""
+    gqa = key.shape[1] != query.shape[1]
+
+    def run() -> list[torch.Tensor]:
+        return [torch.nn.functional.scaled_dot_product_attention(
+            query[:, :, s:e], key[:, :, s:e], value[:, :, s:e], dropout_p=dropout, is_causal=True, scale=scale,
+            enable_gqa=gqa) for s, e in zip(bounds[:-1], bounds[1:])]  # (1, h, L, d) each
+
+    if query.is_cuda and not cudnn:
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]):
+            out = run()
+    else:
+        out = run()
+    return torch.cat(out, dim=2).transpose(1, 2).contiguous()  # (1, N, h, d)
+
+
+def _varlen_attn():
+    """torch.nn.attention.varlen.varlen_attn (torch >= 2.10), None where this torch lacks it."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    return varlen_attn
+
+
+_CU_SEQ: dict[tuple, torch.Tensor] = {}  # the last row's cumulative offsets on the device: one copy per row, not per layer
+
+
+def varlen(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, bounds: tuple[int, ...],
+           scale: float | None = None) -> torch.Tensor:
+    """query (1, h, N, d), key / value (1, h_kv, N, d), samples at `bounds` -> (1, N, h, d): one
+    flash-attention varlen call (CUDA only), causal inside each sample."""
+    import inspect
+
+    fn = _varlen_attn()
+    key_ = (bounds, query.device)
+    cu = _CU_SEQ.get(key_)
+    if cu is None:
+        _CU_SEQ.clear()
+        cu = _CU_SEQ[key_] = torch.tensor(bounds, dtype=torch.int32, device=query.device)
+    longest = max(e - s for s, e in zip(bounds[:-1], bounds[1:]))
+    q, k, v = (t[0].transpose(0, 1).contiguous() for t in (query, key, value))  # (N, heads, d)
+    params = inspect.signature(fn).parameters
+    kw: dict = {"scale": scale}
+    if "window_size" in params:
+        kw["window_size"] = (-1, 0)  # torch 2.13: causal is a window reaching back without limit
+    else:
+        kw["is_causal"] = True
+    if k.shape[1] != q.shape[1]:
+        if "enable_gqa" in params:
+            kw["enable_gqa"] = True
+        else:
+            k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))
+    return fn(q, k, v, cu, cu, longest, longest, **kw)[None]  # (1, N, h, d)
+
+
+def packed_attention(device: torch.device, dropout: float = 0.0) -> str:
+    """Which kernel runs a packed row here: "varlen" (CUDA with torch's varlen attention, no dropout) or
+    "per_sample"."""
+    if device.type == "cuda" and dropout == 0.0 and _varlen_attn() is not None:
+        return "varlen"
+    return "per_sample"
 
 
 def _attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -35,11 +112,9 @@ def _attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, 
     if query.shape[0] != 1 or colo_bounds[-1] != query.shape[2]:
         raise ValueError(f"colo_bounds {colo_bounds[:3]}..{colo_bounds[-1]} do not describe one packed row of "
                          f"{query.shape[2]} tokens (batch {query.shape[0]})")
-    gqa = key.shape[1] != query.shape[1]
-    out = [torch.nn.functional.scaled_dot_product_attention(
-        query[:, :, s:e], key[:, :, s:e], value[:, :, s:e], dropout_p=dropout, is_causal=True, scale=scaling,
-        enable_gqa=gqa) for s, e in zip(colo_bounds[:-1], colo_bounds[1:])]  # (1, h, L, d) each
-    return torch.cat(out, dim=2).transpose(1, 2).contiguous(), None  # (1, N, h, d)
+    if packed_attention(query.device, dropout) == "varlen":
+        return varlen(query, key, value, colo_bounds, scaling), None
+    return per_sample(query, key, value, colo_bounds, scaling, dropout), None
 
 
 def _mask(*args, attention_mask: torch.Tensor | None = None, **kwargs) -> torch.Tensor | None:
