@@ -66,6 +66,7 @@ from colo.run.rundir import complete_checkpoints
 from colo.run.signals import StopSignals
 from colo.host.shm import sweep
 from colo.run.summary import run_summary
+from colo.rollout.ahead import Ahead, GenerateAhead
 from colo.rollout.buffer import RolloutBuffer
 from colo.rollout.vllm_compat import serve_command
 from colo.cluster.placement import init_ray, plan_placement
@@ -104,24 +105,52 @@ def generate(c: Cluster, prompts: list[dict], n: int, cfg: ColoConfig, *, greedy
     `routing`: samples carry the engine's expert ids (colo.rollout.capture) for replay and routing/mismatch.
     With algo.environment each sample is a conversation (colo.rollout.multiturn); `stats` then receives
     "env_s", the longest any engine waited for its environments."""
-    w = len(c.engines)
-    chunks = [list(range(r, len(prompts), w)) for r in range(w)]  # round robin: counts differ by ≤ 1
-    temp, top_p = (0.0, 1.0) if greedy else (cfg.rollout.temperature, cfg.rollout.top_p)
-    seeds = [seed + r for r in range(w)]
     if cfg.algo.environment:
+        chunks = _chunks(c, prompts)
+        temp, top_p = (0.0, 1.0) if greedy else (cfg.rollout.temperature, cfg.rollout.top_p)
         answers = c.engine_group.rollout([[prompts[i] for i in idx] for idx in chunks], n, cfg.rollout.max_tokens,
-                                         temp, top_p, seeds, routing)
-        per_engine = [samples for samples, _ in answers]
+                                         temp, top_p, _seeds(c, seed), routing)
         if stats is not None:
             stats["env_s"] = max(st["env_s"] for _, st in answers)
-    else:
-        per_engine = c.engine_group.generate([[prompts[i]["prompt_ids"] for i in idx] for idx in chunks], n,
-                                             cfg.rollout.max_tokens, temp, top_p, seeds, routing)
+        return _in_prompt_order(chunks, [samples for samples, _ in answers])
+    return collect(c, submit(c, prompts, n, cfg, greedy=greedy, seed=seed, routing=routing))
+
+
+def _chunks(c: Cluster, prompts: list[dict]) -> list[list[int]]:
+    w = len(c.engines)
+    return [list(range(r, len(prompts), w)) for r in range(w)]  # round robin: counts differ by ≤ 1
+
+
+def _seeds(c: Cluster, seed: int) -> list[int]:
+    return [seed + r for r in range(len(c.engines))]
+
+
+def _in_prompt_order(chunks: list[list[int]], per_engine: list[list[dict]]) -> list[dict]:
     samples = []
     for idx, outs in zip(chunks, per_engine):
         for s in outs:
             samples.append({**s, "prompt_index": idx[s["prompt_index"]]})
     return sorted(samples, key=lambda s: s["prompt_index"])  # stable: keeps each prompt's n samples together
+
+
+def submit(c: Cluster, prompts: list[dict], n: int, cfg: ColoConfig, *, greedy: bool, seed: int,
+           routing: bool = False) -> tuple[list[list[int]], list]:
+    """Single-turn generation started on every engine, not waited for: (chunks, refs) for collect()."""
+    chunks = _chunks(c, prompts)
+    temp, top_p = (0.0, 1.0) if greedy else (cfg.rollout.temperature, cfg.rollout.top_p)
+    refs = c.engine_group.submit_generate([[prompts[i]["prompt_ids"] for i in idx] for idx in chunks], n,
+                                          cfg.rollout.max_tokens, temp, top_p, _seeds(c, seed), routing)
+    return chunks, refs
+
+
+def collect(c: Cluster, submitted: tuple[list[list[int]], list]) -> list[dict]:
+    chunks, refs = submitted
+    return _in_prompt_order(chunks, c.engine_group.collect(refs))
+
+
+def rollout_seed(cfg: ColoConfig, step: int) -> int:
+    """The sampling seed of step `step`'s batch (engine r adds r)."""
+    return cfg.run.seed * 100_003 + step * 1_009
 
 
 def rollout_async(step: int, c: Cluster, cfg: ColoConfig, inputs: RunInputs, pos: Position
@@ -132,6 +161,9 @@ def rollout_async(step: int, c: Cluster, cfg: ColoConfig, inputs: RunInputs, pos
     if pos.buffer is None:
         pos.buffer = RolloutBuffer(cfg.rollout.n, cfg.rollout.max_tokens, cfg.loop.max_staleness)
         if pos.carry:  # resumed: what the checkpointed step left carried
+            if pos.carry.get("kind") == "ahead":
+                raise ValueError("the checkpoint holds a batch the disaggregated async step generated ahead; fix: "
+                                 "resume it with placement.mode=disaggregated")
             pos.buffer.load_state_dict(pos.carry)
     buf, k, w = pos.buffer, cfg.data.prompts_per_step, len(c.engines)
     buf.drop_stale(step)
@@ -153,6 +185,29 @@ def rollout_async(step: int, c: Cluster, cfg: ColoConfig, inputs: RunInputs, pos
     buf.absorb([r for rs in per_engine for r in rs], [o for os in results for o in os], version=step)
     prompts, samples = buf.take(k, step)
     return prompts, samples, buf.metrics(samples, step)
+
+
+def rollout_ahead(step: int, c: Cluster, cfg: ColoConfig, inputs: RunInputs, pos: Position
+                  ) -> tuple[list[dict], list[dict], dict, tuple[list[dict], tuple]]:
+    """loop.mode=async with disaggregated engines (colo.rollout.ahead): the batch generated during the last step
+    (now, on policy, at the first step), and the next step's batch submitted to the engines, which generate it
+    while the trainers train. Returns (prompts, samples, async/* metrics, (next prompts, submitted))."""
+    if pos.buffer is None:
+        pos.buffer = GenerateAhead()
+        if pos.carry:  # resumed: the batch the checkpointed step generated ahead
+            if pos.carry.get("kind") != "ahead":
+                raise ValueError("the checkpoint holds samples carried by the colocated async step; fix: resume it "
+                                 "with placement.mode=colocated")
+            pos.buffer.load_state_dict(pos.carry)
+    k, n = cfg.data.prompts_per_step, cfg.rollout.n
+    batch = pos.buffer.take()
+    if batch is None:
+        prompts = inputs.train_data.next_batch(k)
+        batch = Ahead(prompts, generate(c, prompts, n, cfg, greedy=False, seed=rollout_seed(cfg, step), routing=True),
+                      step)
+    nxt = inputs.train_data.next_batch(k)
+    submitted = submit(c, nxt, n, cfg, greedy=False, seed=rollout_seed(cfg, step + 1), routing=True)
+    return batch.prompts, batch.samples, GenerateAhead.metrics(batch, step, cfg.loop.max_staleness), (nxt, submitted)
 
 
 def score(rewards: RewardRunner, prompts: list[dict], samples: list[dict], tokenizer) -> torch.Tensor:
@@ -188,7 +243,7 @@ class Position:
 
     step: int
     data: dict
-    buffer: RolloutBuffer | None = field(default=None, repr=False)  # loop.mode=async: the carried samples
+    buffer: RolloutBuffer | GenerateAhead | None = field(default=None, repr=False)  # loop.mode=async: carried samples
     carry: dict | None = field(default=None, repr=False)  # buffer.state_dict() after `step`: what a checkpoint holds
 
 
@@ -199,12 +254,14 @@ def rl_step(step: int, c: Cluster, cfg: ColoConfig, inputs: RunInputs, rewards: 
     t, n = Timer(memory_probe(c) if cfg.loop.memory_stats else None), cfg.rollout.n
     trainers, engines, t_step = c.trainer_group, c.engine_group, time.perf_counter()
     with t("rollout"):
-        carry, stats = {}, {}
-        if cfg.loop.mode == "async":  # what is generated, carried and dropped: colo.rollout.buffer
+        carry, stats, ahead = {}, {}, None
+        if cfg.loop.mode == "async" and c.colocated:  # what is generated, carried and dropped: colo.rollout.buffer
             prompts, samples, carry = rollout_async(step, c, cfg, inputs, pos)
+        elif cfg.loop.mode == "async":  # the next batch generates while this one trains: colo.rollout.ahead
+            prompts, samples, carry, ahead = rollout_ahead(step, c, cfg, inputs, pos)
         else:
             prompts = inputs.train_data.next_batch(cfg.data.prompts_per_step)
-            samples = generate(c, prompts, n, cfg, greedy=False, seed=cfg.run.seed * 100_003 + step * 1_009,
+            samples = generate(c, prompts, n, cfg, greedy=False, seed=rollout_seed(cfg, step),
                                routing=True, stats=stats)  # every step: routing/mismatch is logged with replay on or off
     with t("reward"):
         reward = score(rewards, prompts, samples, inputs.tokenizer)  # (N*G,)
@@ -223,6 +280,10 @@ def rl_step(step: int, c: Cluster, cfg: ColoConfig, inputs: RunInputs, rewards: 
         train = trainers.train_step(shards)[0]  # metrics are already all-reduced over ranks
         pos.step, pos.data = step, inputs.train_data.state_dict()  # a failure from here on saves this step
         pos.carry = pos.buffer.state_dict() if pos.buffer is not None else None
+    if ahead is not None:
+        with t("wait"):  # what the engines have left of the next batch once the trainers are done
+            pos.buffer.put(Ahead(ahead[0], collect(c, ahead[1]), step))
+            pos.carry = pos.buffer.state_dict()
     with t("sync"):
         if c.colocated:
             engines.wake_up(["weights"])

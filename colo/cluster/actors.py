@@ -320,6 +320,16 @@ class EngineGroup:
         return self._gather([e.generate.remote(p, n, max_tokens, temperature, top_p, s, routing)
                              for e, p, s in zip(self.engines, prompt_ids, seeds)])
 
+    def submit_generate(self, prompt_ids: list[list[list[int]]], n: int, max_tokens: int, temperature: float,
+                        top_p: float, seeds: list[int], routing: bool = False) -> list:
+        """generate() without waiting: one Ray reference per engine, for collect() (loop.mode=async,
+        disaggregated: the engines generate the next batch while the trainers train)."""
+        return [e.generate.remote(p, n, max_tokens, temperature, top_p, s, routing)
+                for e, p, s in zip(self.engines, prompt_ids, seeds)]
+
+    def collect(self, refs: list) -> list[list[dict]]:
+        return self._gather(refs)
+
     def generate_partial(self, requests: list[list[dict]], need: list[int], temperature: float, top_p: float,
                          routing: bool = False) -> list[list[dict]]:
         """loop.mode=async: engine e runs requests[e] until need[e] of its groups finished (colo.rollout.partial)."""

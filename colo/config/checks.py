@@ -142,16 +142,17 @@ def _check_values(cfg: ColoConfig) -> None:
 
 
 def _check_async(cfg: ColoConfig) -> None:
-    """loop.mode=async is the colocated step with carried samples (docs/config.md, "Async")."""
+    """loop.mode=async: colocated, the step with carried samples; disaggregated, the next batch generated while
+    this one trains, one step off policy (docs/config.md, "Async")."""
     if cfg.rollout.oversample < 1:
         raise ConfigError(f"rollout.oversample={cfg.rollout.oversample} must be >= 1 (prompts in flight per "
                           "data.prompts_per_step); fix: rollout.oversample=1.5")
     if cfg.loop.mode != "async":
         return
-    if cfg.placement.mode == "disaggregated":
-        raise ConfigError("loop.mode=async runs on colocated GPUs only (disaggregated async is not built); fix: "
-                          "placement.mode=colocated with loop.mode=async, or loop.mode=sync with "
-                          "placement.mode=disaggregated")
+    if cfg.placement.mode == "disaggregated" and cfg.loop.max_staleness < 1:
+        raise ConfigError("loop.mode=async with placement.mode=disaggregated trains every batch one weight version "
+                          f"behind (it was generated during the step before), but loop.max_staleness="
+                          f"{cfg.loop.max_staleness}; fix: loop.max_staleness=1, or loop.mode=sync")
     if cfg.algo.environment:
         raise ConfigError(f"loop.mode=async runs single-turn rollouts only (multi-turn conversations are not carried "
                           f"across steps yet), but algo.environment={cfg.algo.environment}; fix: loop.mode=sync with "

@@ -266,8 +266,9 @@ class LoopConfig:
     """Supervised steps on reference answers before RL (lets a random tiny model sometimes succeed)."""
     mode: str = "sync"
     """sync: every step trains on samples of the weights it starts with, waiting for its longest response.
-    async (colocated only): rollout.oversample x prompts in flight, the rollout stops once enough whole groups
-    finished, unfinished samples continue next step under the new weights (docs/config.md, "Async")."""
+    async, colocated: rollout.oversample x prompts in flight, the rollout stops once enough whole groups
+    finished, unfinished samples continue next step under the new weights; async, disaggregated: the engines
+    generate the next batch while the trainers train (one step off policy) (docs/config.md, "Async")."""
     max_staleness: int = 1
     """loop.mode=async: the most weight versions a trained token may lag the policy being updated; a group
     holding an older token is dropped (counted in async/dropped) before it is resumed. 0: nothing is carried."""

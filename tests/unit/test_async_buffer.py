@@ -30,9 +30,10 @@ def test_config_defaults_and_refusals() -> None:
     assert (cfg.loop.mode, cfg.loop.max_staleness, cfg.rollout.oversample) == ("sync", 1, 1.5)
     validate(load_config(None, ["placement.device=cpu", "loop.mode=async", "loop.max_staleness=2"], {}),
              check_resources=False)
-    msg = _error(["loop.mode=async", "placement.mode=disaggregated", "placement.num_gpus=2",
-                  "placement.trainer_gpus=1"])
-    assert "colocated GPUs only" in msg and "placement.mode=colocated" in msg
+    disaggregated = ["loop.mode=async", "placement.mode=disaggregated", "placement.num_gpus=2", "placement.trainer_gpus=1"]
+    validate(load_config(None, ["placement.device=cpu", *disaggregated], {}), check_resources=False)  # one step off
+    msg = _error([*disaggregated, "loop.max_staleness=0"])
+    assert "one weight version behind" in msg and "loop.max_staleness=1" in msg
     assert "algo.tis_cap=2.0" in _error(["loop.mode=async", "algo.tis_cap=0"])
     assert "rollout.oversample=0.5 must be >= 1" in _error(["rollout.oversample=0.5"])
     assert "loop.max_staleness=-1 must be >= 0" in _error(["loop.max_staleness=-1"])
@@ -192,3 +193,32 @@ def test_state_dict_round_trips_through_json() -> None:
             assert all(np.array_equal(x, y) and x.dtype == y.dtype for x, y in zip(a["routing"], b["routing"]))
     buf.groups[0].samples[0]["response_ids"].append(9)
     assert state["groups"][0][2][0]["response_ids"] == [1, 2]
+
+
+def test_generate_ahead_hands_over_one_batch_a_step_and_checkpoints_it() -> None:
+    """Disaggregated async (colo.rollout.ahead): the batch generated during step s is trained at step s + 1,
+    one version behind; its state (routing rows too) survives a checkpoint's JSON."""
+    import json
+
+    from colo.rollout.ahead import Ahead, GenerateAhead
+
+    ahead = GenerateAhead()
+    assert ahead.take() is None  # the first step generates its own batch
+    routing = np.arange(12, dtype=np.int16).reshape(3, 2, 2)
+    samples = [{"prompt_index": 0, "response_ids": [5, 6, 7], "logprobs": [-1.0] * 3, "finish_reason": "stop",
+                "routing": routing}]
+    ahead.put(Ahead(_prompts(1), samples, version=3))
+    with pytest.raises(RuntimeError, match="not trained on yet"):
+        ahead.put(Ahead(_prompts(1), samples, version=4))
+    state = json.loads(json.dumps(ahead.state_dict()))
+    again = GenerateAhead()
+    again.load_state_dict(state)
+    batch = again.take()
+    assert batch.version == 3 and batch.prompts == _prompts(1) and again.take() is None
+    assert np.array_equal(batch.samples[0]["routing"], routing) and batch.samples[0]["response_ids"] == [5, 6, 7]
+    m = GenerateAhead.metrics(batch, step=4, max_staleness=1)
+    assert (m["async/staleness_mean"], m["async/staleness_max"], m["async/offpolicy_frac"]) == (1.0, 1, 1.0)
+    assert m["async/completed"] == 1 and m["async/carried"] == m["async/dropped"] == 0
+    with pytest.raises(RuntimeError, match="loop.max_staleness"):
+        GenerateAhead.metrics(batch, step=5, max_staleness=1)
+    assert GenerateAhead().state_dict() == {"kind": "ahead", "batch": None}
