@@ -6,7 +6,8 @@
 #   bash tests/gpu/run.sh [TOTAL_SECONDS=540]
 #   STEPS="bench loop" bash tests/gpu/run.sh 580    # a subset (a device call runs at most 10 minutes)
 #
-# Steps (STEPS, default all, in this order): colocated = test_colocated.py (1 GPU); ipc =
+# Steps (STEPS, default all, in this order): attention (only when named) = test_attention_gpu.py, then
+# colo.bench.packed_attention (packed-row kernels; its JSON line ends attention.log); colocated = test_colocated.py (1 GPU); ipc =
 # test_ipc_alloc.py (CUDA IPC under expandable segments); dpep = test_dpep.py (2 GPUs, skips with
 # fewer); bench = python -m colo.bench.sync over every GPU: the full qwen3-30b-a3b on 4 or more,
 # else qwen3-30b-a3b-L12 on up to 2 (BENCH_ARGS replaces the arguments; vLLM's own IPC engine is timed
@@ -75,9 +76,12 @@ step() {  # step NAME MAX_SECONDS CMD...
 ngpu=$(nvidia-smi -L | wc -l)
 if [ -n "${CUDA_VISIBLE_DEVICES:-}" ]; then ngpu=$(echo "$CUDA_VISIBLE_DEVICES" | tr ',' '\n' | grep -c .); fi
 
-STEPS=${STEPS:-colocated ipc dpep routing bench loop}  # and: rollout, step, async
+STEPS=${STEPS:-colocated ipc dpep routing bench loop}  # and: attention, rollout, step, async
 want() { case " $STEPS " in *" $1 "*) return 0;; *) return 1;; esac; }
 
+# attention = the packed-row attention kernels against per-sample SDPA (test + colo.bench.packed_attention; no vLLM)
+want attention && step attention 150 bash -c "'$PY' -m pytest --noconftest tests/gpu/test_attention_gpu.py -q -p no:cacheprovider \
+    && '$PY' -m colo.bench.packed_attention --device cuda --json"
 want colocated && step pytest-colocated 420 "$PY" -m pytest tests/gpu/test_colocated.py -x -q -s -p no:cacheprovider
 want ipc && step pytest-ipc 90 "$PY" -m pytest tests/gpu/test_ipc_alloc.py -x -q -s -p no:cacheprovider
 want dpep && step pytest-dpep 240 "$PY" -m pytest tests/gpu/test_dpep.py -x -q -s -p no:cacheprovider
