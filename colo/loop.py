@@ -188,10 +188,11 @@ def rollout_async(step: int, c: Cluster, cfg: ColoConfig, inputs: RunInputs, pos
 
 
 def rollout_ahead(step: int, c: Cluster, cfg: ColoConfig, inputs: RunInputs, pos: Position
-                  ) -> tuple[list[dict], list[dict], dict, tuple[list[dict], tuple]]:
+                  ) -> tuple[list[dict], list[dict], dict, tuple[list[dict], tuple, dict]]:
     """loop.mode=async with disaggregated engines (colo.rollout.ahead): the batch generated during the last step
     (now, on policy, at the first step), and the next step's batch submitted to the engines, which generate it
-    while the trainers train. Returns (prompts, samples, async/* metrics, (next prompts, submitted))."""
+    while the trainers train. Returns (prompts, samples, async/* metrics, (next prompts, submitted, the data
+    position before those prompts were drawn: what a checkpoint records until the batch is collected))."""
     if pos.buffer is None:
         pos.buffer = GenerateAhead()
         if pos.carry:  # resumed: the batch the checkpointed step generated ahead
@@ -205,9 +206,11 @@ def rollout_ahead(step: int, c: Cluster, cfg: ColoConfig, inputs: RunInputs, pos
         prompts = inputs.train_data.next_batch(k)
         batch = Ahead(prompts, generate(c, prompts, n, cfg, greedy=False, seed=rollout_seed(cfg, step), routing=True),
                       step)
+    before = inputs.train_data.state_dict()
     nxt = inputs.train_data.next_batch(k)
     submitted = submit(c, nxt, n, cfg, greedy=False, seed=rollout_seed(cfg, step + 1), routing=True)
-    return batch.prompts, batch.samples, GenerateAhead.metrics(batch, step, cfg.loop.max_staleness), (nxt, submitted)
+    return (batch.prompts, batch.samples, GenerateAhead.metrics(batch, step, cfg.loop.max_staleness),
+            (nxt, submitted, before))
 
 
 def score(rewards: RewardRunner, prompts: list[dict], samples: list[dict], tokenizer) -> torch.Tensor:
@@ -280,10 +283,12 @@ def rl_step(step: int, c: Cluster, cfg: ColoConfig, inputs: RunInputs, rewards: 
         train = trainers.train_step(shards)[0]  # metrics are already all-reduced over ranks
         pos.step, pos.data = step, inputs.train_data.state_dict()  # a failure from here on saves this step
         pos.carry = pos.buffer.state_dict() if pos.buffer is not None else None
+        if ahead is not None:  # until its batch is in hand, a checkpoint leaves the next prompts to be drawn again
+            pos.data = ahead[2]
     if ahead is not None:
         with t("wait"):  # what the engines have left of the next batch once the trainers are done
             pos.buffer.put(Ahead(ahead[0], collect(c, ahead[1]), step))
-            pos.carry = pos.buffer.state_dict()
+            pos.data, pos.carry = inputs.train_data.state_dict(), pos.buffer.state_dict()
     with t("sync"):
         if c.colocated:
             engines.wake_up(["weights"])
