@@ -169,7 +169,7 @@ def rollout_async(step: int, c: Cluster, cfg: ColoConfig, inputs: RunInputs, pos
     buf.drop_stale(step)
     new = buf.wanted(math.ceil(cfg.rollout.oversample * k))
     if new:
-        buf.add(inputs.train_data.next_batch(new), seed=cfg.run.seed * 100_003 + step * 1_009)
+        buf.add(inputs.train_data.next_batch(new), seed=rollout_seed(cfg, step))
     reqs = buf.requests()
     # groups round robin over the engines (a carried sample resumes anywhere: its KV is recomputed anyway);
     # the groups still needed are shared the same way, each engine's share capped by the groups it holds

@@ -1,4 +1,4 @@
-"""The long-tail response lengths the step benchmarks impose (colo.bench.step's engines, colo.bench.attention's
+"""The long-tail response lengths the step benchmarks impose (colo.bench.step's engines, colo.bench.packed_attention's
 packed rows); torch-free, so a bench can draw them without importing vLLM or Ray."""
 from __future__ import annotations
 

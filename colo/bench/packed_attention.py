@@ -9,8 +9,8 @@ had, as in training. Each variant runs forward + backward (bf16 on CUDA, float32
     per_sample_default   SDPA per sample, torch's own backend choice (cuDNN first on Hopper): colo before 2026-11-25
     per_sample           colo.trainer.attention.per_sample: SDPA per sample, cuDNN left out (CUDA)
     varlen               colo.trainer.attention.varlen: one flash-attention varlen call per row (CUDA, torch >= 2.10)
-    padded               the padded path's layout for the same samples: rows of --max-len with a key-padding mask,
-                         one SDPA call (its token slots / the packed row's are `padded_slots_ratio`)
+    padded               the padded path's layout for the same samples: one row each, padded to the longest, with
+                         a causal key-padding mask, one SDPA call (its slots / the packed row's: `padded_slots_ratio`)
 The JSON line holds each variant's median ms per row (first rep dropped), `vs_default` (per_sample_default's
 time / the variant's), and each variant's largest |difference| from per_sample_default in the output and in
 the gradients of q, k and v. Arguments are parsed before torch is imported.

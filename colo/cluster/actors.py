@@ -313,17 +313,11 @@ class EngineGroup:
     def _gather(self, refs: list) -> list:
         return gather(refs, [engine_name(e, self.colocated) for e in range(len(refs))])
 
-    def generate(self, prompt_ids: list[list[list[int]]], n: int, max_tokens: int, temperature: float,
-                 top_p: float, seeds: list[int], routing: bool = False) -> list[list[dict]]:
-        """Engine e generates for prompt_ids[e] with seed seeds[e]; `routing`: samples carry the engine's
-        experts per token (colo.rollout.capture)."""
-        return self._gather([e.generate.remote(p, n, max_tokens, temperature, top_p, s, routing)
-                             for e, p, s in zip(self.engines, prompt_ids, seeds)])
-
     def submit_generate(self, prompt_ids: list[list[list[int]]], n: int, max_tokens: int, temperature: float,
                         top_p: float, seeds: list[int], routing: bool = False) -> list:
-        """generate() without waiting: one Ray reference per engine, for collect() (loop.mode=async,
-        disaggregated: the engines generate the next batch while the trainers train)."""
+        """Engine e starts generating for prompt_ids[e] with seed seeds[e] (`routing`: samples carry the engine's
+        experts per token, colo.rollout.capture); one Ray reference per engine for collect(), so a caller can
+        work while they generate (loop.mode=async, disaggregated)."""
         return [e.generate.remote(p, n, max_tokens, temperature, top_p, s, routing)
                 for e, p, s in zip(self.engines, prompt_ids, seeds)]
 

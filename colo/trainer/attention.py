@@ -26,6 +26,8 @@ registered with it is sdpa's where a 2-D mask is given and none otherwise (plain
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 
 NAME = "sdpa_varlen"
@@ -52,25 +54,31 @@ def per_sample(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, boun
     return torch.cat(out, dim=2).transpose(1, 2).contiguous()  # (1, N, h, d)
 
 
+@functools.cache
 def _varlen_attn():
-    """torch.nn.attention.varlen.varlen_attn (torch >= 2.10), None where this torch lacks it."""
+    """torch.nn.attention.varlen.varlen_attn (torch >= 2.10) and the keywords that make it causal and GQA on this
+    torch; None where this torch lacks it. Looked up once: the trainer calls it per layer."""
+    import inspect
+
     try:
         from torch.nn.attention.varlen import varlen_attn
     except ImportError:
         return None
-    return varlen_attn
+    params = inspect.signature(varlen_attn).parameters
+    # torch 2.13: causal is a window reaching back without limit; older: is_causal
+    causal = {"window_size": (-1, 0)} if "window_size" in params else {"is_causal": True}
+    return varlen_attn, causal, "enable_gqa" in params
 
 
-_CU_SEQ: dict[tuple, torch.Tensor] = {}  # the last row's cumulative offsets on the device: one copy per row, not per layer
+# the last row's cumulative offsets on the device: one host-to-device copy per row, not per layer
+_CU_SEQ: dict[tuple, torch.Tensor] = {}
 
 
 def varlen(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, bounds: tuple[int, ...],
            scale: float | None = None) -> torch.Tensor:
     """query (1, h, N, d), key / value (1, h_kv, N, d), samples at `bounds` -> (1, N, h, d): one
     flash-attention varlen call (CUDA only), causal inside each sample."""
-    import inspect
-
-    fn = _varlen_attn()
+    fn, causal, gqa_kernel = _varlen_attn()
     key_ = (bounds, query.device)
     cu = _CU_SEQ.get(key_)
     if cu is None:
@@ -78,14 +86,9 @@ def varlen(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, bounds: 
         cu = _CU_SEQ[key_] = torch.tensor(bounds, dtype=torch.int32, device=query.device)
     longest = max(e - s for s, e in zip(bounds[:-1], bounds[1:]))
     q, k, v = (t[0].transpose(0, 1).contiguous() for t in (query, key, value))  # (N, heads, d)
-    params = inspect.signature(fn).parameters
-    kw: dict = {"scale": scale}
-    if "window_size" in params:
-        kw["window_size"] = (-1, 0)  # torch 2.13: causal is a window reaching back without limit
-    else:
-        kw["is_causal"] = True
+    kw: dict = {"scale": scale, **causal}
     if k.shape[1] != q.shape[1]:
-        if "enable_gqa" in params:
+        if gqa_kernel:
             kw["enable_gqa"] = True
         else:
             k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))
