@@ -78,10 +78,14 @@ class VllmIpcEngine(BenchEngine):
     """BenchEngine that also builds vLLM's own weight-transfer engine (`LLM(weight_transfer_config=...)` and
     the LLM's weight-update methods). CUDA only: it moves CUDA IPC handles."""
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
+    def __init__(self, cfg: dict, *args: Any, **kwargs: Any) -> None:
+        from colo.config import from_dict
+        from colo.rollout.vllm_compat import require_weight_transfer_device
+
+        require_weight_transfer_device(from_dict(cfg).placement.device)  # before vLLM is imported and started
         # read by vLLM's msgpack encoder in every process it starts: set before vLLM is imported
         os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
-        super().__init__(*args, **kwargs)
+        super().__init__(cfg, *args, **kwargs)
 
     def _llm_kwargs(self) -> dict[str, Any]:
         from colo.rollout.vllm_compat import require_weight_transfer

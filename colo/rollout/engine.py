@@ -190,6 +190,15 @@ class Engine:
     def _setup_cpu_env(self) -> None:
         import torch
 
+        if self.cfg.rollout.enforce_eager:
+            # enforce_eager keeps vLLM's model out of torch.compile, but vLLM still compiles helper ops with
+            # inductor (vllm/v1/sample/ops/logprobs.py: the sampled token's rank, on every generate that asks
+            # for log-probs): on CPU a trace and a C++ build in each engine process, again for a new batch
+            # shape; measured 2.1-2.5 CPU-seconds per process with inductor's cache warm, more on a fresh
+            # machine (its first compile). Eager is exact here.
+            # config.disable is read when a compiled function is called; the variable reaches TP workers.
+            os.environ["TORCH_COMPILE_DISABLE"] = "1"
+            torch._dynamo.config.disable = True
         allowed = sorted(os.sched_getaffinity(0))
         if self.tp_size > 1:  # worker processes, one core set each ("0|1"); this process keeps them all
             per = [cores_for_rank(allowed, t, self.tp_size) for t in range(self.tp_size)]

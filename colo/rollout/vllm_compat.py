@@ -122,17 +122,23 @@ def require_vllm() -> VllmInfo:
                     sleep_mode_available=bool(current_platform.is_sleep_mode_available()))
 
 
+def require_weight_transfer_device(device: str) -> None:
+    """The device half of require_weight_transfer, without importing vLLM: an engine checks it before it starts
+    one (seconds, not the ~10 CPU-seconds of vLLM's import)."""
+    if device != "cuda":
+        raise VllmCompatError(f"vLLM's IPC weight-transfer engine moves CUDA IPC handles, and this engine runs on "
+                              f"{device}; fix: python -m colo.bench.sync --no-vllm-ipc")
+
+
 def require_weight_transfer(device: str) -> None:
     """vLLM's own weight-transfer API, which colo.bench.sync's vLLM IPC yardstick calls (colo's own sync does
     not): `LLM(weight_transfer_config=...)`, the LLM's init/start/update/finish methods, and the trainer side,
     IPCTrainerWeightTransferEngine. It moves CUDA IPC handles: GPU engines only."""
+    require_weight_transfer_device(device)
     from vllm import LLM
     from vllm.engine.arg_utils import EngineArgs
 
     fix = "fix: python -m colo.bench.sync --no-vllm-ipc"
-    if device != "cuda":
-        raise VllmCompatError(f"vLLM's IPC weight-transfer engine moves CUDA IPC handles, and this engine runs on "
-                              f"{device}; {fix}")
     missing = [] if "weight_transfer_config" in {f.name for f in dataclasses.fields(EngineArgs)} else [
         "LLM(weight_transfer_config=...)"]
     missing += [f"LLM.{m}" for m in ("init_weight_transfer_engine", "start_weight_update", "update_weights",

@@ -24,8 +24,9 @@ class Moody(CalculatorEnv):
         self.prompt = row["prompt"]
         return super().reset(row)
 '''
+# one trainer/engine pair: each engine runs its own samples' environments the same way, a second pair adds two processes
 ARGS = ["--config", "configs/tiny-cpu-tools.yaml", "algo.environment=moody:Moody", "loop.sft_warmup_steps=0",
-        "loop.steps=1", "loop.eval_every=0", "data.eval_path=null", "rollout.max_turn_tokens=8"]
+        "loop.steps=1", "loop.eval_every=0", "data.eval_path=null", "rollout.max_turn_tokens=8", "placement.num_gpus=1"]
 
 
 def test_a_breaking_environment_ends_samples_or_the_run(tmp_path: Path) -> None:
