@@ -163,6 +163,9 @@ class StepTrainer(Trainer):
     def set_packing(self, on: bool) -> None:
         self.cfg.trainer.packing = bool(on)
 
+    def set_gather_once(self, on: bool) -> None:
+        self.cfg.trainer.gather_once = bool(on)
+
     def device_name(self) -> str:
         return torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu"
 

@@ -37,6 +37,9 @@ tokens per rollout second, not the engine's own rate.
 --compare-async measures both in one run: the async step first (loop.mode=async with the given rollout.oversample
 and loop.max_staleness, else their defaults), then the same steps in sync mode on the same cluster, and adds
 "sync" and "speedup" (async / sync).
+--compare-gather-once measures trainer.gather_once=true (each FSDP unit gathered once per pass) and then false (once
+per micro-batch) on the same cluster and adds "no_gather_once" and "speedup" (once / per micro-batch); the memory
+plan must fit both.
 --no-packing measures the padded path (trainer.packing=false) instead; --compare measures both in one run
 (packed first, the same steps again padded) and adds "no_packing" and "speedup" (packed / padded). The padded
 path runs trainer.micro_batch_size = max_tokens_per_micro_batch // max_model_len rows (at least 1) unless
@@ -82,6 +85,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--compare", action="store_true", help="packed and padded in one run, with their ratio")
     ap.add_argument("--compare-async", action="store_true",
                     help="loop.mode=async and sync in one run, with their ratio")
+    ap.add_argument("--compare-gather-once", action="store_true",
+                    help="trainer.gather_once=true and false in one run, with their ratio")
     ap.add_argument("--json", action="store_true", help="print one JSON object (last stdout line)")
     ap.add_argument("--profile", action="store_true", help="torch.profiler over step 0's train phase (rank 0): "
                     "its operator table by device time on stderr (needs --warmup >= 1: measured steps stay unprofiled)")
@@ -98,8 +103,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         ap.error("--profile profiles step 0, a warm-up step: give --warmup 1 or more")
     if args.no_packing and args.compare:
         ap.error("--compare already measures the padded path; drop --no-packing")
-    if args.compare and args.compare_async:
-        ap.error("--compare and --compare-async are two runs: give one")
+    if args.compare + args.compare_async + args.compare_gather_once > 1:
+        ap.error("--compare, --compare-async and --compare-gather-once are two runs each: give one")
+    if args.compare_gather_once and any(o.startswith("trainer.gather_once=") for o in args.overrides):
+        ap.error("--compare-gather-once sets trainer.gather_once itself (true, then false); drop the override")
     if args.compare_async and any(o.startswith("loop.mode=") for o in args.overrides):
         ap.error("--compare-async sets loop.mode itself (async, then sync); drop the loop.mode override")
     if any("=" not in o for o in args.overrides):
@@ -230,15 +237,18 @@ def measure(args: argparse.Namespace) -> dict:
         dummy, name = args.preset not in WITH_WEIGHTS, args.preset
     cfg = make_config(args, model_dir, dummy)
     config_json = model_config_json(cfg)
-    # the measured variants, each (trainer.packing, loop.mode), run one after the other on one cluster
+    # the measured variants, each (trainer.packing, loop.mode, trainer.gather_once), one after the other on one cluster
+    packed, once = not args.no_packing, bool(cfg.trainer.gather_once)
     if args.compare:
-        layouts = [(True, cfg.loop.mode), (False, cfg.loop.mode)]
+        layouts = [(True, cfg.loop.mode, once), (False, cfg.loop.mode, once)]
     elif args.compare_async:
-        layouts = [(not args.no_packing, "async"), (not args.no_packing, "sync")]
+        layouts = [(packed, "async", once), (packed, "sync", once)]
+    elif args.compare_gather_once:
+        layouts = [(packed, cfg.loop.mode, True), (packed, cfg.loop.mode, False)]
     else:
-        layouts = [(not args.no_packing, cfg.loop.mode)]
-    for packing, mode in layouts[::-1]:  # GPU: refuses a layout the memory plan says does not fit (ConfigError, fixes)
-        cfg.trainer.packing, cfg.loop.mode = packing, mode
+        layouts = [(packed, cfg.loop.mode, once)]
+    for packing, mode, once in layouts[::-1]:  # GPU: refuses a variant the memory plan says does not fit (ConfigError)
+        cfg.trainer.packing, cfg.loop.mode, cfg.trainer.gather_once = packing, mode, once
         validate(cfg, check_resources=False)  # what the variant's mode refuses (docs/config.md, "Async")
         mem_plan = check_fits(cfg)
     Path(cfg.run.dir).mkdir(parents=True, exist_ok=True)
@@ -257,9 +267,10 @@ def measure(args: argparse.Namespace) -> dict:
         sync_all(cluster)
         if offloads(cluster, cfg):
             cluster.trainer_group.offload()
-        for packing, mode in layouts:
+        for packing, mode, once in layouts:
             cfg.loop.mode = mode
             ray.get([t.set_packing.remote(packing) for t in cluster.trainers])
+            ray.get([t.set_gather_once.remote(once) for t in cluster.trainers])
             inputs = RunInputs(Path(cfg.run.dir), tok, RandomPrompts(args.prompts, args.prompt_len), [])
             pos, records = Position(-1, {}), []
             for step in range(args.warmup + args.steps):  # same step numbers, same lengths, in both layouts
@@ -269,15 +280,16 @@ def measure(args: argparse.Namespace) -> dict:
                 if step >= args.warmup:
                     records.append(m)
                 # progress on stderr, also with --json: a run stopped at its time limit still shows its steps
-                print(f"[bench.step] packing={packing} mode={mode} step {step}: {m['timing/step_s']:.2f}s, "
+                print(f"[bench.step] packing={packing} mode={mode} gather_once={once} step {step}: {m['timing/step_s']:.2f}s, "
                       f"rollout {m['timing/rollout_s']:.2f}s, train {m['timing/train_s']:.2f}s (logprob "
                       f"{m['bench/logprob_s']:.2f}, update {m['bench/update_s']:.2f}, optim {m['bench/optim_s']:.2f}), "
                       f"trained tokens {m['bench/tokens']}, padding {m['train/padding_fraction']:.3f}, allocator "
                       f"retries {m['bench/alloc_retries']}", file=sys.stderr, flush=True)
                 if args.profile and step == 0:
-                    print(f"[bench.step] profile of step 0's train phase, packing={packing} mode={mode}:\n"
+                    print(f"[bench.step] profile of step 0's train phase, packing={packing} mode={mode} "
+                          f"gather_once={once}:\n"
                           + ray.get(cluster.trainers[0].profile_table.remote()), file=sys.stderr, flush=True)
-            results[packing, mode] = summarize(records, cfg, config_json, args.gpus, device_name)
+            results[packing, mode, once] = summarize(records, cfg, config_json, args.gpus, device_name)
     finally:
         rewards.close()
         if cluster is not None:
@@ -285,7 +297,7 @@ def measure(args: argparse.Namespace) -> dict:
             ray.wait(ends, num_returns=len(ends), timeout=60)
         ray.shutdown()
     main = results[layouts[0]]
-    out = {**main, "packing": layouts[0][0], "mode": layouts[0][1], "model": name, "device": args.device,
+    out = {**main, "packing": layouts[0][0], "mode": layouts[0][1], "gather_once": layouts[0][2], "model": name, "device": args.device,
            "device_name": device_name, "gpus": args.gpus, "prompts": args.prompts, "n": args.n,
            "prompt_len": args.prompt_len,
            "max_tokens": args.max_tokens, "max_tokens_per_micro_batch": cfg.trainer.max_tokens_per_micro_batch,
@@ -293,9 +305,9 @@ def measure(args: argparse.Namespace) -> dict:
            "experts_implementation": cfg.trainer.experts_implementation,
            "overrides": list(args.overrides), "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"),
            "plan_train_gb": None if mem_plan is None else mem_plan.total("train") / 2**30}
-    if len(layouts) == 2:  # --compare: packed / padded; --compare-async: async / sync
+    if len(layouts) == 2:  # --compare: packed / padded; --compare-async: async / sync; --compare-gather-once: on / off
         base = results[layouts[1]]
-        out["no_packing" if args.compare else "sync"] = base
+        out["no_packing" if args.compare else "sync" if args.compare_async else "no_gather_once"] = base
         out["speedup"] = {"tokens_per_s_per_gpu": main["tokens_per_s_per_gpu"] / base["tokens_per_s_per_gpu"],
                           "train": base["phases"]["train"] / main["phases"]["train"],
                           "rollout": base["phases"]["rollout"] / main["phases"]["rollout"],
@@ -329,6 +341,10 @@ def main(argv: list[str] | None = None) -> int:
             print(line("sync", out["sync"]))
             print(f"speedup async/sync: {out['speedup']['tokens_per_s_per_gpu']:.2f}x tokens/s/GPU, "
                   f"{out['speedup']['rollout']:.2f}x rollout phase")
+        if "no_gather_once" in out:
+            print(line("gather per micro-batch", out["no_gather_once"]))
+            print(f"speedup gather_once/per micro-batch: {out['speedup']['tokens_per_s_per_gpu']:.2f}x tokens/s/GPU, "
+                  f"{out['speedup']['train']:.2f}x train phase")
     return 0
 
 

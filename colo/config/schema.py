@@ -107,6 +107,13 @@ class TrainerConfig:
     logprob_chunk: int = 1024
     """Tokens per lm_head chunk of the log-prob / entropy pass (colo.algo.logprobs): the pass never holds more
     than this many rows of (tokens, vocab) float32 logits."""
+    gather_once: bool = False
+    """Gather each FSDP unit once per pass instead of once per micro-batch: the log-prob pass and each
+    mini-batch's forward + backward keep every unit gathered (in bf16) across their micro-batches, and the
+    gradients are reduced once, after the mini-batch's last micro-batch. Saves the per-micro-batch all-gathers,
+    bf16 casts and reduce-scatters, which FSDP2 runs on one GPU too; costs the whole model in bf16 and its fp32
+    gradient, unsharded, on every rank (the memory plan counts them). For one GPU, or a model small enough to
+    hold whole on each. colo.bench.step --compare-gather-once measures it."""
     mini_batches: int = 1
     """Optimizer steps per RL step: each rank's batch is split into this many mini-batches."""
     epochs: int = 1

@@ -205,6 +205,7 @@ class Settings:
     logprob_chunk: int = 1024  # tokens per lm_head chunk (colo.algo.logprobs)
     batch_seqs: int = 128  # sequences one engine generates per step (prompts x n / engines)
     sleep_level: int = 2
+    gather_once: bool = False  # trainer.gather_once: the whole model gathered and its gradient unsharded
 
     @classmethod
     def from_config(cls, cfg: ColoConfig) -> Settings:
@@ -220,7 +221,7 @@ class Settings:
                    packing=bool(t.packing), max_tokens_per_micro_batch=int(t.max_tokens_per_micro_batch),
                    logprob_chunk=int(t.logprob_chunk),
                    batch_seqs=-(-cfg.data.prompts_per_step * r.n // engines),
-                   sleep_level=1 if r.sleep_level == 1 else 2)
+                   sleep_level=1 if r.sleep_level == 1 else 2, gather_once=bool(getattr(t, "gather_once", False)))
 
     @property
     def micro_tokens(self) -> int:
@@ -427,6 +428,14 @@ def trainer_terms(m: ModelShape, s: Settings) -> dict[str, float]:
            "sync_gather": s.param_bytes * sum(dense_units[-2:])}
     out["no_grad"] = state + LOGITS_NO_GRAD_BYTES * chunk_v + s.param_bytes * (root + last)
     out["backward"] = state + params + act["layers"] + act["logits"] + out["gathered"] + out["reduce"]
+    if s.gather_once:
+        # every unit stays gathered through the pass; the gradient accumulates unsharded in fp32 (FSDP2 upcasts
+        # it to the reduce dtype) and replaces the sharded one, which is None until the last micro-batch's
+        # reduce-scatter fills it unit by unit
+        full = m.numel
+        out["gathered"], out["reduce"] = s.param_bytes * full, 4 * full + (s.param_bytes + 4) * unit
+        out["no_grad"] = state + LOGITS_NO_GRAD_BYTES * chunk_v + s.param_bytes * full
+        out["backward"] = state + act["layers"] + act["logits"] + out["gathered"] + out["reduce"]
     out["entropy"] = state + params
     out["step"] = state + params + step_tmp
     out["sync"] = params + optim + ref + resident + out["sync_gather"]
@@ -468,7 +477,7 @@ def plan_memory(config_json: dict[str, Any], s: Settings, gpu_bytes: Optional[fl
         ("trainer while vLLM runs" + (" (offloaded: sync buffers)" if s.offload else " (offload=false)"),
          {"rollout": kept, "asleep": kept}),
         ("trainer params fp32", {"start": params, "train": params, "step": params, "sync": params}),
-        ("trainer grads fp32", {"train": grads, "step": grads}),
+        ("trainer grads fp32", {"train": 0 if s.gather_once else grads, "step": grads}),  # gather_once: below
         (f"AdamW state {s.optimizer_dtype}" + (" (on host)" if s.optimizer_offload else ""),
          {"train": optim, "step": optim, "sync": optim}),
         ("reference model fp32 (kl_coef > 0)", {"start": ref, "train": ref, "step": ref, "sync": ref}),
@@ -476,7 +485,8 @@ def plan_memory(config_json: dict[str, Any], s: Settings, gpu_bytes: Optional[fl
         (f"activations {s.micro_label}, checkpointing "
          f"{'on' if s.gradient_checkpointing else 'off'}", {"train": t["activations"]}),
         (f"lm_head chunk {min(s.logprob_chunk, s.micro_tokens)}x{m.vocab} + its weight grad", {"train": t["logits"]}),
-        ("gathered FSDP units bf16 + reduce-scatter", {"train": t["gathered"] + t["reduce"]}),
+        ("whole model gathered bf16 + its fp32 gradient unsharded (trainer.gather_once)" if s.gather_once else
+         "gathered FSDP units bf16 + reduce-scatter", {"train": t["gathered"] + t["reduce"]}),
         # with few layers the entropy after backward (all grads + 14 B per logit) can top backward's start
         ("peak at the entropy after backward instead", {"train": max(0.0, t["entropy"] - t["backward"])}),
         ("optimizer step temporaries", {"step": t["step_tmp"]}),

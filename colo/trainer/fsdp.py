@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from colo.algo.logprobs import shifted_logprobs
@@ -100,9 +100,33 @@ def parallelize(
         experts = getattr(getattr(layer, "mlp", None), "experts", None)
         if experts is not None and any(True for _ in experts.parameters(recurse=False)):
             fully_shard(experts, mesh=mesh, mp_policy=mp, reshard_after_forward=not keep)
+            experts.colo_reshard_after_forward = not keep
         fully_shard(layer, mesh=mesh, mp_policy=mp, reshard_after_forward=not keep)
+        layer.colo_reshard_after_forward = not keep
     fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=False)
+    model.colo_reshard_after_forward = False
     return model
+
+
+def hold_gathered(model: nn.Module, hold: bool) -> None:
+    """trainer.gather_once: with `hold`, every FSDP unit stays gathered after its forward and after its backward,
+    and gradients are not reduced, until release_gathered: a pass over many micro-batches gathers (and casts to
+    bf16) each unit once instead of once per micro-batch, twice with backward. Without `hold`, each unit's
+    reshard_after_forward is parallelize()'s again."""
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            m.set_reshard_after_forward(False if hold else getattr(m, "colo_reshard_after_forward", True),
+                                        recurse=False)
+    if isinstance(model, FSDPModule):
+        model.set_reshard_after_backward(not hold)
+        model.set_requires_gradient_sync(not hold)
+
+
+def reduce_next_backward(model: nn.Module) -> None:
+    """Under hold_gathered: the next backward (a mini-batch's last micro-batch) reduces the gradients accumulated
+    unsharded so far and reshards every unit after it, as a default backward does."""
+    model.set_reshard_after_backward(True)
+    model.set_requires_gradient_sync(True)
 
 
 @torch.no_grad()

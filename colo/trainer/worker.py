@@ -42,7 +42,7 @@ from colo.sync.sender import Sender
 from colo.sync.transport import WeightGroup, WeightGroupHost, device_uuid
 from colo.trainer import checkpoint
 from colo.models.archs import expert_shard_range, num_experts
-from colo.trainer.fsdp import build_sharded, persistent_buffers
+from colo.trainer.fsdp import build_sharded, hold_gathered, persistent_buffers, reduce_next_backward
 from colo.trainer.offload import Offloader, state_bytes
 from colo.trainer.optim import clip_and_step, make_optimizer
 
@@ -209,13 +209,30 @@ class Trainer:
         return [(c, False) for c in chunks] + [(filler, True)] * (n - len(chunks))
 
     @torch.no_grad()
+    def _passes(self, model: torch.nn.Module, plan: list[tuple[torch.Tensor, bool]], backward: bool):
+        """The micro-batches of one pass. trainer.gather_once keeps the model's FSDP units gathered across them
+        (colo.trainer.fsdp.hold_gathered) and, with backward, reduces the gradients at the last one only: every
+        rank runs the same number of micro-batches (_micro_plan agrees them), so the reductions match."""
+        if not self.cfg.trainer.gather_once:
+            yield from plan
+            return
+        hold_gathered(model, True)
+        try:
+            for i, item in enumerate(plan):
+                if backward and i == len(plan) - 1:
+                    reduce_next_backward(model)
+                yield item
+        finally:
+            hold_gathered(model, False)
+
     def _logprobs(self, model: torch.nn.Module, batch: dict) -> torch.Tensor:
         out = torch.zeros(batch["input_ids"].shape, dtype=torch.float32)  # (B, T)
         routing = [0.0, 0.0]  # (token, MoE layer) pairs: own top-k differs from the engine's, compared
         training = model.training
         model.eval()  # the log-probs of the policy itself, not of one dropout draw of it
         try:
-            for idx, dummy in self._micro_plan(torch.arange(batch["input_ids"].shape[0]), batch):
+            for idx, dummy in self._passes(model, self._micro_plan(torch.arange(batch["input_ids"].shape[0]), batch),
+                                           backward=False):
                 mb = _rows(batch, idx, dummy)
                 lp, _ = self._score(model, mb, self._policy_temperature, dummy)
                 if not dummy:
@@ -259,7 +276,7 @@ class Trainer:
         tokens = self._agree([float(batch["loss_mask"].sum())], dist.ReduceOp.SUM)[0]
         loss_sum = 0.0
         self.model.train()
-        for idx, dummy in self._micro_plan(rows, batch):
+        for idx, dummy in self._passes(self.model, self._micro_plan(rows, batch), backward=True):
             mb = _rows(batch, idx, dummy)
             lp, _ = self._score(self.model, mb, 1.0, dummy)
             mask = mb["loss_mask"].to(self.device, torch.float32)  # (b, T)
@@ -340,7 +357,7 @@ class Trainer:
         norms: list[float] = []
         for _ in range(max(1, int(t.epochs))):
             for m, rows in enumerate(minis):
-                for idx, dummy in self._micro_plan(rows, batch):
+                for idx, dummy in self._passes(self.model, self._micro_plan(rows, batch), backward=True):
                     got = self._ppo_micro(_rows(batch, idx, dummy), old[idx],
                                           None if ref is None else ref[idx],
                                           max(counts[m], 1.0), max(counts[M + m], 1.0), dummy)

@@ -21,6 +21,7 @@
 # STEP_ARGS adds config overrides, e.g. trainer.gradient_checkpointing=true); async = colo.bench.step --compare-async,
 # loop.mode=async against sync on the same workload (only when named; ASYNC_ARGS adds overrides). Both: BENCH_STEPS
 # measured steps (2), BENCH_MAX_TOKENS (4096), BENCH_FLAGS more bench flags (--profile: the warm-up's kernel table).
+# gather = colo.bench.step --compare-gather-once (trainer.gather_once on, then off; GATHER_ARGS adds overrides).
 # CUDA_VISIBLE_DEVICES limits the GPUs it counts and uses; SHARED_HOST=1 leaves Ray running after a failed step
 # (tests/gpu/streams.sh runs two of these at once, one per GPU).
 # Everything this script leaves in $OUT is at most 8 files, one level deep: what a device call brings back.
@@ -76,7 +77,7 @@ step() {  # step NAME MAX_SECONDS CMD...
 ngpu=$(nvidia-smi -L | wc -l)
 if [ -n "${CUDA_VISIBLE_DEVICES:-}" ]; then ngpu=$(echo "$CUDA_VISIBLE_DEVICES" | tr ',' '\n' | grep -c .); fi
 
-STEPS=${STEPS:-colocated ipc dpep routing bench loop}  # and: attention, rollout, step, async
+STEPS=${STEPS:-colocated ipc dpep routing bench loop}  # and: attention, rollout, step, async, gather
 want() { case " $STEPS " in *" $1 "*) return 0;; *) return 1;; esac; }
 
 # attention = the packed-row attention kernels against per-sample SDPA (test + colo.bench.packed_attention; no vLLM)
@@ -148,5 +149,7 @@ bench_step() {  # bench_step NAME WARMUP COMPARE_FLAG [OVERRIDES...]
 want step && bench_step step 1 --compare ${STEP_ARGS:-}           # packed against padded
 # shellcheck disable=SC2086
 want async && bench_step async 2 --compare-async ${ASYNC_ARGS:-}  # loop.mode=async against sync; 2 warm-up steps
+# shellcheck disable=SC2086
+want gather && bench_step gather 1 --compare-gather-once ${GATHER_ARGS:-}  # trainer.gather_once against per micro-batch
 echo "[run.sh] done in $((SECONDS - start))s, status $status"
 exit $status

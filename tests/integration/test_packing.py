@@ -101,3 +101,47 @@ def test_packed_equals_padded_with_and_without_r3(workers) -> None:
     # R3 replays the given (random) ids: it changes the gradients, in both layouts alike
     assert not torch.allclose(got[True, "off"][1][0], got[True, "r3"][1][0])
     assert got[True, "off"][0]["routing/mismatch"] > 0.5  # random ids: most (token, layer) pairs differ
+
+
+def _count_collectives(trainer, once: bool) -> None:
+    """trainer.gather_once on or off, and count FSDP2's all-gathers and reduce-scatters from here on."""
+    from torch.distributed.fsdp._fully_shard import _fsdp_param_group as group
+
+    trainer.cfg.trainer.gather_once = once
+    trainer.collectives = {"all_gather": 0, "reduce": 0}
+    for name, key in (("foreach_all_gather", "all_gather"), ("foreach_reduce", "reduce")):
+        real = getattr(group, f"_colo_real_{name}", None) or getattr(group, name)
+        setattr(group, f"_colo_real_{name}", real)
+
+        def counted(*args, real=real, key=key, **kwargs):
+            trainer.collectives[key] += 1
+            return real(*args, **kwargs)
+        setattr(group, name, counted)
+
+
+def _collectives(trainer) -> dict:
+    return trainer.collectives
+
+
+def test_gather_once_equals_gathering_per_micro_batch(workers) -> None:
+    """trainer.gather_once keeps every FSDP unit gathered across a pass's micro-batches and reduces the gradients
+    once: the same metrics and gradients as gathering per micro-batch, in both layouts, with far fewer
+    all-gathers and reduce-scatters (counted in FSDP2 itself)."""
+    shards = shard_batch(_batch(), 2)
+    got = {}
+    for once in (False, True):
+        for packing in (True, False):
+            ray.get([w.__ray_call__.remote(_count_collectives, once) for w in workers])
+            metrics, grads = _step(workers, shards, packing, "off")
+            got[once, packing] = metrics, grads, ray.get(workers[0].__ray_call__.remote(_collectives))
+    ray.get([w.__ray_call__.remote(_count_collectives, False) for w in workers])
+    for packing in (True, False):
+        (m1, g1, c1), (m0, g0, c0) = got[True, packing], got[False, packing]
+        for k in METRICS:
+            assert m1[k] == pytest.approx(m0[k], rel=1e-5, abs=1e-6), (packing, k, m1[k], m0[k])
+        for a, b in zip(g1, g0):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+        # several micro-batches per pass (40-token budget / 2 rows on 11 samples): per micro-batch, every unit is
+        # gathered in each forward and again in each backward, and reduced after each backward
+        assert 2 * c1["all_gather"] <= c0["all_gather"] and 2 * c1["reduce"] <= c0["reduce"], (packing, c1, c0)
+        assert c1["reduce"] > 0

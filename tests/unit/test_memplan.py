@@ -79,3 +79,23 @@ def test_plan_without_gpu_size_says_how_to_check() -> None:
     cfg = C.load_config(str(ROOT / "configs/qwen3-30b-a3b-8xh100.yaml"), ["placement.gpu_memory=auto"], {})
     plan = plan_memory(C.model_config_json(cfg), Settings.from_config(cfg), None)
     assert plan.gpu_bytes is None and not plan.fits and "placement.gpu_memory=H100" in plan.table()
+
+
+@pytest.mark.parametrize("world", [1, 8])
+def test_gather_once_holds_the_whole_model_and_its_gradient(world: int) -> None:
+    """trainer.gather_once: the train phase holds the whole model in bf16 and its fp32 gradient unsharded on every
+    rank, in place of one layer's units and the sharded gradient (colo.trainer.fsdp.hold_gathered)."""
+    config = dict(PRESETS["qwen3-30b-a3b"])
+    n = model_shape(config).numel
+    base = dict(num_gpus=world, vllm_fraction=0.5, micro_batch_size=1, max_model_len=4352, packing=True,
+                max_tokens_per_micro_batch=8192)
+    per_micro = plan_memory(config, Settings(**base), 2000 * GiB)
+    once = plan_memory(config, Settings(**base, gather_once=True), 2000 * GiB)
+    def held(plan) -> float:  # the train phase's bytes before the allocator's calibrated share of them
+        return sum(v.get("train", 0) for name, v in plan.rows if not name.startswith("allocator"))
+
+    extra = held(once) - held(per_micro)
+    # less the per-micro-batch path's gathered root and two layer units (~0.12 B per parameter here)
+    assert 6 * n - 4 * n / world - 0.2 * n < extra < 6 * n - 4 * n / world, (world, extra / n)
+    assert any("trainer.gather_once" in name for name, _ in once.rows)
+    assert once.total("rollout") == per_micro.total("rollout")  # only the train phase changes
