@@ -1,0 +1,21 @@
+"""colo.bench.step's arguments: the comparisons are one run each, and a comparison owns the setting it varies."""
+from __future__ import annotations
+
+import pytest
+
+from colo.bench.step import parse_args
+
+
+@pytest.mark.parametrize("flags", [["--compare", "--compare-async"], ["--compare", "--compare-gather-once"],
+                                   ["--compare-async", "--compare-gather-once"]])
+def test_one_comparison_per_run(flags: list[str], capsys) -> None:
+    with pytest.raises(SystemExit):
+        parse_args(flags)
+    assert "give one" in capsys.readouterr().err
+
+
+def test_compare_gather_once_owns_the_setting(capsys) -> None:
+    assert parse_args(["--compare-gather-once"]).compare_gather_once
+    with pytest.raises(SystemExit):
+        parse_args(["--compare-gather-once", "trainer.gather_once=true"])
+    assert "drop the override" in capsys.readouterr().err
