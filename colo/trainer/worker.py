@@ -208,7 +208,6 @@ class Trainer:
         filler = idx[:1] if idx.numel() else torch.zeros(1, dtype=torch.long)
         return [(c, False) for c in chunks] + [(filler, True)] * (n - len(chunks))
 
-    @torch.no_grad()
     def _passes(self, model: torch.nn.Module, plan: list[tuple[torch.Tensor, bool]], backward: bool):
         """The micro-batches of one pass. trainer.gather_once keeps the model's FSDP units gathered across them
         (colo.trainer.fsdp.hold_gathered) and, with backward, reduces the gradients at the last one only: every
@@ -225,6 +224,7 @@ class Trainer:
         finally:
             hold_gathered(model, False)
 
+    @torch.no_grad()
     def _logprobs(self, model: torch.nn.Module, batch: dict) -> torch.Tensor:
         out = torch.zeros(batch["input_ids"].shape, dtype=torch.float32)  # (B, T)
         routing = [0.0, 0.0]  # (token, MoE layer) pairs: own top-k differs from the engine's, compared
