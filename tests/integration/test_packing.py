@@ -146,3 +146,30 @@ def test_gather_once_equals_gathering_per_micro_batch(workers) -> None:
         # gathered in every forward and again in every backward, and reduced after every backward.
         assert c1["reduce"] > 0 and c1["all_gather"] == 3 * c1["reduce"], (packing, c1)
         assert c0["reduce"] >= 2 * c1["reduce"] and c0["all_gather"] > c1["all_gather"], (packing, c1, c0)
+
+
+def _grad_modes(trainer, once: bool) -> list[bool]:
+    """Whether autograd recorded during each micro-batch of the log-prob pass (trainer.gather_once on or off)."""
+    trainer.cfg.trainer.gather_once = once
+    seen, score = [], type(trainer)._score
+
+    def recording(model, mb, *args, **kwargs):
+        seen.append(torch.is_grad_enabled())
+        return score(trainer, model, mb, *args, **kwargs)
+    trainer._score = recording
+    try:
+        trainer._logprobs(trainer.model, trainer.grad_probe_batch)
+    finally:
+        del trainer._score
+        trainer.cfg.trainer.gather_once = False
+    return seen
+
+
+def test_logprob_pass_records_no_graph(workers) -> None:
+    """The old-log-prob pass is forward-only: no autograd graph, with or without gather_once (whose micro-batch
+    iterator sits next to it; a misplaced decorator once let the pass record one)."""
+    shards = shard_batch(_batch(), 2)
+    ray.get([w.__ray_call__.remote(lambda t, s: setattr(t, "grad_probe_batch", s), s) for w, s in zip(workers, shards)])
+    for once in (False, True):
+        modes = ray.get([w.__ray_call__.remote(_grad_modes, once) for w in workers])
+        assert all(m and not any(m) for m in modes), (once, modes)
