@@ -280,8 +280,9 @@ def measure(args: argparse.Namespace) -> dict:
                 if step >= args.warmup:
                     records.append(m)
                 # progress on stderr, also with --json: a run stopped at its time limit still shows its steps
-                print(f"[bench.step] packing={packing} mode={mode} gather_once={once} step {step}: {m['timing/step_s']:.2f}s, "
-                      f"rollout {m['timing/rollout_s']:.2f}s, train {m['timing/train_s']:.2f}s (logprob "
+                print(f"[bench.step] packing={packing} mode={mode} gather_once={once} step {step}: "
+                      f"{m['timing/step_s']:.2f}s, rollout {m['timing/rollout_s']:.2f}s, "
+                      f"train {m['timing/train_s']:.2f}s (logprob "
                       f"{m['bench/logprob_s']:.2f}, update {m['bench/update_s']:.2f}, optim {m['bench/optim_s']:.2f}), "
                       f"trained tokens {m['bench/tokens']}, padding {m['train/padding_fraction']:.3f}, allocator "
                       f"retries {m['bench/alloc_retries']}", file=sys.stderr, flush=True)
@@ -297,8 +298,8 @@ def measure(args: argparse.Namespace) -> dict:
             ray.wait(ends, num_returns=len(ends), timeout=60)
         ray.shutdown()
     main = results[layouts[0]]
-    out = {**main, "packing": layouts[0][0], "mode": layouts[0][1], "gather_once": layouts[0][2], "model": name, "device": args.device,
-           "device_name": device_name, "gpus": args.gpus, "prompts": args.prompts, "n": args.n,
+    out = {**main, "packing": layouts[0][0], "mode": layouts[0][1], "gather_once": layouts[0][2], "model": name,
+           "device": args.device, "device_name": device_name, "gpus": args.gpus, "prompts": args.prompts, "n": args.n,
            "prompt_len": args.prompt_len,
            "max_tokens": args.max_tokens, "max_tokens_per_micro_batch": cfg.trainer.max_tokens_per_micro_batch,
            "micro_batch_size": cfg.trainer.micro_batch_size, "logprob_chunk": cfg.trainer.logprob_chunk,

@@ -110,8 +110,8 @@ def parallelize(
 
 def hold_gathered(model: nn.Module, hold: bool) -> None:
     """trainer.gather_once: with `hold`, every FSDP unit stays gathered after its forward and after its backward,
-    and gradients are not reduced, until release_gathered: a pass over many micro-batches gathers (and casts to
-    bf16) each unit once instead of once per micro-batch, twice with backward. Without `hold`, each unit's
+    and gradients are not reduced, until hold_gathered(model, False): a pass over many micro-batches gathers (and
+    casts to bf16) each unit once instead of once per micro-batch, twice with backward. Without `hold`, each unit's
     reshard_after_forward is parallelize()'s again."""
     for m in model.modules():
         if isinstance(m, FSDPModule):
