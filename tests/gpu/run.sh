@@ -20,7 +20,8 @@
 # 4k-token long-tail responses, packed vs padded (only when named: `STEPS=step bash tests/gpu/run.sh 600`;
 # STEP_ARGS adds config overrides, e.g. trainer.gradient_checkpointing=true); async = colo.bench.step --compare-async,
 # loop.mode=async against sync on the same workload (only when named; ASYNC_ARGS adds overrides). Both: BENCH_STEPS
-# measured steps (2), BENCH_MAX_TOKENS (4096), BENCH_FLAGS more bench flags (--profile: the warm-up's kernel table).
+# measured steps (2), BENCH_MAX_TOKENS (4096), BENCH_PROMPTS (16 per step), BENCH_FLAGS more bench flags
+# (--profile: the warm-up's kernel table).
 # gather = colo.bench.step --compare-gather-once (trainer.gather_once on, then off; GATHER_ARGS adds overrides).
 # CUDA_VISIBLE_DEVICES limits the GPUs it counts and uses; SHARED_HOST=1 leaves Ray running after a failed step
 # (tests/gpu/streams.sh runs two of these at once, one per GPU).
@@ -135,7 +136,7 @@ bench_step() {  # bench_step NAME WARMUP COMPARE_FLAG [OVERRIDES...]
   local t0=$SECONDS
   # shellcheck disable=SC2086
   timeout -k 15 "$t" "$PY" -m colo.bench.step --preset qwen3-30b-a3b-L4 --device cuda --gpus 1 \
-      --max-tokens "${BENCH_MAX_TOKENS:-4096}" --prompt-len 256 --prompts 16 --n 8 --warmup "$warmup" \
+      --max-tokens "${BENCH_MAX_TOKENS:-4096}" --prompt-len 256 --prompts "${BENCH_PROMPTS:-16}" --n 8 --warmup "$warmup" \
       --steps "${BENCH_STEPS:-2}" "$flag" ${BENCH_FLAGS:-} --json \
       --workdir "${RUN_ROOT:-/tmp}/colo-$name" trainer.optimizer_dtype=bfloat16 trainer.max_tokens_per_micro_batch=8192 \
       "$@" >"$OUT/$name.json" 2>"$OUT/$name.log"
