@@ -70,7 +70,9 @@ class RouterTap:
         self.own: dict[int, torch.Tensor] = {}  # MoE layer ordinal -> (b*T, K) the router's own top-k
         self.used: dict[int, torch.Tensor] = {}  # MoE layer ordinal -> (b*T, K) what the experts got
         for m, (_, router) in enumerate(self.layers):
-            router.register_forward_hook(self._hook(m))
+            # compile-disabled: in a compiled decoder layer (trainer.compile) dynamo would trace the hook and guard
+            # on its layer ordinal and on the ids' shape, recompiling per layer; it runs eagerly between graphs
+            router.register_forward_hook(torch.compiler.disable(self._hook(m)))
 
     def _hook(self, m: int):
         def hook(router: nn.Module, args: tuple, out: tuple) -> tuple | None:

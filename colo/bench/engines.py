@@ -166,6 +166,26 @@ class StepTrainer(Trainer):
     def set_gather_once(self, on: bool) -> None:
         self.cfg.trainer.gather_once = bool(on)
 
+    def set_compile(self, on: bool) -> None:
+        """trainer.compile on the built model: its decoder layers compiled (inductor, as colo.trainer.fsdp builds
+        them with trainer.compile) or back to eager (nn.Module.compile's attribute cleared)."""
+        from colo.trainer.compile import compile_layers
+        from colo.trainer.fsdp import decoder_layers
+
+        self.cfg.trainer.compile = bool(on)
+        for model in self._models():
+            layers = decoder_layers(model)
+            if on and layers[0]._compiled_call_impl is None:
+                compile_layers(layers, "inductor")
+            elif not on:
+                for layer in layers:
+                    layer._compiled_call_impl = None
+
+    def compile_figures(self) -> dict:
+        from colo.trainer.compile import compile_stats
+
+        return compile_stats()
+
     def device_name(self) -> str:
         return torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu"
 

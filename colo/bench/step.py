@@ -40,6 +40,11 @@ and loop.max_staleness, else their defaults), then the same steps in sync mode o
 --compare-gather-once measures trainer.gather_once=true (each FSDP unit gathered once per pass) and then false (once
 per micro-batch) on the same cluster and adds "no_gather_once" and "speedup" (once / per micro-batch); the memory
 plan must fit both.
+--compare-compile measures trainer.compile=true (each decoder layer compiled with inductor, colo.trainer.compile) and
+then false on the same cluster and adds "no_compile" and "speedup" (compiled / eager), and "compile_figures": the trainer's
+dynamo figures (frames, graphs, graph breaks, compile seconds) after the compiled variant's warm-up steps and after its
+measured steps (a recompile in the measured steps would show there). The compile runs in the warm-up steps: give
+--warmup 1 or more (warmup_train_s holds each variant's warm-up train seconds).
 --no-packing measures the padded path (trainer.packing=false) instead; --compare measures both in one run
 (packed first, the same steps again padded) and adds "no_packing" and "speedup" (packed / padded). The padded
 path runs trainer.micro_batch_size = max_tokens_per_micro_batch // max_model_len rows (at least 1) unless
@@ -87,9 +92,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="loop.mode=async and sync in one run, with their ratio")
     ap.add_argument("--compare-gather-once", action="store_true",
                     help="trainer.gather_once=true and false in one run, with their ratio")
+    ap.add_argument("--compare-compile", action="store_true",
+                    help="trainer.compile=true and false in one run, with their ratio")
     ap.add_argument("--json", action="store_true", help="print one JSON object (last stdout line)")
-    ap.add_argument("--profile", action="store_true", help="torch.profiler over step 0's train phase (rank 0): "
-                    "its operator table by device time on stderr (needs --warmup >= 1: measured steps stay unprofiled)")
+    ap.add_argument("--profile", action="store_true", help="torch.profiler over the last warm-up step's train phase "
+                    "(rank 0): its operator table by device time on stderr (needs --warmup >= 1: measured steps stay "
+                    "unprofiled; with trainer.compile give --warmup 2, so the profiled step is past the compile)")
     ap.add_argument("--workdir", default=os.path.join(tempfile.gettempdir(), "colo-bench"))
     ap.add_argument("overrides", nargs="*", metavar="key=value", help="colo config overrides, e.g. "
                     "trainer.max_tokens_per_micro_batch=8192")
@@ -100,11 +108,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if min(args.gpus, args.steps, args.prompts, args.n, args.prompt_len, args.max_tokens) < 1 or args.warmup < 0:
         ap.error("--gpus, --steps, --prompts, --n, --prompt-len and --max-tokens must be >= 1, --warmup >= 0")
     if args.profile and args.warmup < 1:
-        ap.error("--profile profiles step 0, a warm-up step: give --warmup 1 or more")
+        ap.error("--profile profiles the last warm-up step: give --warmup 1 or more")
     if args.no_packing and args.compare:
         ap.error("--compare already measures the padded path; drop --no-packing")
-    if args.compare + args.compare_async + args.compare_gather_once > 1:
-        ap.error("--compare, --compare-async and --compare-gather-once are two runs each: give one")
+    if args.compare + args.compare_async + args.compare_gather_once + args.compare_compile > 1:
+        ap.error("--compare, --compare-async, --compare-gather-once and --compare-compile are two runs each: give one")
+    if args.compare_compile and any(o.startswith("trainer.compile=") for o in args.overrides):
+        ap.error("--compare-compile sets trainer.compile itself (true, then false); drop the override")
+    if args.compare_compile and args.warmup < 1:
+        ap.error("--compare-compile compiles in the warm-up steps: give --warmup 1 or more")
     if args.compare_gather_once and any(o.startswith("trainer.gather_once=") for o in args.overrides):
         ap.error("--compare-gather-once sets trainer.gather_once itself (true, then false); drop the override")
     if args.compare_async and any(o.startswith("loop.mode=") for o in args.overrides):
@@ -237,24 +249,28 @@ def measure(args: argparse.Namespace) -> dict:
         dummy, name = args.preset not in WITH_WEIGHTS, args.preset
     cfg = make_config(args, model_dir, dummy)
     config_json = model_config_json(cfg)
-    # the measured variants, each (trainer.packing, loop.mode, trainer.gather_once), one after the other on one cluster
-    packed, once = not args.no_packing, bool(cfg.trainer.gather_once)
+    # the measured variants, each (trainer.packing, loop.mode, trainer.gather_once, trainer.compile), one after the
+    # other on one cluster
+    packed, once, comp = not args.no_packing, bool(cfg.trainer.gather_once), bool(cfg.trainer.compile)
     if args.compare:
-        layouts = [(True, cfg.loop.mode, once), (False, cfg.loop.mode, once)]
+        layouts = [(True, cfg.loop.mode, once, comp), (False, cfg.loop.mode, once, comp)]
     elif args.compare_async:
-        layouts = [(packed, "async", once), (packed, "sync", once)]
+        layouts = [(packed, "async", once, comp), (packed, "sync", once, comp)]
     elif args.compare_gather_once:
-        layouts = [(packed, cfg.loop.mode, True), (packed, cfg.loop.mode, False)]
+        layouts = [(packed, cfg.loop.mode, True, comp), (packed, cfg.loop.mode, False, comp)]
+    elif args.compare_compile:
+        layouts = [(packed, cfg.loop.mode, once, True), (packed, cfg.loop.mode, once, False)]
     else:
-        layouts = [(packed, cfg.loop.mode, once)]
-    for packing, mode, once in layouts[::-1]:  # GPU: refuses a variant the memory plan says does not fit (ConfigError)
+        layouts = [(packed, cfg.loop.mode, once, comp)]
+    for packing, mode, once, _ in layouts[::-1]:  # GPU: refuses a variant the memory plan says does not fit (ConfigError)
         cfg.trainer.packing, cfg.loop.mode, cfg.trainer.gather_once = packing, mode, once
         validate(cfg, check_resources=False)  # what the variant's mode refuses (docs/config.md, "Async")
         mem_plan = check_fits(cfg)
     Path(cfg.run.dir).mkdir(parents=True, exist_ok=True)
     plan = plan_placement(cfg)
     init_ray(plan, log_to_driver=not args.json)
-    results: dict[tuple[bool, str], dict] = {}
+    results: dict[tuple, dict] = {}
+    compile_figures: dict[str, dict] = {}
     rewards = RewardRunner(list(cfg.algo.rewards))
     cluster = None
     try:
@@ -267,30 +283,39 @@ def measure(args: argparse.Namespace) -> dict:
         sync_all(cluster)
         if offloads(cluster, cfg):
             cluster.trainer_group.offload()
-        for packing, mode, once in layouts:
+        for packing, mode, once, comp in layouts:
             cfg.loop.mode = mode
             ray.get([t.set_packing.remote(packing) for t in cluster.trainers])
             ray.get([t.set_gather_once.remote(once) for t in cluster.trainers])
+            ray.get([t.set_compile.remote(comp) for t in cluster.trainers])
+            warmup_train_s = 0.0
             inputs = RunInputs(Path(cfg.run.dir), tok, RandomPrompts(args.prompts, args.prompt_len), [])
             pos, records = Position(-1, {}), []
             for step in range(args.warmup + args.steps):  # same step numbers, same lengths, in both layouts
-                if args.profile and step == 0:  # the warm-up step (not measured), so timings stay unprofiled
+                if args.profile and step == args.warmup - 1:  # a warm-up step (not measured): timings stay unprofiled
                     ray.get(cluster.trainers[0].profile_next_step.remote())
                 m = rl_step(step, cluster, cfg, inputs, rewards, pos)
                 if step >= args.warmup:
                     records.append(m)
+                else:
+                    warmup_train_s += float(m["timing/train_s"])
+                if comp and step == args.warmup - 1:
+                    compile_figures["after_warmup"] = ray.get(cluster.trainers[0].compile_figures.remote())
                 # progress on stderr, also with --json: a run stopped at its time limit still shows its steps
-                print(f"[bench.step] packing={packing} mode={mode} gather_once={once} step {step}: "
+                print(f"[bench.step] packing={packing} mode={mode} gather_once={once} compile={comp} step {step}: "
                       f"{m['timing/step_s']:.2f}s, rollout {m['timing/rollout_s']:.2f}s, "
                       f"train {m['timing/train_s']:.2f}s (logprob "
                       f"{m['bench/logprob_s']:.2f}, update {m['bench/update_s']:.2f}, optim {m['bench/optim_s']:.2f}), "
                       f"trained tokens {m['bench/tokens']}, padding {m['train/padding_fraction']:.3f}, allocator "
                       f"retries {m['bench/alloc_retries']}", file=sys.stderr, flush=True)
-                if args.profile and step == 0:
-                    print(f"[bench.step] profile of step 0's train phase, packing={packing} mode={mode} "
-                          f"gather_once={once}:\n"
+                if args.profile and step == args.warmup - 1:
+                    print(f"[bench.step] profile of step {step}'s train phase, packing={packing} mode={mode} "
+                          f"gather_once={once} compile={comp}:\n"
                           + ray.get(cluster.trainers[0].profile_table.remote()), file=sys.stderr, flush=True)
-            results[packing, mode, once] = summarize(records, cfg, config_json, args.gpus, device_name)
+            if comp:
+                compile_figures["after_measured"] = ray.get(cluster.trainers[0].compile_figures.remote())
+            results[packing, mode, once, comp] = summarize(records, cfg, config_json, args.gpus, device_name)
+            results[packing, mode, once, comp]["warmup_train_s"] = warmup_train_s
     finally:
         rewards.close()
         if cluster is not None:
@@ -298,7 +323,8 @@ def measure(args: argparse.Namespace) -> dict:
             ray.wait(ends, num_returns=len(ends), timeout=60)
         ray.shutdown()
     main = results[layouts[0]]
-    out = {**main, "packing": layouts[0][0], "mode": layouts[0][1], "gather_once": layouts[0][2], "model": name,
+    out = {**main, "packing": layouts[0][0], "mode": layouts[0][1], "gather_once": layouts[0][2],
+           "compile": layouts[0][3], "compile_figures": compile_figures or None, "model": name,
            "device": args.device, "device_name": device_name, "gpus": args.gpus, "prompts": args.prompts, "n": args.n,
            "prompt_len": args.prompt_len,
            "max_tokens": args.max_tokens, "max_tokens_per_micro_batch": cfg.trainer.max_tokens_per_micro_batch,
@@ -306,9 +332,10 @@ def measure(args: argparse.Namespace) -> dict:
            "experts_implementation": cfg.trainer.experts_implementation,
            "overrides": list(args.overrides), "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"),
            "plan_train_gb": None if mem_plan is None else mem_plan.total("train") / 2**30}
-    if len(layouts) == 2:  # --compare: packed / padded; --compare-async: async / sync; --compare-gather-once: on / off
-        base = results[layouts[1]]
-        out["no_packing" if args.compare else "sync" if args.compare_async else "no_gather_once"] = base
+    if len(layouts) == 2:  # --compare: packed / padded; --compare-async: async / sync; --compare-gather-once, -compile:
+        base = results[layouts[1]]  # on / off
+        out["no_packing" if args.compare else "sync" if args.compare_async else "no_gather_once"
+            if args.compare_gather_once else "no_compile"] = base
         out["speedup"] = {"tokens_per_s_per_gpu": main["tokens_per_s_per_gpu"] / base["tokens_per_s_per_gpu"],
                           "train": base["phases"]["train"] / main["phases"]["train"],
                           "rollout": base["phases"]["rollout"] / main["phases"]["rollout"],
@@ -346,6 +373,10 @@ def main(argv: list[str] | None = None) -> int:
             print(line("gather per micro-batch", out["no_gather_once"]))
             print(f"speedup gather_once/per micro-batch: {out['speedup']['tokens_per_s_per_gpu']:.2f}x tokens/s/GPU, "
                   f"{out['speedup']['train']:.2f}x train phase")
+        if "no_compile" in out:
+            print(line("eager", out["no_compile"]))
+            print(f"speedup compiled/eager: {out['speedup']['tokens_per_s_per_gpu']:.2f}x tokens/s/GPU, "
+                  f"{out['speedup']['train']:.2f}x train phase; dynamo: {out['compile_figures']}")
     return 0
 
 

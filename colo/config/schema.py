@@ -114,6 +114,12 @@ class TrainerConfig:
     bf16 casts and reduce-scatters, which FSDP2 runs on one GPU too; costs the whole model in bf16 and its fp32
     gradient, unsharded, on every rank (the memory plan counts them). For one GPU, or a model small enough to
     hold whole on each. colo.bench.step --compare-gather-once measures it."""
+    compile: bool = False
+    """torch.compile (inductor) each decoder layer before FSDP2 wraps it (colo.trainer.compile), so the elementwise
+    work between the matmuls (fp32 RMSNorms, rotary, router softmax / top-k, the experts' activation) runs fused.
+    Attention and the routing hook stay eager (graph breaks). Same losses and gradients (tests/integration/
+    test_packing.py); the first steps pay the compile, once per graph for the first token count and once more with
+    it dynamic. Off by default until colo.bench.step --compare-compile has measured it on a GPU (docs/benchmarks.md)."""
     mini_batches: int = 1
     """Optimizer steps per RL step: each rank's batch is split into this many mini-batches."""
     epochs: int = 1

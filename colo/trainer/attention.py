@@ -70,6 +70,19 @@ def _varlen_attn():
     return varlen_attn, causal, "enable_gqa" in params
 
 
+class Bounds:
+    """A packed row's `colo_bounds` as one object that torch.compile passes through untouched (trainer.compile).
+
+    A tuple of ints reaching a compiled decoder layer is guarded on its length (and the ints on their values), so
+    each new sample count per row recompiled the layer: the tiny model hit dynamo's recompile limit in its first
+    step (measured, 2026-11-26). This object is only handed on to _attention, which dynamo does not trace."""
+
+    __slots__ = ("offsets",)
+
+    def __init__(self, offsets: tuple[int, ...]) -> None:
+        self.offsets = tuple(offsets)
+
+
 # the last row's cumulative offsets on the device: one host-to-device copy per row, not per layer
 _CU_SEQ: dict[tuple, torch.Tensor] = {}
 
@@ -103,11 +116,17 @@ def packed_attention(device: torch.device, dropout: float = 0.0) -> str:
     return "per_sample"
 
 
+@torch.compiler.disable
 def _attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
                colo_bounds: tuple[int, ...] | None = None, **kwargs) -> tuple[torch.Tensor, None]:
-    """query (1, h, N, d), key / value (1, h_kv, N, d) -> (1, N, h, d), as transformers' sdpa returns it."""
+    """query (1, h, N, d), key / value (1, h_kv, N, d) -> (1, N, h, d), as transformers' sdpa returns it.
+    Compile-disabled: a graph break in a compiled layer (trainer.compile), whose kernels here are one varlen call
+    or SDPA per sample either way, and whose `colo_bounds` (a tuple or a Bounds) dynamo must not guard on."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    if isinstance(colo_bounds, Bounds):
+        colo_bounds = colo_bounds.offsets
 
     if colo_bounds is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,

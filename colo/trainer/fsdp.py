@@ -25,7 +25,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from colo.algo.logprobs import shifted_logprobs
-from colo.trainer.attention import attention_for, supports_sdpa
+from colo.trainer.attention import Bounds, attention_for, supports_sdpa
 
 def meta_model(model_path: str, attn_implementation: str | None = None,
                experts_implementation: str | None = None) -> nn.Module:
@@ -48,7 +48,7 @@ def _logprob_forward(self: nn.Module, input_ids: torch.Tensor, attention_mask: t
     """(b, T) log-probs and entropies of input_ids (colo.algo.logprobs.shifted_logprobs), from the decoder's
     hidden states and the lm_head weight, without the (b, T, V) logits. A packed row: attention_mask None,
     `bounds` its samples' start offsets and its length (colo.trainer.attention)."""
-    extra = {} if bounds is None else {"colo_bounds": tuple(bounds)}
+    extra = {} if bounds is None else {"colo_bounds": Bounds(bounds)}  # opaque to torch.compile (Bounds)
     hidden = self.get_decoder()(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                                 use_cache=False, **extra).last_hidden_state  # (b, T, H)
     return shifted_logprobs(hidden, self.get_output_embeddings().weight, input_ids,
@@ -86,14 +86,20 @@ def parallelize(
     param_dtype: torch.dtype = torch.bfloat16,
     reduce_dtype: torch.dtype = torch.float32,
     gradient_checkpointing: bool = False,
+    compile_backend: str | None = None,
 ) -> nn.Module:
-    """fully_shard each `mlp.experts`, each decoder layer, then the root (torchtitan's order)."""
+    """fully_shard each `mlp.experts`, each decoder layer, then the root (torchtitan's order). `compile_backend`
+    (trainer.compile): torch.compile each decoder layer first (colo.trainer.compile)."""
     if gradient_checkpointing:
         # non-reentrant: the reentrant variant reruns forward outside autograd and breaks FSDP2's
         # post-backward hooks.
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     layers = decoder_layers(model)
+    if compile_backend is not None:
+        from colo.trainer.compile import compile_layers
+
+        compile_layers(layers, compile_backend)
     for i, layer in enumerate(layers):
         # the last block's params are needed again right away by backward: keep them gathered
         keep = i == len(layers) - 1
@@ -196,11 +202,13 @@ def build_sharded(
     seed: int = 0,
     gradient_checkpointing: bool = False,
     experts_implementation: str | None = None,
+    compile_backend: str | None = None,
 ) -> nn.Module:
     """The whole build: meta model on every rank, sharded, then each rank's rows of the checkpoint, or random.
     The result also has `colo_logprobs` (enable_logprob_forward)."""
     model = meta_model(model_path, attention_for(device), experts_implementation)
-    parallelize(model, mesh, param_dtype=param_dtype, gradient_checkpointing=gradient_checkpointing)
+    parallelize(model, mesh, param_dtype=param_dtype, gradient_checkpointing=gradient_checkpointing,
+                compile_backend=compile_backend)
     enable_logprob_forward(model)
     if dummy:
         materialize(model, device, seed=seed)

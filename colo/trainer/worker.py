@@ -113,7 +113,8 @@ class Trainer:
         self.param_dtype = torch_dtype(c.model.dtype)
         experts = None if c.trainer.experts_implementation == "auto" else str(c.trainer.experts_implementation)
         build = dict(dummy=bool(c.model.dummy_weights), mesh=self.mesh, device=self.device,
-                     param_dtype=self.param_dtype, seed=seed, experts_implementation=experts)
+                     param_dtype=self.param_dtype, seed=seed, experts_implementation=experts,
+                     compile_backend="inductor" if c.trainer.compile else None)
         self.model = build_sharded(
             c.model.path, gradient_checkpointing=c.trainer.gradient_checkpointing, **build)
         self.ref_model, self.ref_frozen = None, False

@@ -23,6 +23,8 @@
 # measured steps (2), BENCH_MAX_TOKENS (4096), BENCH_PROMPTS (16 per step), BENCH_FLAGS more bench flags
 # (--profile: the warm-up's kernel table).
 # gather = colo.bench.step --compare-gather-once (trainer.gather_once on, then off; GATHER_ARGS adds overrides).
+# compile = colo.bench.step --compare-compile (trainer.compile on, then off; COMPILE_ARGS adds overrides, e.g.
+# trainer.gather_once=true; BENCH_WARMUP warm-up steps, 1 by default: the compile runs in them).
 # CUDA_VISIBLE_DEVICES limits the GPUs it counts and uses; SHARED_HOST=1 leaves Ray running after a failed step
 # (tests/gpu/streams.sh runs two of these at once, one per GPU).
 # Everything this script leaves in $OUT is at most 8 files, one level deep: what a device call brings back.
@@ -78,7 +80,7 @@ step() {  # step NAME MAX_SECONDS CMD...
 ngpu=$(nvidia-smi -L | wc -l)
 if [ -n "${CUDA_VISIBLE_DEVICES:-}" ]; then ngpu=$(echo "$CUDA_VISIBLE_DEVICES" | tr ',' '\n' | grep -c .); fi
 
-STEPS=${STEPS:-colocated ipc dpep routing bench loop}  # and: attention, rollout, step, async, gather
+STEPS=${STEPS:-colocated ipc dpep routing bench loop}  # and: attention, rollout, step, async, gather, compile
 want() { case " $STEPS " in *" $1 "*) return 0;; *) return 1;; esac; }
 
 # attention = the packed-row attention kernels against per-sample SDPA (test + colo.bench.packed_attention; no vLLM)
@@ -152,5 +154,7 @@ want step && bench_step step 1 --compare ${STEP_ARGS:-}           # packed again
 want async && bench_step async 2 --compare-async ${ASYNC_ARGS:-}  # loop.mode=async against sync; 2 warm-up steps
 # shellcheck disable=SC2086
 want gather && bench_step gather 1 --compare-gather-once ${GATHER_ARGS:-}  # trainer.gather_once against per micro-batch
+# shellcheck disable=SC2086
+want compile && bench_step compile "${BENCH_WARMUP:-1}" --compare-compile ${COMPILE_ARGS:-}  # compiled layers against eager
 echo "[run.sh] done in $((SECONDS - start))s, status $status"
 exit $status

@@ -7,7 +7,8 @@ from colo.bench.step import parse_args
 
 
 @pytest.mark.parametrize("flags", [["--compare", "--compare-async"], ["--compare", "--compare-gather-once"],
-                                   ["--compare-async", "--compare-gather-once"]])
+                                   ["--compare-async", "--compare-gather-once"], ["--compare", "--compare-compile"],
+                                   ["--compare-gather-once", "--compare-compile"]])
 def test_one_comparison_per_run(flags: list[str], capsys) -> None:
     with pytest.raises(SystemExit):
         parse_args(flags)
@@ -19,3 +20,14 @@ def test_compare_gather_once_owns_the_setting(capsys) -> None:
     with pytest.raises(SystemExit):
         parse_args(["--compare-gather-once", "trainer.gather_once=true"])
     assert "drop the override" in capsys.readouterr().err
+
+
+def test_compare_compile_owns_the_setting_and_warms_up(capsys) -> None:
+    """--compare-compile varies trainer.compile itself, and its compile must fall in unmeasured warm-up steps."""
+    assert parse_args(["--compare-compile"]).compare_compile
+    with pytest.raises(SystemExit):
+        parse_args(["--compare-compile", "trainer.compile=true"])
+    assert "drop the override" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        parse_args(["--compare-compile", "--warmup", "0"])
+    assert "--warmup 1 or more" in capsys.readouterr().err
