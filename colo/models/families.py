@@ -209,7 +209,8 @@ def make_family_model(out_dir: str | os.PathLike, name: str, seed: int = 0, cuda
     `cuda`: with CUDA_KWARGS on top (the dims vLLM's CUDA kernels need)."""
     if name not in FAMILIES:
         raise ValueError(f"unknown family {name!r}; choose from {sorted(FAMILIES)}")
-    return build.build_once(out_dir, MARKER, _marker(name, seed, cuda), lambda tmp: _write(tmp, name, seed, cuda))
+    return build.build_cached(out_dir, MARKER, _marker(name, seed, cuda), lambda tmp: _write(tmp, name, seed, cuda),
+                              sources=[__file__, Path(__file__).with_name("tokenizer.py")])
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -168,11 +168,18 @@ def _write(tmp: Path, preset: str, seed: int) -> None:
     tmp.chmod(0o755)
 
 
-def make_tiny_model(out_dir: str | os.PathLike, preset: str = "tiny", seed: int = 0) -> Path:
-    """Write the preset's checkpoint dir (idempotent; returns quickly when already built)."""
+def make_tiny_model(out_dir: str | os.PathLike, preset: str = "tiny", seed: int = 0, cache: bool = True) -> Path:
+    """Write the preset's checkpoint dir (idempotent; returns quickly when already built; a copy of the per-user
+    cache's build when it has one, colo.models.build; `cache=False` builds here, bypassing it)."""
     if preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r}; choose from {sorted(PRESETS)}")
-    return build.build_once(out_dir, MARKER, _marker(preset, seed), lambda tmp: _write(tmp, preset, seed))
+    def write(tmp: Path) -> None:
+        _write(tmp, preset, seed)
+
+    if not cache:
+        return build.build_once(out_dir, MARKER, _marker(preset, seed), write)
+    return build.build_cached(out_dir, MARKER, _marker(preset, seed), write,
+                              sources=[__file__, Path(__file__).with_name("tokenizer.py")])
 
 
 def main(argv: list[str] | None = None) -> None:

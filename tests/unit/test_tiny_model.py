@@ -22,14 +22,42 @@ def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def test_same_seed_same_bytes_other_seed_other_weights(tiny_dir: Path, tmp_path: Path) -> None:
-    again = make_tiny_model(tmp_path / "again", "tiny", seed=0)
-    other = make_tiny_model(tmp_path / "other", "tiny", seed=1)
+    again = make_tiny_model(tmp_path / "again", "tiny", seed=0, cache=False)  # built again, not the cache's copy
+    other = make_tiny_model(tmp_path / "other", "tiny", seed=1, cache=False)
     h0, h1, h2 = _hashes(tiny_dir), _hashes(again), _hashes(other)
     assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
             "generation_config.json", MARKER} <= set(h0)
     assert h0 == h1
     assert h2["model.safetensors"] != h0["model.safetensors"]
     assert h2["tokenizer.json"] == h0["tokenizer.json"]  # the tokenizer does not depend on the seed
+
+
+def test_cache_builds_once_and_copies_the_same_bytes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The per-user cache (colo.models.build.build_cached): the first run of a preset builds it into
+    $XDG_CACHE_HOME/colo/models, later runs copy it (no transformers model built), byte for byte what a build
+    writes; a cache that cannot be written is skipped, not an error."""
+    from colo.models import build
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    first = make_tiny_model(tmp_path / "a", "tiny", seed=5)
+    [entry] = list((tmp_path / "cache" / "colo" / "models").iterdir())
+    assert entry.name.startswith("tiny-5-") and _hashes(entry) == _hashes(first)
+    calls = []
+    monkeypatch.setattr("colo.models.tiny._write", lambda *a: calls.append(a))  # a build would call it
+    second = make_tiny_model(tmp_path / "b", "tiny", seed=5)
+    assert calls == [] and _hashes(second) == _hashes(first)
+    monkeypatch.undo()
+    assert _hashes(make_tiny_model(tmp_path / "c", "tiny", seed=5, cache=False)) == _hashes(first)
+    # the key follows the writer's source and the marker: an edit or another seed is another entry
+    marker = {"preset": "tiny", "seed": 5}
+    src = tmp_path / "src.py"
+    src.write_text("a = 1\n")
+    k1 = build.cache_key(marker, [src])
+    src.write_text("a = 2\n")
+    assert len({k1, build.cache_key(marker, [src]), build.cache_key({**marker, "seed": 6}, [src])}) == 3
+    (tmp_path / "not-a-dir").write_text("")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "not-a-dir"))
+    assert _hashes(make_tiny_model(tmp_path / "d", "tiny", seed=5)) == _hashes(first)
 
 
 def test_idempotent_and_rebuilds_on_other_seed(tmp_path: Path) -> None:
