@@ -44,7 +44,9 @@ plan must fit both.
 then false on the same cluster and adds "no_compile" and "speedup" (compiled / eager), and "compile_figures": the trainer's
 dynamo figures (frames, graphs, graph breaks, compile seconds) after the compiled variant's warm-up steps and after its
 measured steps (a recompile in the measured steps would show there). The compile runs in the warm-up steps: give
---warmup 1 or more (warmup_train_s holds each variant's warm-up train seconds).
+--warmup 1 or more (warmup_train_s holds each variant's warm-up train seconds). With trainer.lr=0 both variants
+score the same weights on the same samples: their train_metrics (loss, entropy, grad norm, trainer-vLLM log-prob gap
+per measured step) check inductor's numerics against eager's in the same run.
 --no-packing measures the padded path (trainer.packing=false) instead; --compare measures both in one run
 (packed first, the same steps again padded) and adds "no_packing" and "speedup" (packed / padded). The padded
 path runs trainer.micro_batch_size = max_tokens_per_micro_batch // max_model_len rows (at least 1) unless
@@ -70,6 +72,9 @@ PEAK_BF16 = {"H100 PCIe": 756e12, "H100 NVL": 835e12, "H100": 989e12, "H200": 98
              "GH200": 989e12, "A100": 312e12, "B200": 2250e12, "GB200": 2500e12, "B300": 2250e12}
 """Dense bf16 tensor-core peak FLOP/s by device name (vendor data sheets, SXM unless named); first match wins."""
 PHASES = ("rollout", "reward", "sleep", "train", "sync", "wake", "step")
+TRAIN_METRICS = ("loss", "entropy", "grad_norm", "logprob_diff/mean", "logprob_diff/max")
+"""The policy's figures kept per measured step (train_metrics): with trainer.lr=0 every variant of a comparison
+scores the same weights on the same imposed-length samples, so they must agree (--compare-compile's exactness)."""
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -213,6 +218,7 @@ def summarize(steps: list[dict], cfg: Any, config_json: dict, gpus: int, device_
         "response_len_mean": sum(m["response_len/mean"] for m in steps) / len(steps),
         "truncated_frac": sum(m["response/truncated_frac"] for m in steps) / len(steps),
         "steps": len(steps),
+        "train_metrics": [{k: m[k] for k in TRAIN_METRICS if k in m} for m in steps],
         **async_summary(steps),
     }
 
