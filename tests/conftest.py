@@ -253,13 +253,14 @@ def default_job(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, CliResu
     return run_dir, run_cli(f"run.dir={run_dir}", f"loop.steps={DEFAULT_JOB_STEPS}", timeout=900)
 
 
-TOOLS_JOB_ARGS = ["loop.steps=3", "loop.eval_every=0"]
+TOOLS_JOB_ARGS = ["loop.steps=3", "loop.eval_every=0", "placement.num_gpus=1"]  # one pair: ~26 CPU-s less start-up
 
 
 @pytest.fixture(scope="session")
 def tools_job(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, CliResult]:
     """`python -m colo.launch --config configs/tiny-cpu-tools.yaml` (a README command) after its whole warm-up,
-    shortened to 3 RL steps, once per session: tests/e2e/test_tools_job.py checks its conversations and
+    shortened to 3 RL steps on one trainer/engine pair (the file says two), once per session:
+    tests/e2e/test_tools_job.py checks its conversations and
     metrics, tests/e2e/test_readme.py that the README's command runs to the end."""
     run_dir = tmp_path_factory.mktemp("tools-job") / "run"
     return run_dir, run_cli("--config", "configs/tiny-cpu-tools.yaml", f"run.dir={run_dir}", *TOOLS_JOB_ARGS,

