@@ -167,13 +167,14 @@ class StepTrainer(Trainer):
         self.cfg.trainer.gather_once = bool(on)
 
     def set_compile(self, on: bool) -> None:
-        """trainer.compile on the built model: its decoder layers compiled (inductor, as colo.trainer.fsdp builds
-        them with trainer.compile) or back to eager (nn.Module.compile's attribute cleared)."""
+        """trainer.compile on the built model: its decoder layers and log-prob chunk math compiled (inductor, as
+        colo.trainer.fsdp builds them with trainer.compile) or back to eager (nn.Module.compile's attribute cleared)."""
         from colo.trainer.compile import compile_layers
         from colo.trainer.fsdp import decoder_layers
 
         self.cfg.trainer.compile = bool(on)
         for model in self._models():
+            model.colo_compile_backend = "inductor" if on else None  # the log-prob chunks' math (fsdp._logprob_forward)
             layers = decoder_layers(model)
             if on and layers[0]._compiled_call_impl is None:
                 compile_layers(layers, "inductor")

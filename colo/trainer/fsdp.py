@@ -52,7 +52,8 @@ def _logprob_forward(self: nn.Module, input_ids: torch.Tensor, attention_mask: t
     hidden = self.get_decoder()(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                                 use_cache=False, **extra).last_hidden_state  # (b, T, H)
     return shifted_logprobs(hidden, self.get_output_embeddings().weight, input_ids,
-                            position_ids if attention_mask is None else None, temperature, chunk)
+                            position_ids if attention_mask is None else None, temperature, chunk,
+                            getattr(self, "colo_compile_backend", None))  # trainer.compile: fused chunk math
 
 
 def enable_logprob_forward(model: nn.Module) -> nn.Module:
@@ -89,13 +90,15 @@ def parallelize(
     compile_backend: str | None = None,
 ) -> nn.Module:
     """fully_shard each `mlp.experts`, each decoder layer, then the root (torchtitan's order). `compile_backend`
-    (trainer.compile): torch.compile each decoder layer first (colo.trainer.compile)."""
+    (trainer.compile): torch.compile each decoder layer first (colo.trainer.compile), and the log-prob chunks'
+    math (colo.algo.logprobs)."""
     if gradient_checkpointing:
         # non-reentrant: the reentrant variant reruns forward outside autograd and breaks FSDP2's
         # post-backward hooks.
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     layers = decoder_layers(model)
+    model.colo_compile_backend = compile_backend  # the log-prob chunks' math too (_logprob_forward)
     if compile_backend is not None:
         from colo.trainer.compile import compile_layers
 

@@ -26,7 +26,7 @@ METRICS = ("loss", "pg_loss", "kl_loss", "entropy", "tis_mean", "approx_kl", "cl
 
 
 @pytest.fixture(scope="module")
-def workers(tmp_path_factory: pytest.TempPathFactory):
+def workers(tmp_path_factory: pytest.TempPathFactory, ray_cluster):
     model_dir = make_tiny_model(tmp_path_factory.mktemp("tiny") / "m", "tiny", seed=0)
     c = ColoConfig()
     c.model.path, c.model.dtype, c.placement.device = str(model_dir), "float32", "cpu"
@@ -34,7 +34,6 @@ def workers(tmp_path_factory: pytest.TempPathFactory):
     # lr 0: every step sees the same weights, so the layouts can be compared step against step
     t.lr, t.micro_batch_size, t.max_tokens_per_micro_batch, t.epochs, t.logprob_chunk = 0.0, 2, 40, 1, 16
     c.rollout.temperature, c.algo.kl_coef, c.algo.tis_cap = 0.8, 0.05, 2.0
-    ray.init(address="local", num_cpus=4, num_gpus=0, include_dashboard=False, log_to_driver=False)
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -42,7 +41,6 @@ def workers(tmp_path_factory: pytest.TempPathFactory):
     ws = [TrainWorker.options(num_cpus=0).remote(dataclasses.asdict(c), r, 2, "127.0.0.1", port) for r in range(2)]
     ray.get([w.setup.remote() for w in ws])
     yield ws
-    ray.shutdown()
 
 
 def _batch() -> dict:
@@ -176,12 +174,13 @@ def test_logprob_pass_records_no_graph(workers) -> None:
 
 
 def _compile(trainer, on: bool) -> dict:
-    """trainer.compile's layer compile on the running policy (colo.trainer.compile.compile_layers, as parallelize
-    calls it) with aot_eager, or the layers back to eager; returns this process's dynamo figures."""
+    """trainer.compile on the running policy, as parallelize sets it up (colo.trainer.compile.compile_layers and the
+    log-prob chunks' backend) with aot_eager, or back to eager; returns this process's dynamo figures."""
     from colo.trainer.compile import compile_layers, compile_stats
     from colo.trainer.fsdp import decoder_layers
 
     layers = decoder_layers(trainer.model)
+    trainer.model.colo_compile_backend = "aot_eager" if on else None  # the log-prob chunks' math, as parallelize sets it
     if on:
         compile_layers(layers, backend="aot_eager")
     else:

@@ -118,3 +118,29 @@ def test_memory_plan_counts_one_chunk_of_logits():
     state = t["params"] + t["optim"] + t["ref"] + t["resident"]
     assert terms[0]["no_grad"] == terms[1]["no_grad"]  # the log-prob pass: the same at 4k and 32k tokens
     assert t["no_grad"] - state < 14 * 4096 * m.vocab  # less than the (4096, V) logits of the old pass alone
+
+
+def test_fused_chunk_math_equals_eager():
+    """trainer.compile's chunk math (colo.algo.logprobs._fused_forward / _fused_backward under torch.compile):
+    the eager chunked path's values and gradients, with a temperature, a short last chunk and a loss of both
+    outputs, then of the log-probs alone (the entropy's gradient None, as in the update). aot_eager on CPU: the
+    formulas and the graphs are checked here, inductor's kernels by colo.bench.step --compare-compile on a GPU."""
+    import torch._dynamo.utils
+
+    g = torch.Generator().manual_seed(3)
+    b, T, H, V = 2, 11, 16, 97
+    hidden = torch.randn(b, T, H, generator=g)
+    weight = torch.randn(V, H, generator=g) * 0.5
+    ids = torch.randint(0, V, (b, T), generator=g)
+    w_lp, w_ent = torch.randn(b, T, generator=g), torch.randn(b, T, generator=g)
+    frames = torch._dynamo.utils.counters["frames"]["ok"]
+    for with_entropy in (True, False):
+        got = []
+        for backend in (None, "aot_eager"):
+            h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+            lp, ent = shifted_logprobs(h, w, ids, None, 0.7, 8, backend)  # 20 tokens: chunks of 8, 8, 4
+            ((lp * w_lp).sum() + ((ent * w_ent).sum() if with_entropy else 0.0)).backward()
+            got.append((lp.detach(), ent.detach(), h.grad, w.grad))
+        for name, a, c in zip(("logprobs", "entropy", "d hidden", "d weight"), *got):
+            torch.testing.assert_close(c, a, rtol=1e-5, atol=1e-6, msg=f"{name}, entropy in loss: {with_entropy}")
+    assert torch._dynamo.utils.counters["frames"]["ok"] > frames  # the fused path ran compiled
