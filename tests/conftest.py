@@ -10,6 +10,7 @@ So `pytest -m "not e2e"` or `pytest tests/unit` pick a tier; `slow` marks what t
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -280,3 +281,79 @@ def experts_got(model) -> dict:
         block = next(m for m in model.modules() if getattr(m, "gate", None) is r)
         block.experts.register_forward_pre_hook(lambda mod, args, layer=layer: got.__setitem__(layer, args[1].clone()))
     return got
+
+
+# ------------------------------------------------------------------------------- one Ray per test process
+
+RAY_CPUS, RAY_GPUS = 8, 4  # logical: the most any integration module asks for (families: 3 GPUs + bundle CPUs)
+
+
+def _ray_leftovers(pgs: set[str], actors: set[str]) -> tuple[list[str], list[tuple[str, str]]]:
+    """Placement groups and live actors of the shared Ray instance that are not in the given sets."""
+    from ray._private.state import actors as actor_table
+    from ray.util.placement_group import placement_group_table
+
+    new_pgs = [p for p, info in placement_group_table().items() if p not in pgs and info["state"] != "REMOVED"]
+    new_actors = [(a, info.get("ActorClassName", "?")) for a, info in actor_table().items()
+                  if a not in actors and info["State"] != "DEAD"]
+    return new_pgs, new_actors
+
+
+@pytest.fixture(scope="session")
+def _shared_ray():
+    """Shuts the shared instance down at the end of the session (before the leftover checks above)."""
+    yield
+    release_shared_ray()
+
+
+@pytest.fixture(scope="module")
+def ray_cluster(_shared_ray):
+    """The test process's local Ray instance (RAY_CPUS CPUs and RAY_GPUS logical GPUs), started by the first
+    integration module that asks and shut down when the session ends, instead of one ray.init per module: a Ray
+    start costs ~7 s and ~9 CPU-s of daemons (GCS, raylet, dashboard and runtime-env agents, log monitor,
+    prestarted workers; measured 2026-11-26 on the 2-core machine). What the module leaves is removed when it
+    ends (removed_after), as ray.shutdown removed it. A module that needs a Ray of its own (other resources, a
+    multi-node cluster) calls release_shared_ray() first and shuts its own down at its end."""
+    import ray
+
+    if not ray.is_initialized():
+        here = ROOT / "tests"
+        path = os.pathsep.join([str(ROOT), str(here), str(here / "integration"), os.environ.get("PYTHONPATH", "")])
+        ray.init(address="local", num_cpus=RAY_CPUS, num_gpus=RAY_GPUS, include_dashboard=False,
+                 log_to_driver=False, runtime_env={"env_vars": {"PYTHONPATH": path.rstrip(os.pathsep)}})
+    with removed_after():
+        yield ray
+
+
+@contextlib.contextmanager
+def removed_after():
+    """Placement groups and live actors created in the block are removed from the shared instance when it ends
+    (the actors killed, as ray.shutdown kills them), and the block waits until they are gone: whatever runs next
+    needs their resources."""
+    import ray
+    from ray._raylet import ActorID, PlacementGroupID
+    from ray.util.placement_group import PlacementGroup, remove_placement_group
+
+    pgs, actors = _ray_leftovers(set(), set())
+    before = set(pgs), {a for a, _ in actors}
+    try:
+        yield
+    finally:
+        if ray.is_initialized():
+            new_pgs, new_actors = _ray_leftovers(*before)
+            for p in new_pgs:
+                remove_placement_group(PlacementGroup(PlacementGroupID(bytes.fromhex(p))))
+            worker = ray._private.worker.global_worker
+            for a, _ in new_actors:
+                worker.core_worker.kill_actor(ActorID(bytes.fromhex(a)), True)
+            deadline = time.monotonic() + 30
+            while _ray_leftovers(*before) != ([], []) and time.monotonic() < deadline:
+                time.sleep(0.2)
+
+
+def release_shared_ray() -> None:
+    """Shut down this process's shared Ray instance (if running) before a module starts a Ray of its own."""
+    import ray
+
+    if ray.is_initialized():
+        ray.shutdown()

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import ray
+from conftest import removed_after
 
 from colo.bench.engines import BenchTrainer
 from colo.bench.sync import LOGPROB_ATOL, PERTURB_SCALE, compare, greedy
@@ -52,8 +53,8 @@ def sync_and_compare(model: Path, workdir: Path, overrides: list[str]) -> dict:
 
     cfg = load_config(None, BASE + [f"model.path={model}", *overrides], {})
     plan = plan_placement(cfg)
-    init_ray(plan, log_to_driver=False)
-    try:
+    init_ray(plan, log_to_driver=False)  # a no-op in the suite: the shared instance (ray_cluster) is up
+    with removed_after():  # this test's groups and actors: the next test needs the logical GPUs
         c = start_cluster(cfg, plan, trainer_cls=BenchTrainer)
         before = greedy(c.engines)
         ray.get([t.perturb_weights.remote(7, PERTURB_SCALE) for t in c.trainers])
@@ -72,8 +73,6 @@ def sync_and_compare(model: Path, workdir: Path, overrides: list[str]) -> dict:
         want = greedy([fresh])[0]
         return {"plan": plan, "first": first, "again": again, "before": before, "synced": synced, "want": want,
                 "setup": c.setup}
-    finally:
-        ray.shutdown()
 
 
 def _assert_equivalent(r: dict) -> None:
@@ -85,7 +84,7 @@ def _assert_equivalent(r: dict) -> None:
         assert cmp["max_logprob_diff"] <= LOGPROB_ATOL, (e, cmp)
 
 
-def test_two_trainer_ranks_broadcast_to_two_engines(tiny: Path, tmp_path: Path) -> None:
+def test_two_trainer_ranks_broadcast_to_two_engines(tiny: Path, tmp_path: Path, ray_cluster) -> None:
     r = sync_and_compare(tiny, tmp_path, ["placement.num_gpus=4", "placement.trainer_gpus=2"])
     plan = r["plan"]
     assert (plan.trainer_world, plan.num_engines, plan.tp_size) == (2, 2, 1)
@@ -100,7 +99,7 @@ def test_two_trainer_ranks_broadcast_to_two_engines(tiny: Path, tmp_path: Path) 
     _assert_equivalent(r)
 
 
-def test_tensor_parallel_engine_gets_every_bucket_on_each_worker(padded: Path, tmp_path: Path) -> None:
+def test_tensor_parallel_engine_gets_every_bucket_on_each_worker(padded: Path, tmp_path: Path, ray_cluster) -> None:
     r = sync_and_compare(padded, tmp_path, ["placement.num_gpus=3", "placement.trainer_gpus=1",
                                           "rollout.tp_size=2"])
     (lead,) = r["first"]

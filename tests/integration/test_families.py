@@ -25,14 +25,12 @@ padded vocabulary's checks are shown not to wave a broken plan through.
 from __future__ import annotations
 
 import gc
-import os
 import time
 from pathlib import Path
 
 import pytest
 import ray
 
-from conftest import ROOT
 
 from colo.bench.sync import LOGPROB_ATOL, compare, greedy
 from colo.cluster.actors import Cluster, connect_weight_group, start_cluster
@@ -175,11 +173,8 @@ class Rig:
     def __init__(self, root: Path, data: Path) -> None:
         self.root, self.data, self.loaded = root, data, None
         first = self.cfg(CPU_FAMILIES[0])
-        # the actor classes live in this test module: workers import it (and the conftest it imports) from tests/
-        here = Path(__file__).resolve().parent
-        path = os.pathsep.join([str(ROOT), str(here.parent), str(here), os.environ.get("PYTHONPATH", "")])
-        ray.init(address="local", num_cpus=6, num_gpus=3, include_dashboard=False, log_to_driver=False,
-                 runtime_env={"env_vars": {"PYTHONPATH": path}})
+        # the actor classes live in this test module: workers import it (and the conftest it imports) from tests/,
+        # which the shared instance's PYTHONPATH holds (tests/conftest.py ray_cluster)
         self.cluster = start_cluster(first, plan_placement(first), trainer_cls=FamilyTrainer, engine_cls=FamilyEngine)
         # engine 3 (the disk oracle, then the disaggregated target): a logical GPU of its own
         self.pg = ray.util.placement_group([{"GPU": 1, "CPU": 1}])
@@ -218,11 +213,10 @@ class Rig:
         for t in self.cluster.trainers:
             ray.get(t.shutdown.remote())
         remove_placement(self.cluster.placement_groups + [self.pg])
-        ray.shutdown()
 
 
 @pytest.fixture(scope="module")
-def rig(tmp_path_factory):
+def rig(tmp_path_factory, ray_cluster):
     from colo.data.tasks import make_task
 
     root = tmp_path_factory.mktemp("families")

@@ -1,7 +1,7 @@
 """Two Ray nodes on one host share its address: placement keyed by Ray node id puts one GPU's group on each."""
 from __future__ import annotations
 
-import pytest
+from conftest import release_shared_ray
 
 
 def test_two_nodes_one_address_place_a_group_each() -> None:
@@ -12,8 +12,7 @@ def test_two_nodes_one_address_place_a_group_each() -> None:
     from colo.cluster.placement import create_placement, plan_placement, remove_placement
     from colo.config import load_config
 
-    if ray.is_initialized():
-        pytest.skip("a Ray instance is already up in this process")
+    release_shared_ray()  # a cluster of its own (tests/conftest.py: the suite's shared instance is one node)
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "num_gpus": 0})
     try:
         ids = [cluster.add_node(num_cpus=1, num_gpus=1).node_id for _ in range(2)]

@@ -68,14 +68,12 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def layouts(model_dir: Path):
-    ray.init(address="local", num_cpus=4, num_gpus=0, include_dashboard=False, log_to_driver=False)
+def layouts(model_dir: Path, ray_cluster):
     # the helpers handed to actors through __ray_call__ travel by value (tests/ is no package there)
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
     # 8 rows: one rank, micro-batch 8 -> 1 micro-batch; two ranks of 4 rows, micro-batch 1 -> 4 each
     yield {"1x1": {"workers": _start(_cfg(model_dir, 8), 1), "micro": 1},
            "2x4": {"workers": _start(_cfg(model_dir, 1), 2), "micro": 4}}
-    ray.shutdown()
 
 
 def _samples(seed: int) -> list[dict]:

@@ -7,9 +7,7 @@ the ids it sampled). The environment is `Scripted` below, imported by the engine
 from __future__ import annotations
 
 import dataclasses
-import os
 import time
-from pathlib import Path
 
 import pytest
 import ray
@@ -22,7 +20,6 @@ from colo.config import ColoConfig
 from colo.envs.base import Environment, Step, Turn
 from colo.rollout.engine import Engine
 
-ROOT = Path(__file__).resolve().parents[2]
 T = 0.8
 
 
@@ -70,7 +67,7 @@ class RecordingEngine(Engine):
 
 
 @pytest.fixture(scope="module")
-def engine(tmp_path_factory: pytest.TempPathFactory):
+def engine(tmp_path_factory: pytest.TempPathFactory, ray_cluster):
     from colo.models.tiny import make_tiny_model
 
     model = make_tiny_model(tmp_path_factory.mktemp("tiny") / "m", "tiny", seed=0)
@@ -80,8 +77,6 @@ def engine(tmp_path_factory: pytest.TempPathFactory):
     cfg.rollout.max_model_len, cfg.rollout.kv_cache_mb, cfg.rollout.enforce_eager = 256, 64, True
     cfg.rollout.max_turns, cfg.rollout.max_turn_tokens = 3, 6
     cfg.algo.environment, cfg.algo.env_timeout_s = f"{__name__}:Scripted", 3.0
-    ray.init(address="local", num_cpus=4, num_gpus=1, include_dashboard=False, log_to_driver=False,
-             runtime_env={"env_vars": {"PYTHONPATH": f"{ROOT}:{Path(__file__).parent}:{os.environ.get('PYTHONPATH', '')}"}})
     pg = placement_group([{"GPU": 1, "CPU": 1}])
     ray.get(pg.ready())
     e = ray.remote(RecordingEngine).options(num_gpus=0.4, num_cpus=0, scheduling_strategy=PlacementGroupSchedulingStrategy(
@@ -90,7 +85,6 @@ def engine(tmp_path_factory: pytest.TempPathFactory):
     yield e, model
     ray.get(e.shutdown.remote())
     remove_placement_group(pg)
-    ray.shutdown()
 
 
 def row(answer: str, prompt: str = "Question: 3+4=? Answer:") -> dict:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 
 import pytest
+from conftest import release_shared_ray
 
 from colo.config import ConfigError, load_config
 from colo.cluster.placement import (create_disaggregated_placement, create_placement, init_ray, locate,
@@ -118,6 +119,7 @@ def ray_four_gpus():
     import ray
 
     plan = plan_of(*DISAGGREGATED)
+    release_shared_ray()  # init_ray's own sizing is under test, not the suite's shared instance's
     init_ray(plan)
     total = ray.cluster_resources()
     assert total["GPU"] == 4 and total["CPU"] >= 4 * plan.cpus_per_bundle  # every bundle fits

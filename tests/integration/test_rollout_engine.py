@@ -38,13 +38,11 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def cluster():
-    ray.init(address="local", num_cpus=4, num_gpus=1, include_dashboard=False, log_to_driver=False)
+def cluster(ray_cluster):
     pg = placement_group([{"GPU": 1, "CPU": 1}])
     ray.get(pg.ready())
     yield PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=0)
     remove_placement_group(pg)
-    ray.shutdown()
 
 
 @pytest.fixture(scope="module")

@@ -40,7 +40,7 @@ def _cfg(model_dir: Path) -> dict:
 
 
 @pytest.fixture(scope="module")
-def engines(tmp_path_factory: pytest.TempPathFactory):
+def engines(tmp_path_factory: pytest.TempPathFactory, ray_cluster):
     from transformers import AutoModelForCausalLM
 
     from colo.models.tiny import make_tiny_model
@@ -57,8 +57,6 @@ def engines(tmp_path_factory: pytest.TempPathFactory):
     for f in os.listdir(base):  # tokenizer files beside the weights
         if not (pert / f).exists() and (base / f).is_file():
             os.link(base / f, pert / f)
-    ray.init(address="local", num_cpus=4, num_gpus=2, include_dashboard=False, log_to_driver=False,
-             runtime_env={"env_vars": {"PYTHONPATH": os.getcwd()}})
     pg = placement_group([{"GPU": 1, "CPU": 1}] * 2)
     ray.get(pg.ready())
     actors = [RolloutEngine.options(num_gpus=0.4, num_cpus=0, scheduling_strategy=PlacementGroupSchedulingStrategy(
@@ -68,7 +66,6 @@ def engines(tmp_path_factory: pytest.TempPathFactory):
     yield {"synced": actors[0], "fresh": actors[1], "model": model, "pert": pert}
     ray.get([a.shutdown.remote() for a in actors])
     remove_placement_group(pg)
-    ray.shutdown()
 
 
 def test_capture_gives_every_token_ids_with_the_prefix_cache_warm(engines) -> None:

@@ -38,7 +38,7 @@ def greedy(engine) -> list[tuple[list[int], list[float]]]:
 
 
 @pytest.fixture(scope="module")
-def setup(tmp_path_factory):
+def setup(tmp_path_factory, ray_cluster):
     from transformers import AutoModelForCausalLM
 
     from colo.models.tiny import make_tiny_model
@@ -55,14 +55,12 @@ def setup(tmp_path_factory):
     for f in os.listdir(base):  # tokenizer files beside the weights
         if not os.path.exists(pert / f):
             os.link(base / f, pert / f) if os.path.isfile(base / f) else None
-    ray.init(address="local", num_cpus=4, include_dashboard=False, runtime_env={"env_vars": {"PYTHONPATH": os.getcwd()}})
     runs = tmp_path_factory.mktemp("runs")
     synced, fresh = _engine(base, runs / "synced"), _engine(pert, runs / "fresh")
     want = greedy(fresh)
     ray.kill(fresh)
     before = greedy(synced)
     yield {"model": model, "engine": synced, "want": want, "before": before}
-    ray.shutdown()
 
 
 def _assert_same(got, want) -> None:

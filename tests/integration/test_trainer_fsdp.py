@@ -111,14 +111,10 @@ def batches(hf) -> list[tuple[dict, list[dict]]]:
 
 
 @pytest.fixture(scope="module")
-def cluster(model_dir: Path):
-    here = Path(__file__).resolve().parent  # workers import ShardTrainer from this module
-    ray.init(address="local", num_cpus=4, num_gpus=0, include_dashboard=False, log_to_driver=False,
-             runtime_env={"env_vars": {"PYTHONPATH": f"{here.parents[1]}:{here}"}})
+def cluster(model_dir: Path, ray_cluster):  # workers import ShardTrainer from this module (tests/integration)
     pair = _start(_cfg(model_dir), 2)
     single = _start(_cfg(model_dir), 1)
     yield {"A": pair, "S": single}
-    ray.shutdown()
 
 
 def test_expert_shard_range_is_torch_chunk() -> None:

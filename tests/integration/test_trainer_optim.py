@@ -82,17 +82,15 @@ def _cfg(model_dir: Path, **trainer) -> dict:
 
 
 @pytest.fixture(scope="module")
-def setup(tmp_path_factory: pytest.TempPathFactory):
+def setup(tmp_path_factory: pytest.TempPathFactory, ray_cluster):
     from colo.host.net import free_port
     from colo.trainer.worker import TrainWorker
 
     model_dir = make_tiny_model(tmp_path_factory.mktemp("tiny") / "m", "tiny", seed=0)
-    ray.init(address="local", num_cpus=4, num_gpus=0, include_dashboard=False, log_to_driver=False)
     port, opts = free_port(), dict(optimizer_offload=True, optimizer_dtype="bfloat16", gradient_checkpointing=True)
     ws = [TrainWorker.options(num_cpus=0).remote(_cfg(model_dir, **opts), r, 2, "127.0.0.1", port) for r in range(2)]
     ray.get([w.setup.remote() for w in ws])
     yield model_dir, ws
-    ray.shutdown()
 
 
 def _reference_losses(model_dir: Path, batches: list[dict], steps: int) -> list[float]:
