@@ -1,6 +1,6 @@
 """The RL loop end to end through the real CLI (`python -m colo.launch`), as a user runs it.
 
-    pytest -q tests/e2e/test_loop.py            # ~6 min on 2 cores: one default job, one resume, 5 failures
+    pytest -q tests/e2e/test_loop.py            # ~6 min on 2 cores: one default job, one resume, 6 failures
 
 - learning: the default job (configs/tiny-cpu.yaml: 70 warm-up SFT steps + GRPO steps, 40 of the 140 here, on two
   trainer/engine pairs) raises the held-out eval reward, verifies every weight sync, keeps the
@@ -10,7 +10,8 @@
   uninterrupted run's steps 20-21 (measured: bit-identical on CPU).
 - failures: a raising reward function, an engine or a trainer killed mid-run, an engine that raises
   mid-rollout, a dataset row without its answer: each exits non-zero within a bounded time, names the
-  culprit in one `colo: error:` line (traceback in <run.dir>/error.log), and keeps what it can.
+  culprit in one `colo: error:` line (traceback in <run.dir>/error.log), and keeps what it can; a whole run
+  killed with `kill -9` leaves shared memory that its `--resume` sweeps.
 The failure runs use a small job (2 warm-up steps, 4 prompts x 4 samples): start-up dominates (~30 s).
 """
 from __future__ import annotations
@@ -24,6 +25,7 @@ from pathlib import Path
 import pytest
 from conftest import DEFAULT_JOB_STEPS, STEP_KEYS, clean_env, run_cli
 
+from colo.host.shm import SHM
 from colo.rollout.vllm_compat import serve_command
 from colo.run.metrics import read_metrics
 
@@ -256,9 +258,15 @@ def test_engine_death_names_rank_and_checkpoints(reward_env: dict, tmp_path: Pat
     assert _extra(run_dir, 0)["step"] == 0 and _steps(run_dir) == [-1, 0]
 
 
-def test_engine_error_one_line_traceback_logged_checkpoints_then_resumes(reward_env: dict, tmp_path: Path) -> None:
-    """An engine that raises (and lives on) ends the run like a dead one: one line naming the engine and
-    the cause, the traceback in <run.dir>/error.log, the trained step saved, and --resume goes on."""
+def test_engine_error_then_a_killed_resume_then_resume_to_the_end(reward_env: dict, tmp_path: Path) -> None:
+    """One run dir, three launches (until 2026-11-26 two tests of two launches each; the middle launch now serves
+    both: it is the resume after the engine error and the run that is killed):
+    1. an engine that raises (and lives on) ends the run like a dead one: one line naming the engine and the
+       cause, the traceback in <run.dir>/error.log, the trained step saved;
+    2. `--resume` goes on from that checkpoint, saves step 1, and is then killed with `kill -9` (driver, Ray,
+       actors, all at once), which leaves each trainer's sync buffer in /dev/shm, where nothing else would
+       ever remove it;
+    3. `--resume` again removes those segments and finishes the run."""
     run_dir = tmp_path / "run"
     r = _fail_run(run_dir, reward_env, "algo.rewards=[failing_rewards:sleep_engine_0]", "loop.eval_every=1",
                   *ONE_PAIR)
@@ -276,36 +284,39 @@ def test_engine_error_one_line_traceback_logged_checkpoints_then_resumes(reward_
     assert _extra(run_dir, 0)["step"] == 0 and _steps(run_dir) == [-1, 0]
     assert f"newest checkpoint {run_dir / 'checkpoints' / 'step_000000'}" in r.stderr
     assert f"--resume run.dir={run_dir}" in r.stderr
-    r = run_cli("--resume", f"run.dir={run_dir}", "algo.rewards=[exact_match]", env=reward_env, timeout=300)
+
+    left = _resume_and_kill_after_step_1(run_dir, reward_env)
+    r = run_cli("--resume", f"run.dir={run_dir}", env=reward_env, timeout=300)
     assert r.returncode == 0, _tail(r)
+    assert not [n for n in left if (SHM / n).exists()], "the resumed run did not sweep the killed run's segments"
     rows = read_metrics(run_dir / "metrics.jsonl")
+    # steps after the checkpoint are redone once, nothing is lost
     assert [x["step"] for x in rows] == [-1, 0, 1, 2, 3] and all(x["sync/verified"] for x in rows), rows
     assert (run_dir / "export" / "config.json").exists()
 
 
-def test_killed_run_leaves_no_shared_memory_after_resume(tmp_path: Path) -> None:
-    """`kill -9` of a whole CPU run (driver, Ray, actors, all at once) leaves each trainer's sync
-    buffer in /dev/shm, where nothing else would ever remove it; --resume removes it and finishes the run."""
+def _resume_and_kill_after_step_1(run_dir: Path, env: dict[str, str]) -> list[str]:
+    """`--resume` (the reward that broke the engine swapped for exact_match, a checkpoint every step) until step
+    1's checkpoint is written, then every process of the run at once, as a cgroup-wide kill (OOM killer,
+    scheduler, container stop) does: stopped first, then killed, so none of them cleans up after another (each
+    trainer's multiprocessing resource tracker, a child of its own, unlinks the trainer's segments when it sees
+    the trainer die; Ray's actors sit in sessions of their own, which a killpg of the driver misses). Returns the
+    /dev/shm segments the dead run left."""
     import contextlib
     import signal
     import subprocess
     import sys
     import time
 
-    from colo.host.shm import SHM, alive, owner_pid, process_tree
+    from colo.host.shm import alive, owner_pid, process_tree
 
-    run_dir = tmp_path / "run"
-    p = subprocess.Popen([sys.executable, "-m", "colo.launch", f"run.dir={run_dir}", *SMALL_JOB,
-                          *ONE_PAIR, "loop.checkpoint_every=1"], env=clean_env(), start_new_session=True,
+    p = subprocess.Popen([sys.executable, "-m", "colo.launch", "--resume", f"run.dir={run_dir}",
+                          "algo.rewards=[exact_match]", "loop.checkpoint_every=1"], env=env, start_new_session=True,
                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 600
     while not (run_dir / "checkpoints" / "step_000001" / "extra.json").exists():
         assert p.poll() is None and time.monotonic() < deadline, "the run ended or hung before step 1's checkpoint"
         time.sleep(0.5)
-    # every process of the run at once, as a cgroup-wide kill (OOM killer, scheduler, container stop) does:
-    # stopped first, then killed, so none of them cleans up after another (each trainer's multiprocessing
-    # resource tracker, a child of its own, unlinks the trainer's segments when it sees the trainer die;
-    # Ray's actors sit in sessions of their own, which a killpg of the driver misses)
     run_pids = process_tree(p.pid)
     for sig in (signal.SIGSTOP, signal.SIGKILL):
         for pid in run_pids:
@@ -318,11 +329,7 @@ def test_killed_run_leaves_no_shared_memory_after_resume(tmp_path: Path) -> None
         time.sleep(0.2)
     left = [n for n in ours if not alive(owner_pid(n))]
     assert left, f"expected the trainer's sync buffers, found {ours}"
-    r = run_cli("--resume", f"run.dir={run_dir}", timeout=300)
-    assert r.returncode == 0, _tail(r)
-    assert not [n for n in left if (SHM / n).exists()], "the resumed run did not sweep the killed run's segments"
-    steps = _steps(run_dir)
-    assert steps == [-1, 0, 1, 2, 3], steps  # steps after the checkpoint are redone once, nothing is lost
+    return left
 
 
 def test_trainer_death_names_rank_exits_1(reward_env: dict, tmp_path: Path) -> None:
