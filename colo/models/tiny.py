@@ -173,7 +173,8 @@ def make_tiny_model(out_dir: str | os.PathLike, preset: str = "tiny", seed: int 
     cache's build when it has one, colo.models.build; `cache=False` builds here, bypassing it)."""
     if preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r}; choose from {sorted(PRESETS)}")
-    def write(tmp: Path) -> None:
+
+    def write(tmp: Path) -> None:  # looked up at call time: tests/unit/test_tiny_model.py replaces _write
         _write(tmp, preset, seed)
 
     if not cache:
