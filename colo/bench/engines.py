@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from colo.bench.lengths import response_length
+from colo.bench.lengths import LengthModel
 from colo.bench.yardsticks import broadcast_weights_baseline, push_weights_baseline, push_weights_vllm_ipc
 from colo.rollout.engine import Engine
 from colo.rollout.extension import WorkerExtension
@@ -111,13 +111,24 @@ class VllmIpcEngine(BenchEngine):
 
 class LengthEngine(Engine):
     """An Engine whose responses have imposed lengths: random weights never sample EOS on purpose, so the
-    length of each response is drawn (response_length, from the request's own seed: the same step gives the
-    same lengths in every run) and imposed with min_tokens = max_tokens = that length and ignore_eos.
-    Every sample is its own request (n=1), so the n samples of a prompt get lengths of their own; a sample
-    shorter than max_tokens reports finish_reason "stop", as one that sampled EOS would."""
+    length of each response is drawn (colo.bench.lengths.LengthModel, from the request's own seed and, with the
+    per-prompt model, the prompt's token ids: the same step gives the same lengths in every run) and imposed with
+    min_tokens = max_tokens = that length and ignore_eos. Every sample is its own request (n=1), so the n samples
+    of a prompt get lengths of their own; a sample shorter than max_tokens reports finish_reason "stop", as one
+    that sampled EOS would. The length model is iid until set_lengths."""
+
+    lengths = LengthModel()
+
+    def set_lengths(self, kind: str, rho: float) -> dict:
+        self.lengths = LengthModel(kind, rho)
+        return self.lengths.describe()
 
     def generate(self, prompt_ids: list[list[int]], n: int, max_tokens: int, *args: Any, **kwargs: Any) -> list[dict]:
-        samples = super().generate(prompt_ids, n, max_tokens, *args, **kwargs)
+        self._prompts = prompt_ids  # _requests draws each sample's length from its prompt's ids (per-prompt model)
+        try:
+            samples = super().generate(prompt_ids, n, max_tokens, *args, **kwargs)
+        finally:
+            self._prompts = None
         for s in samples:
             if len(s["response_ids"]) < max_tokens:
                 s["finish_reason"] = "stop"
@@ -131,11 +142,13 @@ class LengthEngine(Engine):
         return out
 
     def _segment_params(self, request: dict, temperature: float, top_p: float) -> Any:
-        """The sample's imposed length (drawn from its own seed, as in _requests) less the tokens it has."""
+        """The sample's imposed length (drawn from its own seed and its prompt, as in _requests: a carried sample
+        keeps both) less the tokens it has."""
         from vllm import SamplingParams
 
         p = super()._segment_params(request, temperature, top_p)
-        left = response_length(int(request["seed"]), int(request["max_tokens"])) - len(request["response_ids"])
+        length = self.lengths.length(int(request["seed"]), int(request["max_tokens"]), request["prompt_ids"])
+        left = length - len(request["response_ids"])
         return SamplingParams(n=1, max_tokens=left, min_tokens=left, ignore_eos=True, temperature=p.temperature,
                               top_p=p.top_p, logprobs=0, seed=p.seed)
 
@@ -147,7 +160,7 @@ class LengthEngine(Engine):
         for i in range(prompts):
             for j in range(n):
                 s = (seed or 0) * 1_000_003 + i * n + j
-                length = response_length(s, max_tokens)
+                length = self.lengths.length(s, max_tokens, self._prompts[i])
                 index.append(i)
                 params.append(SamplingParams(n=1, max_tokens=length, min_tokens=length, ignore_eos=True,
                                              temperature=temperature, top_p=top_p if temperature > 0 else 1.0,

@@ -9,7 +9,10 @@ cluster. Prompts are random token ids (--prompt-len each). Responses have a long
 imposed per sample because random weights never sample EOS on purpose: each sample is its own vLLM request
 with min_tokens = max_tokens = a length drawn from a lognormal with median max_tokens/4 whose upper 5% is cut
 at max_tokens, and ignore_eos (colo.bench.engines.LengthEngine; the draw is a function of the request's seed,
-so every run and both layouts see the same lengths at the same step).
+so every run and both layouts see the same lengths at the same step). --lengths per-prompt keeps that marginal
+distribution but correlates the samples of one prompt (--length-rho, default 0.7: log L = log median + sigma x
+(sqrt(rho) z_prompt + sqrt(1 - rho) z_sample), z_prompt a function of the prompt's token ids; colo.bench.lengths);
+the JSON's "lengths" says which model a figure came from.
 
 The JSON line (last stdout line with --json) holds, over the measured steps:
     tokens_per_s_per_gpu     trained tokens (prompt + response of every sample) / step time / GPUs (NeMo-RL's count)
@@ -64,6 +67,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from colo.bench.lengths import DEFAULT_RHO
+
 PRESETS = ("tiny", "qwen3-30b-a3b-L2", "qwen3-30b-a3b-L4", "qwen3-30b-a3b-L12", "qwen3-30b-a3b")
 TOKEN_ID_LIMIT = 512  # the presets' tokenizer vocabulary: every id below it is a real token
 DEFAULTS = {"cpu": dict(prompts=4, n=4, prompt_len=16, max_tokens=64),
@@ -91,6 +96,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--n", type=int, help="samples per prompt (cpu 4, cuda 8)")
     ap.add_argument("--prompt-len", type=int, help="tokens per prompt (cpu 16, cuda 256)")
     ap.add_argument("--max-tokens", type=int, help="longest response (cpu 64, cuda 4096); median a quarter of it")
+    ap.add_argument("--lengths", choices=("iid", "per-prompt"), default="iid",
+                    help="how response lengths are drawn (colo.bench.lengths; both lognormal, median max/4, 5%% cut at "
+                    "max_tokens): iid, each sample from its own seed (the default, as every figure before "
+                    "2026-11-26's sixth session); per-prompt, the samples of one prompt correlated (--length-rho)")
+    ap.add_argument("--length-rho", type=float, help="with --lengths per-prompt: the correlation of log lengths "
+                    "within a prompt, in [0, 1] (default 0.7, an assumption: prompt difficulty drives most of the "
+                    "length variance in RL on reasoning tasks; 0 is iid's draws, 1 one length per prompt)")
     ap.add_argument("--no-packing", action="store_true", help="the padded path (trainer.packing=false)")
     ap.add_argument("--compare", action="store_true", help="packed and padded in one run, with their ratio")
     ap.add_argument("--compare-async", action="store_true",
@@ -112,6 +124,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             setattr(args, k, v)
     if min(args.gpus, args.steps, args.prompts, args.n, args.prompt_len, args.max_tokens) < 1 or args.warmup < 0:
         ap.error("--gpus, --steps, --prompts, --n, --prompt-len and --max-tokens must be >= 1, --warmup >= 0")
+    if args.length_rho is not None and args.lengths != "per-prompt":
+        ap.error("--length-rho applies to --lengths per-prompt")
+    if args.lengths == "per-prompt" and args.length_rho is None:
+        args.length_rho = DEFAULT_RHO
+    if args.lengths == "per-prompt" and not 0.0 <= args.length_rho <= 1.0:
+        ap.error(f"--length-rho is a correlation in [0, 1], got {args.length_rho}")
     if args.profile and args.warmup < 1:
         ap.error("--profile profiles the last warm-up step: give --warmup 1 or more")
     if args.no_packing and args.compare:
@@ -285,6 +303,7 @@ def measure(args: argparse.Namespace) -> dict:
         tok = AutoTokenizer.from_pretrained(model_dir)
         cluster = start_cluster(cfg, plan, trainer_cls=StepTrainer, engine_cls=LengthEngine)
         device_name = ray.get(cluster.trainers[0].device_name.remote())
+        lengths = ray.get([e.set_lengths.remote(args.lengths, args.length_rho or 0.0) for e in cluster.engines])[0]
         check_sync(cluster)
         sync_all(cluster)
         if offloads(cluster, cfg):
@@ -332,7 +351,7 @@ def measure(args: argparse.Namespace) -> dict:
     out = {**main, "packing": layouts[0][0], "mode": layouts[0][1], "gather_once": layouts[0][2],
            "compile": layouts[0][3], "compile_figures": compile_figures or None, "model": name,
            "device": args.device, "device_name": device_name, "gpus": args.gpus, "prompts": args.prompts, "n": args.n,
-           "prompt_len": args.prompt_len,
+           "prompt_len": args.prompt_len, "lengths": lengths,
            "max_tokens": args.max_tokens, "max_tokens_per_micro_batch": cfg.trainer.max_tokens_per_micro_batch,
            "micro_batch_size": cfg.trainer.micro_batch_size, "logprob_chunk": cfg.trainer.logprob_chunk,
            "experts_implementation": cfg.trainer.experts_implementation,

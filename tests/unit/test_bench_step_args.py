@@ -31,3 +31,18 @@ def test_compare_compile_owns_the_setting_and_warms_up(capsys) -> None:
     with pytest.raises(SystemExit):
         parse_args(["--compare-compile", "--warmup", "0"])
     assert "--warmup 1 or more" in capsys.readouterr().err
+
+
+def test_length_model_flags(capsys) -> None:
+    """--lengths iid stays the default (earlier figures' workload); per-prompt takes rho 0.7 unless given, in [0, 1]."""
+    a = parse_args([])
+    assert (a.lengths, a.length_rho) == ("iid", None)
+    a = parse_args(["--lengths", "per-prompt"])
+    assert (a.lengths, a.length_rho) == ("per-prompt", 0.7)
+    assert parse_args(["--lengths", "per-prompt", "--length-rho", "0.3"]).length_rho == 0.3
+    with pytest.raises(SystemExit):
+        parse_args(["--length-rho", "0.5"])
+    assert "applies to --lengths per-prompt" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        parse_args(["--lengths", "per-prompt", "--length-rho", "1.5"])
+    assert "[0, 1]" in capsys.readouterr().err
