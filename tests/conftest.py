@@ -16,6 +16,7 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,6 +28,10 @@ TIERS = ("unit", "integration", "e2e", "gpu")
 STEP_KEYS = ["step", "reward/mean", "reward/std", "response_len/mean", "loss", "entropy", "clip_frac",
              "grad_norm", "logprob_diff/mean", "sync/tensors", "sync/bytes", "sync/verified"] + [
     f"timing/{p}_s" for p in ("rollout", "reward", "sleep", "train", "sync", "wake", "step")]
+
+
+# wider than one test, but every test process has its own: a test that uses one shares nothing with its module
+PER_PROCESS = frozenset({"shared_ray"})
 
 
 def _shared_group(item: pytest.Item) -> str:
@@ -41,7 +46,8 @@ def _shared_group(item: pytest.Item) -> str:
     for job in SESSION_JOBS:  # the first wins: a test of two session jobs runs where the first one ran
         if job in info.names_closure:
             return job
-    ours = [defs[-1] for name, defs in info.name2fixturedefs.items() if defs and defs[-1].baseid]  # not pytest's
+    ours = [defs[-1] for name, defs in info.name2fixturedefs.items()
+            if defs and defs[-1].baseid and name not in PER_PROCESS]  # not pytest's
     if any(d.scope != "function" for d in ours):
         return item.module.__name__
     return item.nodeid
@@ -300,14 +306,26 @@ def _ray_leftovers(pgs: set[str], actors: set[str]) -> tuple[list[str], list[tup
 
 
 @pytest.fixture(scope="session")
-def _shared_ray():
+def shared_ray():
     """Shuts the shared instance down at the end of the session (before the leftover checks above)."""
     yield
     release_shared_ray()
 
 
+def start_shared_ray() -> str:
+    """Start this process's shared Ray instance unless it runs; its GCS address (what RAY_ADDRESS names)."""
+    import ray
+
+    if not ray.is_initialized():
+        here = ROOT / "tests"
+        path = os.pathsep.join([str(ROOT), str(here), str(here / "integration"), os.environ.get("PYTHONPATH", "")])
+        ray.init(address="local", num_cpus=RAY_CPUS, num_gpus=RAY_GPUS, include_dashboard=False,
+                 log_to_driver=False, runtime_env={"env_vars": {"PYTHONPATH": path.rstrip(os.pathsep)}})
+    return ray.get_runtime_context().gcs_address
+
+
 @pytest.fixture(scope="module")
-def ray_cluster(_shared_ray):
+def ray_cluster(shared_ray):
     """The test process's local Ray instance (RAY_CPUS CPUs and RAY_GPUS logical GPUs), started by the first
     integration module that asks and shut down when the session ends, instead of one ray.init per module: a Ray
     start costs ~7 s and ~9 CPU-s of daemons (GCS, raylet, dashboard and runtime-env agents, log monitor,
@@ -316,13 +334,28 @@ def ray_cluster(_shared_ray):
     multi-node cluster) calls release_shared_ray() first and shuts its own down at its end."""
     import ray
 
-    if not ray.is_initialized():
-        here = ROOT / "tests"
-        path = os.pathsep.join([str(ROOT), str(here), str(here / "integration"), os.environ.get("PYTHONPATH", "")])
-        ray.init(address="local", num_cpus=RAY_CPUS, num_gpus=RAY_GPUS, include_dashboard=False,
-                 log_to_driver=False, runtime_env={"env_vars": {"PYTHONPATH": path.rstrip(os.pathsep)}})
+    start_shared_ray()
     with removed_after():
         yield ray
+
+
+@pytest.fixture
+def ray_address(shared_ray) -> Iterator[str]:
+    """The address of this process's shared Ray instance, for a CLI job that joins it (RAY_ADDRESS), as users
+    join a cluster that `ray start` began: its workers do not inherit the driver's environment
+    (test_bad_environment_job.py). What the job leaves (its driver killed, say) is removed when the test ends;
+    an instance this fixture started is shut down then too, so no idle one costs CPU until the integration tier
+    (~3 CPU-s a minute). No saving for jobs in general: eleven tests' jobs (test_loop.py's failure runs,
+    test_async_job.py, five more) run that way took 491 s with -n 2, against 463 s starting Ray of their own
+    (2026-11-26; the first run shared the machine with GPU transfers), so they start their own, as users do."""
+    import ray
+
+    started = not ray.is_initialized()
+    address = start_shared_ray()
+    with removed_after():
+        yield address
+    if started:
+        release_shared_ray()
 
 
 @contextlib.contextmanager
@@ -334,6 +367,9 @@ def removed_after():
     from ray._raylet import ActorID, PlacementGroupID
     from ray.util.placement_group import PlacementGroup, remove_placement_group
 
+    # Ray's state calls would start a bare instance of their own (2 CPUs, no GPUs), which start_shared_ray would
+    # then hand out
+    assert ray.is_initialized(), "removed_after() tracks the shared instance: call start_shared_ray() first"
     pgs, actors = _ray_leftovers(set(), set())
     before = set(pgs), {a for a, _ in actors}
     try:

@@ -148,6 +148,15 @@ def plan_placement(cfg: ColoConfig) -> PlacementPlan:
                          trainer_world=trainers, num_engines=engines, tp_size=tp)
 
 
+def job_env() -> dict[str, Any] | None:
+    """The runtime environment of a job that joins a cluster: the driver's PYTHONPATH. The actors of a Ray
+    that the driver starts inherit its environment; a joined cluster's workers inherit `ray start`'s instead,
+    so a reward function or environment the driver imports from its PYTHONPATH (`algo.environment=mine:Env`,
+    run by the engines) would not import there. Each node must hold those paths (a shared file system)."""
+    path = os.environ.get("PYTHONPATH", "")
+    return {"env_vars": {"PYTHONPATH": path}} if path else None
+
+
 def init_ray(plan: PlacementPlan, address: str = "", **kwargs: Any) -> None:
     """Start (or join) Ray. `address` (run.ray_address): join that cluster, whose nodes bring their own
     (logical) GPUs and CPUs. CPU: a local instance with plan.num_gpus logical GPUs and enough logical
@@ -159,7 +168,8 @@ def init_ray(plan: PlacementPlan, address: str = "", **kwargs: Any) -> None:
     if ray.is_initialized():
         return
     if address:  # Ray refuses resource counts and dashboard settings for a cluster it joins
-        ray.init(address=address, **{k: v for k, v in kwargs.items() if k in ("log_to_driver", "logging_level")})
+        ray.init(address=address, runtime_env=job_env(),
+                 **{k: v for k, v in kwargs.items() if k in ("log_to_driver", "logging_level")})
         return
     kwargs.setdefault("include_dashboard", False)
     # "local": a new instance of our own. Without an address ray.init() joins the newest cluster `ray start`

@@ -314,7 +314,9 @@ class RunConfig:
     ray_address: str = ""
     """Join this Ray cluster ("<head ip>:6379") instead of starting a local one; also set by RAY_ADDRESS
     (`ray job submit` sets it for the job). The driver then needs no GPU: the GPU count is the cluster's,
-    and ranks are placed node by node over its GPU nodes (docs/architecture.md, "Several nodes")."""
+    and ranks are placed node by node over its GPU nodes (docs/architecture.md, "Several nodes"). The job's
+    actors get the driver's PYTHONPATH (the cluster's workers were started by `ray start`, not by the driver),
+    so the reward functions and environments the driver imports from it import there too."""
 
 
 @dataclass

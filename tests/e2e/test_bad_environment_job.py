@@ -29,9 +29,12 @@ ARGS = ["--config", "configs/tiny-cpu-tools.yaml", "algo.environment=moody:Moody
         "loop.steps=1", "loop.eval_every=0", "data.eval_path=null", "rollout.max_turn_tokens=8", "placement.num_gpus=1"]
 
 
-def test_a_breaking_environment_ends_samples_or_the_run(tmp_path: Path) -> None:
+def test_a_breaking_environment_ends_samples_or_the_run(tmp_path: Path, ray_address: str) -> None:
+    """The job joins the test process's Ray (conftest's ray_address), whose workers were not started with the
+    module's directory on their PYTHONPATH: the engines import it because a joined job takes the driver's
+    PYTHONPATH along (colo.cluster.placement.job_env)."""
     (tmp_path / "moody.py").write_text(MOODY)
-    env = clean_env(PYTHONPATH=f"{tmp_path}:{clean_env()['PYTHONPATH']}")
+    env = clean_env(PYTHONPATH=f"{tmp_path}:{clean_env()['PYTHONPATH']}", RAY_ADDRESS=ray_address)
     run_dir = tmp_path / "survives"
     r = run_cli(*ARGS, f"run.dir={run_dir}", env=env, timeout=900)
     assert r.returncode == 0, r.stderr[-3000:]
