@@ -245,9 +245,9 @@ def driver_tokenizer(cfg: ColoConfig, resolved: ColoConfig):
         from colo.models.tokenizer import build_tokenizer
 
         return build_tokenizer(TOKENIZER_VOCAB)
-    from transformers import AutoTokenizer
+    from colo.data.prompts import load_tokenizer
 
-    return AutoTokenizer.from_pretrained(resolved.model.path)
+    return load_tokenizer(resolved.model.path)
 
 
 if __name__ == "__main__":

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from colo.algo.batch import build_batch
-from colo.data.prompts import PromptDataset, encode_prompt
+from colo.data.prompts import PromptDataset, encode_prompt, load_tokenizer
 from colo.data.tasks import completion, sft_examples
 from colo.config import ColoConfig, ConfigError
 
@@ -79,9 +79,7 @@ class RunInputs:
 def open_inputs(cfg: ColoConfig) -> RunInputs:
     """Raises ConfigError (colo.launch: one line, exit 2) for a data file that is missing, malformed or has a
     row without its prompt/answer field: before Ray or any engine starts, not when a shuffle reaches the row."""
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(cfg.model.path)
+    tok = load_tokenizer(cfg.model.path)
     chat = uses_chat_template(cfg, tok)
     keys, system = (cfg.data.prompt_key, cfg.data.answer_key), cfg.data.system_prompt
     try:
@@ -121,9 +119,7 @@ def preview_prompt(cfg: ColoConfig) -> str:
 
         tok = build_tokenizer(TOKENIZER_VOCAB, tools=cfg.model.path[len(AUTO):] in TOOL_PRESETS)
     else:
-        from transformers import AutoTokenizer
-
-        tok = AutoTokenizer.from_pretrained(cfg.model.path, local_files_only=True)
+        tok = load_tokenizer(cfg.model.path, local_files_only=True)
     if cfg.data.path.startswith(AUTO):
         from colo.data.tasks import generate
 

@@ -197,6 +197,29 @@ def check_prompt_lengths(prompts: Sequence[str], tokenizer: Any, chat_template: 
                      f"rollout.max_model_len={longest + max_tokens}, or drop or shorten those rows")
 
 
+# transformers' generic fast tokenizer, by its 4.x name and by the one 5.x writes (one class in 5.x)
+GENERIC_TOKENIZERS = ("PreTrainedTokenizerFast", "TokenizersBackend")
+
+
+def load_tokenizer(path: str | os.PathLike, **kwargs: Any) -> Any:
+    """The checkpoint's tokenizer, as `AutoTokenizer.from_pretrained(path, **kwargs)` loads it. Where the local
+    tokenizer_config.json names transformers' generic fast tokenizer (colo's tiny models, Llama 3, ...) and no
+    remote code, that class is loaded directly: AutoTokenizer picks the same class, but first imports
+    transformers' model-config and generation machinery, ~3 CPU-s of every driver's start-up (measured with torch
+    already imported, 2-core CI machine, 2026-11-26). Any other tokenizer goes through AutoTokenizer."""
+    try:
+        named = json.loads((Path(path) / "tokenizer_config.json").read_text())
+    except (OSError, ValueError):
+        named = {}
+    if named.get("tokenizer_class") in GENERIC_TOKENIZERS and "auto_map" not in named:
+        from transformers import PreTrainedTokenizerFast
+
+        return PreTrainedTokenizerFast.from_pretrained(path, **kwargs)
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path, **kwargs)
+
+
 def encode_prompt(tokenizer: Any, prompt: str, chat_template: bool,
                   system_prompt: str | None = None) -> tuple[str, list[int]]:
     """(text the model sees, its token ids): the chat template applied when enabled, with the system
@@ -220,13 +243,11 @@ class PromptDataset:
     def __init__(self, path: str | os.PathLike, prompt_key: str = "prompt", answer_key: str = "answer",
                  tokenizer: Any = None, chat_template: bool = False, seed: int = 0,
                  shuffle: bool = True, system_prompt: str | None = None) -> None:
-        """`tokenizer`: a transformers tokenizer or a path to load one from (AutoTokenizer)."""
+        """`tokenizer`: a transformers tokenizer or a path to load one from (load_tokenizer)."""
         if tokenizer is None:
             raise ValueError("PromptDataset needs a tokenizer (object or path)")
         if isinstance(tokenizer, (str, os.PathLike)):
-            from transformers import AutoTokenizer
-
-            tokenizer = AutoTokenizer.from_pretrained(tokenizer)
+            tokenizer = load_tokenizer(tokenizer)
         if chat_template and not getattr(tokenizer, "chat_template", None):
             raise ValueError(f"chat_template=True but tokenizer {tokenizer.name_or_path!r} has no chat template")
         self.path = str(path)  # a file, or a dataset source spec (DataSource)

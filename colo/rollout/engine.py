@@ -326,12 +326,11 @@ class Engine:
     def _environment(self) -> tuple[type, Any]:
         """The environment class and the framing of this engine's tokenizer (made once)."""
         if not hasattr(self, "_env"):
-            from transformers import AutoTokenizer
-
+            from colo.data.prompts import load_tokenizer
             from colo.envs.base import load_environment
             from colo.envs.framing import ChatFraming
 
-            tok = AutoTokenizer.from_pretrained(self.cfg.model.path)
+            tok = load_tokenizer(self.cfg.model.path)
             chat = bool(self.cfg.data.chat_template and getattr(tok, "chat_template", None))
             self._env = (load_environment(self.cfg.algo.environment),
                          ChatFraming(tok, self.cfg.data.system_prompt if chat else None, chat=chat))

@@ -173,3 +173,44 @@ def test_chat_template_and_system_prompt(tok) -> None:
     cfg.data.system_prompt = "Answer briefly."
     with pytest.raises(ConfigError, match="no chat template"):
         uses_chat_template(cfg, base)
+
+
+def test_load_tokenizer_is_autotokenizers_without_its_imports(tmp_path: Path) -> None:
+    """load_tokenizer gives what AutoTokenizer gives for a generic fast tokenizer, under the name transformers 5
+    writes and the one colo's tiny models write (4.x's), without importing transformers' auto classes and
+    torch on the driver's start-up path; a tokenizer_config.json that names another class goes through
+    AutoTokenizer."""
+    import subprocess
+    import sys
+
+    from transformers import AutoTokenizer
+
+    from colo.data.prompts import load_tokenizer
+    from colo.models.tiny import TOKENIZER_VOCAB
+    from colo.models.tokenizer import build_tokenizer
+
+    def saved(name: str, tokenizer_class: str | None) -> Path:
+        build_tokenizer(TOKENIZER_VOCAB).save_pretrained(tmp_path / name)
+        path = tmp_path / name / "tokenizer_config.json"
+        if tokenizer_class:
+            path.write_text(json.dumps({**json.loads(path.read_text()), "tokenizer_class": tokenizer_class}))
+        return tmp_path / name
+
+    heavy = ("torch", "transformers.generation", "transformers.models.auto.tokenization_auto",
+             "transformers.models.auto.configuration_auto")  # what AutoTokenizer's path imports: ~3 CPU-s
+    probe = ("import sys; from colo.data.prompts import load_tokenizer; load_tokenizer(sys.argv[1]); "
+             f"print([m for m in {heavy!r} if m in sys.modules])")
+    chat = [{"role": "user", "content": "12 + 3 ="}]
+    for generic in (saved("v5", None), saved("v4", "PreTrainedTokenizerFast")):
+        p = subprocess.run([sys.executable, "-c", probe, str(generic)], capture_output=True, text=True)
+        assert p.returncode == 0 and p.stdout.strip() == "[]", (generic.name, p.stdout, p.stderr[-2000:])
+        ours, auto = load_tokenizer(generic), AutoTokenizer.from_pretrained(generic)
+        assert type(ours) is type(auto)
+        assert ours.apply_chat_template(chat, add_generation_prompt=True) == \
+            auto.apply_chat_template(chat, add_generation_prompt=True)
+        assert ours("Question: 7 - 2 =")["input_ids"] == auto("Question: 7 - 2 =")["input_ids"]
+        assert (ours.eos_token_id, ours.pad_token_id, ours.chat_template, len(ours)) == \
+            (auto.eos_token_id, auto.pad_token_id, auto.chat_template, len(auto))
+
+    named = saved("named", "Qwen2Tokenizer")
+    assert type(load_tokenizer(named)) is type(AutoTokenizer.from_pretrained(named)) is not type(auto)
