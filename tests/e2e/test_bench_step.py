@@ -39,16 +39,19 @@ def test_bench_step_compare_on_cpu(tmp_path) -> None:
 
 def test_bench_step_compare_async(tmp_path) -> None:
     """`python -m colo.bench.step --compare-async`: the async step at imposed long-tail lengths with its figures,
-    then sync mode on the same cluster, with the ratio."""
+    then sync mode on the same cluster, with the ratio. With per-prompt lengths (the iid ones are the other test's),
+    so the per-prompt draw runs on resumed requests too (colo.bench.engines.LengthEngine.generate_partial)."""
     res = run_cli("--preset", "tiny", "--device", "cpu", "--steps", "2", "--warmup", "1", "--prompts", "2", "--n", "4",
                   "--prompt-len", "8", "--max-tokens", "48", "--json", "--workdir", str(tmp_path), "--compare-async",
-                  "rollout.oversample=2", timeout=900, module="colo.bench.step")
+                  "--lengths", "per-prompt", "rollout.oversample=2", timeout=900, module="colo.bench.step")
     assert res.returncode == 0, res.stderr[-3000:]
     out = json.loads([x for x in res.stdout.splitlines() if x.startswith("{")][-1])
     print(out)
     assert out["tokens_per_s_per_gpu"] > 0 and out["overrides"] == ["rollout.oversample=2"]
+    assert out["lengths"]["model"] == "per-prompt" and out["lengths"]["rho"] > 0
     assert out["mode"] == "async" and "async" not in out["sync"] and out["sync"]["tokens_per_s_per_gpu"] > 0
     assert out["speedup"]["tokens_per_s_per_gpu"] == out["tokens_per_s_per_gpu"] / out["sync"]["tokens_per_s_per_gpu"]
     a = out["async"]
     assert a["staleness_max"] <= 1 and 0 <= a["offpolicy_frac"] <= 1 and a["completed"] > 0
     assert a["carried"] > 0, "a long tail with twice the prompts in flight must leave samples unfinished"
+    assert a["resumed"] > 0, "no carried sample was resumed: the per-prompt draw on resumed requests did not run"
