@@ -152,9 +152,13 @@ def job_env() -> dict[str, Any] | None:
     """The runtime environment of a job that joins a cluster: the driver's PYTHONPATH. The actors of a Ray
     that the driver starts inherit its environment; a joined cluster's workers inherit `ray start`'s instead,
     so a reward function or environment the driver imports from its PYTHONPATH (`algo.environment=mine:Env`,
-    run by the engines) would not import there. Each node must hold those paths (a shared file system)."""
+    run by the engines) would not import there. Each node must hold those paths (a shared file system). A job
+    that `ray job submit` started is left as submitted: its workers get the runtime environment its driver got,
+    and Ray refuses a ray.init runtime_env that names a variable the submitted one names too."""
     path = os.environ.get("PYTHONPATH", "")
-    return {"env_vars": {"PYTHONPATH": path}} if path else None
+    if not path or "RAY_JOB_CONFIG_JSON_ENV_VAR" in os.environ:  # ray._private.runtime_env.constants' name
+        return None
+    return {"env_vars": {"PYTHONPATH": path}}
 
 
 def init_ray(plan: PlacementPlan, address: str = "", **kwargs: Any) -> None:
