@@ -67,7 +67,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from colo.bench.lengths import DEFAULT_RHO
+from colo.bench.lengths import DEFAULT_RHO, LENGTH_MODELS
 
 PRESETS = ("tiny", "qwen3-30b-a3b-L2", "qwen3-30b-a3b-L4", "qwen3-30b-a3b-L12", "qwen3-30b-a3b")
 TOKEN_ID_LIMIT = 512  # the presets' tokenizer vocabulary: every id below it is a real token
@@ -96,7 +96,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--n", type=int, help="samples per prompt (cpu 4, cuda 8)")
     ap.add_argument("--prompt-len", type=int, help="tokens per prompt (cpu 16, cuda 256)")
     ap.add_argument("--max-tokens", type=int, help="longest response (cpu 64, cuda 4096); median a quarter of it")
-    ap.add_argument("--lengths", choices=("iid", "per-prompt"), default="iid",
+    ap.add_argument("--lengths", choices=LENGTH_MODELS, default="iid",
                     help="how response lengths are drawn (colo.bench.lengths; both lognormal, median max/4, 5%% cut at "
                     "max_tokens): iid, each sample from its own seed (the default, as every figure before "
                     "2026-11-26's sixth session); per-prompt, the samples of one prompt correlated (--length-rho)")
@@ -298,9 +298,9 @@ def measure(args: argparse.Namespace) -> dict:
     rewards = RewardRunner(list(cfg.algo.rewards))
     cluster = None
     try:
-        from transformers import AutoTokenizer
+        from colo.data.prompts import load_tokenizer
 
-        tok = AutoTokenizer.from_pretrained(model_dir)
+        tok = load_tokenizer(model_dir)
         cluster = start_cluster(cfg, plan, trainer_cls=StepTrainer, engine_cls=LengthEngine)
         device_name = ray.get(cluster.trainers[0].device_name.remote())
         lengths = ray.get([e.set_lengths.remote(args.lengths, args.length_rho or 0.0) for e in cluster.engines])[0]
