@@ -2,6 +2,7 @@
 
     python -m colo.bench.decode --preset qwen3-30b-a3b-L4 --device cuda --json       # one GPU
     python -m colo.bench.decode --preset tiny --device cpu --batches 1,4 --decode-lengths 4,12 --json
+    python -m colo.bench.decode --preset qwen3-30b-a3b-L4 --device cuda --variants colo,detok,bare --json
 
 Why: loop.mode=async (colocated) can only win what the sync rollout spends on its tail, the decode steps that run
 after most samples have finished, on a nearly empty batch. How much that is depends on one curve: the time of one
@@ -13,7 +14,13 @@ What it measures: one vLLM engine alone on the device (`vllm.LLM`, the settings 
 dtype, CUDA graphs and vLLM's default scheduler on GPU, `logprobs=0` sampling at temperature 1), for each batch size
 B of --batches: B requests of --prompt-len random prompt tokens, each forced to generate exactly L tokens
 (min_tokens = max_tokens = L, ignore_eos), for the two L of --decode-lengths. The step time at B is
-(wall(L2) - wall(L1)) / (L2 - L1): the prefill and the call's fixed costs cancel. Best of --reps.
+(wall(L2) - wall(L1)) / (L2 - L1): the prefill and the call's fixed costs cancel. Best of --reps, after one
+untimed call at each B (Triton compiles kernels for a new batch shape on first use).
+
+--variants times other sampling settings at the same batch sizes in the same run, interleaved per B (colo: a seed
+per request, the sampled token's log-prob, no detokenizing, as colo's engines sample; detok, no-logprobs, no-seed,
+bare): where a decode step's host time goes. The first variant is the one the prediction below uses; each other one
+reports its step times and its speedup over the first.
 
 What it predicts (the `workload` block): the sync rollout of --prompts x --n samples at --max-tokens with the
 step benchmark's long-tail lengths (colo.bench.lengths: --lengths, --length-rho): step t of its decode runs the
@@ -40,6 +47,13 @@ from colo.bench.lengths import DEFAULT_RHO, LENGTH_MODELS, LengthModel
 
 PRESETS = ("tiny", "qwen3-30b-a3b-L2", "qwen3-30b-a3b-L4", "qwen3-30b-a3b-L12")
 TOKEN_ID_LIMIT = 512  # the presets' tokenizer vocabulary: every id below it is a real token
+# name: (a seed per request, logprobs=0, detokenize, what it is). "colo" samples as colo's single-turn engines do.
+VARIANTS = {"colo": (True, True, False, "as colo's engines sample: a seed per request, the sampled token's log-prob, "
+                                       "detokenize=False (colo.rollout.engine.DETOKENIZE)"),
+            "detok": (True, True, True, "colo with vLLM's default detokenize=True (colo before 2026-11-26)"),
+            "no-logprobs": (True, False, False, "colo without log-probs"),
+            "no-seed": (False, True, False, "colo without per-request seeds"),
+            "bare": (False, False, False, "none of them: vLLM's cheapest sampling")}
 
 
 def _ints(text: str) -> list[int]:
@@ -61,6 +75,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--max-tokens", type=int, default=4096, help="the predicted workload: rollout.max_tokens")
     ap.add_argument("--lengths", choices=LENGTH_MODELS, default="iid", help="the workload's length model")
     ap.add_argument("--length-rho", type=float, default=None, help=f"per-prompt's rho (default {DEFAULT_RHO})")
+    ap.add_argument("--variants", default="colo",
+                    help="comma-separated sampling variants, each timed at every batch size: " + ", ".join(
+                        f"{k} ({v[3]})" for k, v in VARIANTS.items()))
     ap.add_argument("--gpu-fraction", type=float, default=0.8, help="vLLM's gpu_memory_utilization (cuda)")
     ap.add_argument("--json", action="store_true", help="print one JSON object (last stdout line)")
     ap.add_argument("--workdir", default="/tmp/colo-bench", help="where the preset's model is built")
@@ -72,6 +89,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         ap.error("--decode-lengths takes two lengths L1,L2 with 0 < L1 < L2")
     if min(args.batches) < 1 or min(args.prompt_len, args.reps, args.prompts, args.n, args.max_tokens) < 1:
         ap.error("--batches, --prompt-len, --reps, --prompts, --n and --max-tokens must be >= 1")
+    args.variants = [v for v in args.variants.split(",") if v]
+    if not args.variants or any(v not in VARIANTS for v in args.variants):
+        ap.error(f"--variants: names from {', '.join(VARIANTS)}")
     if args.lengths == "iid" and args.length_rho is not None:
         ap.error("--length-rho applies to --lengths per-prompt only")
     return args
@@ -152,11 +172,13 @@ def measure(args: argparse.Namespace) -> dict:
     start_s = time.perf_counter() - t0
     rng = random.Random(1)
 
-    def timed(batch: int, length: int) -> float:
+    def timed(batch: int, length: int, variant: str = "colo") -> float:
+        seeded, logprobs, detok, _ = VARIANTS[variant]
         prompts = [TokensPrompt(prompt_token_ids=[rng.randrange(3, TOKEN_ID_LIMIT) for _ in range(args.prompt_len)])
                    for _ in range(batch)]  # fresh ids every call: no prefix-cache hits
         params = [SamplingParams(n=1, max_tokens=length, min_tokens=length, ignore_eos=True, temperature=1.0,
-                                 logprobs=0, seed=rng.randrange(2**31)) for _ in range(batch)]
+                                 logprobs=0 if logprobs else None, detokenize=detok,
+                                 seed=rng.randrange(2**31) if seeded else None) for _ in range(batch)]
         t = time.perf_counter()
         outs = llm.generate(prompts, params, use_tqdm=False)
         dt = time.perf_counter() - t
@@ -165,15 +187,20 @@ def measure(args: argparse.Namespace) -> dict:
             raise RuntimeError(f"B={batch}, L={length}: {got} tokens generated, {batch * length} imposed")
         return dt
 
-    timed(min(args.batches), l1)  # warm-up: first-call costs (graph capture leftovers, allocator) out of the figures
-    table, calls = [], {}
+    tables: dict[str, list[tuple[int, float]]] = {v: [] for v in args.variants}
+    calls: dict[str, dict[int, tuple[float, float]]] = {v: {} for v in args.variants}
     for b in args.batches:
-        w1 = min(timed(b, l1) for _ in range(args.reps))
-        w2 = min(timed(b, l2) for _ in range(args.reps))
-        calls[b] = (w1, w2)
-        table.append((b, max(w2 - w1, 1e-9) / (l2 - l1)))
-        print(f"[bench.decode] B={b}: {w1:.3f} s at L={l1}, {w2:.3f} s at L={l2}: "
-              f"{1e3 * table[-1][1]:.3f} ms per decode step", file=sys.stderr, flush=True)
+        # warm-up at this batch size: Triton JITs kernels (vLLM's fused MoE, its log-softmax) for each new shape
+        # on first use, seconds that would land in one timed call (seen on an H200: B=8 slower at L1 than at L2)
+        timed(b, l1)
+        for v in args.variants:  # variants interleaved per batch size: a drift of the machine hits them alike
+            w1 = min(timed(b, l1, v) for _ in range(args.reps))
+            w2 = min(timed(b, l2, v) for _ in range(args.reps))
+            calls[v][b] = (w1, w2)
+            tables[v].append((b, max(w2 - w1, 1e-9) / (l2 - l1)))
+            print(f"[bench.decode] {v} B={b}: {w1:.3f} s at L={l1}, {w2:.3f} s at L={l2}: "
+                  f"{1e3 * tables[v][-1][1]:.3f} ms per decode step", file=sys.stderr, flush=True)
+    table = tables[args.variants[0]]
     a, slope = fit_line(table)
     model = LengthModel(args.lengths, 0.0 if args.lengths == "iid" else
                         (DEFAULT_RHO if args.length_rho is None else args.length_rho))
@@ -182,8 +209,12 @@ def measure(args: argparse.Namespace) -> dict:
             "prompt_len": args.prompt_len, "decode_lengths": [l1, l2],
             "step_ms": {str(b): 1e3 * t for b, t in table},
             "tokens_per_s": {str(b): b / t for b, t in table},
-            "wall_s": {str(b): list(w) for b, w in calls.items()},
+            "wall_s": {str(b): list(w) for b, w in calls[args.variants[0]].items()},
             "fit": {"a_ms": 1e3 * a, "b_us_per_seq": 1e6 * slope},
+            "variant": args.variants[0],
+            "variants": {v: {"step_ms": {str(b): 1e3 * t for b, t in tables[v]},
+                             "speedup": {str(b): t0 / t for (b, t0), (_, t) in zip(table, tables[v])}}
+                         for v in args.variants[1:]},
             "workload": {"prompts": args.prompts, "n": args.n, "max_tokens": args.max_tokens,
                          "lengths": model.describe(), **predict(lengths, table)}}
 

@@ -18,7 +18,7 @@ import torch
 
 from colo.bench.lengths import LengthModel
 from colo.bench.yardsticks import broadcast_weights_baseline, push_weights_baseline, push_weights_vllm_ipc
-from colo.rollout.engine import Engine
+from colo.rollout.engine import DETOKENIZE, Engine
 from colo.rollout.extension import WorkerExtension
 from colo.sync.verify import tensor_digest
 from colo.trainer.worker import Trainer
@@ -150,7 +150,7 @@ class LengthEngine(Engine):
         length = self.lengths.length(int(request["seed"]), int(request["max_tokens"]), request["prompt_ids"])
         left = length - len(request["response_ids"])
         return SamplingParams(n=1, max_tokens=left, min_tokens=left, ignore_eos=True, temperature=p.temperature,
-                              top_p=p.top_p, logprobs=0, seed=p.seed)
+                              top_p=p.top_p, logprobs=0, detokenize=p.detokenize, seed=p.seed)
 
     def _requests(self, prompts: int, n: int, max_tokens: int, temperature: float, top_p: float,
                   seed: int | None) -> tuple[list[int], list]:
@@ -164,7 +164,7 @@ class LengthEngine(Engine):
                 index.append(i)
                 params.append(SamplingParams(n=1, max_tokens=length, min_tokens=length, ignore_eos=True,
                                              temperature=temperature, top_p=top_p if temperature > 0 else 1.0,
-                                             logprobs=0, seed=s))
+                                             logprobs=0, detokenize=DETOKENIZE, seed=s))
         return index, params
 
 

@@ -48,6 +48,11 @@ from colo.rollout.capture import capture_by_prefill, from_vllm_output, ids_dtype
 from colo.rollout.extension import WorkerExtension, qualname
 from colo.host.shm import register_mapped, sweep
 
+DETOKENIZE = False
+"""Single-turn requests ask vLLM for no text (SamplingParams.detokenize): colo reads token ids and the sampled
+token's log-prob only (the driver decodes what rewards need), and vLLM's detokenizer runs per token per request in
+the engine's process, also to name each log-prob's token. Multi-turn keeps it (its stop strings are text).
+Measured with colo.bench.decode --variants colo,detok (docs/benchmarks.md)."""
 
 def cores_for_rank(allowed: list[int], rank: int, dp_size: int) -> list[int]:
     """This rank's disjoint slice of the allowed cores (wrapping round when engines outnumber cores)."""
@@ -346,7 +351,7 @@ class Engine:
         copies, n_req = (n, 1) if temperature == 0 else (1, n)
         index = [i for i in range(prompts) for _ in range(copies)]  # request -> prompt index
         params = [SamplingParams(n=n_req, max_tokens=max_tokens, temperature=temperature,
-                                 top_p=top_p if temperature > 0 else 1.0, logprobs=0,
+                                 top_p=top_p if temperature > 0 else 1.0, logprobs=0, detokenize=DETOKENIZE,
                                  seed=None if seed is None else seed + i * n)
                   for i in index]
         return index, params
@@ -387,7 +392,7 @@ class Engine:
         if left < 1:
             raise ValueError(f"a sample of group {request['group']} has no token budget left ({left})")
         return SamplingParams(n=1, max_tokens=left, temperature=temperature,
-                              top_p=top_p if temperature > 0 else 1.0, logprobs=0,
+                              top_p=top_p if temperature > 0 else 1.0, logprobs=0, detokenize=DETOKENIZE,
                               seed=int(request["seed"]) + 7919 * int(request["segment"]))
 
     def _moe_layers(self) -> list[int]:

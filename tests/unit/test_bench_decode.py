@@ -49,7 +49,8 @@ def test_args(capsys) -> None:
     a = parse_args(["--device", "cpu"])
     assert a.batches == [1, 4, 16] and a.decode_lengths == [4, 20]
     assert parse_args(["--batches", "8,1,8"]).batches == [1, 8]
+    assert parse_args(["--variants", "colo,detok"]).variants == ["colo", "detok"] and a.variants == ["colo"]
     for bad in (["--decode-lengths", "20,4"], ["--decode-lengths", "4"], ["--batches", "0,4"],
-                ["--length-rho", "0.5"]):
+                ["--length-rho", "0.5"], ["--variants", "colo,fast"]):
         with pytest.raises(SystemExit):
             parse_args(bad)
