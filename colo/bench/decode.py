@@ -205,7 +205,11 @@ def measure(args: argparse.Namespace) -> dict:
     model = LengthModel(args.lengths, 0.0 if args.lengths == "iid" else
                         (DEFAULT_RHO if args.length_rho is None else args.length_rho))
     lengths = workload_lengths(args.prompts, args.n, args.max_tokens, model)
+    # prefill seconds per prompt token, from the largest B's shorter call: its wall less its L1 decode steps
+    big, (w1, _) = max(calls[args.variants[0]].items())
+    prefill_us = 1e6 * max(w1 - l1 * dict(table)[big], 0.0) / (big * args.prompt_len)
     return {"bench": "decode", "preset": args.preset, "device": args.device, "engine_start_s": start_s,
+            "prefill_us_per_token": prefill_us,
             "prompt_len": args.prompt_len, "decode_lengths": [l1, l2],
             "step_ms": {str(b): 1e3 * t for b, t in table},
             "tokens_per_s": {str(b): b / t for b, t in table},
