@@ -23,6 +23,8 @@
 # measured steps (2), BENCH_MAX_TOKENS (4096), BENCH_PROMPTS (16 per step), BENCH_FLAGS more bench flags
 # (--profile: the warm-up's kernel table).
 # gather = colo.bench.step --compare-gather-once (trainer.gather_once on, then off; GATHER_ARGS adds overrides).
+# decode = colo.bench.decode: vLLM's decode step time against batch size, sampling variants DECODE_VARIANTS
+# (default colo,detok,bare), DECODE_ARGS adds arguments; the JSON line lands in $OUT/decode.json (only when named).
 # compile = colo.bench.step --compare-compile (trainer.compile on, then off; COMPILE_ARGS adds overrides, e.g.
 # trainer.gather_once=true; BENCH_WARMUP warm-up steps, 1 by default: the compile runs in them).
 # CUDA_VISIBLE_DEVICES limits the GPUs it counts and uses; SHARED_HOST=1 leaves Ray running after a failed step
@@ -80,7 +82,7 @@ step() {  # step NAME MAX_SECONDS CMD...
 ngpu=$(nvidia-smi -L | wc -l)
 if [ -n "${CUDA_VISIBLE_DEVICES:-}" ]; then ngpu=$(echo "$CUDA_VISIBLE_DEVICES" | tr ',' '\n' | grep -c .); fi
 
-STEPS=${STEPS:-colocated ipc dpep routing bench loop}  # and: attention, rollout, step, async, gather, compile
+STEPS=${STEPS:-colocated ipc dpep routing bench loop}  # and: attention, rollout, decode, step, async, gather, compile
 want() { case " $STEPS " in *" $1 "*) return 0;; *) return 1;; esac; }
 
 # attention = the packed-row attention kernels against per-sample SDPA (test + colo.bench.packed_attention; no vLLM)
@@ -123,6 +125,10 @@ if want loop; then
       rollout.max_model_len=256 rollout.enforce_eager=true run.dir="$loop_dir" ${LOOP_ARGS:-}
   [ -f "$loop_dir/metrics.jsonl" ] && cp "$loop_dir/metrics.jsonl" "$OUT/loop-metrics.jsonl"
 fi
+if want decode; then  # vLLM's decode step time against batch size and sampling variant (colo.bench.decode)
+  step decode 560 bash -c "'$PY' -m colo.bench.decode --preset qwen3-30b-a3b-L4 --device cuda \
+      --variants ${DECODE_VARIANTS:-colo,detok,bare} --json ${DECODE_ARGS:-} | grep '^{' > '$OUT/decode.json'"
+fi
 if want rollout; then  # colocated engine's output tokens/s against the same engine alone on the GPU
   step rollout 560 "$PY" -m colo.bench.rollout --preset qwen3-30b-a3b-L12 --ranks 1 --device cuda --prompts 128 \
       --n 8 --prompt-len 128 --max-tokens 256 --reps 2 ${ROLLOUT_ARGS:-}
@@ -149,9 +155,12 @@ bench_step() {  # bench_step NAME WARMUP COMPARE_FLAG [OVERRIDES...]
   clean_after $rc
 }
 # shellcheck disable=SC2086
-want step && bench_step step 1 --compare ${STEP_ARGS:-}           # packed against padded
+# BENCH_WARMUP: warm-up steps (step: 1, async: 2 by default). With trainer.compile=true give 2: the first step
+# compiles with the shapes it sees, the second recompiles with dynamic token counts (2026-11-26: a measured step
+# after one warm-up step recompiled, packed update 7.7 s against 1.7 s)
+want step && bench_step step "${BENCH_WARMUP:-1}" --compare ${STEP_ARGS:-}           # packed against padded
 # shellcheck disable=SC2086
-want async && bench_step async 2 --compare-async ${ASYNC_ARGS:-}  # loop.mode=async against sync; 2 warm-up steps
+want async && bench_step async "${BENCH_WARMUP:-2}" --compare-async ${ASYNC_ARGS:-}  # loop.mode=async against sync
 # shellcheck disable=SC2086
 want gather && bench_step gather 1 --compare-gather-once ${GATHER_ARGS:-}  # trainer.gather_once against per micro-batch
 # shellcheck disable=SC2086
