@@ -54,6 +54,7 @@ token's log-prob only (the driver decodes what rewards need), and vLLM's detoken
 the engine's process, also to name each log-prob's token. Multi-turn keeps it (its stop strings are text).
 Measured with colo.bench.decode --variants colo,detok (docs/benchmarks.md)."""
 
+
 def cores_for_rank(allowed: list[int], rank: int, dp_size: int) -> list[int]:
     """This rank's disjoint slice of the allowed cores (wrapping round when engines outnumber cores)."""
     allowed = sorted(allowed)
