@@ -27,7 +27,7 @@ import sys
 from collections.abc import Sequence
 
 from colo.bench.decode import TOKEN_ID_LIMIT, step_time
-from colo.bench.lengths import DEFAULT_RHO, LENGTH_MODELS, LengthModel
+from colo.bench.lengths import LENGTH_MODELS, LengthModel
 from colo.rollout.buffer import RolloutBuffer
 
 
@@ -124,8 +124,7 @@ def main(argv: list[str] | None = None) -> int:
         dec = json.loads([line for line in f if line.startswith("{")][-1])
     table = [(int(b), ms / 1e3) for b, ms in dec["step_ms"].items()]
     prefill = dec["prefill_us_per_token"] / 1e6
-    model = LengthModel(args.lengths, 0.0 if args.lengths == "iid" else
-                        (DEFAULT_RHO if args.length_rho is None else args.length_rho))
+    model = LengthModel.of(args.lengths, args.length_rho)
     common = dict(steps=args.steps, k=args.prompts, n=args.n, max_tokens=args.max_tokens, prompt_len=args.prompt_len,
                   model=model, table=table, prefill_s_per_token=prefill, train_s_per_token=args.train_s_per_token,
                   fixed_s=args.fixed_s, warmup=args.warmup)

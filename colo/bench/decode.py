@@ -202,8 +202,7 @@ def measure(args: argparse.Namespace) -> dict:
                   f"{1e3 * tables[v][-1][1]:.3f} ms per decode step", file=sys.stderr, flush=True)
     table = tables[args.variants[0]]
     a, slope = fit_line(table)
-    model = LengthModel(args.lengths, 0.0 if args.lengths == "iid" else
-                        (DEFAULT_RHO if args.length_rho is None else args.length_rho))
+    model = LengthModel.of(args.lengths, args.length_rho)
     lengths = workload_lengths(args.prompts, args.n, args.max_tokens, model)
     # prefill seconds per prompt token, from the largest B's shorter call: its wall less its L1 decode steps
     big, (w1, _) = max(calls[args.variants[0]].items())

@@ -70,6 +70,11 @@ class LengthModel:
         if self.kind == "iid" and self.rho != 0.0:
             raise ValueError("rho applies to the per-prompt model only")
 
+    @classmethod
+    def of(cls, kind: str, rho: float | None = None) -> "LengthModel":
+        """The model a bench's --lengths / --length-rho name: rho None is 0 for iid, DEFAULT_RHO for per-prompt."""
+        return cls(kind, (0.0 if kind == "iid" else DEFAULT_RHO) if rho is None else rho)
+
     def length(self, seed: int, max_tokens: int, prompt_ids: Sequence[int]) -> int:
         """The imposed length of the sample with request seed `seed` of the prompt `prompt_ids`, in [1, max_tokens]."""
         if self.kind == "iid":
