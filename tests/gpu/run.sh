@@ -27,6 +27,9 @@
 # (default colo,detok,bare), DECODE_ARGS adds arguments; the JSON line lands in $OUT/decode.json (only when named).
 # compile = colo.bench.step --compare-compile (trainer.compile on, then off; COMPILE_ARGS adds overrides, e.g.
 # trainer.gather_once=true; BENCH_WARMUP warm-up steps, 1 by default: the compile runs in them).
+# one = colo.bench.step with no comparison: one variant alone, ONE_ARGS its overrides (only when named), for a slice
+# whose two variants do not fit one call. BENCH_PRESET picks the slice of step/async/gather/compile/one (default
+# qwen3-30b-a3b-L4; qwen3-30b-a3b-L12 fits one H200 with trainer.optimizer_offload=true, not with gather_once).
 # CUDA_VISIBLE_DEVICES limits the GPUs it counts and uses; SHARED_HOST=1 leaves Ray running after a failed step
 # (tests/gpu/streams.sh runs two of these at once, one per GPU).
 # Everything this script leaves in $OUT is at most 8 files, one level deep: what a device call brings back.
@@ -82,7 +85,7 @@ step() {  # step NAME MAX_SECONDS CMD...
 ngpu=$(nvidia-smi -L | wc -l)
 if [ -n "${CUDA_VISIBLE_DEVICES:-}" ]; then ngpu=$(echo "$CUDA_VISIBLE_DEVICES" | tr ',' '\n' | grep -c .); fi
 
-STEPS=${STEPS:-colocated ipc dpep routing bench loop}  # and: attention, rollout, decode, step, async, gather, compile
+STEPS=${STEPS:-colocated ipc dpep routing bench loop}  # and: attention, rollout, decode, step, async, gather, compile, one
 want() { case " $STEPS " in *" $1 "*) return 0;; *) return 1;; esac; }
 
 # attention = the packed-row attention kernels against per-sample SDPA (test + colo.bench.packed_attention; no vLLM)
@@ -143,9 +146,9 @@ bench_step() {  # bench_step NAME WARMUP COMPARE_FLAG [OVERRIDES...]
   echo "[run.sh] $name: python -m colo.bench.step $flag (limit ${t}s)"
   local t0=$SECONDS
   # shellcheck disable=SC2086
-  timeout -k 15 "$t" "$PY" -m colo.bench.step --preset qwen3-30b-a3b-L4 --device cuda --gpus 1 \
+  timeout -k 15 "$t" "$PY" -m colo.bench.step --preset "${BENCH_PRESET:-qwen3-30b-a3b-L4}" --device cuda --gpus 1 \
       --max-tokens "${BENCH_MAX_TOKENS:-4096}" --prompt-len 256 --prompts "${BENCH_PROMPTS:-16}" --n 8 --warmup "$warmup" \
-      --steps "${BENCH_STEPS:-2}" "$flag" ${BENCH_FLAGS:-} --json \
+      --steps "${BENCH_STEPS:-2}" ${flag:+"$flag"} ${BENCH_FLAGS:-} --json \
       --workdir "${RUN_ROOT:-/tmp}/colo-$name" trainer.optimizer_dtype=bfloat16 trainer.max_tokens_per_micro_batch=8192 \
       "$@" >"$OUT/$name.json" 2>"$OUT/$name.log"
   local rc=$?
@@ -165,5 +168,7 @@ want async && bench_step async "${BENCH_WARMUP:-2}" --compare-async ${ASYNC_ARGS
 want gather && bench_step gather 1 --compare-gather-once ${GATHER_ARGS:-}  # trainer.gather_once against per micro-batch
 # shellcheck disable=SC2086
 want compile && bench_step compile "${BENCH_WARMUP:-1}" --compare-compile ${COMPILE_ARGS:-}  # compiled layers against eager
+# shellcheck disable=SC2086
+want one && bench_step one "${BENCH_WARMUP:-1}" "" ${ONE_ARGS:-}  # one variant alone (ONE_ARGS), e.g. the L12 slice compiled
 echo "[run.sh] done in $((SECONDS - start))s, status $status"
 exit $status
