@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from colo.cluster.warm import WarmClusters
     from colo.config import ColoConfig
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "tiny-cpu.yaml"
@@ -46,7 +47,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return ap.parse_intermixed_args(argv)  # key=value may follow --dry-run / --resume, as users write it
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, warm: WarmClusters | None = None) -> int:
+    """`python -m colo.launch ARGV`; returns the exit status. `warm`: run the job on this process's warm clusters
+    (colo.cluster.warm: CPU colocated jobs in turn, without starting processes again; the test suite's jobs)."""
     args = parse_args(argv)
     from colo.config import ConfigError  # omegaconf + yaml only: still fast
     from colo.run.signals import StopSignals
@@ -54,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
     early = StopSignals()  # Ctrl-C / SIGTERM before the loop takes them over (colo.loop.run): nothing to save yet
     early.install()
     try:
-        return _run(args)
+        return _run(args, warm)
     except ConfigError as e:
         if args.debug:
             raise
@@ -69,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
         early.restore()
 
 
-def _run(args: argparse.Namespace) -> int:
+def _run(args: argparse.Namespace, warm: WarmClusters | None = None) -> int:
     from colo import config
 
     path = args.config or (str(DEFAULT_CONFIG) if DEFAULT_CONFIG.is_file() else None)
@@ -116,13 +119,19 @@ def _run(args: argparse.Namespace) -> int:
         print("\n(dry run: nothing was written or started)")
         return 0
     check_fits(cfg)  # a job that cannot fit is refused before anything is written or started
+    if warm is not None:
+        warm.check(config.resolve(cfg, download=False))  # the concrete device: "auto" is resolved
     cfg = prepare_run(cfg)
     if resumed:
         print(resumed.describe(cfg), flush=True)
     print(f"colo: run dir {cfg.run.dir}", flush=True)
     from colo import loop  # heavy: torch, Ray, vLLM
+    from colo.run.rundir import unlock
 
-    status = loop.run(cfg)
+    try:
+        status = loop.run(cfg, warm=warm)
+    finally:
+        unlock(cfg.run.dir)  # the process may go on to another job (warm clusters)
     return status if isinstance(status, int) else 0
 
 

@@ -50,6 +50,7 @@ from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import ray
 import torch
@@ -71,6 +72,9 @@ from colo.rollout.buffer import RolloutBuffer
 from colo.rollout.vllm_compat import serve_command
 from colo.cluster.placement import init_ray, plan_placement
 from colo.sync.plan import MappingError
+
+if TYPE_CHECKING:
+    from colo.cluster.warm import WarmClusters
 
 
 class Timer:
@@ -485,15 +489,18 @@ def checkpoints(run_dir: Path) -> list[Path]:
     return complete_checkpoints(run_dir)
 
 
-def run(cfg: ColoConfig) -> int:
+def run(cfg: ColoConfig, warm: WarmClusters | None = None) -> int:
     """Run a whole job on a resolved config (colo.launch.prepare_run); returns the exit status.
 
     A reward function that raises or an actor that dies or raises ends the run with status 1 after a
-    checkpoint of the last completed step, when the trainers still hold one (not after a trainer failed)."""
+    checkpoint of the last completed step, when the trainers still hold one (not after a trainer failed).
+    `warm`: the job runs on a warm cluster of this process and leaves it (and Ray) running for the next job
+    (colo.cluster.warm); without it the job starts its own actors and ends them, and Ray, when it ends."""
     t_start = time.perf_counter()
     stop = StopSignals()
     stop.install()  # from here on Ctrl-C / SIGTERM stop the run cleanly (colo.run.signals), start-up included
     inputs, cluster, writer, rewards, progress = None, None, None, None, None
+    healthy = True  # every actor alive and trusted at the end (a warm cluster is kept only then)
     try:
         inputs = open_inputs(cfg)
         sweep()  # sync buffers and vLLM queues that killed runs left in this host's /dev/shm (colo.host.shm)
@@ -503,7 +510,7 @@ def run(cfg: ColoConfig) -> int:
                  logging_level=logging.INFO if cfg.run.verbose else logging.ERROR)
         link_ray_logs(inputs.run_dir)
         stop.install()  # again: ray.init replaced the SIGTERM handler with its own
-        cluster = start_cluster(cfg, plan)
+        cluster = warm.acquire(cfg, plan) if warm is not None else start_cluster(cfg, plan)
         stop.install()  # and whatever start-up imported may have too
         if len(cluster.ranks_by_node) > 1:  # a run over several nodes says where each rank is
             print("colo: nodes: " + "; ".join(f"{ip}: {', '.join(names)}"
@@ -514,10 +521,10 @@ def run(cfg: ColoConfig) -> int:
     except KeyboardInterrupt:  # nothing trained yet: nothing to save
         print(f"colo: stopped by {stop.name} during start-up; nothing was trained, nothing saved",
               file=sys.stderr, flush=True)
-        shut_down(cluster, None, None, None, stop)
+        shut_down(cluster, None, None, None, stop, warm)
         return stop.exit_status
     except BaseException:
-        shut_down(cluster, writer, None, rewards, stop)
+        shut_down(cluster, writer, None, rewards, stop, warm, healthy=False)
         raise
     pos = Position(-1, inputs.train_data.state_dict())
     try:
@@ -532,10 +539,10 @@ def run(cfg: ColoConfig) -> int:
             pos = restored
             sync_all(cluster)
         else:
-            warm = warm_up(cluster, cfg, inputs)
-            warm.update(sync_all(cluster))
+            first = warm_up(cluster, cfg, inputs)
+            first.update(sync_all(cluster))
             setup = {f"setup/{k}": v for k, v in cluster.setup.items()}
-            writer.log(-1, {**warm, **setup, **evaluate(cluster, cfg, inputs, rewards)})
+            writer.log(-1, {**first, **setup, **evaluate(cluster, cfg, inputs, rewards)})
         if offloads(cluster, cfg):
             cluster.trainer_group.offload()
         progress = ProgressLine(cfg.loop.steps, initial_step=pos.step + 1)
@@ -561,6 +568,7 @@ def run(cfg: ColoConfig) -> int:
     except OSError as e:  # the driver's own writes (metrics, logs): a full or vanished disk
         return fail(cluster, inputs, pos, e, keep_policy=True, progress=progress)
     except (ActorDied, ActorError) as e:
+        healthy = False
         # A lost node is the news, not the actor that noticed it first (a trainer whose gloo peer vanished).
         lost = node_loss(cluster, e)
         if lost is not None:
@@ -569,7 +577,7 @@ def run(cfg: ColoConfig) -> int:
         # its shards are gone or may be half-updated (and its peers may sit in a collective): do not save.
         return fail(cluster, inputs, pos, e, keep_policy=e.name.startswith("engine"), progress=progress)
     finally:
-        shut_down(cluster, writer, progress, rewards, stop)
+        shut_down(cluster, writer, progress, rewards, stop, warm, healthy)
     return 0
 
 
@@ -600,9 +608,11 @@ def stopped(c: Cluster, inputs: RunInputs, pos: Position, stop: StopSignals, pro
 
 
 def shut_down(cluster: Cluster | None, writer: MetricsWriter | None, progress: ProgressLine | None,
-              rewards: RewardRunner | None, stop: StopSignals) -> None:
+              rewards: RewardRunner | None, stop: StopSignals, warm: WarmClusters | None = None,
+              healthy: bool = True) -> None:
     """Close the run's files and stop its actors, Ray and their shared memory; never raises, and every step runs
-    even when one fails (a full disk fails metrics.png). A stop signal that arrives now only hurries it."""
+    even when one fails (a full disk fails metrics.png). A stop signal that arrives now only hurries it. With
+    `warm`, the cluster goes back to it instead (kept when `healthy`) and Ray keeps running."""
     stop.closing = True  # no KeyboardInterrupt in the middle of the cleanup: a second signal only shortens the wait
     try:
         if writer is not None:
@@ -614,6 +624,10 @@ def shut_down(cluster: Cluster | None, writer: MetricsWriter | None, progress: P
             progress.close()
         if rewards is not None:
             rewards.close()
+        if warm is not None:
+            if cluster is not None:
+                warm.release(cluster, healthy and not stop.hurry)
+            return
         if cluster is not None and ray.is_initialized():
             # best effort, bounded: unlink the trainers' sync buffers and stop vLLM's engine cores (ray.shutdown
             # kills actors without their atexit hooks, which would leave segments in /dev/shm)

@@ -36,16 +36,16 @@ PER_PROCESS = frozenset({"shared_ray"})
 
 def _shared_group(item: pytest.Item) -> str:
     """The xdist group of a test (README command: `-n 2 --dist loadgroup`): tests that share a fixture wider
-    than one test run in one worker, so nothing is started twice. A CLI job shared across files (a session
-    fixture of SESSION_JOBS: the default job, the tools job) is one group; a module-scoped fixture (engines,
+    than one test run in one worker, so nothing is started twice. The CLI jobs shared across files and the jobs
+    on warm clusters (the session fixtures of SESSION_JOBS: the default job, the tools job, warm_jobs) are one
+    group, so one worker's warm clusters serve them all; a module-scoped fixture (engines,
     trainers, a cluster) makes its module one group; a test that shares nothing is a group of its own, so two
     workers can split a file of CLI jobs."""
     info = getattr(item, "_fixtureinfo", None)
     if info is None:
         return item.nodeid
-    for job in SESSION_JOBS:  # the first wins: a test of two session jobs runs where the first one ran
-        if job in info.names_closure:
-            return job
+    if any(job in info.names_closure for job in SESSION_JOBS):
+        return SESSION_GROUP
     ours = [defs[-1] for name, defs in info.name2fixturedefs.items()
             if defs and defs[-1].baseid and name not in PER_PROCESS]  # not pytest's
     if any(d.scope != "function" for d in ours):
@@ -77,7 +77,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         item.add_marker(tiers[folder])
     # longest first, so two workers end together: the default job's group, then jobs, engines, pure tests
     order = {"e2e": 1, "integration": 2, "unit": 3, "gpu": 4}
-    items.sort(key=lambda i: (0 if _shared_group(i) == "default_job" else order[Path(i.fspath).parent.name]))
+    items.sort(key=lambda i: (0 if _shared_group(i) == SESSION_GROUP else order[Path(i.fspath).parent.name]))
     if not any(item.get_closest_marker("gpu") for item in items):
         return  # importing torch just to skip nothing costs seconds
     import torch
@@ -242,6 +242,62 @@ def run_cli(*args: str, cwd: Path | str | None = None, env: dict[str, str] | Non
     return CliResult(p.returncode, p.stdout, p.stderr, seconds, imported)
 
 
+# ------------------------------------------------------------------------- CLI jobs on this process's warm clusters
+
+_WARM: list = []  # this test process's colo.cluster.warm.WarmClusters, made by the first run_job
+
+
+def run_job(*args: str, env: dict[str, str] | None = None, timeout: float = 600) -> CliResult:
+    """`python -m colo.launch ARGS` as run_cli runs it, but in this test process, through the same entry point
+    (colo.launch.main) on its warm clusters (colo.cluster.warm): a CPU colocated job of a shape run before here
+    reuses that job's trainer and engine processes, reconfigured, instead of starting Ray, the actors and their
+    imports again (a one-pair tiny job: 7 s and 8.5 CPU-s warm against 39 s and 51 CPU-s as its own process,
+    measured 2026-11-26 on the 2-core machine). `env`: the job's COLO_* variables (the only ones it may set: the
+    process's own environment is what its actors were started with). What a separate process shows and this does
+    not (the terminal of a fresh start, Ray's start-up, a kill, a signal) stays with run_cli's jobs: the default
+    job, the failure runs, multi-node. `timeout`: then the job gets a SIGINT (it stops as on Ctrl-C)."""
+    import io
+    import signal
+    import threading
+    from contextlib import redirect_stderr, redirect_stdout
+
+    from colo.cluster.warm import WarmClusters
+    from colo.launch import main
+
+    extra = dict(env or {})
+    other = sorted(k for k in extra if not k.startswith("COLO_"))
+    if other:
+        raise ValueError(f"run_job sets COLO_* variables only, not {other}; use run_cli for a job that needs "
+                         "another environment")
+    start_shared_ray()
+    if not _WARM:
+        _WARM.append(WarmClusters())
+    saved, cwd = dict(os.environ), os.getcwd()
+    out, err = io.StringIO(), io.StringIO()
+    timer = threading.Timer(timeout, os.kill, (os.getpid(), signal.SIGINT))
+    t0 = time.perf_counter()
+    try:
+        for k in [k for k in os.environ if k.startswith("COLO_")]:
+            del os.environ[k]
+        os.environ.update(extra)
+        os.chdir(ROOT)
+        timer.start()
+        with redirect_stdout(out), redirect_stderr(err):
+            rc = main(list(args), warm=_WARM[0])
+    finally:
+        timer.cancel()
+        os.chdir(cwd)
+        os.environ.clear()
+        os.environ.update(saved)
+    return CliResult(rc, out.getvalue(), err.getvalue(), time.perf_counter() - t0)
+
+
+def close_warm_clusters() -> None:
+    """Stop this process's warm clusters (before a test needs their logical GPUs, and at the end)."""
+    if _WARM:
+        _WARM.pop().close()
+
+
 # The suite's default job stops after 40 of the README job's 140 RL steps: the same config and code path, and
 # the shortest run whose learning is still clear. Measured on the 140-step job in float32 (configs/tiny-cpu.yaml,
 # 2026-11-25, deterministic on CPU): sampled eval reward 0.19 after the warm-up, 0.28/0.30/0.31 at steps 19/29/39
@@ -264,17 +320,26 @@ TOOLS_JOB_ARGS = ["loop.steps=3", "loop.eval_every=0", "placement.num_gpus=1"]  
 
 
 @pytest.fixture(scope="session")
-def tools_job(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, CliResult]:
+def tools_job(tmp_path_factory: pytest.TempPathFactory, warm_jobs) -> tuple[Path, CliResult]:
     """`python -m colo.launch --config configs/tiny-cpu-tools.yaml` (a README command) after its whole warm-up,
-    shortened to 3 RL steps on one trainer/engine pair (the file says two), once per session:
+    shortened to 3 RL steps on one trainer/engine pair (the file says two), once per session, on this process's
+    warm clusters (run_job; the README's other colocated CPU jobs reuse its processes):
     tests/e2e/test_tools_job.py checks its conversations and
     metrics, tests/e2e/test_readme.py that the README's command runs to the end."""
     run_dir = tmp_path_factory.mktemp("tools-job") / "run"
-    return run_dir, run_cli("--config", "configs/tiny-cpu-tools.yaml", f"run.dir={run_dir}", *TOOLS_JOB_ARGS,
-                            timeout=1500)
+    return run_dir, warm_jobs("--config", "configs/tiny-cpu-tools.yaml", f"run.dir={run_dir}", *TOOLS_JOB_ARGS,
+                              timeout=1500)
 
 
-SESSION_JOBS = ("default_job", "tools_job")
+@pytest.fixture(scope="session")
+def warm_jobs(shared_ray):
+    """run_job, for a test whose CLI jobs run on this process's warm clusters: such tests are one xdist group with
+    the session's other jobs (_shared_group), so the clusters one of them starts serve the others."""
+    yield run_job
+
+
+SESSION_JOBS = ("default_job", "tools_job", "warm_jobs")
+SESSION_GROUP = "session_jobs"  # their xdist group
 
 
 def experts_got(model) -> dict:
@@ -335,6 +400,7 @@ def ray_cluster(shared_ray):
     import ray
 
     start_shared_ray()
+    close_warm_clusters()  # a module may need every logical GPU, and starts actors under the product's names
     with removed_after():
         yield ray
 
@@ -391,5 +457,6 @@ def release_shared_ray() -> None:
     """Shut down this process's shared Ray instance (if running) before a module starts a Ray of its own."""
     import ray
 
+    close_warm_clusters()
     if ray.is_initialized():
         ray.shutdown()

@@ -45,6 +45,7 @@ class Cluster:
     mode: str = "colocated"
     ranks_by_node: dict = field(default_factory=dict)  # Ray node id -> (node IP, ["trainer rank 0", ...])
     lost: list = field(default_factory=list)  # names of the actors on nodes found lost (node_loss)
+    shape: tuple = ()  # colo.cluster.warm.shape of the config it started for (warm clusters only)
 
     @property
     def colocated(self) -> bool:
@@ -70,7 +71,7 @@ def engine_name(e: int, colocated: bool) -> str:
 
 
 def start_cluster(cfg: ColoConfig, plan: PlacementPlan, trainer_cls: type[Trainer] | None = None,
-                  engine_cls: type[Engine] | None = None) -> Cluster:
+                  engine_cls: type[Engine] | None = None, name_suffix: str = "") -> Cluster:
     """Create placement groups, then trainers and engines in them; returns once every actor is ready.
 
     Colocated: trainer rank r and engine r share placement group r, each with its GPU fraction. On GPU
@@ -82,7 +83,8 @@ def start_cluster(cfg: ColoConfig, plan: PlacementPlan, trainer_cls: type[Traine
     logical GPU; then the weight-broadcast group is connected.
 
     `trainer_cls` / `engine_cls`: plain subclasses of Trainer / Engine (colo.bench.engines adds the
-    yardsticks, tests add hooks); made into Ray actors here, like the product classes."""
+    yardsticks, tests add hooks); made into Ray actors here, like the product classes. `name_suffix` is added to
+    the actors' names, so several clusters can live in one namespace (colo.cluster.warm)."""
     from colo.rollout.engine import Engine
     from colo.trainer.worker import Trainer
 
@@ -108,11 +110,12 @@ def start_cluster(cfg: ColoConfig, plan: PlacementPlan, trainer_cls: type[Traine
     dp_addr, dp_port = (at_engine[0]["node_ip"], at_engine[0]["port"]) if colocated else ("", 0)
     local = [sum(w["node_id"] == at_engine[e]["node_id"] for w in at_engine[:e]) for e in range(len(at_engine))]
     cfg_dict, world = to_dict(cfg), len(trainer_pgs)
-    trainers = [TrainWorker.options(num_gpus=train_gpus, num_cpus=1, name=f"colo-trainer-{r}",
+    trainers = [TrainWorker.options(num_gpus=train_gpus, num_cpus=1, name=f"colo-trainer-{r}{name_suffix}",
                                     scheduling_strategy=scheduling(pg)).remote(cfg_dict, r, world, master_addr,
                                                                                master_port)
                 for r, pg in enumerate(trainer_pgs)]
-    engines = [RolloutEngine.options(num_gpus=0 if cuda else engine_gpus, num_cpus=0, name=f"colo-engine-{e}",
+    engines = [RolloutEngine.options(num_gpus=0 if cuda else engine_gpus, num_cpus=0,
+                                     name=f"colo-engine-{e}{name_suffix}",
                                      scheduling_strategy=scheduling(pg)).remote(
                                          cfg_dict, e, len(engine_pgs), dp_port, dp_master_addr=dp_addr,
                                          dp_local_rank=local[e])

@@ -33,6 +33,7 @@ trainer's recompute must divide its logits by the same temperature for the impor
 """
 from __future__ import annotations
 
+import gc
 import json
 import os
 import time
@@ -134,6 +135,33 @@ class Engine:
         self._start_llm()
         self.sleeping: set[str] = set()  # vLLM tags still asleep; generation waits for none
         self.start_s = time.perf_counter() - t0
+
+    def reconfigure(self, cfg: dict) -> dict:
+        """The next job of a warm cluster (colo.cluster.warm): a new vLLM engine for another config in this process,
+        whose environment, core binding and vLLM import stay (the import alone is ~12 CPU-s on the 2-core test
+        machine). The placement cannot change here (colo.cluster.warm only hands a cluster to a job of the same
+        shape); the engine before is gone, with its KV cache and prefix cache, before the next one starts."""
+        t0 = time.perf_counter()
+        new = from_dict(cfg)
+        fixed = ("device", "mode")
+        if any(getattr(new.placement, k) != getattr(self.cfg.placement, k) for k in fixed) or \
+                new.rollout.enforce_eager != self.cfg.rollout.enforce_eager:
+            raise ValueError("reconfigure: another placement or rollout.enforce_eager than this engine started with "
+                             "(both are set up once per process); start a new cluster")
+        if self.disaggregated:
+            raise ValueError("reconfigure: a disaggregated engine's weight group belongs to its vLLM workers; "
+                             "start a new cluster")
+        check_model_dir(new.model.path)
+        self.cfg = new
+        self.log = actor_output(new.run.dir, new.run.verbose, "engine", self.rank)
+        sweep()
+        del self.llm  # the old engine must be gone before the next one sets up (its memory, vLLM's state)
+        gc.collect()
+        self.__dict__.pop("_env", None)  # the environment and framing of the job before
+        self._start_llm()
+        self.sleeping = set()
+        self.start_s = time.perf_counter() - t0
+        return self.ready()
 
     def _start_llm(self) -> None:
         """The vLLM engine for self.cfg (set up once the environment is; a test may start another). How the

@@ -78,6 +78,15 @@ def lock(run_dir: str | Path) -> None:
     _held[str(path)] = f
 
 
+def unlock(run_dir: str | Path) -> None:
+    """Give up this process's lock on run_dir (taken by lock()); a no-op when it holds none. For a process that
+    runs several jobs in turn (colo.cluster.warm); a process that exits gives its locks up anyway."""
+    f = _held.pop(str(Path(run_dir) / LOCK_NAME), None)
+    if f is not None:
+        fcntl.flock(f, fcntl.LOCK_UN)
+        f.close()
+
+
 def held_by(run_dir: str | Path) -> str | None:
     """Who holds run_dir's lock ("pid 123 on host since ..."), or None when no live run does."""
     path = Path(run_dir) / LOCK_NAME

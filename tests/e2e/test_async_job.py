@@ -23,9 +23,9 @@ KEYS = ("async/staleness_mean", "async/staleness_max", "async/offpolicy_frac", "
 
 
 @pytest.fixture(scope="module")
-def full_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def full_run(tmp_path_factory: pytest.TempPathFactory, warm_jobs) -> Path:
     run_dir = tmp_path_factory.mktemp("async") / "run"
-    r = run_cli(f"run.dir={run_dir}", *ASYNC, *JOB, "loop.checkpoint_every=1", env=clean_env(), timeout=600)
+    r = warm_jobs(f"run.dir={run_dir}", *ASYNC, *JOB, "loop.checkpoint_every=1", timeout=600)
     assert r.returncode == 0, (r.stdout[-2000:], r.stderr[-3000:])
     return run_dir
 
@@ -46,7 +46,7 @@ def test_async_job_carries_samples_within_the_staleness_bound(full_run: Path) ->
     assert (run_dir / "export" / "config.json").exists()
 
 
-def test_async_resume_continues_the_carried_samples_exactly(full_run: Path, tmp_path: Path) -> None:
+def test_async_resume_continues_the_carried_samples_exactly(full_run: Path, tmp_path: Path, warm_jobs) -> None:
     """A copy of the run cut back to step 2's checkpoint (which holds the carried samples), then --resume to
     step 4: the resumed steps' records equal the uninterrupted run's (bit-identical on CPU, as sync mode).
     (Until 2026-11-26 a second 3-step run made the cut; the copy tests the same resume with one job less.)"""
@@ -56,7 +56,7 @@ def test_async_resume_continues_the_carried_samples_exactly(full_run: Path, tmp_
     shutil.copytree(full_run, cut, ignore=shutil.ignore_patterns("export"))
     for step in (3, 4):
         shutil.rmtree(cut / "checkpoints" / f"step_{step:06d}")
-    r = run_cli("--resume", f"run.dir={cut}", env=clean_env(), timeout=600)
+    r = warm_jobs("--resume", f"run.dir={cut}", timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     want = {x["step"]: x for x in read_metrics(full_run / "metrics.jsonl")}
     got = {x["step"]: x for x in read_metrics(cut / "metrics.jsonl")}

@@ -191,16 +191,18 @@ def test_run_dir_outputs_and_export(learned: tuple[Path, list[dict]]) -> None:
     assert abs(hf - last_eval) <= 0.05, f"export scores {hf:.3f}, the run's last eval {last_eval:.3f}"
 
 
-def test_resume_reproduces_uninterrupted_run(learned: tuple[Path, list[dict]], tmp_path: Path) -> None:
+def test_resume_reproduces_uninterrupted_run(learned: tuple[Path, list[dict]], tmp_path: Path, warm_jobs) -> None:
     """Cut a copy of the finished run back to what a run killed during step ~22 leaves (checkpoints up to
-    step 19, metrics logged past it, no export), resume it for two steps, compare with the original."""
+    step 19, metrics logged past it, no export), resume it for two steps, compare with the original. The resume
+    runs on this process's warm clusters (conftest run_job), the original in a process of its own: equal records
+    also say a reconfigured trainer and engine compute what fresh ones do."""
     run_dir, rows = learned
     cut = tmp_path / "run"
     shutil.copytree(run_dir, cut, ignore=shutil.ignore_patterns("export"))
     for ckpt in (cut / "checkpoints").iterdir():
         if int(ckpt.name.removeprefix("step_")) > 19:
             shutil.rmtree(ckpt)
-    r = run_cli("--resume", f"run.dir={cut}", "loop.steps=22", timeout=300)
+    r = warm_jobs("--resume", f"run.dir={cut}", "loop.steps=22", timeout=300)
     assert r.returncode == 0, _tail(r)
     resumed = read_metrics(cut / "metrics.jsonl")
     assert [x["step"] for x in resumed] == list(range(-1, 22)), "records after step 19 are replaced, not duplicated"

@@ -195,7 +195,7 @@ class Ran:
 
 
 @pytest.fixture(scope="module")
-def cpu_runs(tmp_path_factory: pytest.TempPathFactory, tools_job) -> list[Ran]:
+def cpu_runs(tmp_path_factory: pytest.TempPathFactory, tools_job, warm_jobs) -> list[Ran]:
     """Each CPU job of the README but the bare default job (test_loop.py's), in README order, into one runs dir
     (so --resume finds the newest). Not tied to the session's default job, so that another xdist worker runs
     these jobs while one runs that. The tools command is the session's tools job (tests/conftest.py), which
@@ -220,7 +220,10 @@ def cpu_runs(tmp_path_factory: pytest.TempPathFactory, tools_job) -> list[Ran]:
             if _setting(cmd, "placement.mode") not in chunked_modes:
                 chunked_modes.add(_setting(cmd, "placement.mode"))
                 extra += CHUNKED  # the first short job of each placement mode takes a batch that forces chunking
-        r = run_cli(*cmd.args, *extra, f"run.dir={runs}/{{time}}", env=clean_env(**env), cwd=ROOT, timeout=600)
+        if _setting(cmd, "placement.mode") == "colocated":  # on the warm clusters the tools job started (run_job)
+            r = warm_jobs(*cmd.args, *extra, f"run.dir={runs}/{{time}}", env=env, timeout=600)
+        else:
+            r = run_cli(*cmd.args, *extra, f"run.dir={runs}/{{time}}", env=clean_env(**env), cwd=ROOT, timeout=600)
         line = next((ln for ln in r.stdout.splitlines() if ln.startswith("colo: run dir ")), "")
         run_dir = Path(line.removeprefix("colo: run dir ")) if line else runs  # none: failed early (exit code)
         out.append(Ran(cmd, extra, r, run_dir, read_metrics(run_dir / "metrics.jsonl")))

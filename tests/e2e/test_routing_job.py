@@ -23,14 +23,13 @@ def test_default_job_logs_routing_and_logprob_gap_every_step(default_job) -> Non
     assert len(acc.Scalars("routing/mismatch")) == len(rows)
 
 
-def test_r3_job_runs_with_every_sync_verified(tmp_path: Path) -> None:
-    """`python -m colo.launch algo.routing_replay=r3`, shortened: the default job with replay on."""
-    from conftest import run_cli
-
+def test_r3_job_runs_with_every_sync_verified(tmp_path: Path, warm_jobs) -> None:
+    """`python -m colo.launch algo.routing_replay=r3`, shortened: the default job with replay on (on this process's
+    warm clusters, conftest run_job)."""
     from colo.run.metrics import read_metrics
 
     run_dir = tmp_path / "run"
-    r = run_cli(f"run.dir={run_dir}", "algo.routing_replay=r3", "loop.steps=3", "loop.sft_warmup_steps=2",
+    r = warm_jobs(f"run.dir={run_dir}", "algo.routing_replay=r3", "loop.steps=3", "loop.sft_warmup_steps=2",
                 "loop.eval_every=0", "loop.eval_samples=0", "loop.checkpoint_every=0", "data.prompts_per_step=4",
                 "rollout.n=4", "data.eval_size=8", timeout=600)  # ~40 s idle; 300 s ran out at load 44
     assert r.returncode == 0, r.stderr[-3000:]

@@ -1,0 +1,131 @@
+"""Warm clusters: one driver process runs several jobs in turn on the same trainer and engine processes.
+
+    warm = WarmClusters()
+    colo.launch.main(["loop.steps=3"], warm=warm)                      # starts a cluster
+    colo.launch.main(["trainer.lr=1e-3", "loop.steps=3"], warm=warm)   # same shape: the same processes
+    warm.close()
+
+Starting a job is most of what a short CPU job costs: ~51 CPU-s for a one-pair tiny job of one RL step, of which
+the steps take a few (measured 2026-11-26 on the 2-core machine), the rest being processes starting: Ray's
+daemons, each actor's imports (vLLM's alone ~12 CPU-s), the process group, vLLM's engine. A warm cluster keeps the
+processes: the next job whose placement has the same shape gets them reconfigured (Trainer.reconfigure,
+Engine.reconfigure build the model, optimizer and vLLM engine again for its config, its run dir and logs), and only
+a job of another shape starts a cluster of its own. The test suite runs its short CPU jobs this way
+(tests/conftest.py `run_job`); so can a sweep of short jobs in one Python process.
+
+CPU and colocated only: on a GPU, vLLM's DP group and the CUDA memory of engines started again in place, and in
+disaggregated mode the weight group of the engines' workers, are not reconfigured here and no test runs them;
+such a job is refused before anything starts.
+"""
+from __future__ import annotations
+
+import contextlib
+import time
+
+import ray
+
+from colo.cluster.actors import ActorDied, ActorError, Cluster, engine_name, gather, start_cluster
+from colo.cluster.placement import PlacementPlan
+from colo.config import ColoConfig, ConfigError, to_dict
+
+
+def shape(cfg: ColoConfig) -> tuple:
+    """What a cluster's processes are set up for once, at their start: jobs that differ here need other processes."""
+    p = cfg.placement
+    return (p.device, p.mode, int(p.num_gpus), int(p.trainer_gpus), float(p.train_gpu_fraction),
+            float(p.vllm_gpu_fraction), bool(cfg.rollout.enforce_eager), cfg.run.ray_address or "")
+
+
+class WarmClusters:
+    """Idle clusters of this driver process, one per shape, oldest first; see the module docstring."""
+
+    def __init__(self) -> None:
+        self._idle: dict[tuple, Cluster] = {}
+        self._started = 0
+        self.reused = 0  # jobs that ran on a warm cluster (tests read it)
+
+    def acquire(self, cfg: ColoConfig, plan: PlacementPlan) -> Cluster:
+        """The job's cluster: the idle one of its shape, reconfigured for it, else a new one (idle clusters of other
+        shapes are stopped first while Ray lacks the GPUs it needs)."""
+        self.check(cfg)
+        key = shape(cfg)
+        c = self._idle.pop(key, None)
+        if c is not None:
+            try:
+                c = reconfigure(c, cfg)
+                self.reused += 1
+                return c
+            except (ActorDied, ActorError):  # a process of it is gone or broken: a new cluster instead
+                stop_cluster(c)
+        self._make_room(plan.num_gpus)
+        self._started += 1
+        c = start_cluster(cfg, plan, name_suffix=f"-warm{self._started}")
+        c.shape = key
+        return c
+
+    @staticmethod
+    def check(cfg: ColoConfig) -> None:
+        """ConfigError for a job warm clusters do not run (colo.launch asks before it writes the run dir)."""
+        if cfg.placement.device != "cpu" or cfg.placement.mode != "colocated":
+            raise ConfigError(f"warm clusters run CPU colocated jobs only (this one: {cfg.placement.device}, "
+                              f"{cfg.placement.mode}); fix: run it as its own job (python -m colo.launch)")
+
+    def release(self, c: Cluster, healthy: bool) -> None:
+        """After a job: a healthy cluster waits for the next job of its shape; one whose actor died or raised is
+        stopped (its state is not trusted)."""
+        if not healthy:
+            stop_cluster(c)
+            return
+        old = self._idle.pop(c.shape, None)
+        if old is not None and old is not c:
+            stop_cluster(old)
+        self._idle[c.shape] = c
+
+    def close(self) -> None:
+        """Stop every idle cluster: its actors' own shutdown (sync buffers, vLLM), then their processes and groups."""
+        while self._idle:
+            stop_cluster(self._idle.pop(next(iter(self._idle))))
+
+    def _make_room(self, gpus: int, timeout_s: float = 30.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while self._idle and ray.available_resources().get("GPU", 0) < gpus:
+            stop_cluster(self._idle.pop(next(iter(self._idle))))  # the oldest first
+            while ray.available_resources().get("GPU", 0) < gpus and time.monotonic() < deadline:
+                time.sleep(0.2)  # Ray frees a removed group's resources a moment later
+
+
+def reconfigure(c: Cluster, cfg: ColoConfig) -> Cluster:
+    """Every trainer and engine of `c` on `cfg` (a job of the same shape): all calls issued before any is awaited,
+    ranks checked as start_cluster checks them; c.setup says what it took."""
+    t0 = time.perf_counter()
+    d = to_dict(cfg)
+    trefs = [t.reconfigure.remote(d) for t in c.trainers]
+    erefs = [e.reconfigure.remote(d) for e in c.engines]
+    setups = gather(trefs, [f"trainer rank {r}" for r in range(len(trefs))])
+    t_train = time.perf_counter() - t0
+    readies = gather(erefs, [engine_name(e, c.colocated) for e in range(len(erefs))])
+    if [s.get("rank") for s in setups] != list(range(len(setups))) or \
+            [e.get("rank") for e in readies] != list(range(len(readies))):
+        raise RuntimeError(f"rank misalignment after reconfigure: trainers {[s.get('rank') for s in setups]}, "
+                           f"engines {[e.get('rank') for e in readies]}")
+    c.setup = {"trainer_setup_s": t_train, "engine_start_s": max(float(e.get("start_s", 0.0)) for e in readies),
+               "cluster_s": time.perf_counter() - t0}
+    c.lost = []
+    return c
+
+
+def stop_cluster(c: Cluster, timeout_s: float = 30.0) -> None:
+    """A cluster's actors and placement groups gone, bounded: each actor's shutdown first (it unlinks the sync
+    buffers and stops vLLM's engine core, which ray.kill would not), then the processes and groups."""
+    from ray.util.placement_group import remove_placement_group
+
+    gone = set(c.lost)
+    ends = [a.shutdown.remote() for name, a in c.actors() if name not in gone]
+    if ends:
+        ray.wait(ends, num_returns=len(ends), timeout=timeout_s)
+    for _, a in c.actors():
+        with contextlib.suppress(Exception):
+            ray.kill(a, no_restart=True)
+    for pg in c.placement_groups:
+        with contextlib.suppress(Exception):
+            remove_placement_group(pg)
