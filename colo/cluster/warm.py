@@ -13,9 +13,10 @@ Engine.reconfigure build the model, optimizer and vLLM engine again for its conf
 a job of another shape starts a cluster of its own. The test suite runs its short CPU jobs this way
 (tests/conftest.py `run_job`); so can a sweep of short jobs in one Python process.
 
-CPU and colocated only: on a GPU, vLLM's DP group and the CUDA memory of engines started again in place, and in
-disaggregated mode the weight group of the engines' workers, are not reconfigured here and no test runs them;
-such a job is refused before anything starts.
+CPU only, engines of one process each (colocated, or disaggregated with rollout.tp_size=1: its weight group is
+formed again for the new engines): on a GPU, vLLM's DP group and the CUDA memory of engines started again in
+place, and TP engines' worker processes, are not reconfigured here and no test runs them; such a job is refused
+before anything starts.
 """
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ import time
 
 import ray
 
-from colo.cluster.actors import ActorDied, ActorError, Cluster, engine_name, gather, start_cluster
+from colo.cluster.actors import ActorDied, ActorError, Cluster, connect_weight_group, engine_name, gather, start_cluster
 from colo.cluster.placement import PlacementPlan
 from colo.config import ColoConfig, ConfigError, to_dict
 
@@ -32,8 +33,9 @@ from colo.config import ColoConfig, ConfigError, to_dict
 def shape(cfg: ColoConfig) -> tuple:
     """What a cluster's processes are set up for once, at their start: jobs that differ here need other processes."""
     p = cfg.placement
-    return (p.device, p.mode, int(p.num_gpus), int(p.trainer_gpus), float(p.train_gpu_fraction),
-            float(p.vllm_gpu_fraction), bool(cfg.rollout.enforce_eager), cfg.run.ray_address or "")
+    return (p.device, p.mode, int(p.num_gpus), int(p.trainer_gpus), int(cfg.rollout.tp_size),
+            float(p.train_gpu_fraction), float(p.vllm_gpu_fraction), bool(cfg.rollout.enforce_eager),
+            cfg.run.ray_address or "")
 
 
 class WarmClusters:
@@ -66,9 +68,11 @@ class WarmClusters:
     @staticmethod
     def check(cfg: ColoConfig) -> None:
         """ConfigError for a job warm clusters do not run (colo.launch asks before it writes the run dir)."""
-        if cfg.placement.device != "cpu" or cfg.placement.mode != "colocated":
-            raise ConfigError(f"warm clusters run CPU colocated jobs only (this one: {cfg.placement.device}, "
-                              f"{cfg.placement.mode}); fix: run it as its own job (python -m colo.launch)")
+        tp = int(cfg.rollout.tp_size) if cfg.placement.mode == "disaggregated" else 1
+        if cfg.placement.device != "cpu" or tp != 1:
+            raise ConfigError(f"warm clusters run CPU jobs with one-process engines only (this one: "
+                              f"{cfg.placement.device}, {cfg.placement.mode}, rollout.tp_size={tp}); fix: run it as "
+                              "its own job (python -m colo.launch)")
 
     def release(self, c: Cluster, healthy: bool) -> None:
         """After a job: a healthy cluster waits for the next job of its shape; one whose actor died or raised is
@@ -108,8 +112,12 @@ def reconfigure(c: Cluster, cfg: ColoConfig) -> Cluster:
             [e.get("rank") for e in readies] != list(range(len(readies))):
         raise RuntimeError(f"rank misalignment after reconfigure: trainers {[s.get('rank') for s in setups]}, "
                            f"engines {[e.get('rank') for e in readies]}")
-    c.setup = {"trainer_setup_s": t_train, "engine_start_s": max(float(e.get("start_s", 0.0)) for e in readies),
-               "cluster_s": time.perf_counter() - t0}
+    c.setup = {"trainer_setup_s": t_train, "engine_start_s": max(float(e.get("start_s", 0.0)) for e in readies)}
+    if not c.colocated:
+        t = time.perf_counter()
+        connect_weight_group(c.trainers[0], c.engines, 1)
+        c.setup["weight_group_s"] = time.perf_counter() - t
+    c.setup["cluster_s"] = time.perf_counter() - t0
     c.lost = []
     return c
 

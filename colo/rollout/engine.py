@@ -140,7 +140,9 @@ class Engine:
         """The next job of a warm cluster (colo.cluster.warm): a new vLLM engine for another config in this process,
         whose environment, core binding and vLLM import stay (the import alone is ~12 CPU-s on the 2-core test
         machine). The placement cannot change here (colo.cluster.warm only hands a cluster to a job of the same
-        shape); the engine before is gone, with its KV cache and prefix cache, before the next one starts."""
+        shape); the engine before is gone, with its KV cache and prefix cache, before the next one starts. A
+        disaggregated engine's weight group went with its vLLM worker: the caller joins it to a new one
+        (colo.cluster.warm.reconfigure)."""
         t0 = time.perf_counter()
         new = from_dict(cfg)
         fixed = ("device", "mode")
@@ -148,9 +150,6 @@ class Engine:
                 new.rollout.enforce_eager != self.cfg.rollout.enforce_eager:
             raise ValueError("reconfigure: another placement or rollout.enforce_eager than this engine started with "
                              "(both are set up once per process); start a new cluster")
-        if self.disaggregated:
-            raise ValueError("reconfigure: a disaggregated engine's weight group belongs to its vLLM workers; "
-                             "start a new cluster")
         check_model_dir(new.model.path)
         self.cfg = new
         self.log = actor_output(new.run.dir, new.run.verbose, "engine", self.rank)

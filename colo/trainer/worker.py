@@ -150,6 +150,9 @@ class Trainer:
                              f"runs {self.cfg.placement.device}/{self.cfg.placement.mode}; start a new cluster")
         t0 = time.perf_counter()
         self.release_sync_buffers()
+        if self._weight_group is not None:  # disaggregated rank 0: the engines' new workers join a new group
+            self._weight_group.close()
+            self._weight_group = self._group_host = None
         self.model = self.ref_model = self.optimizer = None
         gc.collect()
         if self.device.type == "cuda":

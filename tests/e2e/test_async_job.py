@@ -11,7 +11,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from conftest import clean_env, run_cli
 
 from colo.run.metrics import read_metrics
 
@@ -70,7 +69,7 @@ def test_async_resume_continues_the_carried_samples_exactly(full_run: Path, tmp_
 DISAGGREGATED = ["placement.mode=disaggregated", "placement.trainer_gpus=1", "loop.mode=async", "loop.max_staleness=1"]
 
 
-def test_disaggregated_async_trains_one_step_off_and_resumes_exactly(tmp_path: Path) -> None:
+def test_disaggregated_async_trains_one_step_off_and_resumes_exactly(tmp_path: Path, warm_jobs) -> None:
     """Disaggregated async (colo.rollout.ahead): the engine generates step s + 1's batch while the trainer trains
     step s's, so every step after the first trains tokens one version old; the checkpoint of step 1 holds the
     batch generated ahead, and --resume from it (a copy of the run cut back to that checkpoint) trains step 2
@@ -79,7 +78,7 @@ def test_disaggregated_async_trains_one_step_off_and_resumes_exactly(tmp_path: P
 
     full = tmp_path / "full"
     job = [*DISAGGREGATED, *JOB, "loop.steps=3", "loop.checkpoint_every=1"]
-    r = run_cli(f"run.dir={full}", *job, env=clean_env(), timeout=600)
+    r = warm_jobs(f"run.dir={full}", *job, timeout=600)
     assert r.returncode == 0, (r.stdout[-2000:], r.stderr[-3000:])
     rows = {x["step"]: x for x in read_metrics(full / "metrics.jsonl")}
     assert sorted(rows) == [-1, 0, 1, 2]
@@ -94,7 +93,7 @@ def test_disaggregated_async_trains_one_step_off_and_resumes_exactly(tmp_path: P
     cut = tmp_path / "cut"
     shutil.copytree(full, cut)
     shutil.rmtree(cut / "checkpoints" / "step_000002")
-    r = run_cli("--resume", f"run.dir={cut}", env=clean_env(), timeout=600)
+    r = warm_jobs("--resume", f"run.dir={cut}", timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     got = {x["step"]: x for x in read_metrics(cut / "metrics.jsonl")}
     assert sorted(got) == [-1, 0, 1, 2]

@@ -220,10 +220,8 @@ def cpu_runs(tmp_path_factory: pytest.TempPathFactory, tools_job, warm_jobs) -> 
             if _setting(cmd, "placement.mode") not in chunked_modes:
                 chunked_modes.add(_setting(cmd, "placement.mode"))
                 extra += CHUNKED  # the first short job of each placement mode takes a batch that forces chunking
-        if _setting(cmd, "placement.mode") == "colocated":  # on the warm clusters the tools job started (run_job)
-            r = warm_jobs(*cmd.args, *extra, f"run.dir={runs}/{{time}}", env=env, timeout=600)
-        else:
-            r = run_cli(*cmd.args, *extra, f"run.dir={runs}/{{time}}", env=clean_env(**env), cwd=ROOT, timeout=600)
+        # on this process's warm clusters (conftest run_job): the colocated ones reuse the tools job's processes
+        r = warm_jobs(*cmd.args, *extra, f"run.dir={runs}/{{time}}", env=env, timeout=600)
         line = next((ln for ln in r.stdout.splitlines() if ln.startswith("colo: run dir ")), "")
         run_dir = Path(line.removeprefix("colo: run dir ")) if line else runs  # none: failed early (exit code)
         out.append(Ran(cmd, extra, r, run_dir, read_metrics(run_dir / "metrics.jsonl")))

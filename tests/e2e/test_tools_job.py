@@ -6,8 +6,6 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from conftest import run_cli
-
 
 def test_tool_job_runs_conversations_and_logs_their_metrics(tools_job) -> None:
     """The session's tools job (tests/conftest.py: the README's tools command, 3 RL steps)."""
@@ -27,13 +25,13 @@ def test_tool_job_runs_conversations_and_logs_their_metrics(tools_job) -> None:
     assert not (run_dir / "env-errors.log").exists()
 
 
-def test_tool_job_runs_disaggregated(tmp_path: Path) -> None:
+def test_tool_job_runs_disaggregated(tmp_path: Path, warm_jobs) -> None:
     """The same conversations with trainer and engine on separate (logical) GPUs: the engine runs them the
     same way, and the broadcast sync is verified."""
     run_dir = tmp_path / "run"
-    r = run_cli("--config", "configs/tiny-cpu-tools.yaml", f"run.dir={run_dir}", "placement.mode=disaggregated",
-                "placement.trainer_gpus=1", "loop.steps=2", "loop.eval_every=0", "data.eval_path=null",
-                "loop.sft_warmup_steps=40", timeout=1500)
+    r = warm_jobs("--config", "configs/tiny-cpu-tools.yaml", f"run.dir={run_dir}", "placement.mode=disaggregated",
+                  "placement.trainer_gpus=1", "loop.steps=2", "loop.eval_every=0", "data.eval_path=null",
+                  "loop.sft_warmup_steps=40", timeout=1500)
     assert r.returncode == 0, r.stderr[-3000:]
     steps = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()][1:]
     assert [s["step"] for s in steps] == [0, 1]

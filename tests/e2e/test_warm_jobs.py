@@ -62,8 +62,9 @@ def test_a_dead_process_gets_a_new_cluster(warm_jobs, tmp_path: Path) -> None:
 
 
 def test_what_warm_clusters_do_not_run_is_refused_first(warm_jobs, tmp_path: Path) -> None:
-    r = warm_jobs(*JOB, "placement.mode=disaggregated", "placement.num_gpus=2", "placement.trainer_gpus=1",
-                  f"run.dir={tmp_path / 'run'}")
+    r = warm_jobs(*JOB, "placement.mode=disaggregated", "placement.num_gpus=3", "placement.trainer_gpus=1",
+                  "rollout.tp_size=2", f"run.dir={tmp_path / 'run'}")
     assert r.returncode == 2, r.stderr[-2000:]
-    assert "colo: error: warm clusters run CPU colocated jobs only (this one: cpu, disaggregated)" in r.stderr
+    assert ("colo: error: warm clusters run CPU jobs with one-process engines only (this one: cpu, disaggregated, "
+            "rollout.tp_size=2)") in r.stderr
     assert not (tmp_path / "run").exists(), "refused before the run dir is made"
