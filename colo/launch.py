@@ -49,7 +49,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None, warm: WarmClusters | None = None) -> int:
     """`python -m colo.launch ARGV`; returns the exit status. `warm`: run the job on this process's warm clusters
-    (colo.cluster.warm: CPU colocated jobs in turn, without starting processes again; the test suite's jobs)."""
+    (colo.cluster.warm: CPU jobs in turn, without starting their processes again; the test suite's short jobs)."""
     args = parse_args(argv)
     from colo.config import ConfigError  # omegaconf + yaml only: still fast
     from colo.run.signals import StopSignals

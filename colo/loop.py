@@ -562,6 +562,7 @@ def run(cfg: ColoConfig, warm: WarmClusters | None = None) -> int:
         print(run_summary(inputs.run_dir, time.perf_counter() - t_start, list(cfg.run.loggers), serve_command),
               flush=True)
     except KeyboardInterrupt:  # Ctrl-C or SIGTERM (colo.run.signals)
+        healthy = False  # an actor may still be in the call the signal cut short: a warm cluster is not kept
         return stopped(cluster, inputs, pos, stop, progress)
     except (RewardError, TrainingDiverged) as e:  # the trainers hold a whole policy: save it
         return fail(cluster, inputs, pos, e, keep_policy=True, progress=progress)
@@ -626,7 +627,10 @@ def shut_down(cluster: Cluster | None, writer: MetricsWriter | None, progress: P
             rewards.close()
         if warm is not None:
             if cluster is not None:
-                warm.release(cluster, healthy and not stop.hurry)
+                try:
+                    warm.release(cluster, healthy)
+                except Exception as err:  # noqa: BLE001 (the job's outcome stands; its cluster is lost to reuse)
+                    print(f"colo: could not return the cluster to the warm clusters: {err}", file=sys.stderr)
             return
         if cluster is not None and ray.is_initialized():
             # best effort, bounded: unlink the trainers' sync buffers and stop vLLM's engine cores (ray.shutdown

@@ -357,9 +357,10 @@ def experts_got(model) -> dict:
 # ------------------------------------------------------------------------------- one Ray per test process
 
 # logical: the most any integration module asks for (families: 3 GPUs + bundle CPUs), and the warm clusters of the
-# session's jobs side by side: one pair (1 GPU), two pairs (2), disaggregated 1 + 1 (2), so none is stopped to make
-# room for another (with 4 they could not all stay: a job of another shape stopped the oldest)
-RAY_CPUS, RAY_GPUS = 8, 6
+# session's jobs side by side: one pair (1 GPU, 2 CPUs), two pairs (2, 4), disaggregated 1 + 1 (2, 4), so none is
+# stopped to make room for another (with 8 CPUs and 4 GPUs they could not all stay: a job of another shape stopped
+# the oldest)
+RAY_CPUS, RAY_GPUS = 12, 6
 
 
 def _ray_leftovers(pgs: set[str], actors: set[str]) -> tuple[list[str], list[tuple[str, str]]]:

@@ -59,7 +59,7 @@ class WarmClusters:
                 return c
             except (ActorDied, ActorError):  # a process of it is gone or broken: a new cluster instead
                 stop_cluster(c)
-        self._make_room(plan.num_gpus)
+        self._make_room(plan)
         self._started += 1
         c = start_cluster(cfg, plan, name_suffix=f"-warm{self._started}")
         c.shape = key
@@ -90,11 +90,19 @@ class WarmClusters:
         while self._idle:
             stop_cluster(self._idle.pop(next(iter(self._idle))))
 
-    def _make_room(self, gpus: int, timeout_s: float = 30.0) -> None:
+    def _make_room(self, plan: PlacementPlan, timeout_s: float = 30.0) -> None:
+        """Stop idle clusters, the oldest first, until Ray has the GPUs and CPUs of the plan's placement groups (a
+        group that cannot be placed would wait out create_placement's timeout)."""
+        need = {"GPU": float(plan.num_gpus), "CPU": float(len(plan.rows) * plan.cpus_per_bundle)}
+
+        def short() -> bool:
+            free = ray.available_resources()
+            return any(free.get(k, 0.0) < v for k, v in need.items())
+
         deadline = time.monotonic() + timeout_s
-        while self._idle and ray.available_resources().get("GPU", 0) < gpus:
-            stop_cluster(self._idle.pop(next(iter(self._idle))))  # the oldest first
-            while ray.available_resources().get("GPU", 0) < gpus and time.monotonic() < deadline:
+        while self._idle and short():
+            stop_cluster(self._idle.pop(next(iter(self._idle))))
+            while short() and time.monotonic() < deadline:
                 time.sleep(0.2)  # Ray frees a removed group's resources a moment later
 
 
