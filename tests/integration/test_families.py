@@ -24,7 +24,6 @@ padded vocabulary's checks are shown not to wave a broken plan through.
 """
 from __future__ import annotations
 
-import gc
 import time
 from pathlib import Path
 
@@ -86,13 +85,8 @@ class FamilyTrainer(Recorder, Trainer):
         return self._timed("sync_weights", super().sync_weights, engines)
 
     def reload(self, cfg: dict) -> dict:
-        self.release_sync_buffers()
         self._apart = None  # the Sender of the disaggregated link to engine 3
-        self.offloaded = False  # the model built below is on the device
-        self.cfg_dict, self.cfg = cfg, from_dict(cfg)
-        self.model = self.ref_model = self.optimizer = None
-        gc.collect()
-        return self._build()
+        return self.reconfigure(cfg)  # the product's (colo.cluster.warm's): model, optimizer, sync buffers anew
 
     def broadcast_apart(self, engines: list) -> dict:
         from colo.sync.sender import Sender
@@ -155,16 +149,9 @@ class FamilyEngine(Recorder, Engine):
     def end_sync(self, digest: bool) -> dict:
         return self._timed("end_sync", super().end_sync, digest)
 
-    def restart(self, cfg: dict, dummy: bool) -> float:
-        import time
-
-        t0 = time.perf_counter()
-        self.cfg = from_dict(cfg)
-        self.cfg.model.dummy_weights = dummy
-        del self.llm  # the old engine must be gone before the next one sets up vLLM's process groups
-        gc.collect()
-        self._start_llm()
-        return time.perf_counter() - t0
+    def restart(self, cfg: dict, dummy: bool) -> dict:
+        """The product's Engine.reconfigure (colo.cluster.warm's) on `cfg`, with random weights when `dummy`."""
+        return self.reconfigure({**cfg, "model": {**cfg["model"], "dummy_weights": dummy}})
 
 
 class Rig:
