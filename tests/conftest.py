@@ -249,7 +249,7 @@ _WARM: list = []  # this test process's colo.cluster.warm.WarmClusters, made by 
 
 def run_job(*args: str, env: dict[str, str] | None = None, timeout: float = 600) -> CliResult:
     """`python -m colo.launch ARGS` as run_cli runs it, but in this test process, through the same entry point
-    (colo.launch.main) on its warm clusters (colo.cluster.warm): a CPU colocated job of a shape run before here
+    (colo.launch.main) on its warm clusters (colo.cluster.warm): a CPU job of a shape run before here
     reuses that job's trainer and engine processes, reconfigured, instead of starting Ray, the actors and their
     imports again (a one-pair tiny job: 7 s and 8.5 CPU-s warm against 39 s and 51 CPU-s as its own process,
     measured 2026-11-26 on the 2-core machine). `env`: the job's COLO_* variables (the only ones it may set: the
