@@ -300,10 +300,11 @@ def close_warm_clusters() -> None:
 
 # The suite's default job stops after 40 of the README job's 140 RL steps: the same config and code path, and
 # the shortest run whose learning is still clear. Measured on the 140-step job in float32 (configs/tiny-cpu.yaml,
-# 2026-11-25, deterministic on CPU): sampled eval reward 0.19 after the warm-up, 0.28/0.30/0.31 at steps 19/29/39
-# (+0.11 over the last three, the test asks +0.06), 0.40 at 139; greedy 0.23 -> 0.41/0.50/0.48; training reward
-# 0.28 over the first 10 steps, 0.40 over steps 30-39 (the test asks +0.05). (In bf16, before: 80 steps were
-# needed for +0.11.)
+# deterministic on one kind of CPU), AVX2 EPYC, 2026-11-25: sampled eval reward 0.19 after the warm-up,
+# 0.28/0.30/0.31 at steps 19/29/39, 0.40 at 139; greedy 0.23 -> 0.41/0.50/0.48 (the test asks +0.06 over the
+# last three); training reward 0.28 over the first 10 steps, 0.40 over steps 30-39 (the test asks +0.05).
+# EPYC with AVX512-BF16, 2026-11-26 (another trajectory): sampled 0.22 -> 0.23/0.25/0.25, 0.34 at 139; greedy
+# 0.30 -> 0.45/0.36/0.42; training 0.24 -> 0.34. (In bf16, before: 80 steps were needed for +0.11.)
 DEFAULT_JOB_STEPS = 40
 
 

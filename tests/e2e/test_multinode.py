@@ -12,7 +12,7 @@ the default loop
 - a single-node run (local Ray, as `python -m colo.launch` runs) of STEPS steps: the reference;
 - the same job joined to the cluster through RAY_ADDRESS: trainer rank 0 + engine 0 on the head, rank 1 +
   engine 1 on the worker node. Once its step-1 checkpoint is written, the worker node's raylet is killed
-  (by the pid this test started): the run ends with one error line naming the node and the ranks on it,
+  (by the pid this test started) while its reward holds step 2: the run ends with one error line naming the node and the ranks on it,
   and the newest checkpoint with the --resume command;
 - a fresh worker node joins (the cluster re-formed) and `--resume` finishes the run.
 A hard-coded 127.0.0.1 rendezvous (tried by hand) hangs the two-node run: rank 1 in the namespace dials
@@ -24,6 +24,7 @@ node a rank sits on.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -60,8 +61,34 @@ def single(tmp_path_factory) -> Path:
     return run_dir
 
 
-def _joined_env(c: TwoNodes) -> dict[str, str]:
-    return clean_env(RAY_ADDRESS=c.address, **c.client_env)
+# The two-node run's reward: exact_match (so its numbers equal the single-node run's), which holds the run in step 2
+# until the test has killed the worker node. Without the hold, a fast machine ran steps 2-4 between step 1's
+# checkpoint and the node's death (AMD EPYC with AVX512-BF16, 2026-11-26: the resume then had nothing left to do).
+HELD_REWARD = '''
+import os
+import time
+from pathlib import Path
+
+from colo.algo.rewards import exact_match
+
+
+def exact_match_held_after_step_1(responses, answers, prompts):
+    run = Path(os.environ["HELD_REWARD_RUN_DIR"])
+    if (run / "checkpoints" / "step_000001" / "extra.json").exists():
+        deadline = time.monotonic() + 300
+        while not (run.parent / "node-killed").exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
+    return exact_match(responses, answers, prompts)
+'''
+
+
+def _joined_env(c: TwoNodes, run_dir: Path | None = None) -> dict[str, str]:
+    env = clean_env(RAY_ADDRESS=c.address, **c.client_env)
+    if run_dir is not None:  # the held reward (HELD_REWARD), importable by the driver
+        (run_dir.parent / "held_reward.py").write_text(HELD_REWARD)
+        env["PYTHONPATH"] = os.pathsep.join([env["PYTHONPATH"], str(run_dir.parent)])
+        env["HELD_REWARD_RUN_DIR"] = str(run_dir)
+    return env
 
 
 def _wait_for(path: Path, proc: subprocess.Popen, timeout: float) -> None:
@@ -91,12 +118,17 @@ def test_readme_cluster_dry_run_shows_the_node_of_every_rank(cluster: TwoNodes) 
 
 def test_node_loss_then_resume_matches_one_node(cluster: TwoNodes, single: Path, tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
-    args = [sys.executable, "-m", "colo.launch", *JOB, "loop.steps=40", f"run.dir={run_dir}"]
-    proc = subprocess.Popen(args, cwd=ROOT, env=_joined_env(cluster), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+    args = [sys.executable, "-m", "colo.launch", *JOB, "loop.steps=40", f"run.dir={run_dir}",
+            "algo.rewards=[held_reward:exact_match_held_after_step_1]"]
+    env = _joined_env(cluster, run_dir)
+    proc = subprocess.Popen(args, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         _wait_for(run_dir / "checkpoints" / "step_000001" / "extra.json", proc, timeout=400)
         cluster.kill_worker_raylet()
+        deadline = time.monotonic() + 60
+        while cluster.worker_ip in cluster.alive_nodes() and time.monotonic() < deadline:
+            time.sleep(0.5)
+        (tmp_path / "node-killed").write_text("")  # the GCS counts the node dead: step 2's next call meets it
         out, err = proc.communicate(timeout=180)
     finally:
         if proc.poll() is None:
@@ -109,12 +141,13 @@ def test_node_loss_then_resume_matches_one_node(cluster: TwoNodes, single: Path,
     want = f"colo: error: node {cluster.worker_ip} died; on it: trainer rank 1, engine DP rank 1"
     assert error.startswith(want), error
     newest = sorted(p for p in (run_dir / "checkpoints").glob("step_*") if (p / "extra.json").exists())[-1]
+    assert newest.name == "step_000001", newest  # the node died in step 2 (the held reward)
     assert (f"colo: newest checkpoint {newest}; continue with: python -m colo.launch --resume "
             f"run.dir={run_dir}") in err, err[-2000:]
 
     cluster.stop_worker()  # what is left of the dead node's processes
     cluster.start_worker()  # the cluster re-formed: a fresh worker node with the same address
-    r = run_cli("--resume", f"run.dir={run_dir}", f"loop.steps={STEPS}", env=_joined_env(cluster), timeout=600)
+    r = run_cli("--resume", f"run.dir={run_dir}", f"loop.steps={STEPS}", env=env, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
 
     want, got = read_metrics(single / "metrics.jsonl"), read_metrics(run_dir / "metrics.jsonl")
