@@ -23,7 +23,6 @@ import hashlib
 import json
 import os
 import resource
-import socket
 import sys
 import tempfile
 import time
@@ -33,6 +32,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from colo.host.net import free_port
 
 
 def write_checkpoint(out: str, preset: str, layers: int, shard_size: str, seed: int = 0,
@@ -104,9 +105,7 @@ def _worker(rank: int, world: int, port: int, model_dir: str, paths: list[str], 
 
 def run_ranks(model_dir: str, paths: list[str], ranks: int) -> list[dict[str, Any]]:
     """`ranks` fresh processes (spawn) load the checkpoint by each path in turn; their reports, rank order."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     with tempfile.TemporaryDirectory() as out:
         mp.start_processes(_worker, args=(ranks, port, model_dir, paths, out), nprocs=ranks, start_method="spawn")
         return [json.loads(Path(out, f"rank{r}.json").read_text()) for r in range(ranks)]

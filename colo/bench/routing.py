@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import socket
 import statistics
 import tempfile
 import time
@@ -54,6 +53,7 @@ def run(args: argparse.Namespace) -> dict:
     from colo.algo.batch import build_batch
     from colo.algo.parity import gap_metrics, logprob_gap
     from colo.config import ColoConfig
+    from colo.host.net import free_port
     from colo.models.tiny import make_tiny_model
     from colo.rollout.engine import RolloutEngine
     from colo.trainer.worker import Trainer
@@ -72,9 +72,7 @@ def run(args: argparse.Namespace) -> dict:
     engine = RolloutEngine.options(num_gpus=0.4, num_cpus=0, scheduling_strategy=PlacementGroupSchedulingStrategy(
         placement_group=pg, placement_group_bundle_index=0)).remote(dataclasses.asdict(cfg), 0, 1, 0)
     ray.get(engine.ready.remote())
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     trainer = Trainer(dataclasses.asdict(cfg), 0, 1, "127.0.0.1", port)
     trainer.setup()
     rng = np.random.default_rng(0)

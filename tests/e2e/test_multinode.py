@@ -126,7 +126,10 @@ def test_node_loss_then_resume_matches_one_node(cluster: TwoNodes, single: Path,
         _wait_for(run_dir / "checkpoints" / "step_000001" / "extra.json", proc, timeout=400)
         cluster.kill_worker_raylet()
         deadline = time.monotonic() + 60
-        while cluster.worker_ip in cluster.alive_nodes() and time.monotonic() < deadline:
+        while time.monotonic() < deadline:  # until the GCS has answered without the worker node
+            alive = cluster.alive_nodes()
+            if alive and cluster.worker_ip not in alive:
+                break
             time.sleep(0.5)
         (tmp_path / "node-killed").write_text("")  # the GCS counts the node dead: step 2's next call meets it
         out, err = proc.communicate(timeout=180)

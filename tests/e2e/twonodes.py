@@ -128,11 +128,13 @@ class TwoNodes:
     def alive_nodes(self) -> list[str]:
         """IP addresses of the nodes the GCS counts alive (asked through a throwaway driver process)."""
         code = ("import ray,json;ray.init(address=%r,logging_level='ERROR');"
-                "print(json.dumps([n['NodeManagerAddress'] for n in ray.nodes() if n['Alive']]))" % self.address)
+                "print('alive:', json.dumps([n['NodeManagerAddress'] for n in ray.nodes() if n['Alive']]))" % self.address)
         p = subprocess.run([sys.executable, "-c", code], env=self.env, capture_output=True, text=True, timeout=60)
         import json
 
-        return json.loads(p.stdout.strip().splitlines()[-1]) if p.returncode == 0 else []
+        # Ray may print warnings of its own around it ("raylet has lagging heartbeats ..." while a node dies)
+        line = next((ln for ln in reversed(p.stdout.splitlines()) if ln.startswith("alive: ")), None)
+        return json.loads(line[len("alive: "):]) if p.returncode == 0 and line else []
 
     def _wait_nodes(self, n: int, timeout: float = 90) -> None:
         deadline = time.monotonic() + timeout

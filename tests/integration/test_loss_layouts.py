@@ -13,7 +13,6 @@ test_algo_loss.py). The story: 2 SFT steps (the warm-up) -> export A -> RL step 
 from __future__ import annotations
 
 import dataclasses
-import socket
 import sys
 from pathlib import Path
 
@@ -23,6 +22,7 @@ import torch
 
 from colo.algo.batch import build_batch, shard_batch
 from colo.config import ColoConfig
+from colo.host.net import free_port
 from colo.models.tiny import make_tiny_model
 from colo.trainer.worker import TrainWorker
 
@@ -42,9 +42,7 @@ def _cfg(model_dir: Path, micro_batch_size: int) -> dict:
 
 
 def _start(cfg: dict, world: int) -> list:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()  # below the ephemeral range: a bind(0) port can be taken before gloo listens on it
     ws = [TrainWorker.options(num_cpus=0).remote(cfg, r, world, "127.0.0.1", port) for r in range(world)]
     ray.get([w.setup.remote() for w in ws])
     return ws

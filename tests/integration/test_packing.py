@@ -7,7 +7,6 @@ padding.
 from __future__ import annotations
 
 import dataclasses
-import socket
 import sys
 from pathlib import Path
 
@@ -18,6 +17,7 @@ import torch
 
 from colo.algo.batch import build_batch, shard_batch
 from colo.config import ColoConfig
+from colo.host.net import free_port
 from colo.models.tiny import make_tiny_model
 from colo.trainer.worker import TrainWorker
 
@@ -35,9 +35,7 @@ def workers(tmp_path_factory: pytest.TempPathFactory, ray_cluster):
     t.lr, t.micro_batch_size, t.max_tokens_per_micro_batch, t.epochs, t.logprob_chunk = 0.0, 2, 40, 1, 16
     c.rollout.temperature, c.algo.kl_coef, c.algo.tis_cap = 0.8, 0.05, 2.0
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()  # below the ephemeral range: a bind(0) port can be taken before gloo listens on it
     ws = [TrainWorker.options(num_cpus=0).remote(dataclasses.asdict(c), r, 2, "127.0.0.1", port) for r in range(2)]
     ray.get([w.setup.remote() for w in ws])
     yield ws

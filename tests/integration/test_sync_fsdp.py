@@ -7,13 +7,13 @@ with the expert fast path (no all-gather) and without it.
 from __future__ import annotations
 
 import os
-import socket
 
 import pytest
 import torch
 import torch.multiprocessing as tmp
 
 from colo.config import SyncConfig
+from colo.host.net import free_port
 from colo.models.dtypes import torch_dtype
 from colo.models.archs import QWEN3_MOE
 from colo.sync.plan import direct_segments
@@ -108,9 +108,8 @@ def _worker(rank: int, world: int, port: int, path: str, results) -> None:
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    # below the ephemeral range: a bind(0) port was taken before the TCPStore listened (EADDRINUSE, 2026-11-26)
+    return free_port()
 
 
 @pytest.fixture(scope="module")

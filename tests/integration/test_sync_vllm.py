@@ -13,6 +13,7 @@ import ray
 import torch
 
 from colo.config import SyncConfig
+from colo.host.shm import SHM, owner_pid
 from colo.models.archs import QWEN3_MOE, reference_weights
 from colo.sync.plan import direct_segments
 from colo.sync.sender import Sender
@@ -137,14 +138,17 @@ def test_reference_path_then_direct_again(setup) -> None:
     """The reference mode (sync.mode=load_weights: whole checkpoint tensors, experts un-fused, vLLM's own
     load_weights) through the same plan, buffers and link restores the engine after the faulty syncs
     above; a direct sync afterwards still works on reopened buffers."""
-    shm_before = set(os.listdir("/dev/shm"))
+    def ours() -> set[str]:  # this process's segments (the other xdist worker's jobs make theirs meanwhile)
+        return {n for n in os.listdir(SHM) if owner_pid(n) == os.getpid()}
+
+    shm_before = ours()
     reference = Sender.colocated(setup["model"], SyncConfig(mode="load_weights", bucket_mb=0.25, digest=True),
                                  setup["engine"])
     rep = reference.push()
     assert rep["verified"] and rep["plan"] == "reference" and rep["digest_checked"], rep
     assert rep["buckets"] >= 4 and rep["loaded_tensors"] == rep["tensors"]  # 1.45 MB streamed in 0.25 MiB buffers
     reference.close()
-    assert set(os.listdir("/dev/shm")) <= shm_before  # its segments are unlinked
+    assert ours() <= shm_before  # its segments are unlinked
     _assert_same(greedy(setup["engine"]), setup["want"])
     setup["sender"].cfg = SyncConfig(bucket_mb=0.25, digest=True)
     rep = setup["sender"].push()

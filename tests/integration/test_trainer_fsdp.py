@@ -11,7 +11,6 @@ per-rank token mean or a missing dummy micro-batch would make A differ from S (o
 from __future__ import annotations
 
 import dataclasses
-import socket
 from pathlib import Path
 
 import pytest
@@ -21,6 +20,7 @@ import torch
 from colo.algo.batch import build_batch
 from colo.algo.loss import gather_logprobs
 from colo.config import ColoConfig
+from colo.host.net import free_port
 from colo.models.tiny import make_tiny_model
 from colo.models.archs import expert_shard_range
 from colo.trainer.worker import Trainer
@@ -46,9 +46,7 @@ def _cfg(model_dir: Path, dummy: bool = False) -> dict:
 
 
 def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return free_port()  # below the ephemeral range: a bind(0) port can be taken before gloo listens on it
 
 
 def _start(cfg: dict, world: int) -> list:
