@@ -241,9 +241,16 @@ def _extra(run_dir: Path, step: int) -> dict:
     return json.loads((run_dir / "checkpoints" / f"step_{step:06d}" / "extra.json").read_text())
 
 
-def test_reward_error_names_function_and_sample_checkpoints_exits_1(reward_env: dict, tmp_path: Path) -> None:
+def test_reward_error_names_function_and_sample_checkpoints_exits_1(reward_env: dict, tmp_path: Path, warm_jobs,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """On this process's warm clusters (conftest run_job): a reward error leaves the cluster healthy, so the job
+    reuses the one-pair cluster of the session's other jobs (~15 CPU-s less than its own process; the reward runs
+    in this process, which imports failing_rewards from the fixture's folder)."""
     run_dir = tmp_path / "run"
-    r = _fail_run(run_dir, reward_env, "algo.rewards=[failing_rewards:explode]", *ONE_PAIR)
+    monkeypatch.syspath_prepend(reward_env["PYTHONPATH"].rsplit(os.pathsep, 1)[-1])
+    r = warm_jobs(f"run.dir={run_dir}", *SMALL_JOB, "algo.rewards=[failing_rewards:explode]", *ONE_PAIR, timeout=300)
+    assert r.returncode == 1, _tail(r)
+    assert r.seconds < FAILURE_EXIT_S, f"took {r.seconds:.0f} s to fail"
     error = next(ln for ln in r.stderr.splitlines() if ln.startswith("colo: error: "))
     assert "'failing_rewards:explode' raised ValueError: cannot score" in error, error
     assert "on sample 0: response=" in error, error
