@@ -12,7 +12,11 @@
   mid-rollout, a dataset row without its answer: each exits non-zero within a bounded time, names the
   culprit in one `colo: error:` line (traceback in <run.dir>/error.log), and keeps what it can; a whole run
   killed with `kill -9` leaves shared memory that its `--resume` sweeps.
-The failure runs use a small job (2 warm-up steps, 4 prompts x 4 samples): start-up dominates (~30 s).
+The failure runs use a small job (2 warm-up steps, 4 prompts x 4 samples): start-up dominates (~30 s). The
+reward error and the engine and trainer deaths run on the session's warm clusters (conftest run_job; a dead
+actor's cluster is stopped and the next job starts a new one), their actors killed by pid; the engine error and the
+kill -9 of a whole run stay processes of their own. Measured alone (2-core EPYC with AVX512-BF16, 2026-11-26):
+those four runs 65 s and 107 CPU-s on warm clusters, 82 s and 116 CPU-s as processes of their own.
 """
 from __future__ import annotations
 
@@ -44,7 +48,7 @@ PHASES = ("rollout", "reward", "sleep", "train", "sync", "wake")  # colo.loop.rl
 # Driver-side reward functions that fail on purpose. Calls: 1 = warm-up eval (greedy only: eval_samples=0),
 # 2 = step 0, 3 = step 1, so every failure happens in step 1, after step 0 has trained (there is a policy
 # worth checkpointing).
-# The actors are found by the names colo.cluster.actors gives them.
+# The engine is found by the name colo.cluster.actors gives it (a CLI job's cluster: no warm suffix).
 FAILING_REWARDS = '''
 import ray
 from colo.algo.rewards import exact_match
@@ -62,19 +66,6 @@ def explode(responses, answers, prompts):
     if _nth_call() >= 3:
         raise ValueError(f"cannot score {responses[0]!r}")
     return exact_match(responses, answers, prompts)
-
-
-def _killer(actor_name):
-    def reward(responses, answers, prompts):
-        if _nth_call() == 3:
-            ray.kill(ray.get_actor(actor_name), no_restart=True)
-        return exact_match(responses, answers, prompts)
-    return reward
-
-
-kill_engine_0 = _killer("colo-engine-0")
-kill_engine_1 = _killer("colo-engine-1")
-kill_trainer_1 = _killer("colo-trainer-1")
 
 
 def sleep_engine_0(responses, answers, prompts):
@@ -230,6 +221,67 @@ def reward_env(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     return env
 
 
+# The failure runs on warm clusters (conftest run_job) score in this test process, where a module is imported
+# once: each gets a module of its own (its own call counter), and finds the running job's actors by the log file
+# their processes write (<run dir>/logs/<role>-<rank>.log, colo.run.logs.actor_output), since warm clusters name
+# their actors colo-engine-1-warm<N>. It kills by pid (SIGKILL), as the OOM killer would.
+WARM_FAILING_REWARDS = '''
+import os
+import signal
+from pathlib import Path
+
+import psutil
+
+from colo.algo.rewards import exact_match
+
+RUN_DIR = {run_dir!r}
+calls = 0
+
+
+def _pid_of(role_rank):
+    log = str(Path(RUN_DIR) / "logs" / f"{{role_rank}}.log")
+    for p in psutil.process_iter():
+        try:
+            if p.cmdline()[:1] and p.cmdline()[0].startswith("ray::") and os.readlink(f"/proc/{{p.pid}}/fd/1") == log:
+                return p.pid
+        except (psutil.Error, OSError):
+            continue
+    raise LookupError(f"no actor process writes {{log}}")
+
+
+def _killer(role_rank):
+    def reward(responses, answers, prompts):
+        global calls
+        calls += 1
+        if calls == 3:
+            os.kill(_pid_of(role_rank), signal.SIGKILL)
+        return exact_match(responses, answers, prompts)
+    return reward
+
+
+kill_engine_0 = _killer("engine-0")
+kill_engine_1 = _killer("engine-1")
+kill_trainer_1 = _killer("trainer-1")
+'''
+
+
+@pytest.fixture
+def warm_rewards(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, warm_jobs) -> tuple[str, Path]:
+    """(module name, run dir) of WARM_FAILING_REWARDS written for this test, importable in this process."""
+    name = f"failing_rewards_{os.getpid()}_{abs(hash(str(tmp_path)))}"
+    run_dir = tmp_path / "run"
+    (tmp_path / f"{name}.py").write_text(WARM_FAILING_REWARDS.format(run_dir=str(run_dir)))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    return name, run_dir
+
+
+def _warm_fail_run(warm_jobs, run_dir: Path, *overrides: str):
+    r = warm_jobs(f"run.dir={run_dir}", *SMALL_JOB, *overrides, timeout=300)
+    assert r.returncode == 1, _tail(r)
+    assert r.seconds < FAILURE_EXIT_S, f"took {r.seconds:.0f} s to fail"
+    return r
+
+
 def _fail_run(run_dir: Path, env: dict[str, str], *overrides: str):
     r = run_cli(f"run.dir={run_dir}", *SMALL_JOB, *overrides, env=env, timeout=300)
     assert r.returncode == 1, _tail(r)
@@ -262,9 +314,9 @@ def test_reward_error_names_function_and_sample_checkpoints_exits_1(reward_env: 
     assert _steps(run_dir) == [-1, 0] and (run_dir / "metrics.png").exists()
 
 
-def test_engine_death_names_rank_and_checkpoints(reward_env: dict, tmp_path: Path) -> None:
-    run_dir = tmp_path / "run"
-    r = _fail_run(run_dir, reward_env, "algo.rewards=[failing_rewards:kill_engine_1]")
+def test_engine_death_names_rank_and_checkpoints(warm_rewards: tuple[str, Path], warm_jobs) -> None:
+    module, run_dir = warm_rewards  # on warm clusters: the dead engine's cluster is stopped, a new one serves the next
+    r = _warm_fail_run(warm_jobs, run_dir, f"algo.rewards=[{module}:kill_engine_1]")
     assert "colo: error: engine DP rank 1 died" in r.stderr, _tail(r)
     # step 0's checkpoint is saved (that such a checkpoint resumes to the end is the next test's)
     assert _extra(run_dir, 0)["step"] == 0 and _steps(run_dir) == [-1, 0]
@@ -344,9 +396,9 @@ def _resume_and_kill_after_step_1(run_dir: Path, env: dict[str, str]) -> list[st
     return left
 
 
-def test_trainer_death_names_rank_exits_1(reward_env: dict, tmp_path: Path) -> None:
-    run_dir = tmp_path / "run"
-    r = _fail_run(run_dir, reward_env, "algo.rewards=[failing_rewards:kill_trainer_1]", "loop.checkpoint_every=1")
+def test_trainer_death_names_rank_exits_1(warm_rewards: tuple[str, Path], warm_jobs) -> None:
+    module, run_dir = warm_rewards
+    r = _warm_fail_run(warm_jobs, run_dir, f"algo.rewards=[{module}:kill_trainer_1]", "loop.checkpoint_every=1")
     assert "colo: error: trainer rank 1 died" in r.stderr, _tail(r)
     # a dead rank's shards are gone: nothing new is saved, the periodic checkpoint of step 0 is pointed at
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step_000000"]
@@ -375,12 +427,12 @@ def test_dataset_row_missing_field_exits_2_early(tmp_path: Path, fmt: str) -> No
     assert not (tmp_path / "run").exists(), "a data error must leave no run dir behind (a rerun would need --resume)"
 
 
-def test_disaggregated_engine_death_names_it_and_checkpoints(reward_env: dict, tmp_path: Path) -> None:
+def test_disaggregated_engine_death_names_it_and_checkpoints(warm_rewards: tuple[str, Path], warm_jobs) -> None:
     """1 trainer + 1 engine on GPUs of their own: the engine dies during step 1; the trainer meets it in the
     broadcast sync, the driver names it, the trainer (which still holds the policy) checkpoints step 1.
     (Until 2026-11-26 with 2 engines and engine 1 killed: the same path, one engine start more.)"""
-    run_dir = tmp_path / "run"
-    r = _fail_run(run_dir, reward_env, "algo.rewards=[failing_rewards:kill_engine_0]",
-                  "placement.mode=disaggregated", "placement.num_gpus=2", "placement.trainer_gpus=1")
+    module, run_dir = warm_rewards
+    r = _warm_fail_run(warm_jobs, run_dir, f"algo.rewards=[{module}:kill_engine_0]",
+                       "placement.mode=disaggregated", "placement.num_gpus=2", "placement.trainer_gpus=1")
     assert "colo: error: engine 0 (seen by trainer rank 0 during the weight sync) died" in r.stderr, _tail(r)
     assert _extra(run_dir, 1)["step"] == 1 and _steps(run_dir) == [-1, 0]
