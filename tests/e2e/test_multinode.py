@@ -12,8 +12,8 @@ the default loop
 - a single-node run (local Ray, as `python -m colo.launch` runs) of STEPS steps: the reference;
 - the same job joined to the cluster through RAY_ADDRESS: trainer rank 0 + engine 0 on the head, rank 1 +
   engine 1 on the worker node. Once its step-1 checkpoint is written, the worker node's raylet is killed
-  (by the pid this test started) while its reward holds step 2: the run ends with one error line naming the node and the ranks on it,
-  and the newest checkpoint with the --resume command;
+  (by the pid this test started) while its reward holds step 2: the run ends with one error line naming the
+  node and the ranks on it, and the newest checkpoint (step 1) with the --resume command;
 - a fresh worker node joins (the cluster re-formed) and `--resume` finishes the run.
 A hard-coded 127.0.0.1 rendezvous (tried by hand) hangs the two-node run: rank 1 in the namespace dials
 its own loopback, and the test fails on its 400 s wait for the step-1 checkpoint.
@@ -62,7 +62,7 @@ def single(tmp_path_factory) -> Path:
 
 
 # The two-node run's reward: exact_match (so its numbers equal the single-node run's), which holds the run in step 2
-# until the test has killed the worker node. Without the hold, a fast machine ran steps 2-4 between step 1's
+# until the test has killed the worker node. Without the hold, a fast machine ran steps 2-5 between step 1's
 # checkpoint and the node's death (AMD EPYC with AVX512-BF16, 2026-11-26: the resume then had nothing left to do).
 HELD_REWARD = '''
 import os
