@@ -275,18 +275,19 @@ def warm_rewards(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, warm_jobs) -> 
     return name, run_dir
 
 
-def _warm_fail_run(warm_jobs, run_dir: Path, *overrides: str):
-    r = warm_jobs(f"run.dir={run_dir}", *SMALL_JOB, *overrides, timeout=300)
+def _failed(r):
+    """A failure run's result, once it is shown to have ended as one: exit 1, within FAILURE_EXIT_S."""
     assert r.returncode == 1, _tail(r)
     assert r.seconds < FAILURE_EXIT_S, f"took {r.seconds:.0f} s to fail"
     return r
+
+
+def _warm_fail_run(warm_jobs, run_dir: Path, *overrides: str):
+    return _failed(warm_jobs(f"run.dir={run_dir}", *SMALL_JOB, *overrides, timeout=300))
 
 
 def _fail_run(run_dir: Path, env: dict[str, str], *overrides: str):
-    r = run_cli(f"run.dir={run_dir}", *SMALL_JOB, *overrides, env=env, timeout=300)
-    assert r.returncode == 1, _tail(r)
-    assert r.seconds < FAILURE_EXIT_S, f"took {r.seconds:.0f} s to fail"
-    return r
+    return _failed(run_cli(f"run.dir={run_dir}", *SMALL_JOB, *overrides, env=env, timeout=300))
 
 
 def _extra(run_dir: Path, step: int) -> dict:
@@ -300,9 +301,7 @@ def test_reward_error_names_function_and_sample_checkpoints_exits_1(reward_env: 
     in this process, which imports failing_rewards from the fixture's folder)."""
     run_dir = tmp_path / "run"
     monkeypatch.syspath_prepend(reward_env["PYTHONPATH"].rsplit(os.pathsep, 1)[-1])
-    r = warm_jobs(f"run.dir={run_dir}", *SMALL_JOB, "algo.rewards=[failing_rewards:explode]", *ONE_PAIR, timeout=300)
-    assert r.returncode == 1, _tail(r)
-    assert r.seconds < FAILURE_EXIT_S, f"took {r.seconds:.0f} s to fail"
+    r = _warm_fail_run(warm_jobs, run_dir, "algo.rewards=[failing_rewards:explode]", *ONE_PAIR)
     error = next(ln for ln in r.stderr.splitlines() if ln.startswith("colo: error: "))
     assert "'failing_rewards:explode' raised ValueError: cannot score" in error, error
     assert "on sample 0: response=" in error, error

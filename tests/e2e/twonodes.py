@@ -21,7 +21,6 @@ import os
 import secrets
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -29,6 +28,8 @@ import time
 from pathlib import Path
 
 import psutil
+
+from colo.host.net import free_port
 
 RAY = str(Path(sys.executable).with_name("ray"))
 SCRIPT = str(Path(__file__).resolve().parents[2] / "launch" / "ray-cluster.sh")  # the README's node starter
@@ -45,12 +46,6 @@ def _netns_works() -> bool:
     if ok:
         subprocess.run(["ip", "netns", "delete", name], capture_output=True)
     return ok
-
-
-def _free_port(host: str) -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 class TwoNodes:
@@ -107,7 +102,7 @@ class TwoNodes:
 
     def start(self) -> "TwoNodes":
         self._net_up()
-        self.port = _free_port(self.head_ip)
+        self.port = free_port()  # below the ephemeral range, as the product's rendezvous ports
         self.address = f"{self.head_ip}:{self.port}"
         # the script execs `ray start --block`: the pid we hold is Ray's, its children the node's processes
         self._spawn(["bash", SCRIPT, "head"], "head.log", RAY_BIN=RAY, BLOCK="1", DASHBOARD="0",

@@ -107,11 +107,6 @@ def _worker(rank: int, world: int, port: int, path: str, results) -> None:
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    # below the ephemeral range: a bind(0) port was taken before the TCPStore listened (EADDRINUSE, 2026-11-26)
-    return free_port()
-
-
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     from colo.models.tiny import make_tiny_model
@@ -119,7 +114,7 @@ def results(tmp_path_factory):
     path = str(make_tiny_model(tmp_path_factory.mktemp("tiny"), "tiny", 0))
     mgr = tmp.get_context("spawn").Manager()
     shared = mgr.dict()
-    tmp.start_processes(_worker, args=(2, _free_port(), path, shared), nprocs=2, join=True, start_method="spawn")
+    tmp.start_processes(_worker, args=(2, free_port(), path, shared), nprocs=2, join=True, start_method="spawn")
     out = dict(shared)
     mgr.shutdown()
     return out

@@ -45,12 +45,8 @@ def _cfg(model_dir: Path, dummy: bool = False) -> dict:
     return dataclasses.asdict(c)
 
 
-def _port() -> int:
-    return free_port()  # below the ephemeral range: a bind(0) port can be taken before gloo listens on it
-
-
 def _start(cfg: dict, world: int) -> list:
-    port = _port()
+    port = free_port()  # below the ephemeral range: a bind(0) port can be taken before gloo listens
     ws = [ray.remote(ShardTrainer).options(num_cpus=0).remote(cfg, r, world, "127.0.0.1", port)
           for r in range(world)]
     ray.get([w.setup.remote() for w in ws])
