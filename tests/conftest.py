@@ -75,9 +75,12 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             raise pytest.UsageError(f"{item.nodeid}: every test lives in a tier folder, one of "
                                     f"{', '.join(f'tests/{t}/' for t in TIERS)}")
         item.add_marker(tiers[folder])
-    # longest first, so two workers end together: the default job's group, then jobs, engines, pure tests
+    # longest first, so two workers end together: the default job's group, then jobs, engines, pure tests; in
+    # the session's group the tests that end a warm cluster (ends_cluster) last, so each shape's cluster serves
+    # every healthy job before it is ended and started again (a one-pair cluster costs ~25 CPU-s to start)
     order = {"e2e": 1, "integration": 2, "unit": 3, "gpu": 4}
-    items.sort(key=lambda i: (0 if _shared_group(i) == SESSION_GROUP else order[Path(i.fspath).parent.name]))
+    items.sort(key=lambda i: (0, i.get_closest_marker("ends_cluster") is not None) if _shared_group(i) == SESSION_GROUP
+               else (order[Path(i.fspath).parent.name], False))
     if not any(item.get_closest_marker("gpu") for item in items):
         return  # importing torch just to skip nothing costs seconds
     import torch

@@ -12,11 +12,11 @@
   mid-rollout, a dataset row without its answer: each exits non-zero within a bounded time, names the
   culprit in one `colo: error:` line (traceback in <run.dir>/error.log), and keeps what it can; a whole run
   killed with `kill -9` leaves shared memory that its `--resume` sweeps.
-The failure runs use a small job (2 warm-up steps, 4 prompts x 4 samples): start-up dominates (~30 s). The
-reward error and the engine and trainer deaths run on the session's warm clusters (conftest run_job; a dead
-actor's cluster is stopped and the next job starts a new one), their actors killed by pid; the engine error and the
-kill -9 of a whole run stay processes of their own. Measured alone (2-core EPYC with AVX512-BF16, 2026-11-26):
-those four runs 65 s and 107 CPU-s on warm clusters, 82 s and 116 CPU-s as processes of their own.
+The failure runs use a small job (2 warm-up steps, 4 prompts x 4 samples): start-up dominates (~30 s as a process
+of its own). They run on the session's warm clusters (conftest run_job; a dead or raising actor's cluster is stopped
+and the next job starts a new one), their actors found and killed by pid; only the kill -9 of a whole run stays a
+process of its own. Measured alone (2-core EPYC with AVX512-BF16, 2026-11-26): the reward error and the three
+deaths took 65 s and 107 CPU-s on warm clusters, 82 s and 116 CPU-s as processes of their own.
 """
 from __future__ import annotations
 
@@ -44,37 +44,6 @@ ONE_PAIR = ["placement.num_gpus=1"]  # where the failure needs no second rank: h
 FAILURE_EXIT_S = 150  # start-up ~30 s + 2 steps + checkpoint; a hang runs into the subprocess timeout
 
 PHASES = ("rollout", "reward", "sleep", "train", "sync", "wake")  # colo.loop.rl_step's timeline, in order
-
-# Driver-side reward functions that fail on purpose. Calls: 1 = warm-up eval (greedy only: eval_samples=0),
-# 2 = step 0, 3 = step 1, so every failure happens in step 1, after step 0 has trained (there is a policy
-# worth checkpointing).
-# The engine is found by the name colo.cluster.actors gives it (a CLI job's cluster: no warm suffix).
-FAILING_REWARDS = '''
-import ray
-from colo.algo.rewards import exact_match
-
-calls = 0
-
-
-def _nth_call():
-    global calls
-    calls += 1
-    return calls
-
-
-def explode(responses, answers, prompts):
-    if _nth_call() >= 3:
-        raise ValueError(f"cannot score {responses[0]!r}")
-    return exact_match(responses, answers, prompts)
-
-
-def sleep_engine_0(responses, answers, prompts):
-    # with loop.eval_every=1, call 3 is step 0's eval: engine 0 is put to sleep behind the loop's back, so
-    # its next call, step 1's rollout generate, raises inside the engine (it refuses to generate asleep)
-    if _nth_call() == 3:
-        ray.get(ray.get_actor("colo-engine-0").sleep.remote(1))
-    return exact_match(responses, answers, prompts)
-'''
 
 
 def _tail(r, n: int = 3000) -> str:
@@ -212,19 +181,12 @@ def test_resume_reproduces_uninterrupted_run(learned: tuple[Path, list[dict]], t
 # ------------------------------------------------------------------------------------------- failures
 
 
-@pytest.fixture  # per test (cheap), so each failure run is a group of its own for pytest-xdist
-def reward_env(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
-    mod_dir = tmp_path_factory.mktemp("rewards")
-    (mod_dir / "failing_rewards.py").write_text(FAILING_REWARDS)
-    env = clean_env()
-    env["PYTHONPATH"] = os.pathsep.join([env["PYTHONPATH"], str(mod_dir)])
-    return env
-
-
 # The failure runs on warm clusters (conftest run_job) score in this test process, where a module is imported
 # once: each gets a module of its own (its own call counter), and finds the running job's actors by the log file
 # their processes write (<run dir>/logs/<role>-<rank>.log, colo.run.logs.actor_output), since warm clusters name
-# their actors colo-engine-1-warm<N>. It kills by pid (SIGKILL), as the OOM killer would.
+# their actors colo-engine-1-warm<N>. It kills by pid (SIGKILL), as the OOM killer would. Calls: 1 = warm-up eval
+# (greedy only: eval_samples=0), 2 = step 0, 3 = step 1, so every failure happens in step 1, after step 0 has
+# trained (there is a policy worth checkpointing).
 WARM_FAILING_REWARDS = '''
 import os
 import signal
@@ -249,6 +211,14 @@ def _pid_of(role_rank):
     raise LookupError(f"no actor process writes {{log}}")
 
 
+def explode(responses, answers, prompts):
+    global calls
+    calls += 1
+    if calls >= 3:
+        raise ValueError(f"cannot score {{responses[0]!r}}")
+    return exact_match(responses, answers, prompts)
+
+
 def _killer(role_rank):
     def reward(responses, answers, prompts):
         global calls
@@ -257,6 +227,31 @@ def _killer(role_rank):
             os.kill(_pid_of(role_rank), signal.SIGKILL)
         return exact_match(responses, answers, prompts)
     return reward
+
+
+def _engine_0():
+    """The running job's engine 0 as an actor: the named one whose process writes its log."""
+    import ray
+
+    pid = _pid_of("engine-0")
+    for name in ray.util.list_named_actors():
+        if name.startswith("colo-engine-0"):
+            actor = ray.get_actor(name)
+            if ray.get(actor.__ray_call__.remote(lambda self: os.getpid())) == pid:
+                return actor
+    raise LookupError(f"no named actor runs in process {{pid}}")
+
+
+def sleep_engine_0(responses, answers, prompts):
+    # with loop.eval_every=1, call 3 is step 0's eval: engine 0 is put to sleep behind the loop's back, so
+    # its next call, step 1's rollout generate, raises inside the engine (it refuses to generate asleep)
+    global calls
+    calls += 1
+    if calls == 3:
+        import ray
+
+        ray.get(_engine_0().sleep.remote(1))
+    return exact_match(responses, answers, prompts)
 
 
 kill_engine_0 = _killer("engine-0")
@@ -286,24 +281,17 @@ def _warm_fail_run(warm_jobs, run_dir: Path, *overrides: str):
     return _failed(warm_jobs(f"run.dir={run_dir}", *SMALL_JOB, *overrides, timeout=300))
 
 
-def _fail_run(run_dir: Path, env: dict[str, str], *overrides: str):
-    return _failed(run_cli(f"run.dir={run_dir}", *SMALL_JOB, *overrides, env=env, timeout=300))
-
-
 def _extra(run_dir: Path, step: int) -> dict:
     return json.loads((run_dir / "checkpoints" / f"step_{step:06d}" / "extra.json").read_text())
 
 
-def test_reward_error_names_function_and_sample_checkpoints_exits_1(reward_env: dict, tmp_path: Path, warm_jobs,
-                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
-    """On this process's warm clusters (conftest run_job): a reward error leaves the cluster healthy, so the job
-    reuses the one-pair cluster of the session's other jobs (~15 CPU-s less than its own process; the reward runs
-    in this process, which imports failing_rewards from the fixture's folder)."""
-    run_dir = tmp_path / "run"
-    monkeypatch.syspath_prepend(reward_env["PYTHONPATH"].rsplit(os.pathsep, 1)[-1])
-    r = _warm_fail_run(warm_jobs, run_dir, "algo.rewards=[failing_rewards:explode]", *ONE_PAIR)
+def test_reward_error_names_function_and_sample_checkpoints_exits_1(warm_rewards: tuple[str, Path],
+                                                                   warm_jobs) -> None:
+    """A reward error leaves the cluster healthy, so the next job of the session reuses it."""
+    module, run_dir = warm_rewards
+    r = _warm_fail_run(warm_jobs, run_dir, f"algo.rewards=[{module}:explode]", *ONE_PAIR)
     error = next(ln for ln in r.stderr.splitlines() if ln.startswith("colo: error: "))
-    assert "'failing_rewards:explode' raised ValueError: cannot score" in error, error
+    assert f"'{module}:explode' raised ValueError: cannot score" in error, error
     assert "on sample 0: response=" in error, error
     assert f"--resume run.dir={run_dir}" in r.stderr
     # step 0 trained, step 1 failed while scoring: the checkpoint holds step 0 and the data position
@@ -313,6 +301,7 @@ def test_reward_error_names_function_and_sample_checkpoints_exits_1(reward_env: 
     assert _steps(run_dir) == [-1, 0] and (run_dir / "metrics.png").exists()
 
 
+@pytest.mark.ends_cluster
 def test_engine_death_names_rank_and_checkpoints(warm_rewards: tuple[str, Path], warm_jobs) -> None:
     module, run_dir = warm_rewards  # on warm clusters: the dead engine's cluster is stopped, a new one serves the next
     r = _warm_fail_run(warm_jobs, run_dir, f"algo.rewards=[{module}:kill_engine_1]")
@@ -321,7 +310,8 @@ def test_engine_death_names_rank_and_checkpoints(warm_rewards: tuple[str, Path],
     assert _extra(run_dir, 0)["step"] == 0 and _steps(run_dir) == [-1, 0]
 
 
-def test_engine_error_then_a_killed_resume_then_resume_to_the_end(reward_env: dict, tmp_path: Path) -> None:
+@pytest.mark.ends_cluster
+def test_engine_error_then_a_killed_resume_then_resume_to_the_end(warm_rewards: tuple[str, Path], warm_jobs) -> None:
     """One run dir, three launches (until 2026-11-26 two tests of two launches each; the middle launch now serves
     both: it is the resume after the engine error and the run that is killed):
     1. an engine that raises (and lives on) ends the run like a dead one: one line naming the engine and the
@@ -329,10 +319,12 @@ def test_engine_error_then_a_killed_resume_then_resume_to_the_end(reward_env: di
     2. `--resume` goes on from that checkpoint, saves step 1, and is then killed with `kill -9` (driver, Ray,
        actors, all at once), which leaves each trainer's sync buffer in /dev/shm, where nothing else would
        ever remove it;
-    3. `--resume` again removes those segments and finishes the run."""
-    run_dir = tmp_path / "run"
-    r = _fail_run(run_dir, reward_env, "algo.rewards=[failing_rewards:sleep_engine_0]", "loop.eval_every=1",
-                  *ONE_PAIR)
+    3. `--resume` again removes those segments and finishes the run.
+    Launches 1 and 3 run on this process's warm clusters (the raising engine's cluster is stopped after it, so
+    launch 3 gets a new one), launch 2 is a process of its own: only a whole process tree can be killed so."""
+    module, run_dir = warm_rewards
+    r = _warm_fail_run(warm_jobs, run_dir, f"algo.rewards=[{module}:sleep_engine_0]", "loop.eval_every=1",
+                       *ONE_PAIR)
     errors = [ln for ln in r.stderr.splitlines() if ln.startswith("colo: error:")]
     assert len(errors) == 1, _tail(r)
     assert errors[0].startswith("colo: error: engine DP rank 0 raised RuntimeError: generate() on rank 0 while "
@@ -348,8 +340,8 @@ def test_engine_error_then_a_killed_resume_then_resume_to_the_end(reward_env: di
     assert f"newest checkpoint {run_dir / 'checkpoints' / 'step_000000'}" in r.stderr
     assert f"--resume run.dir={run_dir}" in r.stderr
 
-    left = _resume_and_kill_after_step_1(run_dir, reward_env)
-    r = run_cli("--resume", f"run.dir={run_dir}", env=reward_env, timeout=300)
+    left = _resume_and_kill_after_step_1(run_dir)
+    r = warm_jobs("--resume", f"run.dir={run_dir}", timeout=300)
     assert r.returncode == 0, _tail(r)
     assert not [n for n in left if (SHM / n).exists()], "the resumed run did not sweep the killed run's segments"
     rows = read_metrics(run_dir / "metrics.jsonl")
@@ -358,7 +350,7 @@ def test_engine_error_then_a_killed_resume_then_resume_to_the_end(reward_env: di
     assert (run_dir / "export" / "config.json").exists()
 
 
-def _resume_and_kill_after_step_1(run_dir: Path, env: dict[str, str]) -> list[str]:
+def _resume_and_kill_after_step_1(run_dir: Path) -> list[str]:
     """`--resume` (the reward that broke the engine swapped for exact_match, a checkpoint every step) until step
     1's checkpoint is written, then every process of the run at once, as a cgroup-wide kill (OOM killer,
     scheduler, container stop) does: stopped first, then killed, so none of them cleans up after another (each
@@ -374,7 +366,7 @@ def _resume_and_kill_after_step_1(run_dir: Path, env: dict[str, str]) -> list[st
     from colo.host.shm import alive, owner_pid, process_tree
 
     p = subprocess.Popen([sys.executable, "-m", "colo.launch", "--resume", f"run.dir={run_dir}",
-                          "algo.rewards=[exact_match]", "loop.checkpoint_every=1"], env=env, start_new_session=True,
+                          "algo.rewards=[exact_match]", "loop.checkpoint_every=1"], env=clean_env(), start_new_session=True,
                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 600
     while not (run_dir / "checkpoints" / "step_000001" / "extra.json").exists():
@@ -395,6 +387,7 @@ def _resume_and_kill_after_step_1(run_dir: Path, env: dict[str, str]) -> list[st
     return left
 
 
+@pytest.mark.ends_cluster
 def test_trainer_death_names_rank_exits_1(warm_rewards: tuple[str, Path], warm_jobs) -> None:
     module, run_dir = warm_rewards
     r = _warm_fail_run(warm_jobs, run_dir, f"algo.rewards=[{module}:kill_trainer_1]", "loop.checkpoint_every=1")
@@ -426,6 +419,7 @@ def test_dataset_row_missing_field_exits_2_early(tmp_path: Path, fmt: str) -> No
     assert not (tmp_path / "run").exists(), "a data error must leave no run dir behind (a rerun would need --resume)"
 
 
+@pytest.mark.ends_cluster
 def test_disaggregated_engine_death_names_it_and_checkpoints(warm_rewards: tuple[str, Path], warm_jobs) -> None:
     """1 trainer + 1 engine on GPUs of their own: the engine dies during step 1; the trainer meets it in the
     broadcast sync, the driver names it, the trainer (which still holds the policy) checkpoints step 1.

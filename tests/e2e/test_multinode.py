@@ -9,7 +9,9 @@ One module-scoped cluster (head 1 logical GPU, worker 1), started with launch/ra
 the README's cluster `--dry-run` shows rank 0 on the head and rank 1 on the worker; three short runs of
 the default loop
 (configs/tiny-cpu.yaml, 2 warm-up steps, 4 prompts x 4 samples, a checkpoint every step):
-- a single-node run (local Ray, as `python -m colo.launch` runs) of STEPS steps: the reference;
+- a single-node run of STEPS steps, the reference, on this process's warm clusters (conftest run_job: the
+  session's two-pair cluster, reconfigured; test_loop.py's resume test shows such a run computes what a job of its
+  own does), so this module runs in the session jobs' xdist group;
 - the same job joined to the cluster through RAY_ADDRESS: trainer rank 0 + engine 0 on the head, rank 1 +
   engine 1 on the worker node. Once its step-1 checkpoint is written, the worker node's raylet is killed
   (by the pid this test started) while its reward holds step 2: the run ends with one error line naming the
@@ -36,7 +38,7 @@ from twonodes import TwoNodes
 
 from colo.run.metrics import read_metrics
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("warm_jobs")]  # the session jobs' group, for `single`
 
 STEPS = 4  # 2 warm-up + 4 RL steps: the node dies after step 1's checkpoint, the resume runs steps 2-3
 JOB = ["loop.sft_warmup_steps=2", "loop.eval_every=0", "loop.eval_samples=0", "loop.checkpoint_every=1",
@@ -54,9 +56,9 @@ def cluster():
 
 
 @pytest.fixture(scope="module")
-def single(tmp_path_factory) -> Path:
+def single(tmp_path_factory, warm_jobs) -> Path:
     run_dir = tmp_path_factory.mktemp("single") / "run"
-    r = run_cli(*JOB, f"loop.steps={STEPS}", f"run.dir={run_dir}", timeout=600)
+    r = warm_jobs(*JOB, f"loop.steps={STEPS}", f"run.dir={run_dir}", timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     return run_dir
 

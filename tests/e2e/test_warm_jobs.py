@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import pytest
 import ray
 
 from colo.run.metrics import read_metrics
@@ -53,6 +54,7 @@ def test_next_job_reuses_the_processes_reconfigured(warm_jobs, tmp_path: Path) -
     assert (tmp_path / "b" / "logs" / "trainer-0.log").exists()
 
 
+@pytest.mark.ends_cluster
 def test_a_dead_process_gets_a_new_cluster(warm_jobs, tmp_path: Path) -> None:
     _ok(warm_jobs(*JOB, f"run.dir={tmp_path / 'a'}"), tmp_path / "a")
     c = _one_pair()
