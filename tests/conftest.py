@@ -79,8 +79,15 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     # the session's group the tests that end a warm cluster (ends_cluster) last, so each shape's cluster serves
     # every healthy job before it is ended and started again (a one-pair cluster costs ~25 CPU-s to start)
     order = {"e2e": 1, "integration": 2, "unit": 3, "gpu": 4}
-    items.sort(key=lambda i: (0, i.get_closest_marker("ends_cluster") is not None) if _shared_group(i) == SESSION_GROUP
-               else (order[Path(i.fspath).parent.name], False))
+    items.sort(key=lambda i: (0, *_ending(i)) if _shared_group(i) == SESSION_GROUP
+               else (order[Path(i.fspath).parent.name], 0, 0))
+
+
+def _ending(item: pytest.Item) -> tuple[int, int]:
+    """(ends a warm cluster, only ends one): a test that starts a new cluster after ending one (ends_cluster(
+    restarts=True)) goes before those that only end theirs, so a later one ends the cluster it started."""
+    mark = item.get_closest_marker("ends_cluster")
+    return (0, 0) if mark is None else (1, 0 if mark.kwargs.get("restarts") else 1)
     if not any(item.get_closest_marker("gpu") for item in items):
         return  # importing torch just to skip nothing costs seconds
     import torch
@@ -257,8 +264,8 @@ def run_job(*args: str, env: dict[str, str] | None = None, timeout: float = 600)
     imports again (a one-pair tiny job: 7 s and 8.5 CPU-s warm against 39 s and 51 CPU-s as its own process,
     measured 2026-11-26 on the 2-core machine). `env`: the job's COLO_* variables (the only ones it may set: the
     process's own environment is what its actors were started with). What a separate process shows and this does
-    not (the terminal of a fresh start, Ray's start-up, a kill, a signal) stays with run_cli's jobs: the default
-    job, the failure runs, multi-node. `timeout`: then the job gets a SIGINT (it stops as on Ctrl-C)."""
+    not (the terminal of a fresh start, Ray's start-up, a kill, a signal) stays with run_cli's jobs: the kill -9
+    and the last resume of test_loop.py's engine-error test, Ctrl-C / SIGTERM / full disk, multi-node. `timeout`: then the job gets a SIGINT (it stops as on Ctrl-C)."""
     import io
     import signal
     import threading
@@ -312,12 +319,14 @@ DEFAULT_JOB_STEPS = 40
 
 
 @pytest.fixture(scope="session")
-def default_job(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, CliResult]:
+def default_job(tmp_path_factory: pytest.TempPathFactory, warm_jobs) -> tuple[Path, CliResult]:
     """The default job (`python -m colo.launch`, README command 1), shortened to DEFAULT_JOB_STEPS RL steps, to
-    the end, once per session: tests/e2e/test_loop.py checks learning and every output on it,
-    tests/e2e/test_routing_job.py its routing metrics."""
+    the end, once per session, on this process's warm clusters (run_job: the two-pair cluster of the session's
+    other default-config jobs): tests/e2e/test_loop.py checks learning and every output on it,
+    tests/e2e/test_routing_job.py its routing metrics. The terminal of a fresh `python -m colo.launch` process (Ray
+    starting in it) is checked on test_loop.py's last engine-error launch, a process of its own."""
     run_dir = tmp_path_factory.mktemp("default-job") / "run"
-    return run_dir, run_cli(f"run.dir={run_dir}", f"loop.steps={DEFAULT_JOB_STEPS}", timeout=900)
+    return run_dir, warm_jobs(f"run.dir={run_dir}", f"loop.steps={DEFAULT_JOB_STEPS}", timeout=900)
 
 
 TOOLS_JOB_ARGS = ["loop.steps=3", "loop.eval_every=0", "placement.num_gpus=1"]  # one pair: ~26 CPU-s less start-up

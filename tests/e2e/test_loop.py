@@ -3,7 +3,7 @@
     pytest -q tests/e2e/test_loop.py            # ~6 min on 2 cores: one default job, one resume, 6 failures
 
 - learning: the default job (configs/tiny-cpu.yaml: 70 warm-up SFT steps + GRPO steps, 40 of the 140 here, on two
-  trainer/engine pairs) raises the held-out eval reward, verifies every weight sync, keeps the
+  trainer/engine pairs; on the session's warm clusters, conftest default_job) raises the held-out eval reward, verifies every weight sync, keeps the
   vLLM/trainer log-prob gap small and leaves every output (metrics, TensorBoard, plot, config, an
   export that transformers loads and that scores like the run's last eval).
 - resume: a copy of that run cut back to its step-19 checkpoint, resumed with --resume, reproduces the
@@ -99,19 +99,27 @@ def test_default_job_learns(learned: tuple[Path, list[dict]]) -> None:
         assert all(0.1 < r[f"memory/{p}/trainer_rss_gb"] < 64 for p in ("rollout", "train", "sync", "wake")), r
 
 
-def test_default_job_terminal_is_quiet_and_ends_with_a_summary(default_job) -> None:
+def _quiet_terminal(r, run_dir: Path, steps: int, resumed: bool = False) -> str:
     """vLLM, Ray and the actors write to <run.dir>/logs/; the terminal shows colo's lines, the progress bar
-    (one line, redrawn with \\r) and, at the end, where everything is and what to run next."""
-    run_dir, r = default_job
+    (one line, redrawn with \\r) and, at the end, where everything is and what to run next (a resume says first
+    which config it resumes). Returns the summary."""
     lines = [ln for ln in (r.stdout + r.stderr).splitlines() if ln.strip()]  # the bar's redraws become lines
     bar = [ln for ln in lines if ln.startswith("step:")]
     other = [ln for ln in lines if ln not in bar]
     assert bar and len(other) <= 15, other
-    assert other[0] == f"colo: run dir {run_dir}", other
-    summary = r.stdout[r.stdout.index(f"colo: done: {DEFAULT_JOB_STEPS} RL steps"):]
-    for want in ("eval/sampled_reward", str(run_dir / "metrics.jsonl"), serve_command(run_dir / "export"),
-                 f"--resume run.dir={run_dir} loop.steps={2 * DEFAULT_JOB_STEPS}"):
+    assert other[int(resumed)] == f"colo: run dir {run_dir}", other
+    assert not resumed or other[0].startswith(f"colo: resume: {run_dir / 'config.resume-'}"), other
+    summary = r.stdout[r.stdout.index(f"colo: done: {steps} RL steps"):]
+    for want in (str(run_dir / "metrics.jsonl"), serve_command(run_dir / "export"),
+                 f"--resume run.dir={run_dir} loop.steps={2 * steps}"):
         assert want in summary, summary
+    return summary
+
+
+def test_default_job_terminal_is_quiet_and_ends_with_a_summary(default_job) -> None:
+    """On the job's warm cluster (a fresh process's terminal: the engine-error test's last launch)."""
+    run_dir, r = default_job
+    assert "eval/sampled_reward" in _quiet_terminal(r, run_dir, DEFAULT_JOB_STEPS)
     logs = run_dir / "logs"
     assert {p.name for p in logs.iterdir()} >= {"engine-0.log", "engine-1.log", "trainer-0.log", "trainer-1.log"}
     assert "Resolved architecture" in (logs / "engine-1.log").read_text()  # vLLM said it there, not here
@@ -156,9 +164,10 @@ def test_run_dir_outputs_and_export(learned: tuple[Path, list[dict]]) -> None:
 
 def test_resume_reproduces_uninterrupted_run(learned: tuple[Path, list[dict]], tmp_path: Path, warm_jobs) -> None:
     """Cut a copy of the finished run back to what a run killed during step ~22 leaves (checkpoints up to
-    step 19, metrics logged past it, no export), resume it for two steps, compare with the original. The resume
-    runs on this process's warm clusters (conftest run_job), the original in a process of its own: equal records
-    also say a reconfigured trainer and engine compute what fresh ones do."""
+    step 19, metrics logged past it, no export), resume it for two steps, compare with the original. Both run
+    on this process's warm clusters (conftest run_job), the resume after other jobs reconfigured them (that a
+    reconfigured cluster computes what a fresh process does is test_multinode.py's: its reference runs warm, its
+    two-node run is a process of its own, and their records are equal to the digit)."""
     run_dir, rows = learned
     cut = tmp_path / "run"
     shutil.copytree(run_dir, cut, ignore=shutil.ignore_patterns("export"))
@@ -319,9 +328,11 @@ def test_engine_error_then_a_killed_resume_then_resume_to_the_end(warm_rewards: 
     2. `--resume` goes on from that checkpoint, saves step 1, and is then killed with `kill -9` (driver, Ray,
        actors, all at once), which leaves each trainer's sync buffer in /dev/shm, where nothing else would
        ever remove it;
-    3. `--resume` again removes those segments and finishes the run.
-    Launches 1 and 3 run on this process's warm clusters (the raising engine's cluster is stopped after it, so
-    launch 3 gets a new one), launch 2 is a process of its own: only a whole process tree can be killed so."""
+    3. `--resume` again removes those segments and finishes the run, in a fresh process whose terminal (Ray
+       starting in it) stays quiet and ends with the summary.
+    Launch 1 runs on this process's warm clusters (the raising engine's cluster is stopped after it); launches 2
+    and 3 are processes of their own: only a whole process tree can be killed so, and launch 3 shows the terminal
+    of `python -m colo.launch` as a newcomer sees it (the session's default job runs warm)."""
     module, run_dir = warm_rewards
     r = _warm_fail_run(warm_jobs, run_dir, f"algo.rewards=[{module}:sleep_engine_0]", "loop.eval_every=1",
                        *ONE_PAIR)
@@ -341,8 +352,9 @@ def test_engine_error_then_a_killed_resume_then_resume_to_the_end(warm_rewards: 
     assert f"--resume run.dir={run_dir}" in r.stderr
 
     left = _resume_and_kill_after_step_1(run_dir)
-    r = warm_jobs("--resume", f"run.dir={run_dir}", timeout=300)
+    r = run_cli("--resume", f"run.dir={run_dir}", timeout=300)
     assert r.returncode == 0, _tail(r)
+    _quiet_terminal(r, run_dir, 4, resumed=True)
     assert not [n for n in left if (SHM / n).exists()], "the resumed run did not sweep the killed run's segments"
     rows = read_metrics(run_dir / "metrics.jsonl")
     # steps after the checkpoint are redone once, nothing is lost

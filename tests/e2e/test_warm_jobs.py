@@ -54,7 +54,7 @@ def test_next_job_reuses_the_processes_reconfigured(warm_jobs, tmp_path: Path) -
     assert (tmp_path / "b" / "logs" / "trainer-0.log").exists()
 
 
-@pytest.mark.ends_cluster
+@pytest.mark.ends_cluster(restarts=True)  # its second job starts the cluster a later test ends
 def test_a_dead_process_gets_a_new_cluster(warm_jobs, tmp_path: Path) -> None:
     _ok(warm_jobs(*JOB, f"run.dir={tmp_path / 'a'}"), tmp_path / "a")
     c = _one_pair()

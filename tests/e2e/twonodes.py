@@ -33,9 +33,12 @@ from colo.host.net import free_port
 
 RAY = str(Path(sys.executable).with_name("ray"))
 SCRIPT = str(Path(__file__).resolve().parents[2] / "launch" / "ray-cluster.sh")  # the README's node starter
-# Node death is noticed by the GCS health check; Ray's defaults take ~30 s, too slow for a test.
-FAST_HEALTH = {"RAY_health_check_period_ms": "500", "RAY_health_check_timeout_ms": "1000",
-               "RAY_health_check_failure_threshold": "3", "RAY_health_check_initial_delay_ms": "1000"}
+# Node death is noticed by the GCS health check; Ray's defaults take ~30 s, too slow for a test. A killed raylet
+# refuses the check at once, so 5 checks 0.5 s apart find it in ~3 s; a live one has 5 s to answer each: with 1 s
+# and 3 checks (until 2026-11-26) the fresh worker node of a loaded 2-core machine missed them and was declared
+# dead during the resume (the suite's run at 12:00, trainer rank 1 "died because its node has died").
+FAST_HEALTH = {"RAY_health_check_period_ms": "500", "RAY_health_check_timeout_ms": "5000",
+               "RAY_health_check_failure_threshold": "5", "RAY_health_check_initial_delay_ms": "1000"}
 
 
 def _netns_works() -> bool:
