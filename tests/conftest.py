@@ -67,6 +67,13 @@ def pytest_collection_finish(session: pytest.Session) -> None:
                                     "fix: pip install -e '.[cpu,test]' (pytest<9)")
 
 
+def _ending(item: pytest.Item) -> tuple[int, int]:
+    """(ends a warm cluster, only ends one): a test that starts a new cluster after ending one (ends_cluster(
+    restarts=True)) goes before those that only end theirs, so a later one ends the cluster it started."""
+    mark = item.get_closest_marker("ends_cluster")
+    return (0, 0) if mark is None else (1, 0 if mark.kwargs.get("restarts") else 1)
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     tiers = {ROOT / "tests" / tier: getattr(pytest.mark, tier) for tier in TIERS}
     for item in items:
@@ -81,13 +88,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     order = {"e2e": 1, "integration": 2, "unit": 3, "gpu": 4}
     items.sort(key=lambda i: (0, *_ending(i)) if _shared_group(i) == SESSION_GROUP
                else (order[Path(i.fspath).parent.name], 0, 0))
-
-
-def _ending(item: pytest.Item) -> tuple[int, int]:
-    """(ends a warm cluster, only ends one): a test that starts a new cluster after ending one (ends_cluster(
-    restarts=True)) goes before those that only end theirs, so a later one ends the cluster it started."""
-    mark = item.get_closest_marker("ends_cluster")
-    return (0, 0) if mark is None else (1, 0 if mark.kwargs.get("restarts") else 1)
     if not any(item.get_closest_marker("gpu") for item in items):
         return  # importing torch just to skip nothing costs seconds
     import torch
@@ -265,7 +265,8 @@ def run_job(*args: str, env: dict[str, str] | None = None, timeout: float = 600)
     measured 2026-11-26 on the 2-core machine). `env`: the job's COLO_* variables (the only ones it may set: the
     process's own environment is what its actors were started with). What a separate process shows and this does
     not (the terminal of a fresh start, Ray's start-up, a kill, a signal) stays with run_cli's jobs: the kill -9
-    and the last resume of test_loop.py's engine-error test, Ctrl-C / SIGTERM / full disk, multi-node. `timeout`: then the job gets a SIGINT (it stops as on Ctrl-C)."""
+    and the last resume of test_loop.py's engine-error test, Ctrl-C / SIGTERM / full disk, multi-node.
+    `timeout`: then the job gets a SIGINT (it stops as on Ctrl-C)."""
     import io
     import signal
     import threading

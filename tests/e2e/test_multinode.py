@@ -10,8 +10,9 @@ the README's cluster `--dry-run` shows rank 0 on the head and rank 1 on the work
 the default loop
 (configs/tiny-cpu.yaml, 2 warm-up steps, 4 prompts x 4 samples, a checkpoint every step):
 - a single-node run of STEPS steps, the reference, on this process's warm clusters (conftest run_job: the
-  session's two-pair cluster, reconfigured; test_loop.py's resume test shows such a run computes what a job of its
-  own does), so this module runs in the session jobs' xdist group;
+  session's two-pair cluster, reconfigured), so this module runs in the session jobs' xdist group; the two-node
+  runs below are processes of their own, so their equal records also show that a reconfigured cluster computes
+  what a fresh process does;
 - the same job joined to the cluster through RAY_ADDRESS: trainer rank 0 + engine 0 on the head, rank 1 +
   engine 1 on the worker node. Once its step-1 checkpoint is written, the worker node's raylet is killed
   (by the pid this test started) while its reward holds step 2: the run ends with one error line naming the

@@ -50,7 +50,6 @@ def padded(tmp_path_factory) -> Path:
 def sync_and_compare(model: Path, workdir: Path, overrides: list[str]) -> dict:
     """Start the job's actors, perturb the trainer weights, broadcast twice, export; then compare every
     engine's greedy output with a new vLLM engine (same TP size) loading the export."""
-
     cfg = load_config(None, BASE + [f"model.path={model}", *overrides], {})
     plan = plan_placement(cfg)
     init_ray(plan, log_to_driver=False)  # a no-op in the suite: the shared instance (ray_cluster) is up
