@@ -64,6 +64,7 @@ import os
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -252,7 +253,9 @@ def async_summary(steps: list[dict]) -> dict:
                                                                                "dropped_tokens", "resumed")}}}
 
 
-def measure(args: argparse.Namespace) -> dict:
+def measure(args: argparse.Namespace, report: Callable[[dict], None] | None = None) -> dict:
+    """The benchmark's result; `report` gets it as soon as every variant has run, before the actors are stopped
+    (their shutdown can take a minute on a GPU host: a device call's time limit then still finds the result)."""
     import ray
     import torch
 
@@ -341,12 +344,22 @@ def measure(args: argparse.Namespace) -> dict:
                 compile_figures["after_measured"] = ray.get(cluster.trainers[0].compile_figures.remote())
             results[packing, mode, once, comp] = summarize(records, cfg, config_json, args.gpus, device_name)
             results[packing, mode, once, comp]["warmup_train_s"] = warmup_train_s
+        out = _output(args, cfg, layouts, results, compile_figures, name, device_name, lengths, mem_plan)
+        if report is not None:
+            report(out)
     finally:
         rewards.close()
         if cluster is not None:
             ends = [a.shutdown.remote() for _, a in cluster.actors()]
             ray.wait(ends, num_returns=len(ends), timeout=60)
         ray.shutdown()
+    return out
+
+
+def _output(args: argparse.Namespace, cfg: Any, layouts: list[tuple], results: dict, compile_figures: dict,
+            name: str, device_name: str, lengths: dict, mem_plan: Any) -> dict:
+    import torch
+
     main = results[layouts[0]]
     out = {**main, "packing": layouts[0][0], "mode": layouts[0][1], "gather_once": layouts[0][2],
            "compile": layouts[0][3], "compile_figures": compile_figures or None, "model": name,
@@ -373,10 +386,15 @@ def main(argv: list[str] | None = None) -> int:
     from colo.config import ConfigError
 
     try:
-        out = measure(args)
+        measure(args, report=lambda out: show(args, out))  # shown before the actors are stopped
     except ConfigError as e:
         print(f"colo: error: {e}", file=sys.stderr, flush=True)
         return 2
+    return 0
+
+
+def show(args: argparse.Namespace, out: dict) -> None:
+    """The result on stdout: one JSON line (--json) or a few lines per variant."""
     if args.json:
         print(json.dumps(out, sort_keys=True), flush=True)
     else:
@@ -402,7 +420,6 @@ def main(argv: list[str] | None = None) -> int:
             print(line("eager", out["no_compile"]))
             print(f"speedup compiled/eager: {out['speedup']['tokens_per_s_per_gpu']:.2f}x tokens/s/GPU, "
                   f"{out['speedup']['train']:.2f}x train phase; dynamo: {out['compile_figures']}")
-    return 0
 
 
 if __name__ == "__main__":
