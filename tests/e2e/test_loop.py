@@ -202,6 +202,7 @@ import signal
 from pathlib import Path
 
 import psutil
+import ray
 
 from colo.algo.rewards import exact_match
 
@@ -220,19 +221,21 @@ def _pid_of(role_rank):
     raise LookupError(f"no actor process writes {{log}}")
 
 
-def explode(responses, answers, prompts):
+def _nth_call():
     global calls
     calls += 1
-    if calls >= 3:
+    return calls
+
+
+def explode(responses, answers, prompts):
+    if _nth_call() >= 3:
         raise ValueError(f"cannot score {{responses[0]!r}}")
     return exact_match(responses, answers, prompts)
 
 
 def _killer(role_rank):
     def reward(responses, answers, prompts):
-        global calls
-        calls += 1
-        if calls == 3:
+        if _nth_call() == 3:
             os.kill(_pid_of(role_rank), signal.SIGKILL)
         return exact_match(responses, answers, prompts)
     return reward
@@ -240,8 +243,6 @@ def _killer(role_rank):
 
 def _engine_0():
     """The running job's engine 0 as an actor: the named one whose process writes its log."""
-    import ray
-
     pid = _pid_of("engine-0")
     for name in ray.util.list_named_actors():
         if name.startswith("colo-engine-0"):
@@ -254,11 +255,7 @@ def _engine_0():
 def sleep_engine_0(responses, answers, prompts):
     # with loop.eval_every=1, call 3 is step 0's eval: engine 0 is put to sleep behind the loop's back, so
     # its next call, step 1's rollout generate, raises inside the engine (it refuses to generate asleep)
-    global calls
-    calls += 1
-    if calls == 3:
-        import ray
-
+    if _nth_call() == 3:
         ray.get(_engine_0().sleep.remote(1))
     return exact_match(responses, answers, prompts)
 
