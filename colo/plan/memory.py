@@ -404,7 +404,9 @@ def trainer_terms(m: ModelShape, s: Settings) -> dict[str, float]:
     optim = 0 if s.optimizer_offload else optim_full
     biggest = max(p.rows_on(W) * (p.numel // p.shape[0]) for p in m.params)
     if s.optimizer_offload:
-        step_tmp = biggest * (2 * state_bytes + 3 * 4)  # one param's states streamed in, fp32 math on them
+        # one param's states streamed in, fp32 math on them, the next one's states already coming in and the
+        # last one's still going out (colo.trainer.optim overlaps the copies)
+        step_tmp = biggest * (4 * state_bytes + 3 * 4 + 2 * state_bytes)
     elif s.optimizer_dtype == "bfloat16":
         step_tmp = biggest * 4 * 4  # StreamedAdamW on the GPU: fp32 m, v and two temporaries of one param
     else:

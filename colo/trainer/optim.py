@@ -13,7 +13,9 @@
 - `on_host=True`: the state lives in host memory (pinned on CUDA) for good; each step streams one
   parameter's state to the device, updates it there and copies it back. Colocated runs already move the
   state host <-> device once per RL step when trainer.offload=true; with the state on the host that
-  traffic moves into the optimizer step instead, and the GPU never holds more than one parameter's state.
+  traffic moves into the optimizer step instead, and the GPU never holds more than two parameters' state.
+  On CUDA the copies overlap the math: parameter i+1's state comes in on one stream and parameter i-1's goes
+  out on another while parameter i's update runs (colo.bench.optimizer measures it against the serial loop).
   colo.trainer.offload leaves such state where it is (`keeps_state_on_host`).
 
 State tensors keep the parameter's DTensor sharding (a DTensor around the local shard, wherever it lives),
@@ -119,32 +121,72 @@ class StreamedAdamW(torch.optim.Optimizer):
     @torch.no_grad()
     def step(self, closure=None):  # noqa: ANN001, ANN201 (torch's signature)
         loss = closure() if closure is not None else None
+        work = []  # (group, param) pairs this step updates
         for group in self.param_groups:
-            lr, wd, eps = group["lr"], group["weight_decay"], group["eps"]
-            b1, b2 = group["betas"]
             for p in group["params"]:
                 if p.grad is None:
                     continue
                 st = self.state[p]
-                if not st:
+                if not st:  # an empty shard gets its state and step too: every rank saves the same keys
                     st.update(self._new_state(p))
                 st["step"] += 1
-                t = float(st["step"])
-                w, g = _local(p), _local(p.grad)  # (rows, ...) this rank's shard
-                if w.numel() == 0:
-                    continue
-                m = _local(st["exp_avg"]).to(w.device, torch.float32, non_blocking=True)
-                v = _local(st["exp_avg_sq"]).to(w.device, torch.float32, non_blocking=True)
-                g32 = g.float()
-                m.lerp_(g32, 1 - b1)
-                v.mul_(b2).addcmul_(g32, g32, value=1 - b2)
-                w.mul_(1 - lr * wd)
-                denom = (v.sqrt() / math.sqrt(1 - b2 ** t)).add_(eps)
-                w.addcdiv_(m.to(w.dtype), denom.to(w.dtype), value=-lr / (1 - b1 ** t))
-                gen = self._generator(w.device)
-                for key, new in (("exp_avg", m), ("exp_avg_sq", v)):
-                    out = round_to_bf16(new, gen) if gen is not None else new.to(self.state_dtype)
-                    _local(st[key]).copy_(out, non_blocking=True)
+                if _local(p).numel():
+                    work.append((group, p))
         if self.keeps_state_on_host and self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)  # the host copies must land before the next step reads them
+            self._step_streamed(work)
+        else:
+            for group, p in work:
+                m, v = (_local(self.state[p][k]).to(_local(p).device, torch.float32) for k in ("exp_avg", "exp_avg_sq"))
+                self._write_back(p, *self._update(group, p, m, v))
         return loss
+
+    def _update(self, group: dict, p: torch.Tensor, m: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """One parameter's AdamW step on its fp32 moments `m`, `v` (updated in place); returns the moments as
+        they are stored (bf16 with stochastic rounding, or fp32)."""
+        lr, wd, eps = group["lr"], group["weight_decay"], group["eps"]
+        b1, b2 = group["betas"]
+        t = float(self.state[p]["step"])
+        w, g32 = _local(p), _local(p.grad).float()  # (rows, ...) this rank's shard
+        m.lerp_(g32, 1 - b1)
+        v.mul_(b2).addcmul_(g32, g32, value=1 - b2)
+        w.mul_(1 - lr * wd)
+        denom = (v.sqrt() / math.sqrt(1 - b2 ** t)).add_(eps)
+        w.addcdiv_(m.to(w.dtype), denom.to(w.dtype), value=-lr / (1 - b1 ** t))
+        gen = self._generator(w.device)
+        return tuple(round_to_bf16(x, gen) if gen is not None else x.to(self.state_dtype) for x in (m, v))
+
+    def _write_back(self, p: torch.Tensor, m: torch.Tensor, v: torch.Tensor) -> None:
+        for key, new in (("exp_avg", m), ("exp_avg_sq", v)):
+            _local(self.state[p][key]).copy_(new)
+
+    def _step_streamed(self, work: list[tuple[dict, torch.Tensor]]) -> None:
+        """The step with the state in pinned host memory: while parameter i's math runs on the compute stream,
+        parameter i+1's state comes in on one copy stream and parameter i-1's goes out on another, so the two
+        copy engines and the SMs work at once (done one after the other, the copies were most of the step).
+        The state crosses the bus in its own dtype (bf16: half the bytes) and is cast on the GPU."""
+        compute = torch.cuda.current_stream(self.device)
+        if not hasattr(self, "_streams"):
+            self._streams = (torch.cuda.Stream(self.device), torch.cuda.Stream(self.device))
+        h2d, d2h = self._streams
+
+        def fetch(p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.cuda.Event]:
+            with torch.cuda.stream(h2d):
+                m, v = (_local(self.state[p][k]).to(self.device, non_blocking=True) for k in ("exp_avg", "exp_avg_sq"))
+            return m, v, h2d.record_event()
+
+        ahead = fetch(work[0][1]) if work else None
+        for i, (group, p) in enumerate(work):
+            m_in, v_in, arrived = ahead
+            ahead = fetch(work[i + 1][1]) if i + 1 < len(work) else None  # overlaps this parameter's math
+            compute.wait_event(arrived)
+            for x in (m_in, v_in):  # allocated on h2d, read here: not reused before compute is past it
+                x.record_stream(compute)
+            out = self._update(group, p, m_in.float(), v_in.float())
+            done = compute.record_event()
+            with torch.cuda.stream(d2h):
+                d2h.wait_event(done)
+                for key, new in zip(("exp_avg", "exp_avg_sq"), out):
+                    new.record_stream(d2h)  # made on compute, read by the copy out
+                    _local(self.state[p][key]).copy_(new, non_blocking=True)
+        # the host copies must land before anyone reads the state (the next step, a checkpoint, an offload)
+        torch.cuda.synchronize(self.device)

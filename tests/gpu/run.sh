@@ -27,6 +27,9 @@
 # (default colo,detok,bare), DECODE_ARGS adds arguments; the JSON line lands in $OUT/decode.json (only when named).
 # compile = colo.bench.step --compare-compile (trainer.compile on, then off; COMPILE_ARGS adds overrides, e.g.
 # trainer.gather_once=true; BENCH_WARMUP warm-up steps, 1 by default: the compile runs in them).
+# optim = colo.bench.optimizer: StreamedAdamW's host-state step with its copies overlapped against the serial loop,
+# bit-identical first (OPTIM_ARGS replaces the arguments; default the L12 slice's parameters, bf16 state), then
+# tests/gpu/test_optim_gpu.py (only when named).
 # one = colo.bench.step with no comparison: one variant alone, ONE_ARGS its overrides (only when named), for a slice
 # whose two variants do not fit one call. BENCH_PRESET picks the slice of step/async/gather/compile/one (default
 # qwen3-30b-a3b-L4; qwen3-30b-a3b-L12 fits one H200 with trainer.optimizer_offload=true, not with gather_once).
@@ -85,12 +88,15 @@ step() {  # step NAME MAX_SECONDS CMD...
 ngpu=$(nvidia-smi -L | wc -l)
 if [ -n "${CUDA_VISIBLE_DEVICES:-}" ]; then ngpu=$(echo "$CUDA_VISIBLE_DEVICES" | tr ',' '\n' | grep -c .); fi
 
-STEPS=${STEPS:-colocated ipc dpep routing bench loop}  # and: attention, rollout, decode, step, async, gather, compile, one
+STEPS=${STEPS:-colocated ipc dpep routing bench loop}  # and: attention, rollout, decode, step, async, gather, compile, one, optim
 want() { case " $STEPS " in *" $1 "*) return 0;; *) return 1;; esac; }
 
 # attention = the packed-row attention kernels against per-sample SDPA (test + colo.bench.packed_attention; no vLLM)
 want attention && step attention 150 bash -c "'$PY' -m pytest --noconftest tests/gpu/test_attention_gpu.py -q -p no:cacheprovider \
     && '$PY' -m colo.bench.packed_attention --device cuda --json"
+# optim = the optimizer step with its state on the host, overlapped against serial (no vLLM, no Ray)
+want optim && step optim 240 bash -c "'$PY' -m colo.bench.optimizer ${OPTIM_ARGS:---preset qwen3-30b-a3b-L12 --device cuda --json} \
+    && '$PY' -m pytest --noconftest tests/gpu/test_optim_gpu.py -q -p no:cacheprovider"
 want colocated && step pytest-colocated 420 "$PY" -m pytest tests/gpu/test_colocated.py -x -q -s -p no:cacheprovider
 want ipc && step pytest-ipc 90 "$PY" -m pytest tests/gpu/test_ipc_alloc.py -x -q -s -p no:cacheprovider
 want dpep && step pytest-dpep 240 "$PY" -m pytest tests/gpu/test_dpep.py -x -q -s -p no:cacheprovider
