@@ -395,13 +395,30 @@ def shared_ray():
     release_shared_ray()
 
 
+def warm_modules() -> Path:
+    """A folder of this test process that its shared Ray's workers (the warm clusters' trainers and engines) have on
+    their PYTHONPATH, and this process on sys.path: a test writes a module there that a warm job's engines import
+    (an `algo.environment`), which a folder of its own could not give actors started before it. Names must be
+    unique per test (a module once imported stays imported in a warm actor)."""
+    import tempfile
+
+    if not _MODULES:
+        _MODULES.append(Path(tempfile.mkdtemp(prefix="colo-test-modules-")))
+        sys.path.insert(0, str(_MODULES[0]))
+    return _MODULES[0]
+
+
+_MODULES: list[Path] = []
+
+
 def start_shared_ray() -> str:
     """Start this process's shared Ray instance unless it runs; its GCS address (what RAY_ADDRESS names)."""
     import ray
 
     if not ray.is_initialized():
         here = ROOT / "tests"
-        path = os.pathsep.join([str(ROOT), str(here), str(here / "integration"), os.environ.get("PYTHONPATH", "")])
+        path = os.pathsep.join([str(ROOT), str(here), str(here / "integration"), str(warm_modules()),
+                                os.environ.get("PYTHONPATH", "")])
         ray.init(address="local", num_cpus=RAY_CPUS, num_gpus=RAY_GPUS, include_dashboard=False,
                  log_to_driver=False, runtime_env={"env_vars": {"PYTHONPATH": path.rstrip(os.pathsep)}})
     return ray.get_runtime_context().gcs_address
@@ -478,3 +495,10 @@ def release_shared_ray() -> None:
     close_warm_clusters()
     if ray.is_initialized():
         ray.shutdown()
+    if _MODULES:  # its workers' module folder goes with it (a new instance gets a new one)
+        import shutil
+
+        folder = _MODULES.pop()
+        shutil.rmtree(folder, ignore_errors=True)
+        with contextlib.suppress(ValueError):
+            sys.path.remove(str(folder))

@@ -479,7 +479,7 @@ class Engine:
         computed by the old weights, and a prompt that hits them would be scored by a mix of two policies
         (NeMo-RL #4018 found entries 17 steps old). vLLM 0.32 clears the cache when it sleeps (level >= 1),
         but disaggregated engines never sleep, and a reset of an empty cache costs nothing, so always reset.
-        tests/integration/test_routing.py fails without it."""
+        tests/integration/test_engines_across_syncs.py fails without it."""
         if not self.llm.reset_prefix_cache():
             raise RuntimeError(f"engine {self.rank}: vLLM refused to reset its prefix cache after a weight sync "
                                "(requests still running?)")

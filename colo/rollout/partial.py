@@ -10,7 +10,7 @@ their requests finished it calls `LLMEngine.abort_request` on the rest. What an 
 was already streamed out, so its tokens and log-probs stay; vLLM frees its KV blocks. Full blocks may stay in
 the prefix cache, computed by these weights: the engine resets the cache after every weight sync
 (colo.rollout.engine.Engine._drop_prefix_cache), so a resumed sample's prefill recomputes its KV under the
-new weights (tests/integration/test_partial_rollout.py fails if it does not).
+new weights (tests/integration/test_engines_across_syncs.py fails if it does not).
 
 Resuming is the caller's: a new request whose prompt is the old prompt plus the tokens so far
 (`resume_prompt`). The data travel as plain lists; vLLM's objects never leave the engine actor.

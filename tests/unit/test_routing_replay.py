@@ -1,5 +1,5 @@
 """Rollout routing replay (R3) at model level, and the trainer-vs-engine metrics: transformers MoE models of
-each family R3 supports (no Ray, no vLLM). The engine side is tests/integration/test_routing.py, the job
+each family R3 supports (no Ray, no vLLM). The engine side is tests/integration/test_engines_across_syncs.py, the job
 side tests/e2e/test_routing_job.py.
 """
 from __future__ import annotations
