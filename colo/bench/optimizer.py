@@ -116,8 +116,8 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(out))
     else:
         print(f"{out['preset']}: {out['params'] / 1e9:.2f}B params, state {out['state_gb']} GB "
-              f"({out['state_dtype']}) on the host: streamed {out['streamed_s']:.3f} s/step, serial {out['serial_s']:.3f} s/step, "
-              f"{out['ratio']:.2f}x; bit-identical: {out['bit_identical']}")
+              f"({out['state_dtype']}) on the host: streamed {out['streamed_s']:.3f} s/step, "
+              f"serial {out['serial_s']:.3f} s/step, {out['ratio']:.2f}x; bit-identical: {out['bit_identical']}")
     return 0 if out["bit_identical"] else 1
 
 
