@@ -209,6 +209,7 @@ def test_stop_keep_and_resume_under_new_weights_without_old_kv(engines) -> None:
     assert abs(old[0] - want["logprobs"][0]) > 0.1 or whole["response_ids"][k] != want["tokens"][0], \
         "the new weights must change the continuation, else the test could not tell old KV from new"
 
+
 # ------------------------------------------------------------------------------------ the sync itself
 
 SHORT_PROMPTS = [[5, 17, 42, 99, 7], [1, 2, 3], [200, 300, 11, 64, 8, 9]]
