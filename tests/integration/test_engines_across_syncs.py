@@ -35,12 +35,12 @@ import torch
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from conftest import experts_got
+from conftest import cpu_engine_config, experts_got
 
 from colo.algo.batch import NO_EXPERT, build_batch
 from colo.algo.parity import gap_metrics, logprob_gap
 from colo.algo.replay import RouterTap, routers
-from colo.config import ColoConfig, SyncConfig
+from colo.config import SyncConfig
 from colo.host.shm import SHM, owner_pid
 from colo.models.archs import QWEN3_MOE, reference_weights
 from colo.sync.plan import direct_segments
@@ -52,11 +52,7 @@ SHORT = [7, 8, 9]
 
 
 def _cfg(model_dir: Path) -> dict:
-    cfg = ColoConfig()
-    cfg.model.path = str(model_dir)
-    cfg.placement.device, cfg.placement.num_gpus, cfg.placement.vllm_gpu_fraction = "cpu", 2, 0.4
-    cfg.rollout.max_model_len, cfg.rollout.kv_cache_mb, cfg.rollout.enforce_eager = 512, 64, True
-    return dataclasses.asdict(cfg)
+    return dataclasses.asdict(cpu_engine_config(model_dir, 2, 512, 64))
 
 
 @pytest.fixture(scope="module")

@@ -15,8 +15,9 @@ import torch
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from conftest import cpu_engine_config
+
 from colo.algo.batch import build_batch
-from colo.config import ColoConfig
 from colo.envs.base import Environment, Step, Turn
 from colo.rollout.engine import Engine
 
@@ -71,10 +72,7 @@ def engine(tmp_path_factory: pytest.TempPathFactory, ray_cluster):
     from colo.models.tiny import make_tiny_model
 
     model = make_tiny_model(tmp_path_factory.mktemp("tiny") / "m", "tiny", seed=0)
-    cfg = ColoConfig()
-    cfg.model.path = str(model)
-    cfg.placement.device, cfg.placement.num_gpus, cfg.placement.vllm_gpu_fraction = "cpu", 1, 0.4
-    cfg.rollout.max_model_len, cfg.rollout.kv_cache_mb, cfg.rollout.enforce_eager = 256, 64, True
+    cfg = cpu_engine_config(model, 1, 256, 64)
     cfg.rollout.max_turns, cfg.rollout.max_turn_tokens = 3, 6
     cfg.algo.environment, cfg.algo.env_timeout_s = f"{__name__}:Scripted", 3.0
     pg = placement_group([{"GPU": 1, "CPU": 1}])

@@ -17,7 +17,8 @@ import torch
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from colo.config import ColoConfig
+from conftest import cpu_engine_config
+
 from colo.models.tiny import make_tiny_model
 from colo.rollout.engine import RolloutEngine, cores_for_rank
 
@@ -25,11 +26,7 @@ PROMPTS = [[5, 17, 42, 99, 7], [300, 12, 8], [1, 2, 3, 4, 5, 6, 7, 8]]
 
 
 def _cfg(model_dir: str | Path) -> dict:
-    cfg = ColoConfig()
-    cfg.model.path = str(model_dir)
-    cfg.placement.device, cfg.placement.num_gpus, cfg.placement.vllm_gpu_fraction = "cpu", 1, 0.4
-    cfg.rollout.max_model_len, cfg.rollout.kv_cache_mb, cfg.rollout.enforce_eager = 256, 256, True
-    return dataclasses.asdict(cfg)
+    return dataclasses.asdict(cpu_engine_config(model_dir, 1, 256, 256))
 
 
 @pytest.fixture(scope="module")
