@@ -18,8 +18,8 @@ Gradient checkpointing re-runs a layer's forward in backward, after the forward 
 therefore stay set until the next `set` (the trainer sets them before every forward, None for a batch
 without them), so the recompute routes exactly as the forward did.
 
-Families (transformers 5.19), by router class; each proven by tests/integration/test_engines_across_syncs.py (own ids replayed give
-bit-identical outputs; other ids give the family formula):
+Families (transformers 5.19), by router class; each proven by tests/integration/test_engines_across_syncs.py (own ids
+replayed give bit-identical outputs; other ids give the family formula):
 - softmax, top-k, renormalize over the k when `norm_topk_prob`, cast to the logits' dtype: Qwen3-MoE,
   Qwen2-MoE (Qwen2MoeTopKRouter, Qwen3MoeTopKRouter).
 - softmax, top-k, always renormalized, kept in float32: Mixtral (MixtralTopKRouter).

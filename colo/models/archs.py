@@ -28,8 +28,8 @@ sync read the HF -> Hub parts (`experts[].ckpt`, `ckpt_renames`); routing replay
   stacking; `ckpt_renames`: HF in-memory -> Hub on-disk names (Mixtral `.mlp.` -> `.block_sparse_moe.`).
 - everything else maps by identical name (persistent buffers included: DeepSeek's and GLM's
   `e_score_correction_bias` is a buffer in HF and a parameter in vLLM).
-- `router`: the HF router class of a family whose routing replay is proven (tests/integration/test_engines_across_syncs.py), and
-  how it turns logits into weights; None: `algo.routing_replay=r3` is refused for the family.
+- `router`: the HF router class of a family whose routing replay is proven
+  (tests/integration/test_engines_across_syncs.py), and how it turns logits into weights; None: `algo.routing_replay=r3` is refused for the family.
 """
 from __future__ import annotations
 
@@ -108,7 +108,8 @@ ARCHS: dict[str, Arch] = {
     "Qwen3ForCausalLM": DENSE, "LlamaForCausalLM": DENSE, "Qwen3NextForCausalLM": QWEN3_NEXT,
 }
 
-# Architectures whose HF routers colo.algo.replay can replay (each proven by tests/integration/test_engines_across_syncs.py).
+# Architectures whose HF routers colo.algo.replay can replay (each proven by
+# tests/integration/test_engines_across_syncs.py).
 REPLAY_ARCHS: tuple[str, ...] = tuple(sorted(a for a, t in ARCHS.items() if t.router is not None))
 
 # config.json's name for the routed experts per MoE layer, by family convention

@@ -23,7 +23,8 @@ Two ways to the same ids:
   records each step's input ids and positions, which split the step's flat token rows into sequences
   (position 0 starts one; no chunked prefill on CPU, so a sequence is never split over steps). The ids are
   those the same weights route in one prefill; decode steps batch tokens differently and may, at a
-  near-tie, have routed a response token to another expert. tests/integration/test_engines_across_syncs.py checks full coverage.
+  near-tie, have routed a response token to another expert. tests/integration/test_engines_across_syncs.py checks full
+  coverage.
 
 The worker side (`RoutingCapture`, a part of colo's worker extension, colo.rollout.extension, and its
 `Recorder`) lives in vLLM's worker process; `capture_by_prefill` runs on the engine actor.
