@@ -29,7 +29,8 @@ sync read the HF -> Hub parts (`experts[].ckpt`, `ckpt_renames`); routing replay
 - everything else maps by identical name (persistent buffers included: DeepSeek's and GLM's
   `e_score_correction_bias` is a buffer in HF and a parameter in vLLM).
 - `router`: the HF router class of a family whose routing replay is proven
-  (tests/integration/test_engines_across_syncs.py), and how it turns logits into weights; None: `algo.routing_replay=r3` is refused for the family.
+  (tests/integration/test_engines_across_syncs.py), and how it turns logits into weights; None:
+  `algo.routing_replay=r3` is refused for the family.
 """
 from __future__ import annotations
 
