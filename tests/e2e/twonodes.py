@@ -40,6 +40,15 @@ SCRIPT = str(Path(__file__).resolve().parents[2] / "launch" / "ray-cluster.sh") 
 FAST_HEALTH = {"RAY_health_check_period_ms": "500", "RAY_health_check_timeout_ms": "5000",
                "RAY_health_check_failure_threshold": "5", "RAY_health_check_initial_delay_ms": "1000"}
 
+# The driver TwoNodes.alive_nodes asks: connects once, then answers each line on stdin with the alive nodes' IPs.
+WATCH = """
+import json, sys
+import ray
+ray.init(address=sys.argv[1], logging_level="ERROR")
+for _ in sys.stdin:
+    print("alive: " + json.dumps([n["NodeManagerAddress"] for n in ray.nodes() if n["Alive"]]), flush=True)
+"""
+
 
 def _netns_works() -> bool:
     if os.geteuid() != 0 or shutil.which("ip") is None:
@@ -66,6 +75,7 @@ class TwoNodes:
         self.ns = self.veth = None
         self.procs: list[subprocess.Popen] = []
         self.worker: subprocess.Popen | None = None
+        self.watcher: subprocess.Popen | None = None  # the driver alive_nodes asks through
         self._noted: dict[int, float] = {}  # pid -> create time of processes seen in our nodes' trees
         # short: Ray's unix socket paths under it must stay within 107 bytes
         self.tmp = Path(tempfile.mkdtemp(prefix="cmn", dir="/tmp"))
@@ -97,6 +107,8 @@ class TwoNodes:
 
     # ------------------------------------------------------------------------------------------ nodes
     def _spawn(self, cmd: list[str], log: str, **env: str) -> subprocess.Popen:
+        self._log = self.tmp / log  # what _wait_nodes reads: this spawn's lines, after what the log held before
+        self._log_from = self._log.stat().st_size if self._log.exists() else 0
         out = open(self.tmp / log, "ab")
         p = subprocess.Popen(cmd, env={**self.env, **env}, stdout=out, stderr=subprocess.STDOUT,
                              start_new_session=True)
@@ -124,24 +136,55 @@ class TwoNodes:
         self._wait_nodes(2)
 
     def alive_nodes(self) -> list[str]:
-        """IP addresses of the nodes the GCS counts alive (asked through a throwaway driver process)."""
-        code = ("import ray,json;ray.init(address=%r,logging_level='ERROR');"
-                "print('alive:', json.dumps([n['NodeManagerAddress'] for n in ray.nodes() if n['Alive']]))" % self.address)
-        p = subprocess.run([sys.executable, "-c", code], env=self.env, capture_output=True, text=True, timeout=60)
+        """IP addresses of the nodes the GCS counts alive, asked through one driver process that stays connected
+        (WATCH): a throwaway driver per question cost ~2.5 CPU-s each (Python, Ray's import, a job of its own),
+        and the waits below ask about ten times per module. [] while the head's GCS does not answer."""
         import json
+        import select
 
-        # Ray may print warnings of its own around it ("raylet has lagging heartbeats ..." while a node dies)
-        line = next((ln for ln in reversed(p.stdout.splitlines()) if ln.startswith("alive: ")), None)
-        return json.loads(line[len("alive: "):]) if p.returncode == 0 and line else []
+        if self.watcher is None or self.watcher.poll() is not None:
+            self.watcher = subprocess.Popen([sys.executable, "-c", WATCH, self.address], env=self.env, text=True,
+                                            stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                            stderr=subprocess.DEVNULL, start_new_session=True)
+        try:
+            self.watcher.stdin.write("?\n")
+            self.watcher.stdin.flush()
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline:
+                if not select.select([self.watcher.stdout], [], [], deadline - time.monotonic())[0]:
+                    break
+                line = self.watcher.stdout.readline()
+                if not line:  # it exited: no GCS to connect to yet (the next question starts another)
+                    break
+                if line.startswith("alive: "):  # Ray may print lines of its own around it
+                    return json.loads(line[len("alive: "):])
+        except (BrokenPipeError, OSError):
+            pass
+        self._stop_watcher()
+        return []
+
+    def _stop_watcher(self) -> None:
+        if self.watcher is not None:
+            self.watcher.kill()
+            self.watcher.wait()
+            self.watcher = None
 
     def _wait_nodes(self, n: int, timeout: float = 90) -> None:
+        """Until the GCS counts n nodes alive; the node just spawned has said "Ray runtime started." in its log
+        first (read, not asked: the GCS is asked once it is worth asking)."""
         deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline and all(p.poll() is None for p in self.procs):
+            with open(self._log, "rb") as f:
+                f.seek(self._log_from)
+                if b"Ray runtime started." in f.read():
+                    break
+            time.sleep(0.2)
         while time.monotonic() < deadline:
             if any(p.poll() is not None for p in self.procs):
                 break  # a node's `ray start` gave up: its log says why
             if len(self.alive_nodes()) >= n:
                 return
-            time.sleep(1)
+            time.sleep(0.5)
         raise RuntimeError(f"Ray cluster of {n} node(s) not up in {timeout:.0f} s ({self.kind}); "
                            f"logs: {self.tmp}/head.log, worker.log")
 
@@ -163,6 +206,7 @@ class TwoNodes:
             self.worker = None
 
     def stop(self) -> None:
+        self._stop_watcher()
         for p in reversed(self.procs):
             _stop_tree(p, self._noted)
         self.procs.clear()
