@@ -448,6 +448,12 @@ def test_sleep_wake_then_same_greedy_tokens(engines) -> None:
     assert [s["response_ids"] for s in after] == [s["response_ids"] for s in before]
 
 
+def test_describe_passes_through_to_worker_extension(engines) -> None:
+    d = ray.get(engines["fresh"].describe.remote())
+    assert "model.embed_tokens.weight" in d["params"] and d["vllm_version"] == "0.32.0"
+    assert d["experts"] and all(ids == list(range(8)) for ids in d["experts"].values())  # all experts local
+
+
 def test_param_digest_reads_live_weights(engines) -> None:
     """The digest colo.bench.sync compares sync paths with: of the weights vLLM actually holds."""
     from safetensors.torch import load_file
