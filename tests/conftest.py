@@ -267,13 +267,7 @@ def run_job(*args: str, env: dict[str, str] | None = None, timeout: float = 600)
     not (the terminal of a fresh start, Ray's start-up, a kill, a signal) stays with run_cli's jobs: the kill -9
     and the last resume of test_loop.py's engine-error test, Ctrl-C / SIGTERM / full disk, multi-node.
     `timeout`: then the job gets a SIGINT (it stops as on Ctrl-C)."""
-    import io
-    import signal
-    import threading
-    from contextlib import redirect_stderr, redirect_stdout
-
     from colo.cluster.warm import WarmClusters
-    from colo.launch import main
 
     extra = dict(env or {})
     other = sorted(k for k in extra if not k.startswith("COLO_"))
@@ -283,6 +277,32 @@ def run_job(*args: str, env: dict[str, str] | None = None, timeout: float = 600)
     start_shared_ray()
     if not _WARM:
         _WARM.append(WarmClusters())
+    return _in_this_process(args, extra, timeout, _WARM[0])
+
+
+def run_dry(*args: str, env: dict[str, str] | None = None) -> CliResult:
+    """`python -m colo.launch ARGS` with --dry-run among ARGS, in this test process through the same entry point
+    (colo.launch.main), with `env`'s COLO_* variables: a dry run starts nothing, so what a process of its own
+    adds is the interpreter's start and the imports (~2.5 CPU-s per command on the 2-core machine), which
+    tests/e2e/test_launch_cli.py and the README's CPU dry run still show."""
+    if "--dry-run" not in args:
+        raise ValueError("run_dry runs dry runs only; give --dry-run")
+    extra = dict(env or {})
+    if any(not k.startswith("COLO_") for k in extra):
+        raise ValueError(f"run_dry sets COLO_* variables only, not {sorted(extra)}; use run_cli")
+    return _in_this_process(args, extra, 60, None)
+
+
+def _in_this_process(args: tuple[str, ...], extra: dict[str, str], timeout: float, warm) -> CliResult:
+    """colo.launch.main(ARGS) here: COLO_* variables as `extra` gives them, the repository as the working
+    directory, stdout and stderr captured, a SIGINT after `timeout` (the job stops as on Ctrl-C)."""
+    import io
+    import signal
+    import threading
+    from contextlib import redirect_stderr, redirect_stdout
+
+    from colo.launch import main
+
     saved, cwd = dict(os.environ), os.getcwd()
     out, err = io.StringIO(), io.StringIO()
     timer = threading.Timer(timeout, os.kill, (os.getpid(), signal.SIGINT))
@@ -294,7 +314,7 @@ def run_job(*args: str, env: dict[str, str] | None = None, timeout: float = 600)
         os.chdir(ROOT)
         timer.start()
         with redirect_stdout(out), redirect_stderr(err):
-            rc = main(list(args), warm=_WARM[0])
+            rc = main(list(args), warm=warm)
     finally:
         timer.cancel()
         os.chdir(cwd)
