@@ -11,9 +11,9 @@ The test reads the README itself and sorts each command into one of:
   session's `default_job` (tests/conftest.py), which tests/e2e/test_loop.py checks (learning, every output);
 - dry run: `python -m colo.launch ... --dry-run`, run as it is;
 - GPU command: a colo.launch command whose config asks for CUDA, checked as far as `--dry-run` goes here, in
-  this process through colo.launch.main (conftest run_dry; the GPU count is noted, not checked); a Hub model id is swapped for its random-weight preset
-  (`model.path=auto:qwen3-30b-a3b model.dummy_weights=true`, the README's own rehearsal) and a reader's data
-  path (/data/...) for a small JSONL;
+  this process through colo.launch.main (conftest run_dry; the GPU count is noted, not checked); a Hub model id
+  is swapped for its random-weight preset (`model.path=auto:qwen3-30b-a3b model.dummy_weights=true`, the
+  README's own rehearsal) and a reader's data path (/data/...) for a small JSONL;
 - setup: set-up lines that CI runs before this suite (launch/setup.sh, the suite itself) or that need a GPU
   host (the `gpu` extra); listed by exact text in SETUP;
 - cluster node: `bash launch/ray-cluster.sh head|worker ...`: tests/e2e/test_multinode.py starts both nodes of
