@@ -32,7 +32,8 @@
 # tests/gpu/test_optim_gpu.py (only when named).
 # one = colo.bench.step with no comparison: one variant alone, ONE_ARGS its overrides (only when named), for a slice
 # whose two variants do not fit one call. BENCH_PRESET picks the slice of step/async/gather/compile/one (default
-# qwen3-30b-a3b-L4; qwen3-30b-a3b-L12 fits one H200 with trainer.optimizer_offload=true, not with gather_once).
+# qwen3-30b-a3b-L4; qwen3-30b-a3b-L12 fits one H200 with trainer.optimizer_offload=true, and with gather_once too
+# when trainer.offload=false: docs/benchmarks.md, twelfth session, call N2).
 # CUDA_VISIBLE_DEVICES limits the GPUs it counts and uses; SHARED_HOST=1 leaves Ray running after a failed step
 # (tests/gpu/streams.sh runs two of these at once, one per GPU).
 # Everything this script leaves in $OUT is at most 8 files, one level deep: what a device call brings back.
