@@ -171,7 +171,9 @@ class LengthEngine(Engine):
 class StepTrainer(Trainer):
     """Trainer plus what colo.bench.step reads: the layout switch (packed or padded, one build for both),
     the peak memory and seconds of the policy's log-prob pass, the seconds of the onload, the updates'
-    forward + backward and the optimizer steps (device-synchronized), and the step's token sums for the FLOPs."""
+    forward + backward and the optimizer steps (device-synchronized), the seconds of the whole train_step call
+    in the trainer (what the train phase spends outside it is the batch's building and its way here and back),
+    and the step's token sums for the FLOPs."""
 
     def set_packing(self, on: bool) -> None:
         self.cfg.trainer.packing = bool(on)
@@ -266,6 +268,7 @@ class StepTrainer(Trainer):
 
         import torch.distributed as dist
 
+        entered = time.perf_counter()
         self._optim_s = 0.0
         retries = self._alloc_retries()
         if self.device.type == "cuda":
@@ -294,4 +297,5 @@ class StepTrainer(Trainer):
                 "bench/onload_s": onload,  # this step's (the loop onloads right before train_step)
                 "bench/logprob_peak_gb": peak, "bench/logprob_pass_gb": own,
                 "bench/alloc_retries": self._alloc_retries() - retries, "bench/update_reserved_gb": reserved}
+        out["bench/train_call_s"] = time.perf_counter() - entered  # this call, here; the rest is the driver's and Ray's
         return out

@@ -215,7 +215,7 @@ def summarize(steps: list[dict], cfg: Any, config_json: dict, gpus: int, device_
     peaks = [m["bench/logprob_peak_gb"] for m in steps if m["bench/logprob_peak_gb"] is not None]
     own = [m["bench/logprob_pass_gb"] for m in steps if m["bench/logprob_pass_gb"] is not None]
     phases = {p: total(f"timing/{p}_s") / len(steps) for p in PHASES}
-    phases |= {k: total(f"bench/{k}_s") / len(steps) for k in ("onload", "logprob", "update", "optim")}
+    phases |= {k: total(f"bench/{k}_s") / len(steps) for k in ("onload", "logprob", "update", "optim", "train_call")}
     compute_s = total("bench/logprob_s") + total("bench/update_s")
     return {
         "tokens_per_s_per_gpu": total("bench/tokens") / step_s / gpus,
@@ -333,7 +333,8 @@ def measure(args: argparse.Namespace, report: Callable[[dict], None] | None = No
                 print(f"[bench.step] packing={packing} mode={mode} gather_once={once} compile={comp} step {step}: "
                       f"{m['timing/step_s']:.2f}s, rollout {m['timing/rollout_s']:.2f}s, "
                       f"train {m['timing/train_s']:.2f}s (logprob "
-                      f"{m['bench/logprob_s']:.2f}, update {m['bench/update_s']:.2f}, optim {m['bench/optim_s']:.2f}), "
+                      f"{m['bench/logprob_s']:.2f}, update {m['bench/update_s']:.2f}, optim {m['bench/optim_s']:.2f}, "
+                      f"onload {m['bench/onload_s']:.2f}; the trainer's call {m['bench/train_call_s']:.2f}), "
                       f"trained tokens {m['bench/tokens']}, padding {m['train/padding_fraction']:.3f}, allocator "
                       f"retries {m['bench/alloc_retries']}", file=sys.stderr, flush=True)
                 if args.profile and step == args.warmup - 1:
