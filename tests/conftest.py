@@ -129,6 +129,27 @@ def pytest_sessionstart(session: pytest.Session) -> None:
     _STARTED.append(_start_ticks("self"))
 
 
+_SUITE_TMP: list[Path] = []  # the session's temporary folder (pytest_configure), removed at its end
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """One temporary folder for the session, TMPDIR of this process and of every process it starts (xdist workers,
+    CLI jobs, Ray and its workers, vLLM): what they leave in the system's temporary folder and nobody removes goes
+    there, and goes with it when the session ends (pytest_sessionfinish): Ray's session folders (logs, sockets:
+    ~16 per suite run), vLLM's ZMQ sockets and file-store rendezvous files (~40), pytest's own tmp_path folders.
+    Kept, and named, when the session failed. A short path: Ray's unix sockets under it must stay within 107
+    bytes. Compile caches that default to it (torch inductor's) start cold every session, as on a fresh CI
+    machine."""
+    if hasattr(config, "workerinput"):  # a worker: the controller's folder is already its TMPDIR
+        return
+    import tempfile
+
+    base = Path(tempfile.mkdtemp(prefix="cs", dir=tempfile.gettempdir()))
+    os.environ["TMPDIR"] = str(base)
+    tempfile.tempdir = None  # gettempdir() reads TMPDIR again
+    _SUITE_TMP.append(base)
+
+
 def _leftover_processes() -> list[str]:
     """Live Python, Ray and vLLM processes this checkout's tests started (since the session began, working in
     ROOT or with ROOT on their PYTHONPATH; not another checkout's) that outlived the session."""
@@ -159,9 +180,22 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     vLLM queues their processes map), and on processes of its own still running. Other psm_* are vLLM's own
     (GPU hosts: processes vLLM starts outside an engine's process tree, e.g. Ray workers); they are named, not
     counted (tests/gpu/run.sh removes them). Under pytest-xdist only the controller checks, once both workers
-    are done (a worker that finishes first would see the other's live ones)."""
+    are done (a worker that finishes first would see the other's live ones). Then the session's temporary folder
+    (pytest_configure) is removed, unless the session failed."""
     if hasattr(session.config, "workerinput"):
         return
+    try:
+        _check_left_behind(session)
+    finally:
+        if _SUITE_TMP and session.exitstatus == 0:
+            import shutil
+
+            shutil.rmtree(_SUITE_TMP[0], ignore_errors=True)
+        elif _SUITE_TMP:
+            print(f"\nconftest: the session's temporary folder is kept: {_SUITE_TMP[0]}", file=sys.stderr)
+
+
+def _check_left_behind(session: pytest.Session) -> None:
     import time
 
     from colo.host.shm import alive, mapped_segments, owner_pid, sweep
