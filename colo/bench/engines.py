@@ -269,7 +269,7 @@ class StepTrainer(Trainer):
         import torch.distributed as dist
 
         entered = time.perf_counter()
-        self._optim_s = 0.0
+        self._optim_s, self._lp_s, self._lp_mem = 0.0, 0.0, (None, None)  # no pass when trainer.old_logprobs skips it
         retries = self._alloc_retries()
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)

@@ -209,8 +209,11 @@ def summarize(steps: list[dict], cfg: Any, config_json: dict, gpus: int, device_
     total = lambda key: sum(float(m[key]) for m in steps)  # noqa: E731
     step_s, train_s, rollout_s = total("timing/step_s"), total("timing/train_s"), total("timing/rollout_s")
     generated = sum(m["response_len/mean"] * m["bench/samples"] for m in steps)
-    passes = 1 + (1 if float(cfg.algo.kl_coef) > 0 else 0) + 3 * int(cfg.trainer.epochs)
-    flops = sum(passes * forward_flops(config_json, m["bench/tokens"], m["bench/tokens_sq"]) for m in steps)
+    # forwards per token: the old log-prob pass (unless the update's own forward gave them: trainer.old_logprobs),
+    # the reference's, and each epoch's forward + backward (2 forwards' worth)
+    passes = [m.get("train/old_logprob_pass", 1.0) + (1 if float(cfg.algo.kl_coef) > 0 else 0)
+              + 3 * int(cfg.trainer.epochs) for m in steps]
+    flops = sum(p * forward_flops(config_json, m["bench/tokens"], m["bench/tokens_sq"]) for p, m in zip(passes, steps))
     peak = peak_flops(device_name) if cfg.placement.device == "cuda" else None
     peaks = [m["bench/logprob_peak_gb"] for m in steps if m["bench/logprob_peak_gb"] is not None]
     own = [m["bench/logprob_pass_gb"] for m in steps if m["bench/logprob_pass_gb"] is not None]

@@ -26,6 +26,7 @@ CHOICES = {  # must match the consumers: colo.algo.loss.LOSS_AGGS, colo.sync, co
     "sync.mode": ("direct", "load_weights"),
     "trainer.optimizer_dtype": ("float32", "bfloat16"),
     "trainer.experts_implementation": ("auto", "grouped_mm", "batched_mm", "eager"),
+    "trainer.old_logprobs": ("auto", "pass"),
     "run.wandb_mode": ("auto", "online", "offline"),
 }
 LOGGERS = ("jsonl", "tensorboard", "wandb")
@@ -104,6 +105,13 @@ class TrainerConfig:
     """How the trainer's transformers MoE blocks run their experts: grouped_mm (one grouped GEMM over all experts;
     transformers' default where torch has it), batched_mm, eager (a loop over experts); auto: transformers'
     choice. colo.bench.step compares them."""
+    old_logprobs: str = "auto"
+    """Where the PPO ratio's old log-probs come from. auto: when the step makes one update (trainer.epochs x
+    trainer.mini_batches == 1), the policy before the step is the one that update's forward runs, so its own
+    log-probs, detached, are the old ones (ratio 1, the gradient of the clipped objective the same) and the
+    separate forward pass over the batch is skipped (its share of the train phase: ~17% on the L12 slice); with
+    more updates, or pass: a forward-only pass over the batch before the updates. Metrics that read the old
+    log-probs (logprob_diff, tis_mean, routing/mismatch) are then read off the update's forward."""
     logprob_chunk: int = 1024
     """Tokens per lm_head chunk of the log-prob / entropy pass (colo.algo.logprobs): the pass never holds more
     than this many rows of (tokens, vocab) float32 logits."""

@@ -252,10 +252,22 @@ class Trainer:
         finally:
             hold_gathered(model, False)
 
+    def _count_routing(self, mb: dict) -> None:
+        """Right after the policy's forward over `mb`: adds its (token, MoE layer) pairs whose own top-k differs
+        from the engine's, and the pairs compared, to the step's routing counts (routing/mismatch, _parity)."""
+        if "routed_experts" not in mb:
+            return
+        valid = mb["attention_mask"] * (mb["loss_mask"].sum(1, keepdim=True) > 0)  # (b, T) real rows only
+        ids = mb["routed_experts"]
+        if self._packed is not None:  # the tap saw the packed row: compare token by token there
+            valid, ids = self._packed.pack(valid), self._packed.pack(ids)
+        self._routing_counts = [a + b for a, b in zip(self._routing_counts, self.routing.mismatch(ids, valid))]
+
     @torch.no_grad()
     def _logprobs(self, model: torch.nn.Module, batch: dict) -> torch.Tensor:
         out = torch.zeros(batch["input_ids"].shape, dtype=torch.float32)  # (B, T)
-        routing = [0.0, 0.0]  # (token, MoE layer) pairs: own top-k differs from the engine's, compared
+        if model is self.model:
+            self._routing_counts = [0.0, 0.0]
         training = model.training
         model.eval()  # the log-probs of the policy itself, not of one dropout draw of it
         try:
@@ -265,16 +277,10 @@ class Trainer:
                 lp, _ = self._score(model, mb, self._policy_temperature, dummy)
                 if not dummy:
                     out[idx] = lp.float().cpu()
-                    if model is self.model and "routed_experts" in mb:  # real rows only: padding rows score nothing
-                        valid = mb["attention_mask"] * (mb["loss_mask"].sum(1, keepdim=True) > 0)  # (b, T)
-                        ids = mb["routed_experts"]
-                        if self._packed is not None:  # the tap saw the packed row: compare token by token there
-                            valid, ids = self._packed.pack(valid), self._packed.pack(ids)
-                        routing = [a + b for a, b in zip(routing, self.routing.mismatch(ids, valid))]
+                    if model is self.model:
+                        self._count_routing(mb)
         finally:
             model.train(training)
-        if model is self.model:
-            self._routing_counts = routing
         # forward-only passes leave the root and last layer gathered (reshard_after_forward=False,
         # meant for a backward that never comes); the sync reads params and expects DTensor shards
         for m in model.modules():
@@ -317,12 +323,19 @@ class Trainer:
         self._release_cache()
         return {"sft_loss": loss, "grad_norm": grad_norm, "tokens": tokens}
 
-    def _ppo_micro(self, mb: dict, old: torch.Tensor, ref: torch.Tensor | None,
+    def _ppo_micro(self, mb: dict, old: torch.Tensor | None, ref: torch.Tensor | None,
                    token_count: float, seq_count: float, dummy: bool) -> dict[str, torch.Tensor]:
-        """Forward + backward of one micro-batch; returns detached, token-weighted metric sums."""
+        """Forward + backward of one micro-batch; returns detached, token-weighted metric sums. `old` None: the
+        step's one update, whose own forward is the policy before it (trainer.old_logprobs=auto); its log-probs
+        are then left in self._own_old for the step's parity metrics."""
         a = self.cfg.algo
         mask = mb["loss_mask"].to(self.device)  # (b, T)
         lp, ent = self._score(self.model, mb, self._policy_temperature, dummy)  # (b, T) each
+        if old is None:
+            old = lp.detach()
+            if not dummy:
+                self._own_old = old.float().cpu()
+                self._count_routing(mb)  # before backward, whose recompute would run the router again
         rollout = mb.get("rollout_logprobs")
         loss, met = policy_loss(
             lp, old.to(self.device), mb["advantages"].to(self.device), mask,
@@ -355,7 +368,8 @@ class Trainer:
         self.ref_frozen = True
 
     def train_step(self, batch: dict) -> dict:
-        """PPO-clip: recompute old log-probs, then epochs x mini-batches of AdamW steps.
+        """PPO-clip: old log-probs (a forward-only pass, or the one update's own: trainer.old_logprobs), then
+        epochs x mini-batches of AdamW steps.
 
         Returns global metrics (identical on every rank, the same for any rank / micro-batch layout):
         loss, pg_loss, [kl_loss] (each update's aggregated value, averaged over updates), grad_norm
@@ -370,13 +384,19 @@ class Trainer:
         mask = batch["loss_mask"].float()  # (B, T)
         if self.ref_model is not None and not self.ref_frozen:
             self._freeze_reference()
-        old = self._logprobs(self.model, batch)  # (B, T) the policy before this step
+        minis = list(torch.arange(B).tensor_split(max(1, int(t.mini_batches))))
+        M = len(minis)
+        # one update: the policy before this step is the one its forward runs (trainer.old_logprobs)
+        own_old = str(t.old_logprobs) == "auto" and max(1, int(t.epochs)) * M == 1
+        if own_old:
+            old = torch.zeros(batch["input_ids"].shape, dtype=torch.float32)  # (B, T), filled by the update
+            self._routing_counts = [0.0, 0.0]
+        else:
+            old = self._logprobs(self.model, batch)  # (B, T) the policy before this step
         ref = batch.get("ref_logprobs")
         if float(a.kl_coef) > 0 and ref is None:
             ref = self._logprobs(self.ref_model, batch)
         self.model.train()
-        minis = list(torch.arange(B).tensor_split(max(1, int(t.mini_batches))))
-        M = len(minis)
         # one all-reduce for every mini-batch's global token and sequence counts
         counts = self._agree([float(mask[m].sum()) for m in minis]
                              + [float((mask[m].sum(1) > 0).sum()) for m in minis],
@@ -386,9 +406,11 @@ class Trainer:
         for _ in range(max(1, int(t.epochs))):
             for m, rows in enumerate(minis):
                 for idx, dummy in self._passes(self.model, self._micro_plan(rows, batch), backward=True):
-                    got = self._ppo_micro(_rows(batch, idx, dummy), old[idx],
+                    got = self._ppo_micro(_rows(batch, idx, dummy), None if own_old else old[idx],
                                           None if ref is None else ref[idx],
                                           max(counts[m], 1.0), max(counts[M + m], 1.0), dummy)
+                    if own_old and not dummy:
+                        old[idx] = self._own_old
                     for k, v in got.items():
                         sums[k] = sums.get(k, 0.0) + v
                 norms.append(self._optim_step())
@@ -408,7 +430,7 @@ class Trainer:
         # the share of token slots the train phase computed (every log-prob and update pass) that held no
         # sample: padding, shard fillers, dummy micro-batches. The one metric that depends on the layout.
         out |= {"train/padding_fraction": 1.0 - real / max(slots, 1.0), "train/token_slots": slots,
-                "train/real_tokens": real}
+                "train/real_tokens": real, "train/old_logprob_pass": 0.0 if own_old else 1.0}
         self._release_cache()
         return out
 

@@ -99,6 +99,49 @@ def test_packed_equals_padded_with_and_without_r3(workers) -> None:
     assert got[True, "off"][0]["routing/mismatch"] > 0.5  # random ids: most (token, layer) pairs differ
 
 
+def _old_logprobs(trainer, mode: str | None) -> None:
+    """trainer.old_logprobs = mode, counting the policy's forward-only passes (trainer.policy_passes); None: back to
+    the default, uncounted."""
+    trainer.__dict__.pop("_logprobs", None)
+    trainer.cfg.trainer.old_logprobs = mode or "auto"
+    if mode is None:
+        return
+    trainer.policy_passes = 0
+    run = type(trainer)._logprobs
+
+    def counted(model, batch):
+        trainer.policy_passes += model is trainer.model
+        return run(trainer, model, batch)
+    trainer._logprobs = counted
+
+
+def test_one_update_takes_the_old_logprobs_from_its_own_forward(workers) -> None:
+    """trainer.old_logprobs=auto, one update per step (epochs 1, mini_batches 1): the policy runs no forward-only
+    pass, and the loss, every metric (the trainer-vLLM gap, TIS, routing/mismatch among them) and the gradients
+    are those of the step with the pass (old_logprobs=pass), R3 on and off: the ratio is 1 in both, exactly in
+    one, up to two forwards' rounding in the other."""
+    shards = shard_batch(_batch(), 2)
+    got = {}
+    try:
+        for replay in ("off", "r3"):
+            for mode in ("pass", "auto"):
+                ray.get([w.__ray_call__.remote(_old_logprobs, mode) for w in workers])
+                got[mode, replay] = _step(workers, shards, True, replay)
+                passes = ray.get([w.__ray_call__.remote(lambda t: t.policy_passes) for w in workers])
+                assert passes == ([1, 1] if mode == "pass" else [0, 0]), (mode, passes)
+                assert got[mode, replay][0]["train/old_logprob_pass"] == (mode == "pass")
+    finally:
+        ray.get([w.__ray_call__.remote(_old_logprobs, None) for w in workers])
+    for replay in ("off", "r3"):
+        (own, g_own), (passed, g_passed) = got["auto", replay], got["pass", replay]
+        for k in METRICS:
+            assert own[k] == pytest.approx(passed[k], rel=1e-5, abs=1e-6), (replay, k, own[k], passed[k])
+        for a, b in zip(g_own, g_passed):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+        assert own["logprob_diff/mean"] > 0.5  # the batch's rollout log-probs are noise: the gap is real
+    assert got["auto", "off"][0]["routing/mismatch"] > 0.5  # counted off the update's forward too
+
+
 def _count_collectives(trainer, once: bool) -> None:
     """trainer.gather_once on or off, and count FSDP2's all-gathers and reduce-scatters from here on."""
     from torch.distributed.fsdp._fully_shard import _fsdp_param_group as group
@@ -137,10 +180,11 @@ def test_gather_once_equals_gathering_per_micro_batch(workers) -> None:
             assert m1[k] == pytest.approx(m0[k], rel=1e-5, abs=1e-6), (packing, k, m1[k], m0[k])
         for a, b in zip(g1, g0):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
-        # gather_once: each unit gathered once in each of the three passes (old log-probs, reference log-probs,
-        # update) and reduced once. Per micro-batch (several: 40-token budget / 2 rows on 11 samples), each unit is
-        # gathered in every forward and again in every backward, and reduced after every backward.
-        assert c1["reduce"] > 0 and c1["all_gather"] == 3 * c1["reduce"], (packing, c1)
+        # gather_once: each unit gathered once in each of the two passes (reference log-probs, update: the old
+        # log-probs are the one update's own, trainer.old_logprobs) and reduced once. Per micro-batch (several:
+        # 40-token budget / 2 rows on 11 samples), each unit is gathered in every forward and again in every
+        # backward, and reduced after every backward.
+        assert c1["reduce"] > 0 and c1["all_gather"] == 2 * c1["reduce"], (packing, c1)
         assert c0["reduce"] >= 2 * c1["reduce"] and c0["all_gather"] > c1["all_gather"], (packing, c1, c0)
 
 
