@@ -23,6 +23,7 @@ from conftest import removed_after
 from colo.bench.engines import BenchTrainer
 from colo.bench.sync import LOGPROB_ATOL, PERTURB_SCALE, compare, greedy
 from colo.cluster.actors import start_cluster
+from colo.cluster.warm import stop_cluster
 from colo.config import load_config, to_dict
 from colo.cluster.placement import init_ray, plan_placement
 
@@ -55,22 +56,30 @@ def sync_and_compare(model: Path, workdir: Path, overrides: list[str]) -> dict:
     init_ray(plan, log_to_driver=False)  # a no-op in the suite: the shared instance (ray_cluster) is up
     with removed_after():  # this test's groups and actors: the next test needs the logical GPUs
         c = start_cluster(cfg, plan, trainer_cls=BenchTrainer)
-        before = greedy(c.engines)
-        ray.get([t.perturb_weights.remote(7, PERTURB_SCALE) for t in c.trainers])
-        first = c.trainer_group.sync_weights()
-        again = c.trainer_group.sync_weights()  # reuses plan + buffers
-        synced = greedy(c.engines)
-        export = workdir / "export"
-        ray.get([t.export_hf.remote(str(export)) for t in c.trainers])
-        fresh_cfg = to_dict(cfg)
-        fresh_cfg["model"]["path"] = str(export)
-        # engine 0 in place, as a warm cluster's next job gets it (Engine.reconfigure): its vLLM engine, TP workers
-        # included, gone, a new one (same TP size) loading the export from disk; the process and its vLLM import
-        # stay (a fresh actor: ~9 CPU-s more)
-        ray.get(c.engines[0].reconfigure.remote(fresh_cfg))
-        want = greedy(c.engines[:1])[0]
-        return {"plan": plan, "first": first, "again": again, "before": before, "synced": synced, "want": want,
-                "setup": c.setup}
+        try:
+            return _sync_and_compare(c, plan, cfg, workdir)
+        finally:  # as a run ends: each actor's shutdown first (vLLM's TP workers stopped, their semaphores and
+            stop_cluster(c)  # shared memory unlinked), which removed_after's ray.kill skips
+
+
+def _sync_and_compare(c, plan, cfg, workdir: Path) -> dict:
+    """The test's body on a started cluster (sync_and_compare stops it after, whatever happens)."""
+    before = greedy(c.engines)
+    ray.get([t.perturb_weights.remote(7, PERTURB_SCALE) for t in c.trainers])
+    first = c.trainer_group.sync_weights()
+    again = c.trainer_group.sync_weights()  # reuses plan + buffers
+    synced = greedy(c.engines)
+    export = workdir / "export"
+    ray.get([t.export_hf.remote(str(export)) for t in c.trainers])
+    fresh_cfg = to_dict(cfg)
+    fresh_cfg["model"]["path"] = str(export)
+    # engine 0 in place, as a warm cluster's next job gets it (Engine.reconfigure): its vLLM engine, TP workers
+    # included, gone, a new one (same TP size) loading the export from disk; the process and its vLLM import
+    # stay (a fresh actor: ~9 CPU-s more)
+    ray.get(c.engines[0].reconfigure.remote(fresh_cfg))
+    want = greedy(c.engines[:1])[0]
+    return {"plan": plan, "first": first, "again": again, "before": before, "synced": synced, "want": want,
+            "setup": c.setup}
 
 
 def _assert_equivalent(r: dict) -> None:
