@@ -303,15 +303,10 @@ def run_job(*args: str, env: dict[str, str] | None = None, timeout: float = 600)
     `timeout`: then the job gets a SIGINT (it stops as on Ctrl-C)."""
     from colo.cluster.warm import WarmClusters
 
-    extra = dict(env or {})
-    other = sorted(k for k in extra if not k.startswith("COLO_"))
-    if other:
-        raise ValueError(f"run_job sets COLO_* variables only, not {other}; use run_cli for a job that needs "
-                         "another environment")
     start_shared_ray()
     if not _WARM:
         _WARM.append(WarmClusters())
-    return _in_this_process(args, extra, timeout, _WARM[0])
+    return _in_this_process(args, env, timeout, _WARM[0])
 
 
 def run_dry(*args: str, env: dict[str, str] | None = None) -> CliResult:
@@ -321,15 +316,18 @@ def run_dry(*args: str, env: dict[str, str] | None = None) -> CliResult:
     tests/e2e/test_launch_cli.py and the README's CPU dry run still show."""
     if "--dry-run" not in args:
         raise ValueError("run_dry runs dry runs only; give --dry-run")
+    return _in_this_process(args, env, 60, None)
+
+
+def _in_this_process(args: tuple[str, ...], env: dict[str, str] | None, timeout: float, warm) -> CliResult:
+    """colo.launch.main(ARGS) here: COLO_* variables as `env` gives them (the only ones it may set: the process's
+    own environment is what its actors were started with), the repository as the working directory, stdout and
+    stderr captured, a SIGINT after `timeout` (the job stops as on Ctrl-C)."""
     extra = dict(env or {})
-    if any(not k.startswith("COLO_") for k in extra):
-        raise ValueError(f"run_dry sets COLO_* variables only, not {sorted(extra)}; use run_cli")
-    return _in_this_process(args, extra, 60, None)
-
-
-def _in_this_process(args: tuple[str, ...], extra: dict[str, str], timeout: float, warm) -> CliResult:
-    """colo.launch.main(ARGS) here: COLO_* variables as `extra` gives them, the repository as the working
-    directory, stdout and stderr captured, a SIGINT after `timeout` (the job stops as on Ctrl-C)."""
+    other = sorted(k for k in extra if not k.startswith("COLO_"))
+    if other:
+        raise ValueError(f"a job in this process sets COLO_* variables only, not {other}; use run_cli for a job "
+                         "that needs another environment")
     import io
     import signal
     import threading

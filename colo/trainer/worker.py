@@ -324,17 +324,16 @@ class Trainer:
         return {"sft_loss": loss, "grad_norm": grad_norm, "tokens": tokens}
 
     def _ppo_micro(self, mb: dict, old: torch.Tensor | None, ref: torch.Tensor | None,
-                   token_count: float, seq_count: float, dummy: bool) -> dict[str, torch.Tensor]:
-        """Forward + backward of one micro-batch; returns detached, token-weighted metric sums. `old` None: the
-        step's one update, whose own forward is the policy before it (trainer.old_logprobs=auto); its log-probs
-        are then left in self._own_old for the step's parity metrics."""
+                   token_count: float, seq_count: float, dummy: bool) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+        """Forward + backward of one micro-batch; returns detached, token-weighted metric sums and the old
+        log-probs it used (b, T). `old` None: the step's one update, whose own forward is the policy before it
+        (trainer.old_logprobs=auto): its log-probs, detached, are the old ones."""
         a = self.cfg.algo
         mask = mb["loss_mask"].to(self.device)  # (b, T)
         lp, ent = self._score(self.model, mb, self._policy_temperature, dummy)  # (b, T) each
         if old is None:
             old = lp.detach()
             if not dummy:
-                self._own_old = old.float().cpu()
                 self._count_routing(mb)  # before backward, whose recompute would run the router again
         rollout = mb.get("rollout_logprobs")
         loss, met = policy_loss(
@@ -351,7 +350,7 @@ class Trainer:
             out = {k: v.detach().float() * (1.0 if k in ADDITIVE else n) for k, v in met.items()}
             out["entropy"] = (ent.detach() * mask).sum()
         out["loss"], out["tokens"] = loss.detach().float(), n
-        return out
+        return out, old
 
     @torch.no_grad()
     def _freeze_reference(self) -> None:
@@ -406,11 +405,11 @@ class Trainer:
         for _ in range(max(1, int(t.epochs))):
             for m, rows in enumerate(minis):
                 for idx, dummy in self._passes(self.model, self._micro_plan(rows, batch), backward=True):
-                    got = self._ppo_micro(_rows(batch, idx, dummy), None if own_old else old[idx],
-                                          None if ref is None else ref[idx],
-                                          max(counts[m], 1.0), max(counts[M + m], 1.0), dummy)
+                    got, used = self._ppo_micro(_rows(batch, idx, dummy), None if own_old else old[idx],
+                                                None if ref is None else ref[idx],
+                                                max(counts[m], 1.0), max(counts[M + m], 1.0), dummy)
                     if own_old and not dummy:
-                        old[idx] = self._own_old
+                        old[idx] = used.float().cpu()
                     for k, v in got.items():
                         sums[k] = sums.get(k, 0.0) + v
                 norms.append(self._optim_step())

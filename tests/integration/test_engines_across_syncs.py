@@ -501,7 +501,7 @@ def test_vllm_ipc_engine_needs_cuda(engines) -> None:
 
 # ------------------------------------------------------------------------------------ Multi-turn
 
-T = 0.8
+TURN_T = 0.8  # the multi-turn tests' sampling temperature
 
 
 class Scripted(Environment):
@@ -560,7 +560,7 @@ def test_three_turns_token_in_token_out(engines, multiturn) -> None:
 
     e, hf = multiturn, engines["model"].eval()
     rows = [row("ok"), row("ok", "Question: reverse abc Answer:")]
-    samples, stats = ray.get(e.rollout.remote(rows, 2, 120, T, 1.0, 11, True))
+    samples, stats = ray.get(e.rollout.remote(rows, 2, 120, TURN_T, 1.0, 11, True))
     seen = {(tuple(p), tuple(o)) for p, o in ray.get(e.records.remote())}
     assert len(samples) == 4 and stats["env_s"] >= 0
     tok = AutoTokenizer.from_pretrained(engines["pert"])
@@ -582,7 +582,7 @@ def test_three_turns_token_in_token_out(engines, multiturn) -> None:
         assert batch["loss_mask"][b, P:len(full)].tolist() == s["model_mask"]
         assert all(lp == 0.0 for lp, m in zip(s["logprobs"], s["model_mask"]) if not m)
         with torch.no_grad():
-            logp = torch.log_softmax(hf(torch.tensor([full])).logits.float() / T, dim=-1)[0]  # (L, V)
+            logp = torch.log_softmax(hf(torch.tensor([full])).logits.float() / TURN_T, dim=-1)[0]  # (L, V)
         ref = logp[:-1].gather(-1, torch.tensor(full[1:])[:, None])[:, 0]  # (L-1,) log p(token t+1 | prefix)
         for a, z in runs:
             worst = max(worst, (ref[a - 1:z - 1] - torch.tensor(s["logprobs"][a - P:z - P])).abs().max().item())
@@ -595,7 +595,7 @@ def test_bad_environments_end_their_sample_not_the_rollout(multiturn) -> None:
     e = multiturn
     rows = [row("ok"), row("raise"), row("hang"), row("garbage"), row("bad_reset")]
     t0 = time.monotonic()
-    samples, _ = ray.get(e.rollout.remote(rows, 1, 120, T, 1.0, 3, True))
+    samples, _ = ray.get(e.rollout.remote(rows, 1, 120, TURN_T, 1.0, 3, True))
     assert time.monotonic() - t0 < 60  # the hung step was abandoned at algo.env_timeout_s=3
     ok, raised, hung, garbage, reset = samples
     assert ok["env_error"] is None and ok["turns"] == 3
@@ -609,7 +609,7 @@ def test_bad_environments_end_their_sample_not_the_rollout(multiturn) -> None:
     ray.get(e.configure.remote("algo", env_errors="fail"))
     try:
         with pytest.raises(ray.exceptions.RayTaskError, match="EnvError.*row 1 sample 0, step of turn 0: ValueError"):
-            ray.get(e.rollout.remote(rows[:2], 1, 120, T, 1.0, 3))
+            ray.get(e.rollout.remote(rows[:2], 1, 120, TURN_T, 1.0, 3))
     finally:
         ray.get(e.configure.remote("algo", env_errors="sample"))
-    assert ray.get(e.rollout.remote([row("ok")], 1, 120, T, 1.0, 3))[0][0]["turns"] == 3  # the engine lives on
+    assert ray.get(e.rollout.remote([row("ok")], 1, 120, TURN_T, 1.0, 3))[0][0]["turns"] == 3  # the engine lives on
