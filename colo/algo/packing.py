@@ -22,7 +22,7 @@ the loss, so losses, TIS, KL, the R3 ids and every metric are computed exactly a
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -54,23 +54,26 @@ class Packed:
     index: torch.Tensor  # (N,) flat positions into the (b*T) padded layout, row-major
     position_ids: torch.Tensor  # (1, N) position of each token inside its own sample
     shape: tuple[int, int]  # (b, T) of the padded rows
+    bounds: tuple[int, ...]  # start offset of every sample in the packed row, then N: (0, L0, L0 + L1, ..., N)
 
     @classmethod
     def of(cls, attention_mask: torch.Tensor) -> Packed:
+        """From the host's (b, T) mask: the layout is planned on the host, with no device sync."""
         am = attention_mask.long()  # (b, T)
         pos = (am.cumsum(-1) - 1).clamp(min=0)  # (b, T) the padded path's positions (left padding too)
         index = am.reshape(-1).nonzero().squeeze(1)  # (N,)
-        return cls(index, pos.reshape(-1)[index][None], tuple(am.shape))
+        position_ids = pos.reshape(-1)[index][None]
+        starts = (position_ids[0] == 0).nonzero().squeeze(1).tolist()
+        return cls(index, position_ids, tuple(am.shape), (*starts, int(index.numel())))
 
-    @property
-    def bounds(self) -> tuple[int, ...]:
-        """Start offset of every sample in the packed row, then its length: (0, L0, L0 + L1, ..., N)."""
-        starts = (self.position_ids[0] == 0).nonzero().squeeze(1).tolist()
-        return (*starts, self.tokens)
+    def to(self, upload: Callable[[torch.Tensor], torch.Tensor]) -> Packed:
+        """The same layout with its tensors moved by `upload` (the trainer's host -> device copy, which on CUDA
+        does not wait for the GPU): pack and unpack of device tensors then never move an index themselves."""
+        return Packed(upload(self.index), upload(self.position_ids), self.shape, self.bounds)
 
     @property
     def tokens(self) -> int:
-        return int(self.index.numel())
+        return self.bounds[-1]
 
     def pack(self, x: torch.Tensor) -> torch.Tensor:
         """(b, T, ...) -> (1, N, ...)."""

@@ -100,13 +100,17 @@ class RouterTap:
     def mismatch(self, ids: torch.Tensor, valid: torch.Tensor) -> tuple[float, float]:
         """(pairs whose own top-k set differs from `ids`, pairs compared) over tokens where `valid` (b, T)
         and the engine gave ids, for the forward just run."""
-        if not self.own:
-            return 0.0, 0.0
-        differ = pairs = 0.0
+        differ, pairs = self.mismatch_counts(ids, valid).tolist()
+        return differ, pairs
+
+    def mismatch_counts(self, ids: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+        """mismatch's two counts as a (2,) float64 tensor on the routers' device, read by no one yet: a trainer
+        adds them up over its micro-batches and reads them once, instead of waiting for the GPU twice per layer."""
+        counts = None
         for m, own in self.own.items():
             given = ids[:, :, m].reshape(own.shape).to(own.device)  # (N, K)
             ok = valid.reshape(-1).to(own.device).bool() & (given != NO_EXPERT[given.dtype]).all(-1)
             same = (own.sort(-1).values == given.long().sort(-1).values).all(-1)  # (N,)
-            differ += float((ok & ~same).sum())
-            pairs += float(ok.sum())
-        return differ, pairs
+            here = torch.stack([(ok & ~same).sum(), ok.sum()]).double()
+            counts = here if counts is None else counts + here
+        return counts if counts is not None else torch.zeros(2, dtype=torch.float64, device=ids.device)

@@ -126,7 +126,7 @@ class Trainer:
             self.ref_model.eval()
         self._offloader = Offloader(self.device)
         self.routing = RouterTap(self.model)  # R3 and the routing-mismatch metric (colo.algo.replay)
-        self._routing_counts = [0.0, 0.0]  # (pairs differing, pairs compared) of the last policy log-prob pass
+        self._routing_counts = self._no_routing()  # (pairs differing, pairs compared) of the last policy pass
         self.optimizer = make_optimizer(self.model.parameters(), lr=float(c.trainer.lr),
                                         weight_decay=float(c.trainer.weight_decay),
                                         state_dtype=c.trainer.optimizer_dtype, on_host=c.trainer.optimizer_offload,
@@ -177,11 +177,12 @@ class Trainer:
         them, from logits / temperature divided in float32 as vLLM's sampler does (colo.algo.logprobs: the
         lm_head runs by chunks, no (b, T, V) logits). Packed (trainer.packing): the rows' real tokens run as one
         row and the results come back in the padded (b, T) layout, so everything downstream is unchanged."""
-        ids = mb["input_ids"].to(self.device)  # (b, T)
-        am = mb["attention_mask"].to(self.device)  # (b, T)
-        routed = mb.get("routed_experts")  # (b, T, M, K) or None
+        ids = self._up(mb["input_ids"])  # (b, T)
+        am = self._up(mb["attention_mask"])  # (b, T)
+        routed = None if mb.get("routed_experts") is None else self._up(mb["routed_experts"])  # (b, T, M, K)
         chunk = int(self.cfg.trainer.logprob_chunk)
-        packed = Packed.of(mb["attention_mask"]) if self.cfg.trainer.packing else None  # on the host: no syncs
+        # planned on the host (no syncs), its index then on the device
+        packed = Packed.of(mb["attention_mask"]).to(self._up) if self.cfg.trainer.packing else None
         b, T = ids.shape
         self._slots[0] += packed.tokens if packed else b * T  # token slots computed
         if not dummy:  # real tokens: shard fillers (sample_index -1) and dummy micro-batches are padding
@@ -190,7 +191,7 @@ class Trainer:
                 real = real * (mb["sample_index"] >= 0)[:, None]
             self._slots[1] += float(real.sum())
         if packed is not None:
-            ids, pos, am = packed.pack(ids), packed.position_ids.to(self.device), None  # (1, N) each
+            ids, pos, am = packed.pack(ids), packed.position_ids, None  # (1, N) each
             routed = None if routed is None else packed.pack(routed)  # (1, N, M, K): token by token, as ids
         else:
             # positions count real tokens, so left padding (if a caller uses it) matches vLLM's
@@ -212,6 +213,17 @@ class Trainer:
         same temperature; otherwise the TIS weight and logprob_diff compare different distributions."""
         t = float(self.cfg.rollout.temperature)
         return t if t > 0 else 1.0
+
+    def _up(self, t: torch.Tensor) -> torch.Tensor:
+        """A host tensor on this rank's device. On CUDA through pinned memory, not waiting: a copy from pageable
+        memory first waits for every kernel queued before it, and a micro-batch made dozens of them, each one
+        leaving the GPU idle while the host queued the next kernels."""
+        if self.device.type != "cuda" or t.device.type == "cuda":
+            return t.to(self.device)
+        return t.pin_memory().to(self.device, non_blocking=True)
+
+    def _no_routing(self) -> torch.Tensor:
+        return torch.zeros(2, dtype=torch.float64, device=self.device)
 
     def _agree(self, values: list[int | float], op: dist.ReduceOp) -> list[float]:
         t = torch.tensor(values, dtype=torch.float64, device=self.device)
@@ -257,17 +269,18 @@ class Trainer:
         from the engine's, and the pairs compared, to the step's routing counts (routing/mismatch, _parity)."""
         if "routed_experts" not in mb:
             return
-        valid = mb["attention_mask"] * (mb["loss_mask"].sum(1, keepdim=True) > 0)  # (b, T) real rows only
-        ids = mb["routed_experts"]
+        valid = self._up(mb["attention_mask"] * (mb["loss_mask"].sum(1, keepdim=True) > 0))  # (b, T) real rows
+        ids = self._up(mb["routed_experts"])
         if self._packed is not None:  # the tap saw the packed row: compare token by token there
             valid, ids = self._packed.pack(valid), self._packed.pack(ids)
-        self._routing_counts = [a + b for a, b in zip(self._routing_counts, self.routing.mismatch(ids, valid))]
+        self._routing_counts = self._routing_counts + self.routing.mismatch_counts(ids, valid)  # read once, in _parity
 
     @torch.no_grad()
     def _logprobs(self, model: torch.nn.Module, batch: dict) -> torch.Tensor:
         out = torch.zeros(batch["input_ids"].shape, dtype=torch.float32)  # (B, T)
+        scored: list[tuple[torch.Tensor, torch.Tensor]] = []  # (rows, their (b, T) log-probs on the device)
         if model is self.model:
-            self._routing_counts = [0.0, 0.0]
+            self._routing_counts = self._no_routing()
         training = model.training
         model.eval()  # the log-probs of the policy itself, not of one dropout draw of it
         try:
@@ -276,11 +289,13 @@ class Trainer:
                 mb = _rows(batch, idx, dummy)
                 lp, _ = self._score(model, mb, self._policy_temperature, dummy)
                 if not dummy:
-                    out[idx] = lp.float().cpu()
+                    scored.append((idx, lp.float()))  # to the host after the pass: .cpu() would wait here
                     if model is self.model:
                         self._count_routing(mb)
         finally:
             model.train(training)
+        for idx, lp in scored:
+            out[idx] = lp.cpu()
         # forward-only passes leave the root and last layer gathered (reshard_after_forward=False,
         # meant for a backward that never comes); the sync reads params and expects DTensor shards
         for m in model.modules():
@@ -313,13 +328,13 @@ class Trainer:
         for idx, dummy in self._passes(self.model, self._micro_plan(rows, batch), backward=True):
             mb = _rows(batch, idx, dummy)
             lp, _ = self._score(self.model, mb, 1.0, dummy)
-            mask = mb["loss_mask"].to(self.device, torch.float32)  # (b, T)
+            mask = self._up(mb["loss_mask"]).float()  # (b, T)
             loss = -(lp * mask).sum() / max(tokens, 1.0)
             (loss * self.world_size).backward()
-            loss_sum += float(loss.detach())
+            loss_sum = loss_sum + loss.detach().float()  # read after the last backward
         sft_lr = float(self.cfg.trainer.sft_lr)
         grad_norm = self._optim_step(sft_lr if sft_lr > 0 else None)
-        loss = self._agree([loss_sum], dist.ReduceOp.SUM)[0]
+        loss = self._agree([float(loss_sum)], dist.ReduceOp.SUM)[0]
         self._release_cache()
         return {"sft_loss": loss, "grad_norm": grad_norm, "tokens": tokens}
 
@@ -329,7 +344,7 @@ class Trainer:
         log-probs it used (b, T). `old` None: the step's one update, whose own forward is the policy before it
         (trainer.old_logprobs=auto): its log-probs, detached, are the old ones."""
         a = self.cfg.algo
-        mask = mb["loss_mask"].to(self.device)  # (b, T)
+        mask = self._up(mb["loss_mask"])  # (b, T)
         lp, ent = self._score(self.model, mb, self._policy_temperature, dummy)  # (b, T) each
         if old is None:
             old = lp.detach()
@@ -337,11 +352,11 @@ class Trainer:
                 self._count_routing(mb)  # before backward, whose recompute would run the router again
         rollout = mb.get("rollout_logprobs")
         loss, met = policy_loss(
-            lp, old.to(self.device), mb["advantages"].to(self.device), mask,
+            lp, self._up(old), self._up(mb["advantages"]), mask,
             clip_low=float(a.clip_low), clip_high=float(a.clip_high), loss_agg=str(a.loss_agg),
-            rollout_logprobs=None if rollout is None else rollout.to(self.device),
+            rollout_logprobs=None if rollout is None else self._up(rollout),
             tis_cap=None if a.tis_cap is None else float(a.tis_cap),
-            ref_logprobs=None if ref is None else ref.to(self.device), kl_coef=float(a.kl_coef),
+            ref_logprobs=None if ref is None else self._up(ref), kl_coef=float(a.kl_coef),
             clip_ratio_c=float(getattr(a, "clip_ratio_c", 0.0)), token_count=token_count, seq_count=seq_count)
         (loss * self.world_size).backward()
         n = mask.float().sum()
@@ -389,7 +404,7 @@ class Trainer:
         own_old = str(t.old_logprobs) == "auto" and max(1, int(t.epochs)) * M == 1
         if own_old:
             old = torch.zeros(batch["input_ids"].shape, dtype=torch.float32)  # (B, T), filled by the update
-            self._routing_counts = [0.0, 0.0]
+            self._routing_counts = self._no_routing()
         else:
             old = self._logprobs(self.model, batch)  # (B, T) the policy before this step
         ref = batch.get("ref_logprobs")
@@ -402,6 +417,7 @@ class Trainer:
                              dist.ReduceOp.SUM)
         sums: dict[str, torch.Tensor] = {}
         norms: list[float] = []
+        scored: list[tuple[torch.Tensor, torch.Tensor]] = []  # own_old: (rows, the log-probs the update used)
         for _ in range(max(1, int(t.epochs))):
             for m, rows in enumerate(minis):
                 for idx, dummy in self._passes(self.model, self._micro_plan(rows, batch), backward=True):
@@ -409,10 +425,12 @@ class Trainer:
                                                 None if ref is None else ref[idx],
                                                 max(counts[m], 1.0), max(counts[M + m], 1.0), dummy)
                     if own_old and not dummy:
-                        old[idx] = used.float().cpu()
+                        scored.append((idx, used))  # to the host after the passes: .cpu() would wait here
                     for k, v in got.items():
                         sums[k] = sums.get(k, 0.0) + v
                 norms.append(self._optim_step())
+        for idx, used in scored:
+            old[idx] = used.float().cpu()
         keys = sorted(sums)
         tot = dict(zip(keys, self._agree([float(sums[k]) for k in keys], dist.ReduceOp.SUM)))
         updates = max(1, int(t.epochs)) * M
@@ -445,7 +463,7 @@ class Trainer:
             sums["gap_max"] = self._agree([gap["gap_max"]], dist.ReduceOp.MAX)[0]
             out.update(gap_metrics(sums))
         if "routed_experts" in batch:
-            differ, pairs = self._agree(self._routing_counts, dist.ReduceOp.SUM)
+            differ, pairs = self._agree(self._routing_counts.tolist(), dist.ReduceOp.SUM)
             out["routing/mismatch"] = differ / max(pairs, 1.0)
         return out
 
