@@ -87,11 +87,12 @@ class Timer:
         self.probe = probe
 
     @contextmanager
-    def __call__(self, phase: str):
+    def __call__(self, phase: str, part: bool = False):
+        """`part`: a span inside another phase, timed but not probed (a probe there would be timed by the outer)."""
         t0 = time.perf_counter()
         yield
         self.seconds[f"timing/{phase}_s"] = time.perf_counter() - t0
-        if self.probe is not None:
+        if self.probe is not None and not part:
             self.memory.update({f"memory/{phase}/{k}": v for k, v in self.probe().items()})
 
 
@@ -281,9 +282,10 @@ def rl_step(step: int, c: Cluster, cfg: ColoConfig, inputs: RunInputs, rewards: 
     with t("train"):
         if offloads(c, cfg):
             trainers.onload()
-        batch = build_batch(samples, adv, pad_id=inputs.tokenizer.pad_token_id,
-                            mask_truncated=cfg.algo.overlong == "filter")
-        shards = shard_batch(batch, len(c.trainers))
+        with t("batch", part=True):  # timing/batch_s, a part of timing/train_s: the driver's share of the train phase
+            batch = build_batch(samples, adv, pad_id=inputs.tokenizer.pad_token_id,
+                                mask_truncated=cfg.algo.overlong == "filter")
+            shards = shard_batch(batch, len(c.trainers))
         train = trainers.train_step(shards)[0]  # metrics are already all-reduced over ranks
         pos.step, pos.data = step, inputs.train_data.state_dict()  # a failure from here on saves this step
         pos.carry = pos.buffer.state_dict() if pos.buffer is not None else None

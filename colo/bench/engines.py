@@ -178,6 +178,9 @@ class StepTrainer(Trainer):
     def set_packing(self, on: bool) -> None:
         self.cfg.trainer.packing = bool(on)
 
+    def set_old_logprobs(self, how: str) -> None:
+        self.cfg.trainer.old_logprobs = str(how)
+
     def set_gather_once(self, on: bool) -> None:
         self.cfg.trainer.gather_once = bool(on)
 
@@ -253,7 +256,34 @@ class StepTrainer(Trainer):
         if prof is None:
             return ""
         key = "self_cuda_time_total" if self.device.type == "cuda" else "self_cpu_time_total"
-        return prof.key_averages().table(sort_by=key, row_limit=rows, max_name_column_width=60)
+        table = prof.key_averages().table(sort_by=key, row_limit=rows, max_name_column_width=60)
+        return table + (self._device_gaps(prof) if self.device.type == "cuda" else "")
+
+    @staticmethod
+    def _device_gaps(prof) -> str:  # noqa: ANN001 (torch.profiler.profile)
+        """How much of the profiled span the GPU ran anything (the union of its kernels' and copies' intervals),
+        and the idle gaps between them: where the host, not the device, set the pace."""
+        from torch.autograd import DeviceType
+
+        spans = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
+                       if e.device_type == DeviceType.CUDA and e.time_range.end > e.time_range.start)
+        if not spans:
+            return "\n[device] no device events\n"
+        busy, gaps, (lo, hi) = 0.0, [], spans[0]
+        for start, end in spans[1:]:
+            if start > hi:
+                busy += hi - lo
+                gaps.append(start - hi)
+                lo, hi = start, end
+            else:
+                hi = max(hi, end)
+        busy += hi - lo
+        whole = spans[-1][1] - spans[0][0] if spans else 0.0
+        big = sorted(gaps, reverse=True)
+        return (f"\n[device] busy {busy / 1e6:.3f} s of {whole / 1e6:.3f} s from its first to its last kernel; "
+                f"{sum(g > 1000 for g in gaps)} idle gaps over 1 ms ({sum(g for g in gaps if g > 1000) / 1e6:.3f} s), "
+                f"{sum(g > 100 for g in gaps)} over 0.1 ms ({sum(g for g in gaps if g > 100) / 1e6:.3f} s); "
+                f"the longest (ms): {', '.join(f'{g / 1e3:.1f}' for g in big[:12])}\n")
 
     def _alloc_retries(self) -> int:
         """The caching allocator's cudaMalloc retries so far: each one frees every cached block and
@@ -280,7 +310,9 @@ class StepTrainer(Trainer):
             acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.device.type == "cuda" else [])
             prof = self._prof = profile(activities=acts)
             self._profile = False
-        t0 = self._sync()
+        waited = time.perf_counter()
+        t0 = self._sync()  # what the GPU still had queued when the call came (none is expected)
+        waited = t0 - waited
         with prof:
             out = super().train_step(batch)
             t1 = self._sync()
@@ -295,6 +327,7 @@ class StepTrainer(Trainer):
                 "bench/logprob_s": self._lp_s, "bench/optim_s": self._optim_s,
                 "bench/update_s": t1 - t0 - self._lp_s - self._optim_s,  # forward + backward of the updates
                 "bench/onload_s": onload,  # this step's (the loop onloads right before train_step)
+                "bench/entry_wait_s": waited, "bench/wall_s": t1 - t0,
                 "bench/logprob_peak_gb": peak, "bench/logprob_pass_gb": own,
                 "bench/alloc_retries": self._alloc_retries() - retries, "bench/update_reserved_gb": reserved}
         out["bench/train_call_s"] = time.perf_counter() - entered  # this call, here; the rest is the driver's and Ray's

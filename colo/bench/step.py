@@ -25,7 +25,9 @@ The JSON line (last stdout line with --json) holds, over the measured steps:
                              gradient checkpointing's recompute is not counted (model FLOPs, not hardware FLOPs)
     padding_fraction         share of the token slots the train phase computed that held no sample
     phases                   seconds per phase (loop's timing/*); inside train: onload, logprob (the old
-                             log-prob pass), update (the updates' forward + backward), optim (optimizer steps)
+                             log-prob pass), update (the updates' forward + backward), optim (optimizer steps),
+                             batch (the driver building and sharding the batch), train_call (rank 0's train_step
+                             call in the trainer), entry_wait (of it, the wait for GPU work queued before it)
     compute_mfu              train_mfu's FLOPs over logprob + update seconds only
     logprob_peak_gb          the trainer's allocated peak during its log-prob pass (GPU; null on CPU), and
                              logprob_pass_gb, that peak above what was allocated when the pass began
@@ -43,6 +45,8 @@ and loop.max_staleness, else their defaults), then the same steps in sync mode o
 --compare-gather-once measures trainer.gather_once=true (each FSDP unit gathered once per pass) and then false (once
 per micro-batch) on the same cluster and adds "no_gather_once" and "speedup" (once / per micro-batch); the memory
 plan must fit both.
+--compare-old-logprobs measures trainer.old_logprobs=auto (the one update's own forward gives the old log-probs) and
+then pass (a forward-only pass first) on the same cluster and adds "old_logprob_pass" and "speedup" (auto / pass).
 --compare-compile measures trainer.compile=true (each decoder layer compiled with inductor, colo.trainer.compile) and
 then false on the same cluster and adds "no_compile" and "speedup" (compiled / eager), and "compile_figures": the trainer's
 dynamo figures (frames, graphs, graph breaks, compile seconds) after the compiled variant's warm-up steps and after its
@@ -112,6 +116,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="trainer.gather_once=true and false in one run, with their ratio")
     ap.add_argument("--compare-compile", action="store_true",
                     help="trainer.compile=true and false in one run, with their ratio")
+    ap.add_argument("--compare-old-logprobs", action="store_true",
+                    help="trainer.old_logprobs=auto and pass in one run, with their ratio")
     ap.add_argument("--json", action="store_true", help="print one JSON object (last stdout line)")
     ap.add_argument("--profile", action="store_true", help="torch.profiler over the last warm-up step's train phase "
                     "(rank 0): its operator table by device time on stderr (needs --warmup >= 1: measured steps stay "
@@ -135,8 +141,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         ap.error("--profile profiles the last warm-up step: give --warmup 1 or more")
     if args.no_packing and args.compare:
         ap.error("--compare already measures the padded path; drop --no-packing")
-    if args.compare + args.compare_async + args.compare_gather_once + args.compare_compile > 1:
-        ap.error("--compare, --compare-async, --compare-gather-once and --compare-compile are two runs each: give one")
+    if sum((args.compare, args.compare_async, args.compare_gather_once, args.compare_compile,
+            args.compare_old_logprobs)) > 1:
+        ap.error("--compare, --compare-async, --compare-gather-once, --compare-compile and --compare-old-logprobs are "
+                 "two runs each: give one")
+    if args.compare_old_logprobs and any(o.startswith("trainer.old_logprobs=") for o in args.overrides):
+        ap.error("--compare-old-logprobs sets trainer.old_logprobs itself (auto, then pass); drop the override")
     if args.compare_compile and any(o.startswith("trainer.compile=") for o in args.overrides):
         ap.error("--compare-compile sets trainer.compile itself (true, then false); drop the override")
     if args.compare_compile and args.warmup < 1:
@@ -218,7 +228,9 @@ def summarize(steps: list[dict], cfg: Any, config_json: dict, gpus: int, device_
     peaks = [m["bench/logprob_peak_gb"] for m in steps if m["bench/logprob_peak_gb"] is not None]
     own = [m["bench/logprob_pass_gb"] for m in steps if m["bench/logprob_pass_gb"] is not None]
     phases = {p: total(f"timing/{p}_s") / len(steps) for p in PHASES}
-    phases |= {k: total(f"bench/{k}_s") / len(steps) for k in ("onload", "logprob", "update", "optim", "train_call")}
+    phases |= {k: total(f"bench/{k}_s") / len(steps)
+               for k in ("onload", "logprob", "update", "optim", "train_call", "entry_wait")}
+    phases["batch"] = total("timing/batch_s") / len(steps)
     compute_s = total("bench/logprob_s") + total("bench/update_s")
     return {
         "tokens_per_s_per_gpu": total("bench/tokens") / step_s / gpus,
@@ -279,20 +291,23 @@ def measure(args: argparse.Namespace, report: Callable[[dict], None] | None = No
         dummy, name = args.preset not in WITH_WEIGHTS, args.preset
     cfg = make_config(args, model_dir, dummy)
     config_json = model_config_json(cfg)
-    # the measured variants, each (trainer.packing, loop.mode, trainer.gather_once, trainer.compile), one after the
-    # other on one cluster
+    # the measured variants, each (trainer.packing, loop.mode, trainer.gather_once, trainer.compile,
+    # trainer.old_logprobs), one after the other on one cluster
     packed, once, comp = not args.no_packing, bool(cfg.trainer.gather_once), bool(cfg.trainer.compile)
+    mode, olp = cfg.loop.mode, str(cfg.trainer.old_logprobs)
     if args.compare:
-        layouts = [(True, cfg.loop.mode, once, comp), (False, cfg.loop.mode, once, comp)]
+        layouts = [(True, mode, once, comp, olp), (False, mode, once, comp, olp)]
     elif args.compare_async:
-        layouts = [(packed, "async", once, comp), (packed, "sync", once, comp)]
+        layouts = [(packed, "async", once, comp, olp), (packed, "sync", once, comp, olp)]
     elif args.compare_gather_once:
-        layouts = [(packed, cfg.loop.mode, True, comp), (packed, cfg.loop.mode, False, comp)]
+        layouts = [(packed, mode, True, comp, olp), (packed, mode, False, comp, olp)]
     elif args.compare_compile:
-        layouts = [(packed, cfg.loop.mode, once, True), (packed, cfg.loop.mode, once, False)]
+        layouts = [(packed, mode, once, True, olp), (packed, mode, once, False, olp)]
+    elif args.compare_old_logprobs:
+        layouts = [(packed, mode, once, comp, "auto"), (packed, mode, once, comp, "pass")]
     else:
-        layouts = [(packed, cfg.loop.mode, once, comp)]
-    for packing, mode, once, _ in layouts[::-1]:  # GPU: refuses a variant the memory plan says does not fit (ConfigError)
+        layouts = [(packed, mode, once, comp, olp)]
+    for packing, mode, once, _, _ in layouts[::-1]:  # GPU: refuses a variant the memory plan cannot fit (ConfigError)
         cfg.trainer.packing, cfg.loop.mode, cfg.trainer.gather_once = packing, mode, once
         validate(cfg, check_resources=False)  # what the variant's mode refuses (docs/config.md, "Async")
         mem_plan = check_fits(cfg)
@@ -314,8 +329,10 @@ def measure(args: argparse.Namespace, report: Callable[[dict], None] | None = No
         sync_all(cluster)
         if offloads(cluster, cfg):
             cluster.trainer_group.offload()
-        for packing, mode, once, comp in layouts:
+        for layout in layouts:
+            packing, mode, once, comp, olp = layout
             cfg.loop.mode = mode
+            ray.get([t.set_old_logprobs.remote(olp) for t in cluster.trainers])
             ray.get([t.set_packing.remote(packing) for t in cluster.trainers])
             ray.get([t.set_gather_once.remote(once) for t in cluster.trainers])
             ray.get([t.set_compile.remote(comp) for t in cluster.trainers])
@@ -333,21 +350,24 @@ def measure(args: argparse.Namespace, report: Callable[[dict], None] | None = No
                 if comp and step == args.warmup - 1:
                     compile_figures["after_warmup"] = ray.get(cluster.trainers[0].compile_figures.remote())
                 # progress on stderr, also with --json: a run stopped at its time limit still shows its steps
-                print(f"[bench.step] packing={packing} mode={mode} gather_once={once} compile={comp} step {step}: "
+                print(f"[bench.step] packing={packing} mode={mode} gather_once={once} compile={comp} "
+                      f"old_logprobs={olp} step {step}: "
                       f"{m['timing/step_s']:.2f}s, rollout {m['timing/rollout_s']:.2f}s, "
                       f"train {m['timing/train_s']:.2f}s (logprob "
                       f"{m['bench/logprob_s']:.2f}, update {m['bench/update_s']:.2f}, optim {m['bench/optim_s']:.2f}, "
-                      f"onload {m['bench/onload_s']:.2f}; the trainer's call {m['bench/train_call_s']:.2f}), "
+                      f"onload {m['bench/onload_s']:.2f}, batch {m['timing/batch_s']:.2f}; the trainer's call "
+                      f"{m['bench/train_call_s']:.2f}, of it waiting for the GPU at entry "
+                      f"{m['bench/entry_wait_s']:.2f}), "
                       f"trained tokens {m['bench/tokens']}, padding {m['train/padding_fraction']:.3f}, allocator "
                       f"retries {m['bench/alloc_retries']}", file=sys.stderr, flush=True)
                 if args.profile and step == args.warmup - 1:
                     print(f"[bench.step] profile of step {step}'s train phase, packing={packing} mode={mode} "
-                          f"gather_once={once} compile={comp}:\n"
+                          f"gather_once={once} compile={comp} old_logprobs={olp}:\n"
                           + ray.get(cluster.trainers[0].profile_table.remote()), file=sys.stderr, flush=True)
             if comp:
                 compile_figures["after_measured"] = ray.get(cluster.trainers[0].compile_figures.remote())
-            results[packing, mode, once, comp] = summarize(records, cfg, config_json, args.gpus, device_name)
-            results[packing, mode, once, comp]["warmup_train_s"] = warmup_train_s
+            results[layout] = summarize(records, cfg, config_json, args.gpus, device_name)
+            results[layout]["warmup_train_s"] = warmup_train_s
         out = _output(args, cfg, layouts, results, compile_figures, name, device_name, lengths, mem_plan)
         if report is not None:
             report(out)
@@ -366,7 +386,8 @@ def _output(args: argparse.Namespace, cfg: Any, layouts: list[tuple], results: d
 
     main = results[layouts[0]]
     out = {**main, "packing": layouts[0][0], "mode": layouts[0][1], "gather_once": layouts[0][2],
-           "compile": layouts[0][3], "compile_figures": compile_figures or None, "model": name,
+           "compile": layouts[0][3], "old_logprobs": layouts[0][4], "compile_figures": compile_figures or None,
+           "model": name,
            "device": args.device, "device_name": device_name, "gpus": args.gpus, "prompts": args.prompts, "n": args.n,
            "prompt_len": args.prompt_len, "lengths": lengths,
            "max_tokens": args.max_tokens, "max_tokens_per_micro_batch": cfg.trainer.max_tokens_per_micro_batch,
@@ -377,7 +398,7 @@ def _output(args: argparse.Namespace, cfg: Any, layouts: list[tuple], results: d
     if len(layouts) == 2:  # --compare: packed / padded; --compare-async: async / sync; --compare-gather-once, -compile:
         base = results[layouts[1]]  # on / off
         out["no_packing" if args.compare else "sync" if args.compare_async else "no_gather_once"
-            if args.compare_gather_once else "no_compile"] = base
+            if args.compare_gather_once else "no_compile" if args.compare_compile else "old_logprob_pass"] = base
         out["speedup"] = {"tokens_per_s_per_gpu": main["tokens_per_s_per_gpu"] / base["tokens_per_s_per_gpu"],
                           "train": base["phases"]["train"] / main["phases"]["train"],
                           "rollout": base["phases"]["rollout"] / main["phases"]["rollout"],
@@ -419,6 +440,10 @@ def show(args: argparse.Namespace, out: dict) -> None:
         if "no_gather_once" in out:
             print(line("gather per micro-batch", out["no_gather_once"]))
             print(f"speedup gather_once/per micro-batch: {out['speedup']['tokens_per_s_per_gpu']:.2f}x tokens/s/GPU, "
+                  f"{out['speedup']['train']:.2f}x train phase")
+        if "old_logprob_pass" in out:
+            print(line("old log-prob pass", out["old_logprob_pass"]))
+            print(f"speedup own forward/pass: {out['speedup']['tokens_per_s_per_gpu']:.2f}x tokens/s/GPU, "
                   f"{out['speedup']['train']:.2f}x train phase")
         if "no_compile" in out:
             print(line("eager", out["no_compile"]))

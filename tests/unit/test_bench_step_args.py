@@ -8,7 +8,8 @@ from colo.bench.step import parse_args
 
 @pytest.mark.parametrize("flags", [["--compare", "--compare-async"], ["--compare", "--compare-gather-once"],
                                    ["--compare-async", "--compare-gather-once"], ["--compare", "--compare-compile"],
-                                   ["--compare-gather-once", "--compare-compile"]])
+                                   ["--compare-gather-once", "--compare-compile"],
+                                   ["--compare-compile", "--compare-old-logprobs"]])
 def test_one_comparison_per_run(flags: list[str], capsys) -> None:
     with pytest.raises(SystemExit):
         parse_args(flags)
@@ -19,6 +20,13 @@ def test_compare_gather_once_owns_the_setting(capsys) -> None:
     assert parse_args(["--compare-gather-once"]).compare_gather_once
     with pytest.raises(SystemExit):
         parse_args(["--compare-gather-once", "trainer.gather_once=true"])
+    assert "drop the override" in capsys.readouterr().err
+
+
+def test_compare_old_logprobs_owns_the_setting(capsys) -> None:
+    assert parse_args(["--compare-old-logprobs"]).compare_old_logprobs
+    with pytest.raises(SystemExit):
+        parse_args(["--compare-old-logprobs", "trainer.old_logprobs=pass"])
     assert "drop the override" in capsys.readouterr().err
 
 
