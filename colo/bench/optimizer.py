@@ -1,6 +1,8 @@
 """StreamedAdamW's step with its state in host memory (trainer.optimizer_offload): the product, whose copies in and
-out overlap the math on two CUDA streams, against the same step one parameter after the other on one stream (the
-yardstick: what colo ran until 2026-11-27), on parameters shaped like a preset's, in one run.
+out overlap the math on two CUDA streams, one piece of at most colo.trainer.optim.SLICE elements at a time, against
+two yardsticks in one run on parameters shaped like a preset's: "serial", the same pieces one after the other on one
+stream (what colo ran until 2026-11-27), and "whole", streamed as the product but each parameter in one piece
+(colo until the thirteenth session, 2026-11-27: a fused expert tensor's fp32 temporaries at once).
 
     python -m colo.bench.optimizer --preset qwen3-30b-a3b-L12 --device cuda --json
 
@@ -8,7 +10,8 @@ One rank's whole model (world 1): fp32 parameters and gradients on the device, t
 bf16 by default as the GPU runs use it) pinned on the host; each variant steps `--steps` times after `--warmup`.
 First both take three steps from the same start on the preset's first parameters and must end bit-identical
 (same math, the same stochastic-rounding draws in the same order: only the copies' timing differs). Prints seconds
-per step of each and their ratio; on CPU there are no streams and both run one loop (the check still runs).
+per step of each, their ratios to the product, and (CUDA) each one's allocated peak during its steps above what the
+parameters, gradients and state held before; on CPU there are no streams and all run one loop (the check still runs).
 """
 from __future__ import annotations
 
@@ -18,18 +21,18 @@ import time
 
 import torch
 
-from colo.trainer.optim import StreamedAdamW, _local
+from colo.trainer.optim import StreamedAdamW, _local, _part
 
 
 class SerialAdamW(StreamedAdamW):
     """The yardstick: each parameter's state in, its math, its state out, one after the other on one stream."""
 
     def _step_streamed(self, work: list) -> None:
-        for group, p in work:
-            m, v = (_local(self.state[p][k]).to(self.device, torch.float32, non_blocking=True)
+        for group, p, piece in work:
+            m, v = (_part(self.state[p][k], piece).to(self.device, torch.float32, non_blocking=True)
                     for k in ("exp_avg", "exp_avg_sq"))
-            for key, new in zip(("exp_avg", "exp_avg_sq"), self._update(group, p, m, v)):
-                _local(self.state[p][key]).copy_(new, non_blocking=True)
+            for key, new in zip(("exp_avg", "exp_avg_sq"), self._update(group, p, piece, m, v)):
+                _part(self.state[p][key], piece).copy_(new, non_blocking=True)
         torch.cuda.synchronize(self.device)
 
 
@@ -62,12 +65,21 @@ def _params(preset: str, device: torch.device, limit: int | None = None) -> list
     return out
 
 
-def _optimizer(cls: type, params: list, args: argparse.Namespace, device: torch.device) -> StreamedAdamW:
-    return cls(params, lr=1e-3, weight_decay=0.01, state_dtype=getattr(torch, args.state_dtype), on_host=True,
-               device=device)
+def _optimizer(cls: type, params: list, args: argparse.Namespace, device: torch.device,
+               whole: bool = False) -> StreamedAdamW:
+    opt = cls(params, lr=1e-3, weight_decay=0.01, state_dtype=getattr(torch, args.state_dtype), on_host=True,
+              device=device)
+    if whole:
+        opt.piece_elements = max(p.numel() for p in params)
+    return opt
 
 
-def _seconds_per_step(opt: StreamedAdamW, args: argparse.Namespace, device: torch.device) -> float:
+def _seconds_per_step(opt: StreamedAdamW, args: argparse.Namespace, device: torch.device) -> tuple[float, float]:
+    """(seconds per measured step, the allocated peak over all steps above the start, GB; 0 on CPU)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        before = torch.cuda.memory_allocated(device)
     times = []
     for i in range(args.warmup + args.steps):
         if device.type == "cuda":
@@ -76,7 +88,8 @@ def _seconds_per_step(opt: StreamedAdamW, args: argparse.Namespace, device: torc
         opt.step()  # returns once the state's host copies have landed
         if i >= args.warmup:
             times.append(time.perf_counter() - t0)
-    return sum(times) / len(times)
+    peak = (torch.cuda.max_memory_allocated(device) - before) / 1e9 if device.type == "cuda" else 0.0
+    return sum(times) / len(times), peak
 
 
 def bit_identical(args: argparse.Namespace, device: torch.device, limit: int = 64 << 20) -> bool:
@@ -97,16 +110,19 @@ def measure(args: argparse.Namespace) -> dict:
     device = torch.device(args.device)
     same = bit_identical(args, device)
     params = _params(args.preset, device)  # the whole model, one rank: both variants step the same tensors
-    secs = {}
-    for name, cls in (("streamed", StreamedAdamW), ("serial", SerialAdamW)):
-        opt = _optimizer(cls, params, args, device)
-        secs[name] = _seconds_per_step(opt, args, device)
+    secs, peaks = {}, {}
+    for name, cls, whole in (("streamed", StreamedAdamW, False), ("whole", StreamedAdamW, True),
+                             ("serial", SerialAdamW, False)):
+        opt = _optimizer(cls, params, args, device, whole)
+        secs[name], peaks[name] = _seconds_per_step(opt, args, device)
         del opt  # its pinned state goes before the next one's is made
     numel = sum(p.numel() for p in params)
     return {"preset": args.preset, "device": str(device), "params": numel, "state_dtype": args.state_dtype,
             "state_gb": round(numel * 2 * (2 if args.state_dtype == "bfloat16" else 4) / 1e9, 2),
             "steps": args.steps, "streamed_s": round(secs["streamed"], 4), "serial_s": round(secs["serial"], 4),
-            "ratio": round(secs["serial"] / secs["streamed"], 3), "bit_identical": same}
+            "whole_s": round(secs["whole"], 4), "ratio": round(secs["serial"] / secs["streamed"], 3),
+            "whole_ratio": round(secs["whole"] / secs["streamed"], 3),
+            "peak_gb": {k: round(v, 2) for k, v in peaks.items()}, "bit_identical": same}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -117,7 +133,9 @@ def main(argv: list[str] | None = None) -> int:
     else:
         print(f"{out['preset']}: {out['params'] / 1e9:.2f}B params, state {out['state_gb']} GB "
               f"({out['state_dtype']}) on the host: streamed {out['streamed_s']:.3f} s/step, "
-              f"serial {out['serial_s']:.3f} s/step, {out['ratio']:.2f}x; bit-identical: {out['bit_identical']}")
+              f"serial {out['serial_s']:.3f} s/step ({out['ratio']:.2f}x), each parameter whole {out['whole_s']:.3f} "
+              f"s/step ({out['whole_ratio']:.2f}x); step peaks {out['peak_gb']} GB; "
+              f"bit-identical: {out['bit_identical']}")
     return 0 if out["bit_identical"] else 1
 
 

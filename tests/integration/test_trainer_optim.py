@@ -49,6 +49,27 @@ def test_streamed_fp32_on_host_is_torch_adamw() -> None:
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
+def test_a_parameter_stepped_by_pieces_is_stepped_whole() -> None:
+    """StreamedAdamW updates large parameters piece_elements at a time (colo.trainer.optim._pieces): the same
+    fp32 AdamW as torch's, to rounding, with pieces that cut every parameter (and leave a short last piece)."""
+    from colo.trainer.optim import _pieces
+
+    w = torch.nn.Parameter(torch.zeros(16, 32))
+    w.grad = torch.zeros(16, 32)
+    assert len(_pieces(w, 7)) == 74 and _pieces(w, 7)[-1] == slice(511, 512) and _pieces(w, 512) == [None]
+
+    def by_sevens(params):
+        opt = make_optimizer(params, lr=1e-2, weight_decay=0.1, on_host=True)
+        opt.piece_elements = 7  # the 16x32 weight in 74 pieces, the last one of 1 element
+        return opt
+
+    ref, m_ref = _train(lambda p: torch.optim.AdamW(p, lr=1e-2, weight_decay=0.1))
+    got, m_got = _train(by_sevens)
+    assert got == pytest.approx(ref, rel=1e-5)
+    for a, b in zip(m_ref.parameters(), m_got.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
 def test_bf16_state_trains_like_fp32() -> None:
     ref, _ = _train(lambda p: torch.optim.AdamW(p, lr=1e-2))
     got, _ = _train(lambda p: make_optimizer(p, lr=1e-2, weight_decay=0.0, state_dtype="bfloat16"))

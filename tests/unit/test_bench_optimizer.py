@@ -5,10 +5,11 @@ from __future__ import annotations
 import json
 
 
-def test_bench_optimizer_prints_both_variants_and_checks_them(capsys) -> None:
+def test_bench_optimizer_prints_every_variant_and_checks_them(capsys) -> None:
     from colo.bench.optimizer import main
 
     assert main(["--preset", "tiny", "--device", "cpu", "--steps", "2", "--json"]) == 0
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert out["bit_identical"] is True and out["params"] > 700_000
-    assert out["streamed_s"] > 0 and out["serial_s"] > 0 and out["ratio"] > 0
+    assert out["streamed_s"] > 0 and out["serial_s"] > 0 and out["whole_s"] > 0 and out["ratio"] > 0
+    assert set(out["peak_gb"]) == {"streamed", "whole", "serial"} and out["whole_ratio"] > 0
