@@ -27,7 +27,8 @@ The JSON line (last stdout line with --json) holds, over the measured steps:
     phases                   seconds per phase (loop's timing/*); inside train: onload, logprob (the old
                              log-prob pass), update (the updates' forward + backward), optim (optimizer steps),
                              batch (the driver building and sharding the batch), train_call (rank 0's train_step
-                             call in the trainer), entry_wait (of it, the wait for GPU work queued before it)
+                             call in the trainer), entry_wait (of it, the wait for GPU work queued before it);
+                             driver_gc, the driver's garbage collections over the whole step
     compute_mfu              train_mfu's FLOPs over logprob + update seconds only
     logprob_peak_gb          the trainer's allocated peak during its log-prob pass (GPU; null on CPU), and
                              logprob_pass_gb, that peak above what was allocated when the pass began
@@ -63,6 +64,7 @@ Arguments are parsed before torch, Ray or vLLM are imported.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import sys
@@ -231,6 +233,7 @@ def summarize(steps: list[dict], cfg: Any, config_json: dict, gpus: int, device_
     phases |= {k: total(f"bench/{k}_s") / len(steps)
                for k in ("onload", "logprob", "update", "optim", "train_call", "entry_wait")}
     phases["batch"] = total("timing/batch_s") / len(steps)
+    phases["driver_gc"] = total("bench/driver_gc_s") / len(steps)
     compute_s = total("bench/logprob_s") + total("bench/update_s")
     return {
         "tokens_per_s_per_gpu": total("bench/tokens") / step_s / gpus,
@@ -266,6 +269,19 @@ def async_summary(steps: list[dict]) -> dict:
                       "staleness_max": max(int(m["async/staleness_max"]) for m in steps),
                       **{k: sum(int(m[f"async/{k}"]) for m in steps) for k in ("completed", "carried", "dropped",
                                                                                "dropped_tokens", "resumed")}}}
+
+
+class DriverGC:
+    """A gc.callbacks entry: the seconds this process spent in garbage collections since `seconds` was reset."""
+
+    def __init__(self) -> None:
+        self.seconds, self._t0 = 0.0, 0.0
+
+    def __call__(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._t0 = time.perf_counter()
+        else:
+            self.seconds += time.perf_counter() - self._t0
 
 
 def measure(args: argparse.Namespace, report: Callable[[dict], None] | None = None) -> dict:
@@ -318,6 +334,8 @@ def measure(args: argparse.Namespace, report: Callable[[dict], None] | None = No
     compile_figures: dict[str, dict] = {}
     rewards = RewardRunner(list(cfg.algo.rewards))
     cluster = None
+    gc_clock = DriverGC()
+    gc.callbacks.append(gc_clock)
     try:
         from colo.data.prompts import load_tokenizer
 
@@ -342,7 +360,9 @@ def measure(args: argparse.Namespace, report: Callable[[dict], None] | None = No
             for step in range(args.warmup + args.steps):  # same step numbers, same lengths, in both layouts
                 if args.profile and step == args.warmup - 1:  # a warm-up step (not measured): timings stay unprofiled
                     ray.get(cluster.trainers[0].profile_next_step.remote())
+                gc_clock.seconds = 0.0
                 m = rl_step(step, cluster, cfg, inputs, rewards, pos)
+                m["bench/driver_gc_s"] = gc_clock.seconds  # this step's garbage collections in the driver
                 if step >= args.warmup:
                     records.append(m)
                 else:
@@ -355,7 +375,8 @@ def measure(args: argparse.Namespace, report: Callable[[dict], None] | None = No
                       f"{m['timing/step_s']:.2f}s, rollout {m['timing/rollout_s']:.2f}s, "
                       f"train {m['timing/train_s']:.2f}s (logprob "
                       f"{m['bench/logprob_s']:.2f}, update {m['bench/update_s']:.2f}, optim {m['bench/optim_s']:.2f}, "
-                      f"onload {m['bench/onload_s']:.2f}, batch {m['timing/batch_s']:.2f}; the trainer's call "
+                      f"onload {m['bench/onload_s']:.2f}, batch {m['timing/batch_s']:.2f}; driver GC in the step "
+                      f"{m['bench/driver_gc_s']:.2f}; the trainer's call "
                       f"{m['bench/train_call_s']:.2f}, of it waiting for the GPU at entry "
                       f"{m['bench/entry_wait_s']:.2f}), "
                       f"trained tokens {m['bench/tokens']}, padding {m['train/padding_fraction']:.3f}, allocator "
@@ -372,6 +393,7 @@ def measure(args: argparse.Namespace, report: Callable[[dict], None] | None = No
         if report is not None:
             report(out)
     finally:
+        gc.callbacks.remove(gc_clock)
         rewards.close()
         if cluster is not None:
             ends = [a.shutdown.remote() for _, a in cluster.actors()]

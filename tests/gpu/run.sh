@@ -27,7 +27,8 @@
 # (default colo,detok,bare), DECODE_ARGS adds arguments; the JSON line lands in $OUT/decode.json (only when named).
 # compile = colo.bench.step --compare-compile (trainer.compile on, then off; COMPILE_ARGS adds overrides, e.g.
 # trainer.gather_once=true; BENCH_WARMUP warm-up steps, 1 by default: the compile runs in them).
-# optim = colo.bench.optimizer: StreamedAdamW's host-state step with its copies overlapped against the serial loop,
+# optim = colo.bench.optimizer: StreamedAdamW's host-state step (by pieces, copies overlapped) against the serial loop
+# and against each parameter stepped whole,
 # bit-identical first (OPTIM_ARGS replaces the arguments; default the L12 slice's parameters, bf16 state), then
 # tests/gpu/test_optim_gpu.py (only when named).
 # one = colo.bench.step with no comparison: one variant alone, ONE_ARGS its overrides (only when named), for a slice
