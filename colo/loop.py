@@ -40,7 +40,6 @@ skips the save (colo.run.signals). Every way out stops the actors, Ray and their
 from __future__ import annotations
 
 import errno
-import gc
 import logging
 import math
 import shutil
@@ -119,9 +118,7 @@ def generate(c: Cluster, prompts: list[dict], n: int, cfg: ColoConfig, *, greedy
         if stats is not None:
             stats["env_s"] = max(st["env_s"] for _, st in answers)
         return _in_prompt_order(chunks, [samples for samples, _ in answers])
-    submitted = submit(c, prompts, n, cfg, greedy=greedy, seed=seed, routing=routing)
-    gc.collect()  # while the engines generate and this process only waits (see gc_paused)
-    return collect(c, submitted)
+    return collect(c, submit(c, prompts, n, cfg, greedy=greedy, seed=seed, routing=routing))
 
 
 def _chunks(c: Cluster, prompts: list[dict]) -> list[list[int]]:
@@ -139,21 +136,6 @@ def _in_prompt_order(chunks: list[list[int]], per_engine: list[list[dict]]) -> l
         for s in outs:
             samples.append({**s, "prompt_index": idx[s["prompt_index"]]})
     return sorted(samples, key=lambda s: s["prompt_index"])  # stable: keeps each prompt's n samples together
-
-
-@contextmanager
-def gc_paused():
-    """The driver's automatic garbage collection held off for the span. A full collection stops the driver for as
-    long as it scans the heap, and allocation-heavy driver work (the batch built from every sample) is where it
-    tends to fire: in the train phase that pause is on the step's critical path, so generate() collects while
-    the engines generate instead, when the driver would only wait."""
-    was = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was:
-            gc.enable()
 
 
 def submit(c: Cluster, prompts: list[dict], n: int, cfg: ColoConfig, *, greedy: bool, seed: int,
@@ -297,7 +279,7 @@ def rl_step(step: int, c: Cluster, cfg: ColoConfig, inputs: RunInputs, rewards: 
             engines.sleep(sleep_level(cfg))
     if stop is not None:
         stop.hold()
-    with t("train"), gc_paused():
+    with t("train"):
         if offloads(c, cfg):
             trainers.onload()
         with t("batch", part=True):  # timing/batch_s, a part of timing/train_s: the driver's share of the train phase

@@ -28,7 +28,7 @@ The JSON line (last stdout line with --json) holds, over the measured steps:
                              log-prob pass), update (the updates' forward + backward), optim (optimizer steps),
                              batch (the driver building and sharding the batch), train_call (rank 0's train_step
                              call in the trainer), entry_wait (of it, the wait for GPU work queued before it);
-                             driver_gc, the driver's garbage collections over the whole step
+                             driver_gc, the driver's garbage collections over the whole step (gc.callbacks)
     compute_mfu              train_mfu's FLOPs over logprob + update seconds only
     logprob_peak_gb          the trainer's allocated peak during its log-prob pass (GPU; null on CPU), and
                              logprob_pass_gb, that peak above what was allocated when the pass began

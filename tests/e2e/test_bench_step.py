@@ -30,7 +30,7 @@ def test_bench_step_compare_on_cpu(tmp_path) -> None:
                                "update", "optim", "train_call", "entry_wait", "batch", "driver_gc"}
         assert 0 < phases["logprob"] + phases["update"] + phases["optim"] <= phases["train_call"]
         assert 0 <= phases["entry_wait"] <= phases["train_call"] - phases["update"]
-        assert 0 < phases["driver_gc"] < phases["step"]  # generate() collects every step (colo.loop.gc_paused)
+        assert 0 <= phases["driver_gc"] < phases["step"]
         assert 0 < phases["batch"] and phases["batch"] + phases["train_call"] + phases["onload"] <= phases["train"]
         # the long tail: lengths drawn per sample, median a quarter of max_tokens; most stop before the limit
         assert 4 < layout["response_len_mean"] < 40 and layout["truncated_frac"] < 0.5
