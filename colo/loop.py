@@ -56,7 +56,7 @@ import ray
 import torch
 
 from colo.algo.advantages import step_advantages
-from colo.algo.batch import build_batch, shard_batch
+from colo.algo.batch import build_batch, shard_batch, torch_threads
 from colo.algo.rewards import RewardError, RewardRunner
 from colo.cluster.actors import ActorDied, ActorError, Cluster, node_loss, start_cluster
 from colo.config import ColoConfig, to_dict
@@ -282,7 +282,8 @@ def rl_step(step: int, c: Cluster, cfg: ColoConfig, inputs: RunInputs, rewards: 
     with t("train"):
         if offloads(c, cfg):
             trainers.onload()
-        with t("batch", part=True):  # timing/batch_s, a part of timing/train_s: the driver's share of the train phase
+        # timing/batch_s, a part of timing/train_s: the driver's share of the train phase, on one thread (torch_threads)
+        with t("batch", part=True), torch_threads(1):
             batch = build_batch(samples, adv, pad_id=inputs.tokenizer.pad_token_id,
                                 mask_truncated=cfg.algo.overlong == "filter")
             shards = shard_batch(batch, len(c.trainers))

@@ -31,7 +31,8 @@ the padding hold NO_EXPERT (255 / -1), where the trainer keeps its own routing. 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 
 import numpy as np
 import torch
@@ -197,6 +198,20 @@ def _take(v: object, rows: torch.Tensor, B: int, T: int, t_len: int) -> object:
     if v.dim() >= 2 and v.shape[1] == T:
         v = v[:, :t_len].contiguous()
     return v
+
+
+@contextmanager
+def torch_threads(n: int) -> Iterator[None]:
+    """torch's intra-op threads set to `n` for the span, then back. The loop builds a step's batch on one: the
+    build is a few small copies per sample, each parallel one waits for its slowest thread, and on a host whose
+    other cores run trainers, engines and Ray a descheduled thread stalls every one of them
+    (`python -m colo.bench.batch` measures both ways, on an idle host and with cores kept busy)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def build_shards(
