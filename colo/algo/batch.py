@@ -205,7 +205,7 @@ def torch_threads(n: int) -> Iterator[None]:
     """torch's intra-op threads set to `n` for the span, then back. The loop builds a step's batch on one: the
     build is a few small copies per sample, each parallel one waits for its slowest thread, and on a host whose
     other cores run trainers, engines and Ray a descheduled thread stalls every one of them
-    (`python -m colo.bench.batch` measures both ways, on an idle host and with cores kept busy)."""
+    (`python -m colo.bench.buildbatch` measures both ways, on an idle host and with cores kept busy)."""
     before = torch.get_num_threads()
     torch.set_num_threads(n)
     try:
