@@ -117,15 +117,16 @@ def measure(args: argparse.Namespace) -> dict:
                                 for k, v in secs.items()}}
 
 
+def summary(out: dict) -> str:
+    return (f"{out['samples']} samples, {out['tokens']} tokens, {out['threads']} torch threads by default: "
+            + ", ".join(f"{k} {v * 1e3:.0f} ms ({out['over_one_thread'][k]:.2f}x one thread)"
+                        for k, v in out["seconds"].items()))
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     out = measure(args)
-    if args.json:
-        print(json.dumps(out))
-    else:
-        print(f"{out['samples']} samples, {out['tokens']} tokens, {out['threads']} torch threads by default: "
-              + ", ".join(f"{k} {v * 1e3:.0f} ms ({out['over_one_thread'][k]:.2f}x one thread)"
-                          for k, v in out["seconds"].items()))
+    print(json.dumps(out) if args.json else summary(out))
     return 0
 
 

@@ -143,8 +143,9 @@ class TrainerConfig:
     """Recompute each decoder layer's activations in backward (less memory, ~30% more compute). The memory
     plan (`--dry-run`) names it when activations at micro_batch_size x rollout.max_model_len do not fit."""
     optimizer_offload: bool = False
-    """Keep AdamW's state in host memory for good; each optimizer step streams one parameter's state to the
-    GPU and back (colo.trainer.optim). Frees 8 bytes per parameter of the GPU (4 with bfloat16 state)."""
+    """Keep AdamW's state in host memory for good; each optimizer step streams it to the GPU and back, a piece of
+    at most 32M elements at a time, the copies overlapping the math (colo.trainer.optim). Frees 8 bytes per
+    parameter of the GPU (4 with bfloat16 state)."""
     optimizer_dtype: str = "float32"
     """float32 | bfloat16: dtype of AdamW's exp_avg and exp_avg_sq. bfloat16 halves the state (updated in
     fp32, stored with stochastic rounding; colo.trainer.optim)."""
