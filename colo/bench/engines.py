@@ -278,7 +278,7 @@ class StepTrainer(Trainer):
             else:
                 hi = max(hi, end)
         busy += hi - lo
-        whole = spans[-1][1] - spans[0][0] if spans else 0.0
+        whole = spans[-1][1] - spans[0][0]
         big = sorted(gaps, reverse=True)
         return (f"\n[device] busy {busy / 1e6:.3f} s of {whole / 1e6:.3f} s from its first to its last kernel; "
                 f"{sum(g > 1000 for g in gaps)} idle gaps over 1 ms ({sum(g for g in gaps if g > 1000) / 1e6:.3f} s), "
@@ -327,7 +327,7 @@ class StepTrainer(Trainer):
                 "bench/logprob_s": self._lp_s, "bench/optim_s": self._optim_s,
                 "bench/update_s": t1 - t0 - self._lp_s - self._optim_s,  # forward + backward of the updates
                 "bench/onload_s": onload,  # this step's (the loop onloads right before train_step)
-                "bench/entry_wait_s": waited, "bench/wall_s": t1 - t0,
+                "bench/entry_wait_s": waited,
                 "bench/logprob_peak_gb": peak, "bench/logprob_pass_gb": own,
                 "bench/alloc_retries": self._alloc_retries() - retries, "bench/update_reserved_gb": reserved}
         out["bench/train_call_s"] = time.perf_counter() - entered  # this call, here; the rest is the driver's and Ray's

@@ -7,9 +7,9 @@
   holds one fp32 temporary per parameter (sqrt(exp_avg_sq), torch/optim/adam.py): 20 bytes per parameter
   at the step's peak, which the memory plan (colo.plan.memory) counts.
 - `state_dtype="bfloat16"`: exp_avg and exp_avg_sq stored in bf16 (4 instead of 8 bytes per parameter),
-  updated in fp32 one piece of a parameter at a time (SLICE elements) and written back with stochastic rounding. Round-to-nearest
-  would freeze exp_avg_sq: multiplying by beta2 = 0.999 moves a bf16 value by less than half its last
-  bit, so it never decays; stochastic rounding keeps the expectation exact.
+  updated in fp32 a piece of a parameter at a time (at most SLICE elements) and written back with stochastic
+  rounding. Round-to-nearest would freeze exp_avg_sq: multiplying by beta2 = 0.999 moves a bf16 value by less
+  than half its last bit, so it never decays; stochastic rounding keeps the expectation exact.
 - `on_host=True`: the state lives in host memory (pinned on CUDA) for good; each step streams one
   piece's state to the device, updates it there and copies it back. Colocated runs already move the
   state host <-> device once per RL step when trainer.offload=true; with the state on the host that
@@ -183,8 +183,8 @@ class StreamedAdamW(torch.optim.Optimizer):
             _part(self.state[p][key], piece).copy_(new)
 
     def _step_streamed(self, work: list[tuple[dict, torch.Tensor, slice | None]]) -> None:
-        """The step with the state in pinned host memory: while parameter i's math runs on the compute stream,
-        parameter i+1's state comes in on one copy stream and parameter i-1's goes out on another, so the two
+        """The step with the state in pinned host memory: while piece i's math runs on the compute stream,
+        piece i+1's state comes in on one copy stream and piece i-1's goes out on another, so the two
         copy engines and the SMs work at once (done one after the other, the copies were most of the step).
         The state crosses the bus in its own dtype (bf16: half the bytes) and is cast on the GPU."""
         compute = torch.cuda.current_stream(self.device)
