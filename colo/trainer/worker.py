@@ -270,10 +270,10 @@ class Trainer:
         if "routed_experts" not in mb:
             return
         valid = self._up(mb["attention_mask"] * (mb["loss_mask"].sum(1, keepdim=True) > 0))  # (b, T) real rows
-        ids = self._up(mb["routed_experts"])
         if self._packed is not None:  # the tap saw the packed row: compare token by token there
-            valid, ids = self._packed.pack(valid), self._packed.pack(ids)
-        self._routing_counts = self._routing_counts + self.routing.mismatch_counts(ids, valid)  # read once, in _parity
+            valid = self._packed.pack(valid)
+        # the engine's ids as _score handed them to the tap: on the device, in the layout the forward ran
+        self._routing_counts = self._routing_counts + self.routing.mismatch_counts(self.routing.ids, valid)
 
     @torch.no_grad()
     def _logprobs(self, model: torch.nn.Module, batch: dict) -> torch.Tensor:
