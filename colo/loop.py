@@ -88,10 +88,14 @@ class Timer:
 
     @contextmanager
     def __call__(self, phase: str, part: bool = False):
-        """`part`: a span inside another phase, timed but not probed (a probe there would be timed by the outer)."""
-        t0 = time.perf_counter()
+        """`part`: a span inside another phase, timed but not probed (a probe there would be timed by the outer);
+        its driver thread's CPU time goes beside it (`timing/<phase>_cpu_s`): far below the wall time, the span
+        waited (descheduled, page faults, the GIL) rather than worked."""
+        t0, c0 = time.perf_counter(), time.thread_time()
         yield
         self.seconds[f"timing/{phase}_s"] = time.perf_counter() - t0
+        if part:
+            self.seconds[f"timing/{phase}_cpu_s"] = time.thread_time() - c0
         if self.probe is not None and not part:
             self.memory.update({f"memory/{phase}/{k}": v for k, v in self.probe().items()})
 

@@ -26,7 +26,8 @@ The JSON line (last stdout line with --json) holds, over the measured steps:
     padding_fraction         share of the token slots the train phase computed that held no sample
     phases                   seconds per phase (loop's timing/*); inside train: onload, logprob (the old
                              log-prob pass), update (the updates' forward + backward), optim (optimizer steps),
-                             batch (the driver building and sharding the batch), train_call (rank 0's train_step
+                             batch (the driver building and sharding the batch; batch_cpu its thread's CPU
+                             time: far below batch, the driver waited), train_call (rank 0's train_step
                              call in the trainer), entry_wait (of it, the wait for GPU work queued before it);
                              driver_gc, the driver's garbage collections over the whole step (gc.callbacks)
     compute_mfu              train_mfu's FLOPs over logprob + update seconds only
@@ -233,6 +234,7 @@ def summarize(steps: list[dict], cfg: Any, config_json: dict, gpus: int, device_
     phases |= {k: total(f"bench/{k}_s") / len(steps)
                for k in ("onload", "logprob", "update", "optim", "train_call", "entry_wait")}
     phases["batch"] = total("timing/batch_s") / len(steps)
+    phases["batch_cpu"] = total("timing/batch_cpu_s") / len(steps)  # the driver thread's CPU time in it
     phases["driver_gc"] = total("bench/driver_gc_s") / len(steps)
     compute_s = total("bench/logprob_s") + total("bench/update_s")
     return {
@@ -375,7 +377,7 @@ def measure(args: argparse.Namespace, report: Callable[[dict], None] | None = No
                       f"{m['timing/step_s']:.2f}s, rollout {m['timing/rollout_s']:.2f}s, "
                       f"train {m['timing/train_s']:.2f}s (logprob "
                       f"{m['bench/logprob_s']:.2f}, update {m['bench/update_s']:.2f}, optim {m['bench/optim_s']:.2f}, "
-                      f"onload {m['bench/onload_s']:.2f}, batch {m['timing/batch_s']:.2f}; driver GC in the step "
+                      f"onload {m['bench/onload_s']:.2f}, batch {m['timing/batch_s']:.2f} (cpu {m['timing/batch_cpu_s']:.2f}); driver GC in the step "
                       f"{m['bench/driver_gc_s']:.2f}; the trainer's call "
                       f"{m['bench/train_call_s']:.2f}, of it waiting for the GPU at entry "
                       f"{m['bench/entry_wait_s']:.2f}), "

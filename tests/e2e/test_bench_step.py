@@ -27,11 +27,12 @@ def test_bench_step_compare_on_cpu(tmp_path) -> None:
         assert layout["tokens_per_s_per_gpu"] > 0 and layout["generated_tokens_per_s"] > 0
         phases = layout["phases"]
         assert set(phases) >= {"rollout", "reward", "sleep", "train", "sync", "wake", "step", "onload", "logprob",
-                               "update", "optim", "train_call", "entry_wait", "batch", "driver_gc"}
+                               "update", "optim", "train_call", "entry_wait", "batch", "batch_cpu", "driver_gc"}
         assert 0 < phases["logprob"] + phases["update"] + phases["optim"] <= phases["train_call"]
         assert 0 <= phases["entry_wait"] <= phases["train_call"] - phases["update"]
         assert 0 <= phases["driver_gc"] < phases["step"]
         assert 0 < phases["batch"] and phases["batch"] + phases["train_call"] + phases["onload"] <= phases["train"]
+        assert 0 < phases["batch_cpu"] <= phases["batch"] + 0.01
         # the long tail: lengths drawn per sample, median a quarter of max_tokens; most stop before the limit
         assert 4 < layout["response_len_mean"] < 40 and layout["truncated_frac"] < 0.5
     assert out["packing"] is True and out["tokens_per_step"] == out["no_packing"]["tokens_per_step"]  # same workload

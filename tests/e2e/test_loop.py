@@ -94,10 +94,12 @@ def test_default_job_learns(learned: tuple[Path, list[dict]]) -> None:
         assert 0 <= r["logprob_diff/mean"] < 0.05, f"step {r['step']}: vLLM/trainer gap {r['logprob_diff/mean']}"
         assert all(math.isfinite(r[k]) for k in ("loss", "entropy", "grad_norm")), r
         # every phase of the step's timeline is timed, and nothing else: a phase renamed, lost or added shows here
-        # (timing/batch_s: the driver's batch building, a part of the train phase, which memory_stats does not probe)
+        # (timing/batch_s: the driver's batch building, a part of the train phase, which memory_stats does not probe;
+        # timing/batch_cpu_s: the driver thread's CPU time in it)
         assert {k for k in r if k.startswith("timing/")} == ({f"timing/{p}_s" for p in PHASES}
-                                                          | {"timing/step_s", "timing/batch_s"}), r
+                                                          | {"timing/step_s", "timing/batch_s", "timing/batch_cpu_s"}), r
         assert 0 < r["timing/batch_s"] < r["timing/train_s"] and not any(k.startswith("memory/batch/") for k in r), r
+        assert 0 < r["timing/batch_cpu_s"] <= r["timing/batch_s"] + 0.01, r
         # loop.memory_stats: every phase reports the trainer's memory (on CPU its resident set, > 100 MiB)
         assert all(0.1 < r[f"memory/{p}/trainer_rss_gb"] < 64 for p in ("rollout", "train", "sync", "wake")), r
 
