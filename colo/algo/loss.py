@@ -42,6 +42,8 @@ every gradient. Differences are zeroed off-mask *before* exp.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 LOSS_AGGS = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")
@@ -94,35 +96,58 @@ def policy_loss(
         )
     if clip_ratio_c != 0 and clip_ratio_c <= 1.0:
         raise ValueError(f"clip_ratio_c must be > 1 (0 = off), got {clip_ratio_c}")
+    if tis_cap is not None and tis_cap < 0:
+        raise ValueError(f"tis_cap must be >= 0 (0 = off), got {tis_cap}")
+    if kl_coef > 0.0 and ref_logprobs is None:
+        raise ValueError("kl_coef > 0 needs ref_logprobs")
     mask = loss_mask.to(torch.bool)  # (B, T)
     maskf = mask.to(logprobs.dtype)  # (B, T)
-    adv = advantages.to(logprobs.dtype)
-    adv = adv.unsqueeze(1) if adv.dim() == 1 else adv  # (B, 1) or (B, T)
-    old = old_logprobs.detach()
+    t = _token_terms(logprobs, old_logprobs, advantages, mask, clip_low=clip_low, clip_high=clip_high,
+                     rollout_logprobs=rollout_logprobs, tis_cap=tis_cap, ref_logprobs=ref_logprobs,
+                     kl_coef=kl_coef, clip_ratio_c=clip_ratio_c)
+    metrics: dict[str, torch.Tensor] = {}
+    n_local = maskf.sum().clamp(min=1.0)
+    with torch.no_grad():
+        # a token counts as clipped when the clipped branch wins, i.e. its gradient is cut off
+        metrics["clip_frac"] = ((t["pg_clipped"] > t["pg_unclipped"]) & mask).sum() / n_local
+        metrics["clip_frac/dual"] = t["dual"].sum() / n_local
+        metrics["approx_kl"] = ((t["ratio"] - 1.0 - t["log_ratio"]) * maskf).sum() / n_local
+        tis_w = t["tis_w"]
+        metrics["tis_mean"] = (torch.ones((), dtype=maskf.dtype) if tis_w is None
+                               else (tis_w.to(maskf.dtype) * maskf).sum() / n_local)
+    pg_loss = _aggregate(t["pg"], maskf, loss_agg, token_count, seq_count)
+    loss = pg_loss
+    if t["kl"] is not None:
+        kl_loss = _aggregate(t["kl"], maskf, loss_agg, token_count, seq_count)
+        loss = loss + kl_coef * kl_loss
+        metrics["kl_ref"] = ((t["kl"].detach() * maskf).sum() / n_local)
+        metrics["kl_loss"] = kl_loss.detach()
+    metrics["pg_loss"] = pg_loss.detach()
+    return loss, metrics
 
-    log_ratio = torch.where(mask, logprobs - old, torch.zeros_like(logprobs))  # (B, T)
+
+def _token_terms(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
+                 *, clip_low: float, clip_high: float, rollout_logprobs: torch.Tensor | None, tis_cap: float | None,
+                 ref_logprobs: torch.Tensor | None, kl_coef: float, clip_ratio_c: float) -> dict:
+    """Each token's terms of the module docstring's formulas, (B, T) or (N,) alike (`mask` bool): "pg" (dual-clip
+    and the TIS weight applied), "kl" (None when kl_coef is 0), and what the metrics read. policy_loss aggregates
+    them; TokenLoss differentiates them chunk by chunk inside the lm_head's loop."""
+    adv = advantages.to(logprobs.dtype)
+    adv = adv.unsqueeze(1) if adv.dim() == 1 and logprobs.dim() == 2 else adv  # (B, 1) or as logprobs
+    old = old_logprobs.detach()
+    log_ratio = torch.where(mask, logprobs - old, torch.zeros_like(logprobs))
     # exp(95) is inf in fp32 and exp(25) gives a gradient of ~7e10 * |A|; clamped, such a token has none
     log_ratio = torch.clamp(log_ratio, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
     ratio = torch.exp(log_ratio)
     pg_unclipped = -adv * ratio
     pg_clipped = -adv * torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high)
-    pg = torch.maximum(pg_unclipped, pg_clipped)  # (B, T)
+    pg = torch.maximum(pg_unclipped, pg_clipped)
     dual = torch.zeros_like(mask)
     if clip_ratio_c > 0:
-        bound = -adv * clip_ratio_c  # (B, 1) or (B, T); only binding where A < 0
-        dual = (adv < 0) & (pg > bound) & mask  # (B, T)
+        bound = -adv * clip_ratio_c  # only binding where A < 0
+        dual = (adv < 0) & (pg > bound) & mask
         pg = torch.where(adv < 0, torch.minimum(pg, bound), pg)
-
-    metrics: dict[str, torch.Tensor] = {}
-    n_local = maskf.sum().clamp(min=1.0)
-    with torch.no_grad():
-        # a token counts as clipped when the clipped branch wins, i.e. its gradient is cut off
-        metrics["clip_frac"] = ((pg_clipped > pg_unclipped) & mask).sum() / n_local
-        metrics["clip_frac/dual"] = dual.sum() / n_local
-        metrics["approx_kl"] = ((ratio - 1.0 - log_ratio) * maskf).sum() / n_local
-
-    if tis_cap is not None and tis_cap < 0:
-        raise ValueError(f"tis_cap must be >= 0 (0 = off), got {tis_cap}")
+    tis_w = None
     if rollout_logprobs is not None and tis_cap != 0:
         with torch.no_grad():
             tis_log = torch.where(mask, old - rollout_logprobs.to(old.dtype), torch.zeros_like(old))
@@ -130,23 +155,79 @@ def policy_loss(
             tis_w = torch.exp(tis_log)
             if tis_cap is not None:
                 tis_w = torch.clamp(tis_w, max=tis_cap)
-            metrics["tis_mean"] = (tis_w.to(maskf.dtype) * maskf).sum() / n_local
         pg = pg * tis_w.to(pg.dtype)
-    else:
-        metrics["tis_mean"] = torch.ones((), dtype=maskf.dtype)
+    kl = k3_kl(logprobs, ref_logprobs.detach().to(logprobs.dtype), mask) if kl_coef > 0.0 else None
+    return {"log_ratio": log_ratio, "ratio": ratio, "pg_unclipped": pg_unclipped, "pg_clipped": pg_clipped,
+            "dual": dual, "pg": pg, "tis_w": tis_w, "kl": kl}
 
-    pg_loss = _aggregate(pg, maskf, loss_agg, token_count, seq_count)
-    loss = pg_loss
-    if kl_coef > 0.0:
-        if ref_logprobs is None:
-            raise ValueError("kl_coef > 0 needs ref_logprobs")
-        kl = k3_kl(logprobs, ref_logprobs.detach().to(logprobs.dtype), mask)  # (B, T)
-        kl_loss = _aggregate(kl, maskf, loss_agg, token_count, seq_count)
-        loss = loss + kl_coef * kl_loss
-        metrics["kl_ref"] = ((kl.detach() * maskf).sum() / n_local)
-        metrics["kl_loss"] = kl_loss.detach()
-    metrics["pg_loss"] = pg_loss.detach()
-    return loss, metrics
+
+@dataclasses.dataclass
+class TokenLoss:
+    """policy_loss token by token: each token's loss, weighted as the aggregation weights it, so that its gradient
+    wrt the token's log-prob is the one autograd takes through policy_loss. colo.algo.logprobs calls it inside the
+    lm_head's chunk loop, where each chunk's logits are at hand: the chunk's gradient is formed there, in forward,
+    and backward never recomputes the logits (one lm_head matmul per token less; docs/loss.md).
+
+    Every tensor is laid out as the log-probs it meets: (b, T) as built by `of`, then packed, then shifted and
+    flattened (`map`). `weight` folds in the mask, the aggregation's divisor and the loss scale."""
+    weight: torch.Tensor  # float: d total / d loss_t
+    mask: torch.Tensor  # bool
+    advantages: torch.Tensor  # per token
+    old: torch.Tensor | None  # None: the log-probs themselves (the step's one update: trainer.old_logprobs=auto)
+    rollout: torch.Tensor | None
+    ref: torch.Tensor | None
+    options: dict  # clip_low, clip_high, tis_cap, kl_coef, clip_ratio_c: as policy_loss takes them
+
+    @classmethod
+    def of(cls, old_logprobs: torch.Tensor | None, advantages: torch.Tensor, loss_mask: torch.Tensor, *,
+           loss_agg: str, token_count: float, seq_count: float, scale: float = 1.0,
+           rollout_logprobs: torch.Tensor | None = None, ref_logprobs: torch.Tensor | None = None,
+           clip_low: float, clip_high: float, tis_cap: float | None = None, kl_coef: float = 0.0,
+           clip_ratio_c: float = 0.0) -> "TokenLoss":
+        """From policy_loss's (b, T) arguments (advantages (b,) or (b, T)) and its global counts; `scale`
+        multiplies the loss (the trainer's world size)."""
+        maskf = loss_mask.to(torch.float32)  # (b, T)
+        adv = advantages.to(torch.float32)
+        adv = adv[:, None].expand_as(maskf) if adv.dim() == 1 else adv  # (b, T)
+        weight = token_weights(maskf, loss_agg, token_count, seq_count) * scale  # (b, T)
+        return cls(weight, loss_mask.to(torch.bool), adv, old_logprobs, rollout_logprobs,
+                   ref_logprobs if kl_coef > 0.0 else None,
+                   dict(clip_low=clip_low, clip_high=clip_high, tis_cap=tis_cap, kl_coef=kl_coef,
+                        clip_ratio_c=clip_ratio_c))
+
+    def map(self, fn) -> "TokenLoss":
+        """The same loss with `fn` applied to each per-token tensor (a layout change)."""
+        def f(x):
+            return None if x is None else fn(x)
+        return dataclasses.replace(self, weight=fn(self.weight), mask=fn(self.mask), advantages=fn(self.advantages),
+                                   old=f(self.old), rollout=f(self.rollout), ref=f(self.ref))
+
+    def __call__(self, logprobs: torch.Tensor, s: int, e: int) -> torch.Tensor:
+        """(e - s,) weighted losses of tokens s..e (flat layout) at `logprobs`, their float32 log-probs."""
+        o = self.options
+        t = _token_terms(logprobs, logprobs if self.old is None else self.old[s:e], self.advantages[s:e],
+                         self.mask[s:e], clip_low=o["clip_low"], clip_high=o["clip_high"],
+                         rollout_logprobs=None if self.rollout is None else self.rollout[s:e], tis_cap=o["tis_cap"],
+                         ref_logprobs=None if self.ref is None else self.ref[s:e], kl_coef=o["kl_coef"],
+                         clip_ratio_c=o["clip_ratio_c"])
+        loss = t["pg"] if t["kl"] is None else t["pg"] + o["kl_coef"] * t["kl"]
+        return loss * self.weight[s:e]
+
+
+def token_weights(maskf: torch.Tensor, loss_agg: str, token_count: float | torch.Tensor | None,
+                  seq_count: float | torch.Tensor | None) -> torch.Tensor:
+    """(B, T) each token's coefficient in _aggregate, the mask included: _aggregate(x, maskf, ...) equals
+    (x * token_weights(maskf, ...)).sum() up to rounding."""
+    if loss_agg == "token-mean":
+        denom = maskf.sum().clamp(min=1.0) if token_count is None else token_count
+        return maskf / denom
+    seq_tokens = maskf.sum(dim=1, keepdim=True)  # (B, 1)
+    denom = (seq_tokens > 0).sum().clamp(min=1) if seq_count is None else seq_count
+    if loss_agg == "seq-mean-token-sum":
+        return maskf / denom
+    if loss_agg == "seq-mean-token-mean":
+        return maskf / seq_tokens.clamp(min=1.0) / denom
+    raise ValueError(f"loss_agg must be one of {LOSS_AGGS}, got {loss_agg!r}")
 
 
 def k3_kl(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

@@ -181,6 +181,9 @@ class StepTrainer(Trainer):
     def set_old_logprobs(self, how: str) -> None:
         self.cfg.trainer.old_logprobs = str(how)
 
+    def set_loss_in_lm_head(self, on: bool) -> None:
+        self.cfg.trainer.loss_in_lm_head = bool(on)
+
     def set_gather_once(self, on: bool) -> None:
         self.cfg.trainer.gather_once = bool(on)
 

@@ -49,6 +49,9 @@ per micro-batch) on the same cluster and adds "no_gather_once" and "speedup" (on
 plan must fit both.
 --compare-old-logprobs measures trainer.old_logprobs=auto (the one update's own forward gives the old log-probs) and
 then pass (a forward-only pass first) on the same cluster and adds "old_logprob_pass" and "speedup" (auto / pass).
+--compare-loss-in-lm-head measures trainer.loss_in_lm_head=true (the loss's gradient formed in the lm_head's chunk
+loop) and then false (autograd through the loss, the logits recomputed in backward) on the same cluster and adds
+"loss_after_lm_head" and "speedup" (in / after).
 --compare-compile measures trainer.compile=true (each decoder layer compiled with inductor, colo.trainer.compile) and
 then false on the same cluster and adds "no_compile" and "speedup" (compiled / eager), and "compile_figures": the trainer's
 dynamo figures (frames, graphs, graph breaks, compile seconds) after the compiled variant's warm-up steps and after its
@@ -121,6 +124,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="trainer.compile=true and false in one run, with their ratio")
     ap.add_argument("--compare-old-logprobs", action="store_true",
                     help="trainer.old_logprobs=auto and pass in one run, with their ratio")
+    ap.add_argument("--compare-loss-in-lm-head", action="store_true",
+                    help="trainer.loss_in_lm_head=true and false in one run, with their ratio")
     ap.add_argument("--json", action="store_true", help="print one JSON object (last stdout line)")
     ap.add_argument("--profile", action="store_true", help="torch.profiler over the last warm-up step's train phase "
                     "(rank 0): its operator table by device time on stderr (needs --warmup >= 1: measured steps stay "
@@ -145,9 +150,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.no_packing and args.compare:
         ap.error("--compare already measures the padded path; drop --no-packing")
     if sum((args.compare, args.compare_async, args.compare_gather_once, args.compare_compile,
-            args.compare_old_logprobs)) > 1:
-        ap.error("--compare, --compare-async, --compare-gather-once, --compare-compile and --compare-old-logprobs are "
-                 "two runs each: give one")
+            args.compare_old_logprobs, args.compare_loss_in_lm_head)) > 1:
+        ap.error("--compare, --compare-async, --compare-gather-once, --compare-compile, --compare-old-logprobs and "
+                 "--compare-loss-in-lm-head are two runs each: give one")
+    if args.compare_loss_in_lm_head and any(o.startswith("trainer.loss_in_lm_head=") for o in args.overrides):
+        ap.error("--compare-loss-in-lm-head sets trainer.loss_in_lm_head itself (true, then false); drop the override")
     if args.compare_old_logprobs and any(o.startswith("trainer.old_logprobs=") for o in args.overrides):
         ap.error("--compare-old-logprobs sets trainer.old_logprobs itself (auto, then pass); drop the override")
     if args.compare_compile and any(o.startswith("trainer.compile=") for o in args.overrides):
@@ -310,22 +317,24 @@ def measure(args: argparse.Namespace, report: Callable[[dict], None] | None = No
     cfg = make_config(args, model_dir, dummy)
     config_json = model_config_json(cfg)
     # the measured variants, each (trainer.packing, loop.mode, trainer.gather_once, trainer.compile,
-    # trainer.old_logprobs), one after the other on one cluster
+    # trainer.old_logprobs, trainer.loss_in_lm_head), one after the other on one cluster
     packed, once, comp = not args.no_packing, bool(cfg.trainer.gather_once), bool(cfg.trainer.compile)
-    mode, olp = cfg.loop.mode, str(cfg.trainer.old_logprobs)
+    mode, olp, lil = cfg.loop.mode, str(cfg.trainer.old_logprobs), bool(cfg.trainer.loss_in_lm_head)
     if args.compare:
-        layouts = [(True, mode, once, comp, olp), (False, mode, once, comp, olp)]
+        layouts = [(True, mode, once, comp, olp, lil), (False, mode, once, comp, olp, lil)]
     elif args.compare_async:
-        layouts = [(packed, "async", once, comp, olp), (packed, "sync", once, comp, olp)]
+        layouts = [(packed, "async", once, comp, olp, lil), (packed, "sync", once, comp, olp, lil)]
     elif args.compare_gather_once:
-        layouts = [(packed, mode, True, comp, olp), (packed, mode, False, comp, olp)]
+        layouts = [(packed, mode, True, comp, olp, lil), (packed, mode, False, comp, olp, lil)]
     elif args.compare_compile:
-        layouts = [(packed, mode, once, True, olp), (packed, mode, once, False, olp)]
+        layouts = [(packed, mode, once, True, olp, lil), (packed, mode, once, False, olp, lil)]
     elif args.compare_old_logprobs:
-        layouts = [(packed, mode, once, comp, "auto"), (packed, mode, once, comp, "pass")]
+        layouts = [(packed, mode, once, comp, "auto", lil), (packed, mode, once, comp, "pass", lil)]
+    elif args.compare_loss_in_lm_head:
+        layouts = [(packed, mode, once, comp, olp, True), (packed, mode, once, comp, olp, False)]
     else:
-        layouts = [(packed, mode, once, comp, olp)]
-    for packing, mode, once, _, _ in layouts[::-1]:  # GPU: refuses a variant the memory plan cannot fit (ConfigError)
+        layouts = [(packed, mode, once, comp, olp, lil)]
+    for packing, mode, once, *_ in layouts[::-1]:  # GPU: refuses a variant the memory plan cannot fit (ConfigError)
         cfg.trainer.packing, cfg.loop.mode, cfg.trainer.gather_once = packing, mode, once
         validate(cfg, check_resources=False)  # what the variant's mode refuses (docs/config.md, "Async")
         mem_plan = check_fits(cfg)
@@ -350,9 +359,10 @@ def measure(args: argparse.Namespace, report: Callable[[dict], None] | None = No
         if offloads(cluster, cfg):
             cluster.trainer_group.offload()
         for layout in layouts:
-            packing, mode, once, comp, olp = layout
+            packing, mode, once, comp, olp, lil = layout
             cfg.loop.mode = mode
             ray.get([t.set_old_logprobs.remote(olp) for t in cluster.trainers])
+            ray.get([t.set_loss_in_lm_head.remote(lil) for t in cluster.trainers])
             ray.get([t.set_packing.remote(packing) for t in cluster.trainers])
             ray.get([t.set_gather_once.remote(once) for t in cluster.trainers])
             ray.get([t.set_compile.remote(comp) for t in cluster.trainers])
@@ -373,7 +383,7 @@ def measure(args: argparse.Namespace, report: Callable[[dict], None] | None = No
                     compile_figures["after_warmup"] = ray.get(cluster.trainers[0].compile_figures.remote())
                 # progress on stderr, also with --json: a run stopped at its time limit still shows its steps
                 print(f"[bench.step] packing={packing} mode={mode} gather_once={once} compile={comp} "
-                      f"old_logprobs={olp} step {step}: "
+                      f"old_logprobs={olp} loss_in_lm_head={lil} step {step}: "
                       f"{m['timing/step_s']:.2f}s, rollout {m['timing/rollout_s']:.2f}s, "
                       f"train {m['timing/train_s']:.2f}s (logprob "
                       f"{m['bench/logprob_s']:.2f}, update {m['bench/update_s']:.2f}, optim {m['bench/optim_s']:.2f}, "
@@ -410,7 +420,8 @@ def _output(args: argparse.Namespace, cfg: Any, layouts: list[tuple], results: d
 
     main = results[layouts[0]]
     out = {**main, "packing": layouts[0][0], "mode": layouts[0][1], "gather_once": layouts[0][2],
-           "compile": layouts[0][3], "old_logprobs": layouts[0][4], "compile_figures": compile_figures or None,
+           "compile": layouts[0][3], "old_logprobs": layouts[0][4], "loss_in_lm_head": layouts[0][5],
+           "compile_figures": compile_figures or None,
            "model": name,
            "device": args.device, "device_name": device_name, "gpus": args.gpus, "prompts": args.prompts, "n": args.n,
            "prompt_len": args.prompt_len, "lengths": lengths,
@@ -419,10 +430,11 @@ def _output(args: argparse.Namespace, cfg: Any, layouts: list[tuple], results: d
            "experts_implementation": cfg.trainer.experts_implementation,
            "overrides": list(args.overrides), "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"),
            "plan_train_gb": None if mem_plan is None else mem_plan.total("train") / 2**30}
-    if len(layouts) == 2:  # --compare: packed / padded; --compare-async: async / sync; --compare-gather-once, -compile:
-        base = results[layouts[1]]  # on / off
+    if len(layouts) == 2:  # --compare: packed / padded; --compare-async: async / sync; --compare-gather-once, -compile,
+        base = results[layouts[1]]  # -loss-in-lm-head: on / off
         out["no_packing" if args.compare else "sync" if args.compare_async else "no_gather_once"
-            if args.compare_gather_once else "no_compile" if args.compare_compile else "old_logprob_pass"] = base
+            if args.compare_gather_once else "no_compile" if args.compare_compile else "loss_after_lm_head"
+            if args.compare_loss_in_lm_head else "old_logprob_pass"] = base
         out["speedup"] = {"tokens_per_s_per_gpu": main["tokens_per_s_per_gpu"] / base["tokens_per_s_per_gpu"],
                           "train": base["phases"]["train"] / main["phases"]["train"],
                           "rollout": base["phases"]["rollout"] / main["phases"]["rollout"],
@@ -468,6 +480,10 @@ def show(args: argparse.Namespace, out: dict) -> None:
         if "old_logprob_pass" in out:
             print(line("old log-prob pass", out["old_logprob_pass"]))
             print(f"speedup own forward/pass: {out['speedup']['tokens_per_s_per_gpu']:.2f}x tokens/s/GPU, "
+                  f"{out['speedup']['train']:.2f}x train phase")
+        if "loss_after_lm_head" in out:
+            print(line("loss after the lm_head", out["loss_after_lm_head"]))
+            print(f"speedup loss in/after the lm_head: {out['speedup']['tokens_per_s_per_gpu']:.2f}x tokens/s/GPU, "
                   f"{out['speedup']['train']:.2f}x train phase")
         if "no_compile" in out:
             print(line("eager", out["no_compile"]))

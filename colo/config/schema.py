@@ -112,6 +112,11 @@ class TrainerConfig:
     separate forward pass over the batch is skipped (its share of the train phase: ~17% on the L12 slice); with
     more updates, or pass: a forward-only pass over the batch before the updates. Metrics that read the old
     log-probs (logprob_diff, tis_mean, routing/mismatch) are then read off the update's forward."""
+    loss_in_lm_head: bool = True
+    """The update's loss gradient is formed inside the lm_head's chunk loop (colo.algo.logprobs, colo.algo.loss.
+    TokenLoss): each chunk's logits turn into their log-probs and at once into the gradient wrt the hidden states and
+    the lm_head weight, so backward never recomputes them: three lm_head matmuls per token instead of four. Same losses, metrics and gradients (tests/integration/test_packing.py). false:
+    autograd through the loss, the logits recomputed in backward."""
     logprob_chunk: int = 1024
     """Tokens per lm_head chunk of the log-prob / entropy pass (colo.algo.logprobs): the pass never holds more
     than this many rows of (tokens, vocab) float32 logits."""

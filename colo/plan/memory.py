@@ -289,8 +289,9 @@ def activation_bytes(m: ModelShape, s: Settings) -> dict[str, int]:
     else:
         layers = sum(per_layer)
     chunk = min(s.logprob_chunk, tokens)
-    # the chunk's temporaries and, summed over chunks, the unsharded lm_head gradient in the compute dtype
-    return {"layers": layers, "logits": LOGITS_BYTES * chunk * m.vocab + s.param_bytes * m.vocab * m.hidden}
+    # the chunk's temporaries and, summed over chunks, the unsharded lm_head gradient and the last hidden states'
+    # gradient in the compute dtype (colo.algo.logprobs: both are made in forward and wait there for backward)
+    return {"layers": layers, "logits": LOGITS_BYTES * chunk * m.vocab + s.param_bytes * (m.vocab + tokens) * m.hidden}
 
 
 # ---------------------------------------------------------------------------------------------- the plan
@@ -391,7 +392,8 @@ def trainer_terms(m: ModelShape, s: Settings) -> dict[str, float]:
 
     - no_grad: the old-log-prob pass: 14 B per logit of one lm_head chunk, the root and last layer still gathered
     - backward: the start of a micro-batch's backward once earlier micro-batches left their grads: every
-      layer's saved activations, one lm_head chunk's backward (20 B per logit) and its weight gradient,
+      layer's saved activations, one lm_head chunk's backward (20 B per logit), the weight's and the hidden states'
+      gradients (made in forward with trainer.loss_in_lm_head, in backward without),
       gathered units and one unit's reduce-scatter buffers
     - entropy: right after backward: every grad, nothing gathered (the entropy comes with the log-probs,
       chunk by chunk; the full-logits path computed it here)
@@ -486,7 +488,7 @@ def plan_memory(config_json: dict[str, Any], s: Settings, gpu_bytes: Optional[fl
         ("sync buffers + rest", {"train": resident, "step": resident, "sync": resident}),
         (f"activations {s.micro_label}, checkpointing "
          f"{'on' if s.gradient_checkpointing else 'off'}", {"train": t["activations"]}),
-        (f"lm_head chunk {min(s.logprob_chunk, s.micro_tokens)}x{m.vocab} + its weight grad", {"train": t["logits"]}),
+        (f"lm_head chunk {min(s.logprob_chunk, s.micro_tokens)}x{m.vocab} + weight, hidden grads", {"train": t["logits"]}),
         ("whole model gathered bf16 + its fp32 gradient unsharded (trainer.gather_once)" if s.gather_once else
          "gathered FSDP units bf16 + reduce-scatter", {"train": t["gathered"] + t["reduce"]}),
         # with few layers the entropy after backward (all grads + 14 B per logit) can top backward's start

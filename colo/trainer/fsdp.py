@@ -44,16 +44,19 @@ def meta_model(model_path: str, attn_implementation: str | None = None,
 
 def _logprob_forward(self: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
                      position_ids: torch.Tensor, temperature: float, chunk: int,
-                     bounds: tuple[int, ...] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                     bounds: tuple[int, ...] | None = None, token_loss=None) -> tuple[torch.Tensor, ...]:
     """(b, T) log-probs and entropies of input_ids (colo.algo.logprobs.shifted_logprobs), from the decoder's
     hidden states and the lm_head weight, without the (b, T, V) logits. A packed row: attention_mask None,
-    `bounds` its samples' start offsets and its length (colo.trainer.attention)."""
+    `bounds` its samples' start offsets and its length (colo.trainer.attention). `token_loss`
+    (colo.algo.loss.TokenLoss, laid out as input_ids): the loss's gradient taken in the lm_head's chunk loop, and a
+    third output, the scalar whose backward() is the loss's."""
     extra = {} if bounds is None else {"colo_bounds": Bounds(bounds)}  # opaque to torch.compile (Bounds)
     hidden = self.get_decoder()(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                                 use_cache=False, **extra).last_hidden_state  # (b, T, H)
     return shifted_logprobs(hidden, self.get_output_embeddings().weight, input_ids,
                             position_ids if attention_mask is None else None, temperature, chunk,
-                            getattr(self, "colo_compile_backend", None))  # trainer.compile: fused chunk math
+                            getattr(self, "colo_compile_backend", None),  # trainer.compile: fused chunk math
+                            token_loss=token_loss)
 
 
 def enable_logprob_forward(model: nn.Module) -> nn.Module:

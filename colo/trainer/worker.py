@@ -21,6 +21,7 @@ gradient checkpointing, which only acts while training).
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import math
 import os
@@ -31,7 +32,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 
-from colo.algo.loss import policy_loss
+from colo.algo.loss import TokenLoss, policy_loss
 from colo.algo.packing import Packed, pack_bins
 from colo.algo.parity import gap_metrics, logprob_gap
 from colo.algo.replay import RouterTap
@@ -171,12 +172,14 @@ class Trainer:
         if self.offloaded:
             raise RuntimeError("TrainWorker is offloaded: call onload() before using the model")
 
-    def _score(self, model: torch.nn.Module, mb: dict, temperature: float = 1.0,
-               dummy: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    def _score(self, model: torch.nn.Module, mb: dict, temperature: float = 1.0, dummy: bool = False,
+               token_loss: TokenLoss | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """(b, T) float32 log-probs and entropies of the micro-batch's tokens, aligned as the batch contract has
         them, from logits / temperature divided in float32 as vLLM's sampler does (colo.algo.logprobs: the
         lm_head runs by chunks, no (b, T, V) logits). Packed (trainer.packing): the rows' real tokens run as one
-        row and the results come back in the padded (b, T) layout, so everything downstream is unchanged."""
+        row and the results come back in the padded (b, T) layout, so everything downstream is unchanged.
+        `token_loss` ((b, T) on the device, trainer.loss_in_lm_head): the loss's gradient is taken in the lm_head's
+        chunk loop; the log-probs are then constants and the third output, else None, carries the gradient."""
         ids = self._up(mb["input_ids"])  # (b, T)
         am = self._up(mb["attention_mask"])  # (b, T)
         routed = None if mb.get("routed_experts") is None else self._up(mb["routed_experts"])  # (b, T, M, K)
@@ -199,13 +202,15 @@ class Trainer:
         if model is self.model:  # the engine's expert ids, kept through backward's recompute
             self.routing.set(routed, replay=str(self.cfg.algo.routing_replay) == "r3")
         bounds = packed.bounds if packed is not None else None
-        lp, ent = model.colo_logprobs(ids, am, pos, temperature, chunk, bounds)  # (b, T) or (1, N)
+        if token_loss is not None and packed is not None:
+            token_loss = token_loss.map(packed.pack)  # (1, N): token by token, as ids
+        lp, ent, *anchor = model.colo_logprobs(ids, am, pos, temperature, chunk, bounds, token_loss)  # (b, T) or (1, N)
         if packed is not None:
             lp, ent = packed.unpack(lp), packed.unpack(ent)  # (b, T)
             self._packed = packed
         else:
             self._packed = None
-        return lp, ent
+        return lp, ent, (anchor[0] if anchor else None)
 
     @property
     def _policy_temperature(self) -> float:
@@ -287,7 +292,7 @@ class Trainer:
             for idx, dummy in self._passes(model, self._micro_plan(torch.arange(batch["input_ids"].shape[0]), batch),
                                            backward=False):
                 mb = _rows(batch, idx, dummy)
-                lp, _ = self._score(model, mb, self._policy_temperature, dummy)
+                lp, _, _ = self._score(model, mb, self._policy_temperature, dummy)
                 if not dummy:
                     scored.append((idx, lp.float()))  # to the host after the pass: .cpu() would wait here
                     if model is self.model:
@@ -327,7 +332,7 @@ class Trainer:
         self.model.train()
         for idx, dummy in self._passes(self.model, self._micro_plan(rows, batch), backward=True):
             mb = _rows(batch, idx, dummy)
-            lp, _ = self._score(self.model, mb, 1.0, dummy)
+            lp, _, _ = self._score(self.model, mb, 1.0, dummy)
             mask = self._up(mb["loss_mask"]).float()  # (b, T)
             loss = -(lp * mask).sum() / max(tokens, 1.0)
             (loss * self.world_size).backward()
@@ -345,20 +350,26 @@ class Trainer:
         (trainer.old_logprobs=auto): its log-probs, detached, are the old ones."""
         a = self.cfg.algo
         mask = self._up(mb["loss_mask"])  # (b, T)
-        lp, ent = self._score(self.model, mb, self._policy_temperature, dummy)  # (b, T) each
+        adv = self._up(mb["advantages"])
+        rollout = None if mb.get("rollout_logprobs") is None else self._up(mb["rollout_logprobs"])
+        ref = None if ref is None else self._up(ref)
+        terms = dict(clip_low=float(a.clip_low), clip_high=float(a.clip_high),
+                     tis_cap=None if a.tis_cap is None else float(a.tis_cap), kl_coef=float(a.kl_coef),
+                     clip_ratio_c=float(getattr(a, "clip_ratio_c", 0.0)))
+        counts = dict(loss_agg=str(a.loss_agg), token_count=token_count, seq_count=seq_count)
+        # trainer.loss_in_lm_head: the same loss, its gradient taken token by token inside the lm_head's chunk loop
+        token_loss = TokenLoss.of(None if old is None else self._up(old), adv, mask, scale=float(self.world_size),
+                                  rollout_logprobs=rollout, ref_logprobs=ref, **counts, **terms) \
+            if self.cfg.trainer.loss_in_lm_head else None
+        lp, ent, anchor = self._score(self.model, mb, self._policy_temperature, dummy, token_loss)  # (b, T) each
         if old is None:
             old = lp.detach()
             if not dummy:
                 self._count_routing(mb)  # before backward, whose recompute would run the router again
-        rollout = mb.get("rollout_logprobs")
-        loss, met = policy_loss(
-            lp, self._up(old), self._up(mb["advantages"]), mask,
-            clip_low=float(a.clip_low), clip_high=float(a.clip_high), loss_agg=str(a.loss_agg),
-            rollout_logprobs=None if rollout is None else self._up(rollout),
-            tis_cap=None if a.tis_cap is None else float(a.tis_cap),
-            ref_logprobs=None if ref is None else self._up(ref), kl_coef=float(a.kl_coef),
-            clip_ratio_c=float(getattr(a, "clip_ratio_c", 0.0)), token_count=token_count, seq_count=seq_count)
-        (loss * self.world_size).backward()
+        with torch.no_grad() if anchor is not None else contextlib.nullcontext():  # the value and the metrics
+            loss, met = policy_loss(lp, self._up(old), adv, mask, rollout_logprobs=rollout, ref_logprobs=ref,
+                                    **counts, **terms)
+        (anchor if anchor is not None else loss * self.world_size).backward()
         n = mask.float().sum()
         with torch.no_grad():
             # token means -> token-weighted sums; the aggregated parts are already additive (global counts)

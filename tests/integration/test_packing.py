@@ -142,6 +142,34 @@ def test_one_update_takes_the_old_logprobs_from_its_own_forward(workers) -> None
     assert got["auto", "off"][0]["routing/mismatch"] > 0.5  # counted off the update's forward too
 
 
+def _loss_in_lm_head(trainer, on: bool) -> None:
+    trainer.cfg.trainer.loss_in_lm_head = on
+
+
+def test_loss_gradient_in_the_lm_head_equals_autograd(workers) -> None:
+    """trainer.loss_in_lm_head (the default): the loss's gradient formed in the lm_head's chunk loop gives the loss,
+    every metric and the gradients of autograd through policy_loss (false), packed with R3 and the update's own
+    old log-probs, padded with the forward-only pass; the KL term and TIS on (the fixture's config)."""
+    shards = shard_batch(_batch(), 2)
+    got = {}
+    try:
+        for packing, replay, mode in ((True, "r3", "auto"), (False, "off", "pass")):
+            ray.get([w.__ray_call__.remote(_old_logprobs, mode) for w in workers])
+            for on in (False, True):
+                ray.get([w.__ray_call__.remote(_loss_in_lm_head, on) for w in workers])
+                got[packing, on] = _step(workers, shards, packing, replay)
+    finally:
+        ray.get([w.__ray_call__.remote(_loss_in_lm_head, True) for w in workers])
+        ray.get([w.__ray_call__.remote(_old_logprobs, None) for w in workers])
+    for packing in (True, False):
+        (m1, g1), (m0, g0) = got[packing, True], got[packing, False]
+        for k in METRICS:
+            assert m1[k] == pytest.approx(m0[k], rel=1e-5, abs=1e-6), (packing, k, m1[k], m0[k])
+        for a, b in zip(g1, g0):
+            assert a.abs().sum() > 0
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+
+
 def _count_collectives(trainer, once: bool) -> None:
     """trainer.gather_once on or off, and count FSDP2's all-gathers and reduce-scatters from here on."""
     from torch.distributed.fsdp._fully_shard import _fsdp_param_group as group

@@ -9,7 +9,8 @@ from colo.bench.step import parse_args
 @pytest.mark.parametrize("flags", [["--compare", "--compare-async"], ["--compare", "--compare-gather-once"],
                                    ["--compare-async", "--compare-gather-once"], ["--compare", "--compare-compile"],
                                    ["--compare-gather-once", "--compare-compile"],
-                                   ["--compare-compile", "--compare-old-logprobs"]])
+                                   ["--compare-compile", "--compare-old-logprobs"],
+                                   ["--compare-old-logprobs", "--compare-loss-in-lm-head"]])
 def test_one_comparison_per_run(flags: list[str], capsys) -> None:
     with pytest.raises(SystemExit):
         parse_args(flags)
@@ -27,6 +28,13 @@ def test_compare_old_logprobs_owns_the_setting(capsys) -> None:
     assert parse_args(["--compare-old-logprobs"]).compare_old_logprobs
     with pytest.raises(SystemExit):
         parse_args(["--compare-old-logprobs", "trainer.old_logprobs=pass"])
+    assert "drop the override" in capsys.readouterr().err
+
+
+def test_compare_loss_in_lm_head_owns_the_setting(capsys) -> None:
+    assert parse_args(["--compare-loss-in-lm-head"]).compare_loss_in_lm_head
+    with pytest.raises(SystemExit):
+        parse_args(["--compare-loss-in-lm-head", "trainer.loss_in_lm_head=false"])
     assert "drop the override" in capsys.readouterr().err
 
 

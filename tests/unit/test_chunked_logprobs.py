@@ -112,7 +112,9 @@ def test_memory_plan_counts_one_chunk_of_logits():
     terms = [trainer_terms(m, Settings(num_gpus=1, vllm_fraction=0.4, micro_batch_size=1, max_model_len=4096,
                                        packing=True, max_tokens_per_micro_batch=budget, logprob_chunk=1024))
              for budget in (4096, 32768)]
-    assert terms[0]["logits"] == terms[1]["logits"] < 4 * 2**30  # 20 B x 1024 x 151936 + the bf16 weight grad
+    # 20 B x 1024 x 151936 + the bf16 weight grad + the bf16 hidden states' grad: only the last grows with tokens
+    assert terms[0]["logits"] < 4 * 2**30
+    assert terms[1]["logits"] - terms[0]["logits"] == 2 * (32768 - 4096) * m.hidden
     assert terms[1]["activations"] > 7 * terms[0]["activations"]  # the layers' activations do grow
     t = terms[0]
     state = t["params"] + t["optim"] + t["ref"] + t["resident"]
@@ -144,3 +146,63 @@ def test_fused_chunk_math_equals_eager():
         for name, a, c in zip(("logprobs", "entropy", "d hidden", "d weight"), *got):
             torch.testing.assert_close(c, a, rtol=1e-5, atol=1e-6, msg=f"{name}, entropy in loss: {with_entropy}")
     assert torch._dynamo.utils.counters["frames"]["ok"] > frames  # the fused path ran compiled
+
+
+@pytest.mark.parametrize("loss_agg", ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"])
+@pytest.mark.parametrize("own_old,packed,backend", [(True, False, None), (False, True, None), (True, True, "aot_eager"),
+                                                     (False, False, "aot_eager")])
+def test_loss_gradient_in_the_chunk_loop_equals_autograd(loss_agg, own_old, packed, backend):
+    """TokenLoss (colo.algo.loss) inside the chunk loop: the same log-probs and entropies, and the gradients wrt the
+    hidden states and the lm_head weight that autograd takes through policy_loss, for every aggregation, with the
+    old log-probs the forward's own (the step's one update) or given (PPO clip and dual-clip then bind), TIS, the
+    KL term, a global token count, a loss scale, a packed row (position ids restarting) and the compiled chunk math."""
+    from colo.algo.loss import TokenLoss, policy_loss
+
+    g = torch.Generator().manual_seed(7)
+    b, T, H, V, chunk, temp, scale = 3, 10, 16, 97, 4, 0.7, 2.0
+    hidden = torch.randn(b, T, H, generator=g)
+    weight = torch.randn(V, H, generator=g) * 0.5
+    ids = torch.randint(0, V, (b, T), generator=g)
+    pos = torch.cat([torch.arange(4), torch.arange(6)])[None].expand(b, T) if packed else None  # a sample starts at 4
+    mask = (torch.rand(b, T, generator=g) > 0.3).float()
+    mask[:, 0], mask[2] = 0.0, 0.0  # nothing scores position 0; one row holds no loss token
+    adv = torch.tensor([1.3, -0.8, 0.5])
+    with torch.no_grad():
+        lp0, _ = shifted_logprobs(hidden, weight, ids, pos, temp, chunk)
+    old = None if own_old else lp0 + 0.4 * torch.randn(b, T, generator=g)
+    rollout, ref = lp0 + 0.3 * torch.randn(b, T, generator=g), lp0 + 0.2 * torch.randn(b, T, generator=g)
+    opts = dict(clip_low=0.2, clip_high=0.28, tis_cap=2.0, kl_coef=0.05, clip_ratio_c=3.0)
+    counts = dict(token_count=float(mask.sum()) + 5.0, seq_count=4.0)  # global: more than this micro-batch holds
+
+    got = []
+    for fused in (False, True):
+        h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+        if fused:
+            tl = TokenLoss.of(old, adv, mask, loss_agg=loss_agg, scale=scale, rollout_logprobs=rollout,
+                              ref_logprobs=ref, **counts, **opts)
+            lp, ent, anchor = shifted_logprobs(h, w, ids, pos, temp, chunk, backend, token_loss=tl)
+            assert not lp.requires_grad and float(anchor.detach()) == 0.0
+            anchor.backward()
+        else:
+            lp, ent = shifted_logprobs(h, w, ids, pos, temp, chunk, backend)
+            loss, _ = policy_loss(lp, lp.detach() if own_old else old, adv, mask, loss_agg=loss_agg,
+                                  rollout_logprobs=rollout, ref_logprobs=ref, **counts, **opts)
+            (loss * scale).backward()
+        got.append((lp.detach(), ent.detach(), h.grad, w.grad))
+    (lp_a, ent_a, gh_a, gw_a), (lp_b, ent_b, gh_b, gw_b) = got
+    assert torch.equal(lp_a, lp_b) and torch.equal(ent_a, ent_b)
+    assert gh_a.abs().sum() > 0 and gw_a.abs().sum() > 0
+    torch.testing.assert_close(gh_b, gh_a, rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(gw_b, gw_a, rtol=1e-5, atol=1e-7)
+
+
+def test_token_weights_are_the_aggregation():
+    """colo.algo.loss.token_weights: (x * weights).sum() is _aggregate's value, for each aggregation, local or global counts."""
+    from colo.algo.loss import LOSS_AGGS, _aggregate, token_weights
+
+    g = torch.Generator().manual_seed(1)
+    x, maskf = torch.randn(4, 7, generator=g), (torch.rand(4, 7, generator=g) > 0.4).float()
+    maskf[3] = 0.0
+    for agg in LOSS_AGGS:
+        for tc, sc in ((None, None), (40.0, 9.0)):
+            torch.testing.assert_close((x * token_weights(maskf, agg, tc, sc)).sum(), _aggregate(x, maskf, agg, tc, sc))
