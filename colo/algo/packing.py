@@ -1,6 +1,6 @@
 """Sequence packing: micro-batches by a token budget, several samples in one row, no padding.
 
-    bins = pack_bins(lengths, budget)                  # row indices per micro-batch, first-fit decreasing
+    bins = pack_bins(lengths, budget)                  # row indices per micro-batch, as few as fit, even
     p = Packed.of(attention_mask)                      # (b, T) padded rows -> one (1, N) row of their tokens
     ids, pos = p.pack(input_ids), p.position_ids       # (1, N) each; pos restarts at 0 on every sample
     p.bounds                                           # (0, L0, L0 + L1, ..., N): where each sample starts
@@ -29,22 +29,39 @@ import torch
 
 
 def pack_bins(lengths: Sequence[int], budget: int) -> list[list[int]]:
-    """Indices into `lengths` grouped into bins of at most `budget` tokens, first-fit decreasing (a length
-    above the budget gets a bin of its own); bins in creation order, indices ascending inside each. Deterministic."""
+    """Indices into `lengths` grouped into bins of at most `budget` tokens (a length above the budget gets a bin of
+    its own), as few bins as first-fit decreasing needs, the tokens spread evenly over them: longest first, each
+    into the bin with the most room (worst-fit decreasing), where that fits; else first-fit decreasing's own bins.
+    Even bins, not full ones and a remainder: first-fit left the last micro-batch of a step a few hundred tokens,
+    whose kernels run at a fraction of the others' efficiency (each expert's GEMM gets a few rows). Bins in
+    creation order, indices ascending inside each. Deterministic."""
     if budget < 1:
         raise ValueError(f"budget must be >= 1, got {budget}")
-    bins: list[list[int]] = []
-    room: list[int] = []
-    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
-        for b, free in enumerate(room):
-            if lengths[i] <= free:
-                bins[b].append(i)
-                room[b] -= lengths[i]
-                break
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    first = _fill(order, lengths, budget, None)
+    even = _fill(order, lengths, budget, len(first))
+    return [sorted(b) for b in (even if even is not None else first)]
+
+
+def _fill(order: list[int], lengths: Sequence[int], budget: int, k: int | None) -> list[list[int]] | None:
+    """k None: first-fit, opening bins as needed. k bins: each index into the bin with the most room, None when
+    one does not fit (an over-budget length fits only an empty bin)."""
+    bins: list[list[int]] = [[] for _ in range(k or 0)]
+    room: list[int] = [budget] * (k or 0)
+    for i in order:
+        if k is None:
+            b = next((b for b, free in enumerate(room) if lengths[i] <= free), None)
+            if b is None:
+                bins.append([])
+                room.append(budget)
+                b = len(bins) - 1
         else:
-            bins.append([i])
-            room.append(budget - lengths[i])
-    return [sorted(b) for b in bins]
+            b = max(range(k), key=lambda b: (room[b], -b))
+            if lengths[i] > room[b] and bins[b]:
+                return None
+        bins[b].append(i)
+        room[b] -= lengths[i]
+    return bins
 
 
 @dataclass

@@ -99,8 +99,9 @@ class TrainerConfig:
     padding. false: the padded path, micro_batch_size rows padded to the longest. Losses and metrics are the
     same either way (docs/loss.md)."""
     max_tokens_per_micro_batch: int = 16384
-    """Packing: real tokens per forward/backward on each rank; samples are packed first-fit-decreasing under
-    this budget (a longer sample gets a micro-batch of its own). Sets the activation memory the plan counts."""
+    """Packing: real tokens per forward/backward on each rank; samples are packed under this budget in as few
+    micro-batches as first-fit decreasing needs, their tokens spread evenly over them (colo.algo.packing; a longer
+    sample gets a micro-batch of its own). Sets the activation memory the plan counts."""
     experts_implementation: str = "auto"
     """How the trainer's transformers MoE blocks run their experts: grouped_mm (one grouped GEMM over all experts;
     transformers' default where torch has it), batched_mm, eager (a loop over experts); auto: transformers'

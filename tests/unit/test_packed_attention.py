@@ -61,8 +61,17 @@ def test_varlen_without_bounds_is_plain_sdpa(models):
     torch.testing.assert_close(got[am.bool()], want[am.bool()], rtol=1e-5, atol=1e-5)
 
 
-def test_pack_bins_first_fit_decreasing():
+def test_pack_bins_as_few_as_first_fit_and_even():
     assert pack_bins([5, 9, 2, 4, 7], 10) == [[1], [2, 4], [0, 3]]  # 9; 7 + 2; 5 + 4
     assert pack_bins([30, 3], 10) == [[0], [1]]  # longer than the budget: a bin of its own
+    assert pack_bins([30, 3, 4], 10) == [[0], [1, 2]]
+    # first-fit decreasing fills 13, 13 and leaves 2; the same three bins hold 12, 8, 8
+    lengths = [6, 6, 6, 6, 1, 1, 1, 1]
+    bins = pack_bins(lengths, 13)
+    assert sorted(sum(lengths[i] for i in b) for b in bins) == [8, 8, 12]
+    assert sorted(i for b in bins for i in b) == list(range(8))
+    # where spreading does not fit, first-fit's bins: 6 + 4 and 4 + 3 + 3 fill two bins of 10 exactly; spread
+    # longest first into the roomiest bin, the last 3 finds 2 free
+    assert pack_bins([6, 4, 4, 3, 3], 10) == [[0, 1], [2, 3, 4]]
     with pytest.raises(ValueError):
         pack_bins([1], 0)
