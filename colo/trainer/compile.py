@@ -18,7 +18,9 @@ names stay those of the checkpoint and the sync) before fully_shard, so FSDP2's 
 - the FSDP2 hooks of the experts' own unit (dynamo skips FSDP hooks).
 Shapes: packed micro-batches have a token count of their own each. dynamo's automatic dynamic shapes compile each
 graph once for the first count and once more with the count symbolic, then reuse it: no padding of the row,
-a bounded number of compiles (compile_stats counts them). dynamic=True from the start was slower to compile
+a bounded number of compiles (compile_stats counts them), all in the first step on a GPU since colo.algo.packing
+spreads each step's tokens evenly over its micro-batches: a small remainder micro-batch used to fail a guard of the
+symbolic graphs and recompile every layer in later steps (docs/benchmarks.md, fourteenth session). dynamic=True from the start was slower to compile
 (the tiny model on 2 shared CPU cores, one run each: 42 s against 18 s for the first step).
 """
 from __future__ import annotations
