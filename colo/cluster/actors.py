@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 import ray
 
+from colo.algo.batch import to_wire
 from colo.config import ColoConfig, to_dict
 from colo.cluster.nodes import Lost, gpu_nodes, locate, lost_nodes, on_nodes
 from colo.cluster.placement import PlacementPlan, create_disaggregated_placement, create_placement, scheduling
@@ -286,10 +287,11 @@ class TrainerGroup:
         return self._gather([t.offload.remote() for t in self.trainers])
 
     def sft_step(self, shards: list[dict]) -> list[dict]:
-        return self._gather([t.sft_step.remote(b) for t, b in zip(self.trainers, shards)])
+        return self._gather([t.sft_step.remote(to_wire(b)) for t, b in zip(self.trainers, shards)])
 
     def train_step(self, shards: list[dict]) -> list[dict]:
-        return self._gather([t.train_step.remote(b) for t, b in zip(self.trainers, shards)])
+        """Each shard crosses Ray as numpy arrays (colo.algo.batch.to_wire: no pickling of the tensors)."""
+        return self._gather([t.train_step.remote(to_wire(b)) for t, b in zip(self.trainers, shards)])
 
     def prepare_sync(self) -> list[dict]:
         return self._gather([t.prepare_sync.remote(e) for t, e in zip(self.trainers, self.sync_engines())])

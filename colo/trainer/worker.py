@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 
+from colo.algo.batch import from_wire
 from colo.algo.loss import TokenLoss, policy_loss
 from colo.algo.packing import Packed, pack_bins
 from colo.algo.parity import gap_metrics, logprob_gap
@@ -311,7 +312,7 @@ class Trainer:
     def compute_logprobs(self, batch: dict) -> torch.Tensor:
         """(B, T) float32 on CPU; out[:, t] = log p(input_ids[t] | input_ids[:t]), out[:, 0] = 0."""
         self._check_ready()
-        return self._logprobs(self.model, batch)
+        return self._logprobs(self.model, from_wire(batch))
 
     # ---- updates -----------------------------------------------------------------------------
     def _optim_step(self, lr: float | None = None) -> float:
@@ -326,6 +327,7 @@ class Trainer:
     def sft_step(self, batch: dict) -> dict:
         """One AdamW step of token-mean cross-entropy on loss_mask tokens (the whole batch)."""
         self._check_ready()
+        batch = from_wire(batch)  # tensors, or the numpy arrays TrainerGroup sends
         rows = torch.arange(batch["input_ids"].shape[0])
         tokens = self._agree([float(batch["loss_mask"].sum())], dist.ReduceOp.SUM)[0]
         loss_sum = 0.0
@@ -403,6 +405,7 @@ class Trainer:
         pre-update, and trainer/lr, the learning rate the optimizer stepped with.
         """
         self._check_ready()
+        batch = from_wire(batch)  # tensors, or the numpy arrays TrainerGroup sends (colo.algo.batch.to_wire)
         t, a = self.cfg.trainer, self.cfg.algo
         self._slots = [0.0, 0.0]
         B = batch["input_ids"].shape[0]
