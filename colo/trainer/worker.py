@@ -352,6 +352,7 @@ class Trainer:
         (trainer.old_logprobs=auto): its log-probs, detached, are the old ones."""
         a = self.cfg.algo
         mask = self._up(mb["loss_mask"])  # (b, T)
+        old = None if old is None else self._up(old)
         adv = self._up(mb["advantages"])
         rollout = None if mb.get("rollout_logprobs") is None else self._up(mb["rollout_logprobs"])
         ref = None if ref is None else self._up(ref)
@@ -360,7 +361,7 @@ class Trainer:
                      clip_ratio_c=float(getattr(a, "clip_ratio_c", 0.0)))
         counts = dict(loss_agg=str(a.loss_agg), token_count=token_count, seq_count=seq_count)
         # trainer.loss_in_lm_head: the same loss, its gradient taken token by token inside the lm_head's chunk loop
-        token_loss = TokenLoss.of(None if old is None else self._up(old), adv, mask, scale=float(self.world_size),
+        token_loss = TokenLoss.of(old, adv, mask, scale=float(self.world_size),
                                   rollout_logprobs=rollout, ref_logprobs=ref, **counts, **terms) \
             if self.cfg.trainer.loss_in_lm_head else None
         lp, ent, anchor = self._score(self.model, mb, self._policy_temperature, dummy, token_loss)  # (b, T) each
@@ -369,7 +370,7 @@ class Trainer:
             if not dummy:
                 self._count_routing(mb)  # before backward, whose recompute would run the router again
         with torch.no_grad() if anchor is not None else contextlib.nullcontext():  # the value and the metrics
-            loss, met = policy_loss(lp, self._up(old), adv, mask, rollout_logprobs=rollout, ref_logprobs=ref,
+            loss, met = policy_loss(lp, old, adv, mask, rollout_logprobs=rollout, ref_logprobs=ref,
                                     **counts, **terms)
         (anchor if anchor is not None else loss * self.world_size).backward()
         n = mask.float().sum()
