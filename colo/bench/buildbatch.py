@@ -25,20 +25,32 @@ import time
 from contextlib import contextmanager
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(prog="python -m colo.bench.buildbatch", description=__doc__.splitlines()[0])
+def sample_args(ap: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """The samples' shape (make_samples), and --reps and --json: the arguments this bench and colo.bench.shipbatch
+    share."""
     ap.add_argument("--samples", type=int, default=128)
     ap.add_argument("--prompt-len", type=int, default=256)
     ap.add_argument("--max-tokens", type=int, default=4096)
     ap.add_argument("--moe-layers", type=int, default=12, help="routing ids per token: layers (0: no R3 ids)")
     ap.add_argument("--topk", type=int, default=8)
-    ap.add_argument("--busy", type=int, default=1, help="cores kept busy by spinning processes in the busy variants")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--json", action="store_true")
-    args = ap.parse_args(argv)
-    if min(args.samples, args.prompt_len, args.max_tokens, args.reps, args.topk) < 1 \
-            or min(args.busy, args.moe_layers) < 0:
-        ap.error("--samples, --prompt-len, --max-tokens, --reps and --topk must be >= 1, --busy and --moe-layers >= 0")
+    return ap
+
+
+def check_sample_args(ap: argparse.ArgumentParser, args: argparse.Namespace) -> argparse.Namespace:
+    if min(args.samples, args.prompt_len, args.max_tokens, args.reps, args.topk) < 1 or args.moe_layers < 0:
+        ap.error("--samples, --prompt-len, --max-tokens, --reps and --topk must be >= 1, --moe-layers >= 0")
+    return args
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = sample_args(argparse.ArgumentParser(prog="python -m colo.bench.buildbatch",
+                                             description=__doc__.splitlines()[0]))
+    ap.add_argument("--busy", type=int, default=1, help="cores kept busy by spinning processes in the busy variants")
+    args = check_sample_args(ap, ap.parse_args(argv))
+    if args.busy < 0:
+        ap.error("--busy must be >= 0")
     return args
 
 

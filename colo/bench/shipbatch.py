@@ -22,18 +22,11 @@ import time
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(prog="python -m colo.bench.shipbatch", description=__doc__.splitlines()[0])
-    ap.add_argument("--samples", type=int, default=128)
-    ap.add_argument("--prompt-len", type=int, default=256)
-    ap.add_argument("--max-tokens", type=int, default=4096)
-    ap.add_argument("--moe-layers", type=int, default=12, help="routing ids per token: layers (0: no R3 ids)")
-    ap.add_argument("--topk", type=int, default=8)
-    ap.add_argument("--reps", type=int, default=5)
-    ap.add_argument("--json", action="store_true")
-    args = ap.parse_args(argv)
-    if min(args.samples, args.prompt_len, args.max_tokens, args.reps, args.topk) < 1 or args.moe_layers < 0:
-        ap.error("--samples, --prompt-len, --max-tokens, --reps and --topk must be >= 1, --moe-layers >= 0")
-    return args
+    from colo.bench.buildbatch import check_sample_args, sample_args
+
+    ap = sample_args(argparse.ArgumentParser(prog="python -m colo.bench.shipbatch",
+                                             description=__doc__.splitlines()[0]))
+    return check_sample_args(ap, ap.parse_args(argv))
 
 
 def _receiver():
@@ -99,8 +92,9 @@ def measure(args: argparse.Namespace) -> dict:
 
 def summary(out: dict) -> str:
     s = out["seconds"]
-    return (f"{out['samples']} samples, a {out['shard_mb']} MB shard to an actor: as tensors {s['tensors'] * 1e3:.0f} ms, "
-            f"as numpy arrays {s['arrays'] * 1e3:.0f} ms ({out['tensors_over_arrays']:.2f}x)")
+    return (f"{out['samples']} samples, a {out['shard_mb']} MB shard to an actor: as tensors "
+            f"{s['tensors'] * 1e3:.0f} ms, as numpy arrays {s['arrays'] * 1e3:.0f} ms "
+            f"({out['tensors_over_arrays']:.2f}x)")
 
 
 def main(argv: list[str] | None = None) -> int:

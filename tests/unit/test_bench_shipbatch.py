@@ -11,8 +11,9 @@ import torch
 def test_wire_format_round_trips_a_batch() -> None:
     from colo.algo.batch import from_wire, to_wire
 
-    batch = {"input_ids": torch.arange(6).view(2, 3), "loss_mask": torch.ones(2, 3), "routed": torch.zeros(2, 3, 4,
-             dtype=torch.uint8), "bf16": torch.ones(2, dtype=torch.bfloat16), "note": "kept"}
+    batch = {"input_ids": torch.arange(6).view(2, 3), "loss_mask": torch.ones(2, 3),
+             "routed": torch.zeros(2, 3, 4, dtype=torch.uint8), "bf16": torch.ones(2, dtype=torch.bfloat16),
+             "note": "kept"}
     wire = to_wire(batch)
     assert isinstance(wire["input_ids"], np.ndarray) and torch.is_tensor(wire["bf16"]) and wire["note"] == "kept"
     for a in wire.values():  # Ray hands arrays over read-only: from_wire must not keep them
@@ -22,7 +23,8 @@ def test_wire_format_round_trips_a_batch() -> None:
     for k, v in batch.items():
         assert back[k] == v if k == "note" else (torch.equal(back[k], v) and back[k].dtype == v.dtype), k
     back["loss_mask"][0, 0] = 5.0  # a tensor of its own: writable, and the wire's array is untouched
-    assert wire["loss_mask"][0, 0] == 1.0 and all(from_wire(back)[k] is back[k] for k in back)  # tensors pass as they are
+    assert wire["loss_mask"][0, 0] == 1.0
+    assert all(from_wire(back)[k] is back[k] for k in back)  # tensors pass as they are
 
 
 def test_bench_ships_a_shard_both_ways(ray_cluster, capsys) -> None:

@@ -197,7 +197,8 @@ def test_loss_gradient_in_the_chunk_loop_equals_autograd(loss_agg, own_old, pack
 
 
 def test_token_weights_are_the_aggregation():
-    """colo.algo.loss.token_weights: (x * weights).sum() is _aggregate's value, for each aggregation, local or global counts."""
+    """colo.algo.loss.token_weights: (x * weights).sum() is _aggregate's value, for each aggregation, with local or
+    global counts."""
     from colo.algo.loss import LOSS_AGGS, _aggregate, token_weights
 
     g = torch.Generator().manual_seed(1)
