@@ -264,6 +264,11 @@ def summarize(steps: list[dict], cfg: Any, config_json: dict, gpus: int, device_
         "response_len_mean": sum(m["response_len/mean"] for m in steps) / len(steps),
         "truncated_frac": sum(m["response/truncated_frac"] for m in steps) / len(steps),
         "steps": len(steps),
+        # the sync as the loop ran it (LoRA: the merged W + s B A), every one verified, and each phase's memory
+        # (loop.memory_stats: the whole device's use and the trainer's peak, GiB) at its highest over the steps
+        "weight_sync": {"seconds": total("sync/seconds") / len(steps), "bytes": steps[-1].get("sync/bytes"),
+                 "verified": all(m.get("sync/verified") is True for m in steps)},
+        "memory_gb": {k[len("memory/"):]: max(float(m[k]) for m in steps) for k in steps[0] if k.startswith("memory/")},
         "train_metrics": [{k: m[k] for k in TRAIN_METRICS if k in m} for m in steps],
         **async_summary(steps),
     }
@@ -429,7 +434,9 @@ def _output(args: argparse.Namespace, cfg: Any, layouts: list[tuple], results: d
            "micro_batch_size": cfg.trainer.micro_batch_size, "logprob_chunk": cfg.trainer.logprob_chunk,
            "experts_implementation": cfg.trainer.experts_implementation,
            "overrides": list(args.overrides), "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"),
-           "plan_train_gb": None if mem_plan is None else mem_plan.total("train") / 2**30}
+           "plan_train_gb": None if mem_plan is None else mem_plan.total("train") / 2**30,
+           "plan_gb": None if mem_plan is None else {p: mem_plan.total(p) / 2**30 for p in mem_plan.phases},
+           "lora_rank": cfg.trainer.lora_rank}
     if len(layouts) == 2:  # --compare: packed / padded; --compare-async: async / sync; --compare-gather-once, -compile,
         base = results[layouts[1]]  # -loss-in-lm-head: on / off
         out["no_packing" if args.compare else "sync" if args.compare_async else "no_gather_once"
@@ -465,6 +472,11 @@ def show(args: argparse.Namespace, out: dict) -> None:
                     f"tok/s, train MFU {mfu}, padding {r['padding_fraction']:.3f}, phases "
                     + ", ".join(f"{k} {v:.2f}s" for k, v in r["phases"].items()))
         print(line(("packed" if out["packing"] else "padded") + f" {out['mode']}", out))
+        ws, mem, plan = out["weight_sync"], out["memory_gb"], out["plan_gb"] or {}
+        print(f"weight sync{' (LoRA merged)' if out['lora_rank'] else ''}: {ws['seconds']:.3f} s, "
+              f"{ws['bytes'] / 1e9:.2f} GB, verified {ws['verified']}; peak memory GiB "
+              + ", ".join(f"{k} {v:.1f}" for k, v in mem.items())
+              + ("; plan GiB " + ", ".join(f"{k} {v:.1f}" for k, v in plan.items()) if plan else ""))
         if "no_packing" in out:
             print(line("padded", out["no_packing"]))
             print(f"speedup packed/padded: {out['speedup']['tokens_per_s_per_gpu']:.2f}x tokens/s/GPU, "
