@@ -61,8 +61,10 @@ def _set_rng_state(state: dict[str, Any]) -> None:
 
 def _options(model: nn.Module) -> StateDictOptions:
     """LoRA (a model with frozen parameters): the checkpoint holds the trainable ones and their optimizer state only;
-    the frozen base is the one model.path holds, loaded again at start."""
-    return StateDictOptions(ignore_frozen_params=any(not p.requires_grad for p in model.parameters()))
+    the frozen base is the one model.path holds, loaded again at start. Loading sets those alone (strict=False: the
+    base's keys are absent by design; dcp.load raises on any trainable key the checkpoint lacks)."""
+    frozen = any(not p.requires_grad for p in model.parameters())
+    return StateDictOptions(ignore_frozen_params=frozen, strict=not frozen)
 
 
 def save(path: str, model: nn.Module, optimizer: torch.optim.Optimizer, extra: dict) -> None:

@@ -108,6 +108,12 @@ def test_exported_adapter_loads_in_peft_with_the_merged_logits(tmp_path: Path) -
     with torch.no_grad():
         a, b = peft.eval()(IDS).logits, merged(IDS).logits
     assert torch.allclose(a, b, atol=1e-4, rtol=1e-4), (a - b).abs().max()
+    # the run summary's serve line: the base with the adapter, in the layout vLLM reads fused experts in
+    from colo.rollout.vllm_compat import serve_command
+
+    cmd = serve_command(out)
+    assert f" {base_dir} --enable-lora --max-lora-rank 8 --enable-mixed-moe-lora-format --lora-modules " in cmd, cmd
+    assert '"is_3d_lora_weight": true' in cmd and str(out) in cmd
 
 
 def test_plan_counts_the_adapters_the_trainer_adds() -> None:
