@@ -421,9 +421,10 @@ def test_lora_merged_sync_equals_the_merged_checkpoint_on_disk(rig: Rig, family:
     """LoRA over 2 FSDP2 ranks (colo.trainer.adapters), Qwen3-MoE and Qwen2-MoE (shared experts, dense layer 0):
     - B = 0: the LoRA trainers score a batch exactly as the full trainers do (the same log-probs, bit for bit);
     - a warm-up step changes the adapters and nothing else;
-    - with random adapters, the merged sync (W + s B A formed per unit, expert shards merged where they lie: no
-      expert all-gather) is verified with digests, and the colocated engines then give the greedy tokens and
-      log-probs of an engine that loads colo's merged export from disk; so does the broadcast to engine 3."""
+    - with random adapters, the merged sync (W + s B A formed per unit as it leaves the sender) is verified with
+      digests, and the colocated engines then give the greedy tokens and log-probs of an engine that loads colo's
+      merged export from disk; so does the broadcast to engine 3. (CPU engines hold every expert, so experts are
+      gathered here; tests/integration/test_sync_fsdp.py merges them on the expert fast path, shard by shard.)"""
     from colo.algo.batch import build_batch
     from colo.data.inputs import open_inputs
     from colo.loop import warm_up
@@ -448,9 +449,8 @@ def test_lora_merged_sync_equals_the_merged_checkpoint_on_disk(rig: Rig, family:
     assert all("lora_" in n for n in before if n.startswith("1 ")), "only the adapters train"
 
     assert all(n > 0 for n in ray.get([t.perturb_lora.remote(3) for t in c.trainers]))
-    for r in c.trainer_group.sync_weights():
-        assert r["verified"] and r["digest_checked"] and r["expert_fast_path"], r["errors"]
-        assert r["expert_gathered_bytes"] == 0 and r["expert_local_bytes"] > 0, r
+    for r in c.trainer_group.sync_weights():  # CPU engines hold every expert: gathered (test_sync_fsdp.py: local)
+        assert r["verified"] and r["digest_checked"], r["errors"]
     merged_dir = tmp_path / "merged"
     ray.get([t.export_merged.remote(str(merged_dir)) for t in c.trainers])
     disk_cfg = rig.apart_cfg(rig.cfg(family, f"model.path={merged_dir}"))
