@@ -98,7 +98,8 @@ def _rows(p: torch.Tensor) -> tuple[int, int]:
 def load_sharded(model: nn.Module, model_dir: str | os.PathLike, skip: set[str] | frozenset[str] = frozenset()
                  ) -> dict[str, int]:
     """Fill every parameter's local shard, and every persistent buffer, from the checkpoint; returns
-    {"tensors", "bytes_read"}; `skip`: parameters left as they are. Where each trainer tensor lives on disk comes from the family's table
+    {"tensors", "bytes_read"}; `skip`: parameters left as they are (LoRA's adapters). Where each trainer tensor lives
+    on disk comes from the family's table
     (colo.models.archs.reference_segments, the names vLLM's own loader reads): the tensor itself under
     its Hub name, or per expert and part for experts the Hub keeps un-fused."""
     import re

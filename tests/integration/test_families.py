@@ -115,7 +115,8 @@ class FamilyTrainer(Recorder, Trainer):
 
     def param_sums(self) -> dict[str, float]:
         """Each parameter's local shard summed (float64), requires_grad first: what an optimizer step changed."""
-        return {f"{int(p.requires_grad)} {n}": float(p.to_local().double().sum()) for n, p in self.model.named_parameters()}
+        return {f"{int(p.requires_grad)} {n}": float(p.to_local().double().sum())
+                for n, p in self.model.named_parameters()}
 
     def sync_tampered(self, engine, fault: str) -> dict:
         """A colocated sync whose plan is broken on purpose around the padded embedding (both ranks call it)."""
