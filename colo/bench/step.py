@@ -355,7 +355,7 @@ def measure(args: argparse.Namespace, report: Callable[[dict], None] | None = No
         device_name = ray.get(cluster.trainers[0].device_name.remote())
         lengths = ray.get([e.set_lengths.remote(args.lengths, args.length_rho or 0.0) for e in cluster.engines])[0]
         check_sync(cluster)
-        sync_all(cluster)
+        sync_all(cluster)  # unchecked here: the bench times steps; its --check mode compares with vLLM itself
         if offloads(cluster, cfg):
             cluster.trainer_group.offload()
         for layout in layouts:

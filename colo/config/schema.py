@@ -252,6 +252,11 @@ class SyncConfig:
     """Transfer buffers in flight (2 overlaps packing with loading)."""
     digest: bool = False
     """Also compare per-tensor checksums on both sides after every sync (slower; for debugging)."""
+    probe_every: int = 10
+    """The functional check (colo.sync.probe): after the first sync and every this many syncs after it, each
+    engine and the trainer score the same few token sequences, and a disagreement beyond the dtype's tolerance
+    ends the run naming the first layer that differs. 0: the first sync only. Its cost is one forward of a few
+    dozen tokens on each side (docs/contract.md, "The functional check")."""
 
 
 @dataclass

@@ -534,10 +534,38 @@ class Trainer:
                 self.sender = Sender.broadcast(self.model, self.cfg.sync, engines, self._weight_group)
         return self.sender.summary()
 
-    def sync_weights(self, engines: list) -> dict:
-        """Push this rank's weights: the sync report (raises colo.sync.sender.SyncError when unverified)."""
+    def sync_weights(self, engines: list, probe: list[list[int]] | None = None) -> dict:
+        """Push this rank's weights: the sync report (raises colo.sync.sender.SyncError when unverified). With
+        `probe` (token sequences, colo.sync.probe) the report also holds this policy's scores of them, which the
+        driver compares with what each engine computes from the weights just pushed (collective: every rank)."""
         self.prepare_sync(engines)
-        return self.sender.push()
+        report = self.sender.push()
+        if probe is not None:
+            report["probe"] = self._probe(probe)
+        return report
+
+    @torch.no_grad()
+    def _probe(self, seqs: list[list[int]]) -> dict:
+        """The policy's log-probs of `seqs` (colo.sync.probe.trainer_scores) and its sublayer traces of the last
+        one: eager (a compiled layer would compile again for these shapes), in eval mode, no routing replay."""
+        from dataclasses import asdict
+
+        from colo.sync.probe import trainer_scores, traced
+
+        self._check_ready()
+        ids = torch.tensor(seqs, dtype=torch.long, device=self.device)  # (S, T)
+        training = self.model.training
+        self.model.eval()
+        self.routing.set(None, replay=False)
+        try:
+            with torch.compiler.set_stance("force_eager"), traced(self.model, ids.shape[1]) as trace:
+                logits = self.model.colo_probe(ids)  # (S, T, V) float32
+        finally:
+            self.model.train(training)
+        for m in self.model.modules():  # as after any forward-only pass (_logprobs): shards for the next sync
+            if isinstance(m, FSDPModule):
+                m.reshard()
+        return {"scores": asdict(trainer_scores(logits, ids)), "trace": trace}
 
     # Disaggregated: rank 0 opens a broadcast group (colo.sync.transport) that every engine worker joins;
     # the driver calls open_weight_group, then join_weight_group here and on the engines at the same time.
