@@ -489,8 +489,8 @@ class Engine:
     def begin_sync(self, handles: list[dict], expect: dict[str, int] | None, digest: bool = False) -> None:
         self._rpc_all("colo_begin_sync", handles, expect, digest)
 
-    def load_bucket(self, buffer_id: int, pieces: list[dict], handle: dict | None = None) -> dict:
-        results = self._rpc_all("colo_load_bucket", buffer_id, pieces, handle)
+    def load_bucket(self, buffer_id: int, pieces: list[dict]) -> dict:
+        results = self._rpc_all("colo_load_bucket", buffer_id, pieces)
         return {"tensors": sum(r["tensors"] for r in results), "bytes": sum(r["bytes"] for r in results)}
 
     def end_sync(self, digest: bool) -> dict:

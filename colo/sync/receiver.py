@@ -48,7 +48,7 @@ import torch
 
 from colo.models.dtypes import dtype_name, torch_dtype
 from colo.sync.refresh import Refresher, Target, build_targets
-from colo.sync.transport import ReceiverBuffers, WeightGroup, close_transient, device_uuid, join_group, open_transient
+from colo.sync.transport import ReceiverBuffers, WeightGroup, device_uuid, join_group
 from colo.sync.verify import Coverage, tensor_digest
 
 
@@ -125,19 +125,11 @@ class SyncReceiver:
         st.reference, st.digest, st.ref_digest = False, bool(digest), {}
         st.refused = []
 
-    def colo_load_bucket(self, buffer_id: int, pieces: list[dict], handle: dict | None = None) -> dict:
-        """Load one bucket from buffer `buffer_id` of colo_begin_sync's handles, or, given `handle`, from
-        that buffer opened for this bucket only (the straightforward baseline's fresh buffer per bucket)."""
+    def colo_load_bucket(self, buffer_id: int, pieces: list[dict]) -> dict:
+        """Load one bucket from buffer `buffer_id` of colo_begin_sync's handles."""
         st = self._colo_get_state()
         assert st.coverage is not None, "colo_load_bucket before colo_begin_sync"
-        if handle is None:
-            return self._colo_load_pieces(st, st.buffers.get(buffer_id), pieces, st.buffers.kinds.get(int(buffer_id)))
-        buf, seg = open_transient(handle, torch.device(self.device))  # type: ignore[attr-defined]
-        try:
-            return self._colo_load_pieces(st, buf, pieces, handle["kind"])
-        finally:
-            del buf  # the last view: the mapping can close
-            close_transient(seg)
+        return self._colo_load_pieces(st, st.buffers.get(buffer_id), pieces, st.buffers.kinds.get(int(buffer_id)))
 
     @torch.no_grad()
     def _colo_load_pieces(self, st: _ColoState, buf: torch.Tensor, pieces: list[dict], kind: str | None) -> dict:
