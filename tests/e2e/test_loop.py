@@ -86,7 +86,8 @@ def test_default_job_learns(learned: tuple[Path, list[dict]]) -> None:
     # run's second half and every step's reward, and the bounds come from their spread (tests/README.md, "Learning"):
     # over seeds 0-4 on a 2-core EPYC with AVX512-BF16 (2026-11-28, 80 steps) the sampled eval rose +0.051 to
     # +0.114, the greedy +0.039 to +0.105, the training reward's trend +0.037 to +0.133 over the run, their sum
-    # 0.144 to 0.298. 40 steps were too few: seeds 1-4 there raised the training reward by +0.024 to +0.040 (first
+    # 0.144 to 0.298; seeds 0-1 with torch's and oneDNN's kernels held to AVX2 (ATEN_CPU_CAPABILITY=avx2
+    # ONEDNN_MAX_CPU_ISA=AVX2: another trajectory) +0.092/+0.144, +0.051/+0.238, +0.100/+0.114. 40 steps were too few: seeds 1-4 there raised the training reward by +0.024 to +0.040 (first
     # 10 steps against the last 10), and on an Intel Xeon the greedy eval ended 0.02 below its warm-up (issue 43).
     half = [r for r in evals if r["step"] >= DEFAULT_JOB_STEPS // 2]
     rise_sampled = sum(r["eval/sampled_reward"] for r in half) / len(half) - warm["eval/sampled_reward"]
