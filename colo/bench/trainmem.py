@@ -115,7 +115,7 @@ class Stepper:
 
     def step(self) -> dict:
         """Onload (after the first), old log-probs, one PPO micro-batch, optimizer step, offload."""
-        from colo.algo.loss import gather_logprobs, policy_loss, token_entropy
+        from colo.algo.loss import LossOptions, gather_logprobs, policy_loss, token_entropy
 
         d, model, opt = self.device, self.model, self.opt
         ids, am, mask = self.ids.to(d), self.am.to(d), self.mask.to(d)
@@ -132,8 +132,8 @@ class Stepper:
             # Trainer._ppo_micro
             logits = model(input_ids=ids, attention_mask=am, position_ids=pos, use_cache=False).logits
             lp = gather_logprobs(logits, ids)
-            loss, _ = policy_loss(lp, old, self.adv.to(d), mask, clip_low=0.2, clip_high=0.28,
-                                  token_count=float(mask.sum()))
+            loss, _ = policy_loss(lp, old, self.adv.to(d), mask,
+                                  LossOptions(clip_low=0.2, clip_high=0.28), token_count=float(mask.sum()))
             loss.backward()
             with torch.no_grad():
                 float((token_entropy(logits.detach()) * mask).sum())

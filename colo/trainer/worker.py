@@ -33,7 +33,7 @@ import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 
 from colo.algo.batch import from_wire
-from colo.algo.loss import TokenLoss, policy_loss
+from colo.algo.loss import LossOptions, TokenLoss, policy_loss
 from colo.algo.packing import Packed, pack_bins
 from colo.algo.parity import gap_metrics, logprob_gap
 from colo.algo.replay import RouterTap
@@ -356,13 +356,10 @@ class Trainer:
         adv = self._up(mb["advantages"])
         rollout = None if mb.get("rollout_logprobs") is None else self._up(mb["rollout_logprobs"])
         ref = None if ref is None else self._up(ref)
-        terms = dict(clip_low=float(a.clip_low), clip_high=float(a.clip_high),
-                     tis_cap=None if a.tis_cap is None else float(a.tis_cap), kl_coef=float(a.kl_coef),
-                     clip_ratio_c=float(getattr(a, "clip_ratio_c", 0.0)))
-        counts = dict(loss_agg=str(a.loss_agg), token_count=token_count, seq_count=seq_count)
+        opts, counts = LossOptions.of(a), dict(token_count=token_count, seq_count=seq_count)
         # trainer.loss_in_lm_head: the same loss, its gradient taken token by token inside the lm_head's chunk loop
-        token_loss = TokenLoss.of(old, adv, mask, scale=float(self.world_size),
-                                  rollout_logprobs=rollout, ref_logprobs=ref, **counts, **terms) \
+        token_loss = TokenLoss.of(old, adv, mask, opts, scale=float(self.world_size),
+                                  rollout_logprobs=rollout, ref_logprobs=ref, **counts) \
             if self.cfg.trainer.loss_in_lm_head else None
         lp, ent, anchor = self._score(self.model, mb, self._policy_temperature, dummy, token_loss)  # (b, T) each
         if old is None:
@@ -370,8 +367,7 @@ class Trainer:
             if not dummy:
                 self._count_routing(mb)  # before backward, whose recompute would run the router again
         with torch.no_grad() if anchor is not None else contextlib.nullcontext():  # the value and the metrics
-            loss, met = policy_loss(lp, old, adv, mask, rollout_logprobs=rollout, ref_logprobs=ref,
-                                    **counts, **terms)
+            loss, met = policy_loss(lp, old, adv, mask, opts, rollout_logprobs=rollout, ref_logprobs=ref, **counts)
         (anchor if anchor is not None else loss * self.world_size).backward()
         n = mask.float().sum()
         with torch.no_grad():
