@@ -151,16 +151,18 @@ class Stepper:
 
 def run(args: argparse.Namespace) -> dict:
     """One measurement (see the module docstring); `args.overrides` (optional) changes the preset's config."""
-    from colo.plan.memory import Settings, activation_bytes, model_shape, plan_memory
+    from colo.plan.memory import activation_bytes, model_shape, plan_memory
+    from colo.plan.settings import Settings
 
     device = torch.device(args.device, 0) if args.device == "cuda" else torch.device("cpu")
     init_world(device)
     st = Stepper(args, device)
     config_json, model = st.config_json, st.model
     steps = [st.step() for _ in range(args.steps)]
-    s = Settings(num_gpus=1, vllm_fraction=0.3, micro_batch_size=args.mb, max_model_len=args.seq,
-                 gradient_checkpointing=args.gc, optimizer_offload=args.optimizer_offload,
-                 optimizer_dtype=args.optimizer_dtype)
+    s = Settings.of({"placement.num_gpus": 1, "placement.vllm_gpu_fraction": 0.3, "trainer.micro_batch_size": args.mb,
+                     "rollout.max_model_len": args.seq, "trainer.packing": False,
+                     "trainer.gradient_checkpointing": args.gc, "trainer.optimizer_offload": args.optimizer_offload,
+                     "trainer.optimizer_dtype": args.optimizer_dtype})
     plan = plan_memory(config_json, s, None)
     rows = dict(plan.rows)
     no_buf = lambda phase: sum(v.get(phase, 0.0) for n, v in plan.rows  # noqa: E731

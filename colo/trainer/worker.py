@@ -39,6 +39,7 @@ from colo.algo.parity import gap_metrics, logprob_gap
 from colo.algo.replay import RouterTap
 from colo.config import ColoConfig, from_dict
 from colo.models.dtypes import torch_dtype
+from colo.plan.settings import fill_plain
 from colo.run.logs import actor_output
 from colo.host.shm import sweep
 from colo.sync.sender import Sender
@@ -65,7 +66,8 @@ class Trainer:
     """The plain class; `TrainWorker` below is its Ray actor. Tests and benchmarks use either."""
 
     def __init__(self, cfg: dict, rank: int, world_size: int, master_addr: str, master_port: int):
-        self.cfg: ColoConfig = from_dict(cfg)  # plain data over Ray, the typed tree from here on
+        # plain data over Ray, the typed tree from here on; `auto` keys nobody resolved run as before auto
+        self.cfg: ColoConfig = fill_plain(from_dict(cfg))
         self.log = actor_output(str(self.cfg.run.dir), bool(self.cfg.run.verbose), "trainer", rank)
         sweep()  # shared memory that dead processes of an earlier run left on this node (colo.host.shm)
         self.rank, self.world_size = rank, world_size
@@ -146,7 +148,7 @@ class Trainer:
         run's log; what a fresh actor would cost on top (the process, its imports, the process group: most of a
         tiny job's trainer start-up) is skipped. The placement (device, world size) cannot change here:
         colo.cluster.warm only hands a cluster to a job of the same shape."""
-        new = from_dict(cfg)
+        new = fill_plain(from_dict(cfg))
         if (new.placement.device, new.placement.mode) != (self.cfg.placement.device, self.cfg.placement.mode):
             raise ValueError(f"reconfigure: placement {new.placement.device}/{new.placement.mode} but this trainer "
                              f"runs {self.cfg.placement.device}/{self.cfg.placement.mode}; start a new cluster")

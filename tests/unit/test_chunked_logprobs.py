@@ -106,11 +106,14 @@ def test_memory_plan_counts_one_chunk_of_logits():
     """colo.plan.memory: the lm_head term is one chunk's, whatever the micro-batch's tokens; the full-logits
     path it replaces grew with them (14 B x tokens x vocab)."""
     from colo.models.tiny import PRESETS
-    from colo.plan.memory import Settings, model_shape, trainer_terms
+    from colo.plan.memory import model_shape, trainer_terms
+    from colo.plan.settings import Settings
 
     m = model_shape(dict(PRESETS["qwen3-30b-a3b-L2"]))
-    terms = [trainer_terms(m, Settings(num_gpus=1, vllm_fraction=0.4, micro_batch_size=1, max_model_len=4096,
-                                       packing=True, max_tokens_per_micro_batch=budget, logprob_chunk=1024))
+    terms = [trainer_terms(m, Settings.of({"placement.num_gpus": 1, "placement.vllm_gpu_fraction": 0.4,
+                                           "trainer.micro_batch_size": 1, "rollout.max_model_len": 4096,
+                                           "trainer.packing": True, "trainer.max_tokens_per_micro_batch": budget,
+                                           "trainer.logprob_chunk": 1024}))
              for budget in (4096, 32768)]
     # 20 B x 1024 x 151936 + the bf16 weight grad + the bf16 hidden states' grad: only the last grows with tokens
     assert terms[0]["logits"] < 4 * 2**30
