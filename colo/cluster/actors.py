@@ -31,6 +31,7 @@ from colo.cluster.placement import PlacementPlan, create_disaggregated_placement
 
 if TYPE_CHECKING:  # the actor classes import torch / vLLM helpers: start_cluster imports them when called
     from colo.rollout.engine import Engine
+    from colo.rollout.generation import Generation
     from colo.trainer.worker import Trainer
 
 
@@ -46,7 +47,6 @@ class Cluster:
     mode: str = "colocated"
     ranks_by_node: dict = field(default_factory=dict)  # Ray node id -> (node IP, ["trainer rank 0", ...])
     lost: list = field(default_factory=list)  # names of the actors on nodes found lost (node_loss)
-    shape: tuple = ()  # colo.cluster.warm.shape of the config it started for (warm clusters only)
 
     @property
     def colocated(self) -> bool:
@@ -85,7 +85,7 @@ def start_cluster(cfg: ColoConfig, plan: PlacementPlan, trainer_cls: type[Traine
 
     `trainer_cls` / `engine_cls`: plain subclasses of Trainer / Engine (colo.bench.engines adds the
     yardsticks, tests add hooks); made into Ray actors here, like the product classes. `name_suffix` is added to
-    the actors' names, so several clusters can live in one namespace (colo.cluster.warm)."""
+    the actors' names, so several clusters can live in one namespace (the test suite's warm clusters)."""
     from colo.rollout.engine import Engine
     from colo.trainer.worker import Trainer
 
@@ -318,29 +318,14 @@ class EngineGroup:
     def _gather(self, refs: list) -> list:
         return gather(refs, [engine_name(e, self.colocated) for e in range(len(refs))])
 
-    def submit_generate(self, prompt_ids: list[list[list[int]]], n: int, max_tokens: int, temperature: float,
-                        top_p: float, seeds: list[int], routing: bool = False) -> list:
-        """Engine e starts generating for prompt_ids[e] with seed seeds[e] (`routing`: samples carry the engine's
-        experts per token, colo.rollout.capture); one Ray reference per engine for collect(), so a caller can
-        work while they generate (loop.mode=async, disaggregated)."""
-        return [e.generate.remote(p, n, max_tokens, temperature, top_p, s, routing)
-                for e, p, s in zip(self.engines, prompt_ids, seeds)]
+    def submit(self, gens: list[Generation]) -> list:
+        """Engine e starts gens[e] (colo.rollout.generation: single-turn, multi-turn or partial); one Ray reference
+        per engine for collect(), so a caller can work while they generate (loop.mode=async, disaggregated)."""
+        return [e.generate.remote(g) for e, g in zip(self.engines, gens)]
 
-    def collect(self, refs: list) -> list[list[dict]]:
+    def collect(self, refs: list) -> list[tuple[list[dict], dict]]:
+        """Per engine, Engine.generate's (outputs, stats)."""
         return self._gather(refs)
-
-    def generate_partial(self, requests: list[list[dict]], need: list[int], temperature: float, top_p: float,
-                         routing: bool = False) -> list[list[dict]]:
-        """loop.mode=async: engine e runs requests[e] until need[e] of its groups finished (colo.rollout.partial)."""
-        return self._gather([e.generate_partial.remote(r, k, temperature, top_p, routing)
-                             for e, r, k in zip(self.engines, requests, need)])
-
-    def rollout(self, rows: list[list[dict]], n: int, max_tokens: int, temperature: float, top_p: float,
-                seeds: list[int], routing: bool = False) -> list[tuple[list[dict], dict]]:
-        """Multi-turn (algo.environment): engine e converses over rows[e] with seed seeds[e]; per engine
-        (samples, {"env_s"}) (colo.rollout.multiturn)."""
-        return self._gather([e.rollout.remote(r, n, max_tokens, temperature, top_p, s, routing)
-                             for e, r, s in zip(self.engines, rows, seeds)])
 
     def sleep(self, level: int) -> list[float]:
         return self._gather([e.sleep.remote(level) for e in self.engines])

@@ -127,15 +127,17 @@ class TrainerConfig:
     gradients are reduced once, after the mini-batch's last micro-batch. Saves the per-micro-batch all-gathers,
     bf16 casts and reduce-scatters, which FSDP2 runs on one GPU too; costs the whole model in bf16 and its fp32
     gradient, unsharded, on every rank (the memory plan counts them). For one GPU, or a model small enough to
-    hold whole on each. colo.bench.step --compare-gather-once measures it."""
+    hold whole on each. colo.bench.step --compare trainer.gather_once=true,false measures it."""
     compile: bool = False
     """torch.compile (inductor) each decoder layer before FSDP2 wraps it, and each log-prob chunk's math after the
     lm_head matmul (colo.trainer.compile, colo.algo.logprobs), so the elementwise work between the matmuls (fp32
     RMSNorms, rotary, router softmax / top-k, the experts' activation, log-softmax and entropy over the vocabulary)
     runs fused. Attention and the routing hook stay eager (graph breaks). Same losses and gradients (tests/integration/
     test_packing.py); on an H100 at 4k the train phase ran 1.51x faster, train MFU 13.1% -> 19.8% (docs/benchmarks.md).
-    Off by default, on CUDA too, until gradients, the padded path, gradient checkpointing, R3, other families and
-    several GPUs have run compiled on a GPU; each new trainer process pays ~1 minute of compile in its first step."""
+    Off by default, on CUDA too, though the README's train-MFU figures run with it (one GPU, packed, with gradient
+    checkpointing and gather_once: docs/benchmarks.md calls M2, N1, PA): the padded path, R3, other families and
+    several GPUs have not run compiled on a GPU, and its gradients are checked on CPU only (aot_eager). Each new
+    trainer process pays ~1 minute of compile in its first step (an H100, the L4 slice)."""
     mini_batches: int = 1
     """Optimizer steps per RL step: each rank's batch is split into this many mini-batches."""
     epochs: int = 1

@@ -43,7 +43,7 @@ SMALL_JOB = ["loop.steps=4", "loop.sft_warmup_steps=2", "loop.eval_every=0", "lo
 ONE_PAIR = ["placement.num_gpus=1"]  # where the failure needs no second rank: half the processes to start
 FAILURE_EXIT_S = 150  # start-up ~30 s + 2 steps + checkpoint; a hang runs into the subprocess timeout
 
-PHASES = ("rollout", "reward", "sleep", "train", "sync", "wake")  # colo.loop.rl_step's timeline, in order
+PHASES = ("rollout", "reward", "sleep", "train", "wait", "sync", "offload", "wake")  # colo.loop.rl_step's timeline
 
 
 def _tail(r, n: int = 3000) -> str:

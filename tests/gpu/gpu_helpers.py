@@ -82,8 +82,10 @@ def start_engines(cfg: Any, pgs: list) -> tuple[list, list[dict]]:
 def greedy(engines: list) -> list[list[tuple[list[int], list[float]]]]:
     """Per engine, per prompt: (greedy tokens, their log-probs); all engines at once (a DP group steps
     together)."""
-    outs = ray.get([e.generate.remote(PROMPTS, 1, MAX_TOKENS, 0.0, 1.0, 0) for e in engines])
-    return [[(s["response_ids"], s["logprobs"]) for s in out] for out in outs]
+    from colo.rollout.generation import Generation
+
+    outs = ray.get([e.generate.remote(Generation(PROMPTS, 1, MAX_TOKENS, 0.0, 1.0, 0)) for e in engines])
+    return [[(s["response_ids"], s["logprobs"]) for s in out] for out, _ in outs]
 
 
 def stop_engines(engines: list) -> None:

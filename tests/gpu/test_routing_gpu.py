@@ -64,7 +64,9 @@ def test_routing_mismatch_and_gap_with_and_without_r3(pair) -> None:
 
     rng = np.random.default_rng(0)
     prompts = rng.integers(3, 500, (16, 64)).tolist()
-    samples = ray.get(pair["engine"].generate.remote(prompts, 4, 32, 1.0, 1.0, 0, True))
+    from colo.rollout.generation import Generation
+
+    samples, _ = ray.get(pair["engine"].generate.remote(Generation(prompts, 4, 32, 1.0, 1.0, 0, True)))
     for s in samples:
         ids = s["routing"]
         assert ids.dtype == np.uint8 and ids.shape == (64 + len(s["response_ids"]) - 1, 2, 8), ids.shape
