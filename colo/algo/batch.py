@@ -235,15 +235,3 @@ def from_wire(batch: dict) -> dict:
     """to_wire undone on the trainer: numpy arrays back to tensors, each a copy of its own. Ray maps the arrays
     read-only from its object store; a tensor over one would let a write reach memory other readers share."""
     return {k: torch.from_numpy(v.copy()) if isinstance(v, np.ndarray) else v for k, v in batch.items()}
-
-
-def build_shards(
-    samples: Sequence[dict],
-    advantages: torch.Tensor | Sequence[float],
-    world_size: int,
-    pad_id: int = 0,
-    pad_to_multiple: int = 1,
-) -> list[dict[str, torch.Tensor]]:
-    """`shard_batch(build_batch(...))`: rollout samples straight to per-rank batches."""
-    return shard_batch(build_batch(samples, advantages, pad_id, pad_to_multiple), world_size,
-                       pad_to_multiple)

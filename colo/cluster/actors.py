@@ -128,28 +128,37 @@ def start_cluster(cfg: ColoConfig, plan: PlacementPlan, trainer_cls: type[Traine
     setups = gather([t.setup.remote() for t in trainers], [f"trainer rank {r}" for r in range(world)])
     t_train = time.perf_counter() - t0
     readies = gather([e.ready.remote() for e in engines], [engine_name(e, colocated) for e in range(len(engines))])
-    if [s.get("rank") for s in setups] != list(range(world)) or \
-            [e.get("rank") for e in readies] != list(range(len(engines))):
-        raise RuntimeError(f"rank misalignment: trainers report {[s.get('rank') for s in setups]}, "
-                           f"engines {[e.get('rank') for e in readies]} (placement group order)")
+    check_alignment(setups, readies, colocated)
     setup = {"trainer_setup_s": t_train,
              "engine_start_s": max(float(e.get("start_s", 0.0)) for e in readies)}
     if colocated:
-        for r, (s, e) in enumerate(zip(setups, readies)):
-            if cuda and s.get("device_uuid") != e.get("device_uuid"):
-                raise RuntimeError(f"trainer rank {r} is on GPU {s.get('device_uuid')} but {engine_name(r, True)} is "
-                                   f"on {e.get('device_uuid')}: CUDA IPC needs them on the same GPU")
         pgs = trainer_pgs
     else:
-        shared = {s.get("device_uuid") for s in setups} & {e.get("device_uuid") for e in readies} - {None}
-        if shared:
-            raise RuntimeError(f"disaggregated mode, but a trainer and an engine share GPU {sorted(shared)}")
         t = time.perf_counter()
         connect_weight_group(trainers[0], engines, plan.tp_size)
         setup["weight_group_s"] = time.perf_counter() - t
         pgs = trainer_pgs + engine_pgs
     setup["cluster_s"] = time.perf_counter() - t0
     return Cluster(trainers, engines, pgs, setup, mode=plan.mode, ranks_by_node=ranks_by_node)
+
+
+def check_alignment(setups: list[dict], readies: list[dict], colocated: bool) -> None:
+    """What the actors report against what the weight path assumes (trainers' setup(), engines' ready(), in rank
+    order): ranks in placement group order; colocated, trainer rank r and engine r on one GPU (CUDA IPC between
+    them; None on CPU); disaggregated, no GPU shared. Raises RuntimeError naming the misfit."""
+    if [s.get("rank") for s in setups] != list(range(len(setups))) or \
+            [e.get("rank") for e in readies] != list(range(len(readies))):
+        raise RuntimeError(f"rank misalignment: trainers report {[s.get('rank') for s in setups]}, "
+                           f"engines {[e.get('rank') for e in readies]} (placement group order)")
+    if colocated:
+        for r, (s, e) in enumerate(zip(setups, readies)):
+            if s.get("device_uuid") != e.get("device_uuid"):
+                raise RuntimeError(f"trainer rank {r} is on GPU {s.get('device_uuid')} but {engine_name(r, True)} is "
+                                   f"on {e.get('device_uuid')}: CUDA IPC needs them on the same GPU")
+        return
+    shared = {s.get("device_uuid") for s in setups} & {e.get("device_uuid") for e in readies} - {None}
+    if shared:
+        raise RuntimeError(f"disaggregated mode, but a trainer and an engine share GPU {sorted(shared)}")
 
 
 def connect_weight_group(trainer0: Any, engines: list, tp_size: int) -> None:

@@ -150,15 +150,6 @@ def direct_mapping(arch: Arch, trainer_shapes: dict[str, tuple[int, ...]], descr
     return segs, errors
 
 
-def direct_segments(arch: Arch, trainer_shapes: dict[str, tuple[int, ...]], describe: dict) -> list[Segment]:
-    """Every element the engine needs, as segments in trainer-parameter order; raises MappingError naming
-    every unmapped trainer tensor and every uncovered vLLM param."""
-    segs, errors = direct_mapping(arch, trainer_shapes, describe)
-    if errors:
-        raise MappingError("weight-sync mapping failed:\n  " + "\n  ".join(errors))
-    return segs
-
-
 @dataclass
 class SyncPlan:
     bucket_bytes: int

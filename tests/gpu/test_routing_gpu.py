@@ -47,8 +47,8 @@ def pair(tmp_path_factory: pytest.TempPathFactory):
         trainer = ray.remote(RoutingTrainer).options(
             num_gpus=cfg.placement.train_gpu_fraction, num_cpus=1, scheduling_strategy=scheduling(pgs[0])).remote(
             to_dict(cfg), 0, 1, "127.0.0.1", __import__("gpu_helpers").free_port())
-        ray.get(trainer.setup.remote())
-        engines, _ = start_engines(cfg, pgs)
+        setup = ray.get(trainer.setup.remote())
+        engines, _ = start_engines(cfg, pgs, [setup])
         ray.get(trainer.prepare_sync.remote([engines[0]]))
         assert ray.get(trainer.sync_weights.remote(engines[0]))["verified"]
         yield {"trainer": trainer, "engine": engines[0]}

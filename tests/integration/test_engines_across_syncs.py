@@ -52,7 +52,7 @@ from colo.envs.base import Environment, Step, Turn
 from colo.host.shm import SHM, owner_pid
 from colo.models.archs import QWEN3_MOE, reference_weights
 from colo.rollout.generation import Generation
-from colo.sync.plan import direct_segments
+from colo.sync.plan import direct_mapping
 from colo.sync.sender import Sender
 
 PROMPT = [int(x) for x in np.random.default_rng(3).integers(3, 500, 200)]  # > one 128-token CPU KV block
@@ -310,7 +310,9 @@ def test_mapping_inverts_to_hf(setup) -> None:
     shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
     full = {n: p.detach().reshape(-1) for n, p in model.named_parameters()}
     vl = {n: torch.full((torch.Size(p["shape"]).numel(),), float("nan")) for n, p in d["params"].items()}
-    for s in direct_segments(QWEN3_MOE, shapes, d):
+    segs, errors = direct_mapping(QWEN3_MOE, shapes, d)
+    assert not errors, errors
+    for s in segs:
         vl[s.dst][s.dst_offset: s.dst_offset + s.numel] = full[s.src][s.src_offset: s.src_offset + s.numel]
     for n, t in vl.items():
         assert not t.isnan().any(), f"{n} not fully covered"

@@ -98,7 +98,7 @@ def batches(hf) -> list[tuple[dict, list[dict]]]:
         for b, s in enumerate(samples):
             P = len(s["prompt_ids"])
             s["logprobs"] = noisy[b, P:P + len(s["response_ids"])].tolist()
-        # uneven on purpose (colo.algo.batch.build_shards would balance them)
+        # uneven on purpose (colo.algo.batch.shard_batch would balance them)
         out.append((build_batch(samples, adv),
                     [build_batch(samples[:3], adv[:3]), build_batch(samples[3:], adv[3:])]))
     return out
