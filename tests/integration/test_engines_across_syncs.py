@@ -103,12 +103,10 @@ class PairEngine(BenchEngine):
 
 
 @pytest.fixture(scope="module")
-def engines(tmp_path_factory: pytest.TempPathFactory, ray_cluster):
+def engines(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path, ray_cluster):
     from transformers import AutoModelForCausalLM
 
-    from colo.models.tiny import make_tiny_model
-
-    base = make_tiny_model(tmp_path_factory.mktemp("tiny") / "m", "tiny", seed=0)
+    base = tiny_model
     model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
     g = torch.Generator().manual_seed(1)
     with torch.no_grad():  # large enough that greedy tokens and log-probs change: a sync that did nothing fails

@@ -110,10 +110,8 @@ def _worker(rank: int, world: int, port: int, path: str, results) -> None:
 
 
 @pytest.fixture(scope="module")
-def results(tmp_path_factory):
-    from colo.models.tiny import make_tiny_model
-
-    path = str(make_tiny_model(tmp_path_factory.mktemp("tiny"), "tiny", 0))
+def results(tiny_model):
+    path = str(tiny_model)
     mgr = tmp.get_context("spawn").Manager()
     shared = mgr.dict()
     tmp.start_processes(_worker, args=(2, free_port(), path, shared), nprocs=2, join=True, start_method="spawn")
