@@ -5,8 +5,9 @@
 
 The HF -> vLLM name rules live here and nowhere else: the family's table (colo.models.archs) is data, and
 `direct_mapping` applies it against what the engine declares (fused q/k/v and gate/up, fused experts by
-module prefix, renames, vocabulary padding). The sender asks the plan, never the table, where a trainer
-tensor goes (`SyncPlan.expert_modules` for the expert fast path).
+module prefix, renames, vocabulary padding). The sender looks the family's table up (arch_for) only to hand
+it to the plan, and asks the plan, never the table, where a trainer tensor goes and which are fused experts
+(`SyncPlan.expert_modules`, for the expert fast path; expert_shard_range is FSDP's shard rule, not a name rule).
 
 Vocabulary padding: vLLM pads the rows of the embedding and lm_head to a multiple of 64 and fills the
 pad rows with zeros when it loads from disk. The engine declares them (`describe()["params"][name]
