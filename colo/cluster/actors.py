@@ -267,7 +267,7 @@ class ActorDied(RuntimeError):
     """An actor process is gone (crash, OOM kill, node loss); `name` says which, e.g. "engine DP rank 1"."""
 
     def __init__(self, name: str) -> None:
-        super().__init__(f"{name} died")  # colo.loop.fail names its log file
+        super().__init__(f"{name} died")  # colo.runlife.fail names its log file
         self.name = name
 
 
