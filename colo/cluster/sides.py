@@ -53,8 +53,6 @@ class Disaggregated:
     """Trainers and engines on GPUs of their own: nothing sleeps, wakes or moves; the engines idle (or generate
     ahead, loop.mode=async) with weights and KV cache in place while the trainers train."""
 
-    offloads = False
-
     def release(self) -> None:
         pass
 
