@@ -349,10 +349,10 @@ class Engine:
         import numpy as np
 
         for s in samples:
-            raw = s.pop("routed_raw", None)
-            if raw is None:  # no turn at all (reset failed): the batch leaves the sample's routing empty
+            if "routed_raw" not in s:  # a conversation with no turn at all (reset failed): no routing
                 continue
-            ids = from_vllm_output(raw, self._moe_layers(), s.pop("routed_len"), self._ids_dtype)
+            # from_vllm_output refuses a sample vLLM returned no routed_experts for
+            ids = from_vllm_output(s.pop("routed_raw"), self._moe_layers(), s.pop("routed_len"), self._ids_dtype)
             full = len(s["prompt_ids"]) + len(s["response_ids"]) - 1
             pad = np.full((full - len(ids), *ids.shape[1:]), no_expert(ids.dtype), dtype=ids.dtype)
             s["routing"] = np.concatenate([ids, pad]) if len(pad) else ids
