@@ -19,8 +19,8 @@
 # named in STEPS: it takes ~8 minutes on an H100); step = colo.bench.step, whole RL steps of qwen3-30b-a3b-L4 at
 # 4k-token long-tail responses, packed vs padded (only when named: `STEPS=step bash tests/gpu/run.sh 600`;
 # STEP_ARGS adds config overrides, e.g. trainer.gradient_checkpointing=true); async = colo.bench.step
-# --compare=loop.mode=async,sync, loop.mode=async against sync on the same workload (only when named; ASYNC_ARGS adds overrides). Both: BENCH_STEPS
-# measured steps (2), BENCH_MAX_TOKENS (4096), BENCH_PROMPTS (16 per step), BENCH_FLAGS more bench flags
+# --compare=loop.mode=async,sync, loop.mode=async against sync on the same workload (only when named; ASYNC_ARGS
+# adds overrides). Both: BENCH_STEPS measured steps (2), BENCH_MAX_TOKENS (4096), BENCH_PROMPTS (16 per step), BENCH_FLAGS more bench flags
 # (--profile: the warm-up's kernel table).
 # gather = colo.bench.step --compare=trainer.gather_once=true,false (trainer.gather_once on, then off; GATHER_ARGS adds
 # overrides).
