@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from colo.cluster.warm import WarmClusters
+    from colo.runlife import Clusters
     from colo.config import ColoConfig
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "tiny-cpu.yaml"
@@ -47,9 +47,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return ap.parse_intermixed_args(argv)  # key=value may follow --dry-run / --resume, as users write it
 
 
-def main(argv: list[str] | None = None, warm: WarmClusters | None = None) -> int:
-    """`python -m colo.launch ARGV`; returns the exit status. `warm`: run the job on this process's warm clusters
-    (colo.cluster.warm: CPU jobs in turn, without starting their processes again; the test suite's short jobs)."""
+def main(argv: list[str] | None = None, clusters: Clusters | None = None) -> int:
+    """`python -m colo.launch ARGV`; returns the exit status. `clusters`: where the job's cluster comes from and goes
+    (colo.runlife.Clusters; by default the job starts its own and ends it; the test suite hands its warm clusters,
+    tests/warm_clusters.py, so its short CPU jobs run in turn on the same processes)."""
     args = parse_args(argv)
     from colo.config import ConfigError  # omegaconf + yaml only: still fast
     from colo.run.signals import StopSignals
@@ -57,7 +58,7 @@ def main(argv: list[str] | None = None, warm: WarmClusters | None = None) -> int
     early = StopSignals()  # Ctrl-C / SIGTERM before the loop takes them over (colo.loop.run): nothing to save yet
     early.install()
     try:
-        return _run(args, warm)
+        return _run(args, clusters)
     except ConfigError as e:
         if args.debug:
             raise
@@ -72,7 +73,7 @@ def main(argv: list[str] | None = None, warm: WarmClusters | None = None) -> int
         early.restore()
 
 
-def _run(args: argparse.Namespace, warm: WarmClusters | None = None) -> int:
+def _run(args: argparse.Namespace, clusters: Clusters | None = None) -> int:
     from colo import config
 
     path = args.config or (str(DEFAULT_CONFIG) if DEFAULT_CONFIG.is_file() else None)
@@ -124,8 +125,8 @@ def _run(args: argparse.Namespace, warm: WarmClusters | None = None) -> int:
         print("\n(dry run: nothing was written or started)")
         return 0
     check_fits(cfg)  # a job that cannot fit is refused before anything is written or started
-    if warm is not None:
-        warm.check(config.resolve(cfg, download=False))  # the concrete device: "auto" is resolved
+    if clusters is not None:
+        clusters.check(config.resolve(cfg, download=False))  # the concrete device: "auto" is resolved
     cfg = prepare_run(cfg)  # its config.yaml holds the concrete values: a resume runs them as they were
     changed = {k: v for k, v in tuned.resolved.items() if v != PLAIN[k]}
     if changed:
@@ -138,9 +139,9 @@ def _run(args: argparse.Namespace, warm: WarmClusters | None = None) -> int:
     from colo.run.rundir import unlock
 
     try:
-        status = loop.run(cfg, warm=warm)
+        status = loop.run(cfg, clusters)
     finally:
-        unlock(cfg.run.dir)  # the process may go on to another job (warm clusters)
+        unlock(cfg.run.dir)  # the process may go on to another job (`clusters`)
     return status if isinstance(status, int) else 0
 
 

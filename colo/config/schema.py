@@ -130,8 +130,8 @@ class TrainerConfig:
     gradients are reduced once, after the mini-batch's last micro-batch. Saves the per-micro-batch all-gathers,
     bf16 casts and reduce-scatters, which FSDP2 runs on one GPU too; costs the whole model in bf16 and its fp32
     gradient, unsharded, on every rank (the memory plan counts them). For one GPU, or a model small enough to
-    hold whole on each. colo.bench.step --compare-gather-once measures it. auto: true on GPU when the whole model
-    fits on each rank beside the rest (the update 1.07x faster on the L12 slice); false on CPU."""
+    hold whole on each. colo.bench.step --compare trainer.gather_once=true,false measures it. auto: true on GPU when
+    the whole model fits on each rank beside the rest (the update 1.07x faster on the L12 slice); false on CPU."""
     compile: Union[bool, str] = "auto"
     """torch.compile (inductor) each decoder layer before FSDP2 wraps it, and each log-prob chunk's math after the
     lm_head matmul (colo.trainer.compile, colo.algo.logprobs), so the elementwise work between the matmuls (fp32

@@ -3,7 +3,7 @@
     <run.dir>/logs/trainer-<r>.log    trainer rank r's stdout and stderr (FSDP, transformers, torch)
     <run.dir>/logs/engine-<e>.log     engine e's, vLLM's included (and its worker processes' on CPU)
     <run.dir>/logs/ray-session_*      Ray's own logs, one link into Ray's temp dir per session (run, resume)
-    <run.dir>/error.log               the traceback of a failure that ended the run (colo.loop.fail)
+    <run.dir>/error.log               the traceback of a failure that ended the run (colo.runlife.fail)
 
 Why file descriptors and not Python logging: vLLM, Ray, torch and their C++ parts write to fds 1 and 2
 directly, and child processes (vLLM's engine core and workers) inherit them, so redirecting the fds at

@@ -29,8 +29,9 @@ from typing import Any
 
 TIMING_PREFIX = "timing/"
 TOTAL_TIMING = "timing/step_s"
-# the step's timeline, bottom to top in the stacked plot; phases not listed go on top
-PHASE_ORDER = ("rollout", "reward", "sleep", "onload", "logprobs", "train", "offload", "sync", "wake")
+# colo.loop.rl_step's timeline, bottom to top in the stacked plot; a timing/* key not listed is a part of a phase
+# (timing/batch_s of train) and not stacked, or it would count twice
+PHASE_ORDER = ("rollout", "reward", "sleep", "train", "wait", "sync", "offload", "wake", "probe")
 
 
 def _plain(v: Any) -> Any:
@@ -180,9 +181,7 @@ def plot_metrics(rows: list[dict], path: str | Path) -> None:
     if ax_r.lines:
         ax_r.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8)
 
-    phases = [k for k in keys if k.startswith(TIMING_PREFIX) and k.endswith("_s") and k != TOTAL_TIMING]
-    rank = {f"{TIMING_PREFIX}{p}_s": i for i, p in enumerate(PHASE_ORDER)}
-    phases.sort(key=lambda k: (rank.get(k, len(rank)), k))
+    phases = [f"{TIMING_PREFIX}{p}_s" for p in PHASE_ORDER if f"{TIMING_PREFIX}{p}_s" in keys]
     steps = [r["step"] for r in rows]
     bottom = [0.0] * len(rows)
     for k in phases:

@@ -80,7 +80,8 @@ def lock(run_dir: str | Path) -> None:
 
 def unlock(run_dir: str | Path) -> None:
     """Give up this process's lock on run_dir (taken by lock()); a no-op when it holds none. For a process that
-    runs several jobs in turn (colo.cluster.warm); a process that exits gives its locks up anyway."""
+    runs several jobs in turn (colo.launch.main's `clusters`: the test suite's warm clusters); a process that exits
+    gives its locks up anyway."""
     f = _held.pop(str(Path(run_dir) / LOCK_NAME), None)
     if f is not None:
         fcntl.flock(f, fcntl.LOCK_UN)

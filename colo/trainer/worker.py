@@ -22,7 +22,6 @@ gradient checkpointing, which only acts while training).
 from __future__ import annotations
 
 import contextlib
-import gc
 import math
 import os
 import time
@@ -141,32 +140,6 @@ class Trainer:
                 "params": sum(p.numel() for p in self.model.parameters()),
                 **state_bytes([self.model], None),
                 "experts": expert_shard_range(experts, self.world_size, self.rank) if experts else None}
-
-    def reconfigure(self, cfg: dict) -> dict:
-        """The next job of a warm cluster (colo.cluster.warm): the same process, rank, world and process group,
-        another config. The model, reference and optimizer are built again for it and the output goes to the new
-        run's log; what a fresh actor would cost on top (the process, its imports, the process group: most of a
-        tiny job's trainer start-up) is skipped. The placement (device, world size) cannot change here:
-        colo.cluster.warm only hands a cluster to a job of the same shape."""
-        new = fill_plain(from_dict(cfg))
-        if (new.placement.device, new.placement.mode) != (self.cfg.placement.device, self.cfg.placement.mode):
-            raise ValueError(f"reconfigure: placement {new.placement.device}/{new.placement.mode} but this trainer "
-                             f"runs {self.cfg.placement.device}/{self.cfg.placement.mode}; start a new cluster")
-        t0 = time.perf_counter()
-        self.release_sync_buffers()
-        if self._weight_group is not None:  # disaggregated rank 0: the engines' new workers join a new group
-            self._weight_group.close()
-            self._weight_group = self._group_host = None
-        self.model = self.ref_model = self.optimizer = None
-        gc.collect()
-        if self.device.type == "cuda":
-            torch.cuda.empty_cache()
-        self.cfg = new
-        self.log = actor_output(str(new.run.dir), bool(new.run.verbose), "trainer", self.rank)
-        sweep()
-        self.offloaded, self.consecutive_skipped = False, 0
-        self._slots, self._packed = [0.0, 0.0], None
-        return {**self._build(), "seconds": time.perf_counter() - t0}
 
     # ---- forward pieces ----------------------------------------------------------------------
     def _check_ready(self) -> None:

@@ -18,15 +18,16 @@
 # qwen3-30b-a3b-L2); rollout = colo.bench.rollout, the colocated engine's output tokens/s against a standalone one (only when
 # named in STEPS: it takes ~8 minutes on an H100); step = colo.bench.step, whole RL steps of qwen3-30b-a3b-L4 at
 # 4k-token long-tail responses, packed vs padded (only when named: `STEPS=step bash tests/gpu/run.sh 600`;
-# STEP_ARGS adds config overrides, e.g. trainer.gradient_checkpointing=true); async = colo.bench.step --compare-async,
-# loop.mode=async against sync on the same workload (only when named; ASYNC_ARGS adds overrides). Both: BENCH_STEPS
-# measured steps (2), BENCH_MAX_TOKENS (4096), BENCH_PROMPTS (16 per step), BENCH_FLAGS more bench flags
+# STEP_ARGS adds config overrides, e.g. trainer.gradient_checkpointing=true); async = colo.bench.step
+# --compare=loop.mode=async,sync, loop.mode=async against sync on the same workload (only when named; ASYNC_ARGS
+# adds overrides). Both: BENCH_STEPS measured steps (2), BENCH_MAX_TOKENS (4096), BENCH_PROMPTS (16 per step), BENCH_FLAGS more bench flags
 # (--profile: the warm-up's kernel table).
-# gather = colo.bench.step --compare-gather-once (trainer.gather_once on, then off; GATHER_ARGS adds overrides).
+# gather = colo.bench.step --compare=trainer.gather_once=true,false (trainer.gather_once on, then off; GATHER_ARGS adds
+# overrides).
 # decode = colo.bench.decode: vLLM's decode step time against batch size, sampling variants DECODE_VARIANTS
 # (default colo,detok,bare), DECODE_ARGS adds arguments; the JSON line lands in $OUT/decode.json (only when named).
-# compile = colo.bench.step --compare-compile (trainer.compile on, then off; COMPILE_ARGS adds overrides, e.g.
-# trainer.gather_once=true; BENCH_WARMUP warm-up steps, 1 by default: the compile runs in them).
+# compile = colo.bench.step --compare=trainer.compile=true,false (trainer.compile on, then off; COMPILE_ARGS adds
+# overrides, e.g. trainer.gather_once=true; BENCH_WARMUP warm-up steps, 1 by default: the compile runs in them).
 # optim = colo.bench.optimizer: StreamedAdamW's host-state step (by pieces, copies overlapped) against the serial loop
 # and against each parameter stepped whole,
 # bit-identical first (OPTIM_ARGS replaces the arguments; default the L12 slice's parameters, bf16 state), then
@@ -174,11 +175,11 @@ bench_step() {  # bench_step NAME WARMUP COMPARE_FLAG [OVERRIDES...]
 # after one warm-up step recompiled, packed update 7.7 s against 1.7 s)
 want step && bench_step step "${BENCH_WARMUP:-1}" --compare ${STEP_ARGS:-}           # packed against padded
 # shellcheck disable=SC2086
-want async && bench_step async "${BENCH_WARMUP:-2}" --compare-async ${ASYNC_ARGS:-}  # loop.mode=async against sync
+want async && bench_step async "${BENCH_WARMUP:-2}" --compare=loop.mode=async,sync ${ASYNC_ARGS:-}  # loop.mode=async against sync
 # shellcheck disable=SC2086
-want gather && bench_step gather 1 --compare-gather-once ${GATHER_ARGS:-}  # trainer.gather_once against per micro-batch
+want gather && bench_step gather 1 --compare=trainer.gather_once=true,false ${GATHER_ARGS:-}  # trainer.gather_once against per micro-batch
 # shellcheck disable=SC2086
-want compile && bench_step compile "${BENCH_WARMUP:-1}" --compare-compile ${COMPILE_ARGS:-}  # compiled layers against eager
+want compile && bench_step compile "${BENCH_WARMUP:-1}" --compare=trainer.compile=true,false ${COMPILE_ARGS:-}  # compiled layers against eager
 # shellcheck disable=SC2086
 want one && bench_step one "${BENCH_WARMUP:-1}" "" ${ONE_ARGS:-}  # one variant alone (ONE_ARGS), e.g. the L12 slice compiled
 echo "[run.sh] done in $((SECONDS - start))s, status $status"

@@ -222,3 +222,20 @@ def test_generate_ahead_hands_over_one_batch_a_step_and_checkpoints_it() -> None
     with pytest.raises(RuntimeError, match="loop.max_staleness"):
         GenerateAhead.metrics(batch, step=5, max_staleness=1)
     assert GenerateAhead().state_dict() == {"kind": "ahead", "batch": None}
+
+
+def test_share_gives_each_engine_its_groups_and_a_quota_it_can_meet() -> None:
+    """colo.rollout.schedule.share: groups round robin over the engines, oldest first, each sample with its group;
+    the groups still needed shared the same way, so no engine is asked to finish more groups than it holds."""
+    from colo.rollout.schedule import share
+
+    reqs = [{"group": g, "sample": j} for g in (7, 3, 9, 4, 5) for j in range(2)]  # insertion order: oldest first
+    per_engine, quota = share(reqs, need=4, engines=2)
+    assert [[r["group"] for r in rs] for rs in per_engine] == [[7, 7, 9, 9, 5, 5], [3, 3, 4, 4]]
+    assert quota == [2, 2]
+    for need in range(8):
+        for engines in (1, 2, 3, 4, 6):
+            per_engine, quota = share(reqs, need, engines)
+            held = [len({r["group"] for r in rs}) for rs in per_engine]
+            assert sum(quota) == min(need, 5) and all(q <= h for q, h in zip(quota, held)), (need, engines)
+            assert sorted(r["group"] for rs in per_engine for r in rs) == sorted(r["group"] for r in reqs)

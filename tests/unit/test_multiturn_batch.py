@@ -41,10 +41,10 @@ def test_routing_of_environment_tokens_is_not_replayed() -> None:
     r = b["routed_experts"]  # (B, T, M, K)
     env_rows = [3 + j for j, m in enumerate(MASK) if m == 0]
     model_rows = [t for t in range(L - 1) if t not in env_rows]
-    assert (r[0, env_rows] == NO_EXPERT[torch.uint8]).all()
+    assert (r[0, env_rows] == NO_EXPERT["uint8"]).all()
     assert torch.equal(r[0, model_rows], torch.from_numpy(routing[model_rows]))  # prompt and model tokens kept
-    assert (r[0, L - 1] == NO_EXPERT[torch.uint8]).all()  # never forwarded
-    assert (r[1] == NO_EXPERT[torch.uint8]).all()  # a sample without routing (its reset failed)
+    assert (r[0, L - 1] == NO_EXPERT["uint8"]).all()  # never forwarded
+    assert (r[1] == NO_EXPERT["uint8"]).all()  # a sample without routing (its reset failed)
 
 
 def test_tis_kl_and_gap_see_model_tokens_only() -> None:
