@@ -62,11 +62,13 @@ from colo.cluster.actors import ActorDied, ActorError, Cluster, node_loss, start
 from colo.config import ColoConfig, to_dict
 from colo.run.metrics import MetricsWriter, ProgressLine, WandbSettings
 from colo.data.inputs import RunInputs, open_inputs
-from colo.run.logs import link_ray_logs, log_of
-from colo.run.rundir import complete_checkpoints
+from colo.run import commands
+from colo.run.logs import log_of, note_ray_logs
+from colo.run.rundir import complete_checkpoints, prune_checkpoints
 from colo.run.signals import StopSignals
 from colo.host.shm import sweep
 from colo.run.summary import run_summary
+from colo.run.terminal import Phases, warmed_up
 from colo.rollout.ahead import Ahead, GenerateAhead
 from colo.rollout.buffer import RolloutBuffer
 from colo.rollout.vllm_compat import serve_command
@@ -385,13 +387,15 @@ def evaluate(c: Cluster, cfg: ColoConfig, inputs: RunInputs, rewards: RewardRunn
     return out
 
 
-def warm_up(c: Cluster, cfg: ColoConfig, inputs: RunInputs) -> dict:
+def warm_up(c: Cluster, cfg: ColoConfig, inputs: RunInputs, progress: ProgressLine | None = None) -> dict:
     """A short supervised phase so the tiny policy sometimes succeeds and GRPO has a signal to climb."""
     losses = []
     for i in range(cfg.loop.sft_warmup_steps):
         batch = inputs.sft_batch(cfg.data.prompts_per_step * cfg.rollout.n, i)
         shards = shard_batch(batch, len(c.trainers))
         losses.append(c.trainer_group.sft_step(shards)[0]["sft_loss"])
+        if progress is not None:
+            progress.update({"sft_loss": losses[-1]})
     return {"sft/loss_first": losses[0], "sft/loss_last": losses[-1]} if losses else {}
 
 
@@ -467,7 +471,7 @@ def fail(c: Cluster, inputs: RunInputs, pos: Position, e: Exception, keep_policy
             lines.append(f"colo: could not checkpoint step {pos.step}: {type(err).__name__}: {err}")
     if checkpoints(inputs.run_dir):
         lines.append(f"colo: newest checkpoint {checkpoints(inputs.run_dir)[-1]}; "
-                     f"continue with: python -m colo.launch --resume run.dir={inputs.run_dir}")
+                     f"continue with: {commands.resume(inputs.run_dir)}")
     print("\n".join(lines), file=sys.stderr, flush=True)
     return 1
 
@@ -496,14 +500,17 @@ def checkpoints(run_dir: Path) -> list[Path]:
     return complete_checkpoints(run_dir)
 
 
-def run(cfg: ColoConfig, warm: WarmClusters | None = None) -> int:
+def run(cfg: ColoConfig, warm: WarmClusters | None = None, phases: Phases | None = None) -> int:
     """Run a whole job on a resolved config (colo.launch.prepare_run); returns the exit status.
 
     A reward function that raises or an actor that dies or raises ends the run with status 1 after a
     checkpoint of the last completed step, when the trainers still hold one (not after a trainer failed).
     `warm`: the job runs on a warm cluster of this process and leaves it (and Ray) running for the next job
-    (colo.cluster.warm); without it the job starts its own actors and ends them, and Ray, when it ends."""
-    t_start = time.perf_counter()
+    (colo.cluster.warm); without it the job starts its own actors and ends them, and Ray, when it ends.
+    `phases`: the terminal's phases (colo.run.terminal), start-up already begun by colo.launch."""
+    if phases is None:
+        phases = Phases()
+        phases.begin("start-up")
     stop = StopSignals()
     stop.install()  # from here on Ctrl-C / SIGTERM stop the run cleanly (colo.run.signals), start-up included
     inputs, cluster, writer, rewards, progress = None, None, None, None, None
@@ -515,7 +522,7 @@ def run(cfg: ColoConfig, warm: WarmClusters | None = None) -> int:
         # the actors' output stays in <run.dir>/logs unless the run is verbose (colo.run.logs)
         init_ray(plan, address=cfg.run.ray_address, log_to_driver=cfg.run.verbose,
                  logging_level=logging.INFO if cfg.run.verbose else logging.ERROR)
-        link_ray_logs(inputs.run_dir)
+        note_ray_logs(inputs.run_dir)  # copied into the run dir at its end (colo.run.logs.keep_logs)
         stop.install()  # again: ray.init replaced the SIGTERM handler with its own
         cluster = warm.acquire(cfg, plan) if warm is not None else start_cluster(cfg, plan)
         stop.install()  # and whatever start-up imported may have too
@@ -545,13 +552,21 @@ def run(cfg: ColoConfig, warm: WarmClusters | None = None) -> int:
         if restored:
             pos = restored
             sync_all(cluster)
+            phases.end(f"ready in {{s}}, at step {pos.step + 1} of {cfg.loop.steps}")
         else:
-            first = warm_up(cluster, cfg, inputs)
+            phases.end("ready in {s}")
+            phases.begin("warm-up")
+            progress = ProgressLine(cfg.loop.sft_warmup_steps, desc="warm-up", disable=not cfg.loop.sft_warmup_steps)
+            first = warm_up(cluster, cfg, inputs, progress)
+            progress.close()
             first.update(sync_all(cluster))
             setup = {f"setup/{k}": v for k, v in cluster.setup.items()}
-            writer.log(-1, {**first, **setup, **evaluate(cluster, cfg, inputs, rewards)})
+            evals = evaluate(cluster, cfg, inputs, rewards)
+            writer.log(-1, {**first, **setup, **evals})
+            phases.end(warmed_up(cfg.loop.sft_warmup_steps, evals))
         if offloads(cluster, cfg):
             cluster.trainer_group.offload()
+        phases.begin("RL")
         progress = ProgressLine(cfg.loop.steps, initial_step=pos.step + 1)
         for step in range(pos.step + 1, cfg.loop.steps):
             metrics = rl_step(step, cluster, cfg, inputs, rewards, pos, stop)  # holds a stop from its train phase
@@ -563,10 +578,12 @@ def run(cfg: ColoConfig, warm: WarmClusters | None = None) -> int:
             check_skipped(metrics, cfg.trainer.max_consecutive_skipped)
             if cfg.loop.checkpoint_every and (step + 1) % cfg.loop.checkpoint_every == 0 or last:
                 save(cluster, inputs, pos)
+                prune_checkpoints(inputs.run_dir, cfg.run.keep_checkpoints)  # the newest N and those marked `keep`
             stop.release()  # the step is trained, logged and saved as configured: a stop that came meanwhile
         cluster.trainer_group.export_hf(str(inputs.run_dir / "export"))
         progress.close()
-        print(run_summary(inputs.run_dir, time.perf_counter() - t_start, list(cfg.run.loggers), serve_command),
+        phases.end()
+        print(run_summary(inputs.run_dir, phases.wall(), list(cfg.run.loggers), serve_command, phases.seconds),
               flush=True)
     except KeyboardInterrupt:  # Ctrl-C or SIGTERM (colo.run.signals)
         healthy = False  # an actor may still be in the call the signal cut short: a warm cluster is not kept
@@ -594,7 +611,7 @@ def stopped(c: Cluster, inputs: RunInputs, pos: Position, stop: StopSignals, pro
     saying what was saved and how to continue; the exit status is 130 (SIGINT) or 143 (SIGTERM)."""
     if progress:
         progress.close()
-    hint = f"continue with: python -m colo.launch --resume run.dir={inputs.run_dir}"
+    hint = f"continue with: {commands.resume(inputs.run_dir)}"
     saved = None
     if pos.step >= 0 and not stop.hurry:
         try:

@@ -89,7 +89,7 @@ def test_ctrl_c_second_launch_damaged_checkpoint_sigterm(tmp_path: Path) -> None
     line = stop_line(err, "SIGINT")
     last = max(steps(run_dir))
     assert f"saved step {last} in {run_dir / 'checkpoints' / f'step_{last:06d}'}" in line, (line, steps(run_dir))
-    assert line.endswith(f"continue with: python -m colo.launch --resume run.dir={run_dir}")
+    assert line.endswith(f"continue with: .venv/bin/python -m colo.launch --resume run.dir={run_dir}")
     assert_nothing_left(pids)
     saved = complete_checkpoints(run_dir)
     assert saved[-1].name == f"step_{last:06d}" and not any(checkpoint_problem(c) for c in saved)
@@ -111,7 +111,7 @@ def test_ctrl_c_second_launch_damaged_checkpoint_sigterm(tmp_path: Path) -> None
                                                        "truncated") and \
         f"resuming from step_{last - 1:06d} instead" in damaged[0], out[-2000:]
     line = stop_line(err, "SIGTERM")
-    assert "continue with: python -m colo.launch --resume" in line
+    assert "continue with: .venv/bin/python -m colo.launch --resume" in line
     assert_nothing_left(pids)
     assert not any(checkpoint_problem(c) for c in complete_checkpoints(run_dir))
 
