@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import shutil
 from pathlib import Path
 
@@ -105,18 +106,26 @@ def test_default_job_learns(learned: tuple[Path, list[dict]]) -> None:
 
 
 def _quiet_terminal(r, run_dir: Path, steps: int, resumed: bool = False) -> str:
-    """vLLM, Ray and the actors write to <run.dir>/logs/; the terminal shows colo's lines, the progress bar
-    (one line, redrawn with \\r) and, at the end, where everything is and what to run next (a resume says first
-    which config it resumes). Returns the summary."""
+    """vLLM, Ray and the actors write to <run.dir>/logs/; the terminal shows colo's lines: the run's phases as they
+    start and end (start-up, the warm-up with its bar, then the RL bar; one line each, redrawn with \\r) and, at the
+    end, where everything is and what to run next (a resume says first which config it resumes, and has no warm-up).
+    Returns the summary."""
     lines = [ln for ln in (r.stdout + r.stderr).splitlines() if ln.strip()]  # the bar's redraws become lines
-    bar = [ln for ln in lines if ln.startswith("step:")]
+    bar = [ln for ln in lines if ln.startswith(("RL:", "warm-up:"))]
     other = [ln for ln in lines if ln not in bar]
-    assert bar and len(other) <= 15, other
+    assert bar and len(other) <= 20, other
     assert other[int(resumed)] == f"colo: run dir {run_dir}", other
     assert not resumed or other[0].startswith(f"colo: resume: {run_dir / 'config.resume-'}"), other
+    phases = other[int(resumed) + 1:other.index(next(ln for ln in other if ln.startswith("colo: done: ")))]
+    assert phases[0].startswith("colo: start-up: Ray, ") and phases[1].startswith("colo: start-up: ready in "), other
+    assert resumed == (len(phases) == 2), phases  # a fresh run's warm-up, with its eval; a resume has none
+    assert resumed or (phases[2].startswith("colo: warm-up: ") and "held-out eval: greedy " in phases[2]), phases
+    assert any(ln.startswith("RL:") for ln in bar) and resumed != any(ln.startswith("warm-up:") for ln in bar)
     summary = r.stdout[r.stdout.index(f"colo: done: {steps} RL steps"):]
+    assert re.fullmatch(r"colo: done: \d+ RL steps \(\d+-\d+\) in \d+:\d\d: start-up \d+:\d\d, "
+                        + ("" if resumed else r"warm-up \d+:\d\d, ") + r"RL \d+:\d\d", summary.splitlines()[0]), summary
     for want in (str(run_dir / "metrics.jsonl"), serve_command(run_dir / "export"),
-                 f"--resume run.dir={run_dir} loop.steps={2 * steps}"):
+                 f".venv/bin/python -m colo.launch --resume run.dir={run_dir} loop.steps={2 * steps}"):
         assert want in summary, summary
     return summary
 
@@ -144,8 +153,9 @@ def test_run_dir_outputs_and_export(learned: tuple[Path, list[dict]]) -> None:
     assert (run_dir / "metrics.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     saved = yaml.safe_load((run_dir / "config.yaml").read_text())
     assert saved["run"]["dir"] == str(run_dir) and saved["loop"]["steps"] == DEFAULT_JOB_STEPS
+    # run.keep_checkpoints=3: of the four (steps 9, 19, 29, 39) the newest three stay
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == [
-        f"step_{s:06d}" for s in range(9, DEFAULT_JOB_STEPS, 10)]
+        f"step_{s:06d}" for s in range(9, DEFAULT_JOB_STEPS, 10)][-3:]
 
     # The export is the final policy: transformers' greedy answers score what vLLM's did in the last eval.
     cfg = load_config(str(run_dir / "config.yaml"), [])
@@ -357,6 +367,12 @@ def test_engine_error_then_a_killed_resume_then_resume_to_the_end(warm_rewards: 
     r = run_cli("--resume", f"run.dir={run_dir}", timeout=300)
     assert r.returncode == 0, _tail(r)
     _quiet_terminal(r, run_dir, 4, resumed=True)
+    # what a finished run leaves besides its results: no lock file naming a dead pid, Ray's logs of this session
+    # copied (the killed launch 2 left none: it never reached its end), and no empty log file
+    assert not (run_dir / ".lock").exists()
+    (ray_logs,) = (run_dir / "logs").glob("ray-session_*")
+    assert ray_logs.is_dir() and not ray_logs.is_symlink() and (ray_logs / "raylet.out").stat().st_size > 0
+    assert not [p for p in (run_dir / "logs").rglob("*") if p.is_file() and p.stat().st_size == 0]
     assert not [n for n in left if (SHM / n).exists()], "the resumed run did not sweep the killed run's segments"
     rows = read_metrics(run_dir / "metrics.jsonl")
     # steps after the checkpoint are redone once, nothing is lost
