@@ -27,8 +27,10 @@ DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "tiny-cpu.
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    from colo.run.commands import python  # stdlib only: --help stays fast
+
     ap = argparse.ArgumentParser(
-        prog="python -m colo.launch",
+        prog=f"{python()} -m colo.launch",  # .venv/bin/python from a checkout's root: runs as shown
         description="Colocated RL on Mixture-of-Experts LMs (FSDP2 trainer + vLLM on each GPU).",
         epilog="Precedence: defaults < --config YAML < COLO_* env vars < key=value. "
                "Keys and env vars: docs/config.md.")
