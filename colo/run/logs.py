@@ -91,7 +91,11 @@ def keep_logs(run_dir: str | os.PathLike, ray_logs: bool = True) -> Path | None:
         except Exception:  # noqa: BLE001
             since = 0.0
         copied = logs / f"ray-{source.parent.name}"
-        for f in sorted(source.rglob("*")):
+        try:
+            files = sorted(source.rglob("*"))
+        except OSError:  # Ray's temporary folder went meanwhile
+            files = []
+        for f in files:
             try:
                 st = f.lstat()
                 if f.is_symlink() or not f.is_file() or not 0 < st.st_size <= RAY_LOG_MAX or st.st_mtime < since:

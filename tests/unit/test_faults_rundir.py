@@ -138,3 +138,29 @@ def test_checkpoints_pruned_to_the_newest_and_the_marked(tmp_path: Path) -> None
                                                                "step_000007"]
     assert (root / "step_000001.damaged").is_dir() and (root / "step_000008.tmp").is_dir()
     assert prune_checkpoints(tmp_path, 3) == []
+
+
+def test_ray_logs_copied_not_linked_and_empty_logs_removed(tmp_path: Path) -> None:
+    """Ray's session folder lives in /tmp and goes with it: at the end the run copies what Ray wrote during this
+    process's life (not a link into /tmp), and removes its own log files that stayed empty."""
+    from colo.run import logs
+
+    session = tmp_path / "ray" / "session_2026-11-28_11-34-36_1" / "logs"
+    (session / "events").mkdir(parents=True)
+    (session / "raylet.out").write_text("raylet\n")
+    (session / "events" / "event_GCS.log").write_text("gcs\n")
+    (session / "empty.err").touch()
+    (session / "old.log").write_text("an earlier session's\n")
+    os.utime(session / "old.log", (1, 1))  # written long before this process started
+    run_dir = tmp_path / "run"
+    (run_dir / "logs").mkdir(parents=True)
+    (run_dir / "logs" / "trainer-0.log").write_text("said something\n")
+    (run_dir / "logs" / "trainer-1.log").touch()
+    logs._RAY_LOGS[str(run_dir)] = session  # what note_ray_logs records while Ray runs
+    copied = logs.keep_logs(run_dir)
+    assert copied == run_dir / "logs" / "ray-session_2026-11-28_11-34-36_1" and not copied.is_symlink()
+    assert sorted(str(p.relative_to(copied)) for p in copied.rglob("*") if p.is_file()) == [
+        "events/event_GCS.log", "raylet.out"]
+    assert sorted(p.name for p in (run_dir / "logs").iterdir()) == ["ray-session_2026-11-28_11-34-36_1",
+                                                                    "trainer-0.log"]
+    assert logs.keep_logs(run_dir) is None  # once: nothing noted any more
