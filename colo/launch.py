@@ -91,8 +91,12 @@ def _run(args: argparse.Namespace, warm: WarmClusters | None = None) -> int:
     from colo.rollout.vllm_compat import check_installed  # package metadata only: no vLLM import
 
     check_installed()  # an older vLLM stops here, with the version colo needs
-    from colo.plan.job import check_fits, memory_plan, refusal  # light: no torch until a GPU size is read
+    from colo.plan.auto import show
+    from colo.plan.job import check_fits, memory_plan, refusal, tune  # light: no torch until a GPU size is read
+    from colo.plan.settings import PLAIN
 
+    tuned = tune(cfg)  # the `auto` trainer settings, for this job on this GPU (colo.plan.auto); concrete from here on
+    cfg = tuned.cfg
     if args.dry_run:
         from colo.cluster.placement import plan_placement
 
@@ -107,6 +111,7 @@ def _run(args: argparse.Namespace, warm: WarmClusters | None = None) -> int:
         print(f"\n{placement.table()}")
         if cluster_note:
             print(cluster_note)
+        print(f"\n{tuned.table()}")
         plan = memory_plan(cfg, resolved.placement.device)
         if plan is not None:
             print(f"\n{plan.table()}")
@@ -137,7 +142,11 @@ def _run(args: argparse.Namespace, warm: WarmClusters | None = None) -> int:
     from colo.run.terminal import Phases
 
     phases = Phases()  # the start-up phase begins here: the run dir, then Ray, the actors and their imports
-    cfg = prepare_run(cfg)
+    cfg = prepare_run(cfg)  # its config.yaml holds the concrete values: a resume runs them as they were
+    changed = {k: v for k, v in tuned.resolved.items() if v != PLAIN[k]}
+    if changed:
+        print("colo: auto: " + " ".join(f"{k}={show(v)}" for k, v in changed.items()) + " (--dry-run says why)",
+              flush=True)
     if resumed:
         print(resumed.describe(cfg), flush=True)
     print(f"colo: run dir {cfg.run.dir}", flush=True)
@@ -179,13 +188,15 @@ def prepare_run(cfg: ColoConfig) -> ColoConfig:
     """Resolve the config, create run.dir, generate auto: model/data into it, save the config: config.yaml
     at the start of a run, config.resume-<n>.yaml at its n-th resume (config.yaml is never rewritten).
 
-    Returns the resolved config (concrete device, absolute paths) that the loop and actors get;
+    Returns the resolved config (concrete device, absolute paths, the `auto` trainer settings colo.plan.auto chose)
+    that the loop and actors get;
     `--resume run.dir=<run.dir>` continues from it. Generation is idempotent, so a resumed run reuses the
     model and data it started with."""
     from colo import config
-
+    from colo.plan.job import tune
     from colo.run import rundir
 
+    cfg = tune(cfg).cfg  # config.yaml holds concrete values: a resume runs the settings this run ran (_run did it)
     resolved = config.resolve(cfg)  # may download a Hub model: still before anything is written
     check_user_data(cfg, resolved)
     if not cfg.model.path.startswith(config.AUTO):  # presets are written by colo itself

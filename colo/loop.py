@@ -74,6 +74,8 @@ from colo.rollout.buffer import RolloutBuffer
 from colo.rollout.vllm_compat import serve_command
 from colo.cluster.placement import init_ray, plan_placement
 from colo.sync.plan import MappingError
+from colo.sync.probe import TOLERANCE, ProbeSchedule, ProbeScores, engine_scores, first_difference
+from colo.sync.probe import check as probe_check
 
 if TYPE_CHECKING:
     from colo.cluster.warm import WarmClusters
@@ -262,9 +264,10 @@ class Position:
 
 
 def rl_step(step: int, c: Cluster, cfg: ColoConfig, inputs: RunInputs, rewards: RewardRunner, pos: Position,
-            stop: StopSignals | None = None) -> dict:
+            stop: StopSignals | None = None, probes: ProbeSchedule | None = None) -> dict:
     """One RL step. From its train phase on, a stop signal is held (`stop`), so that the trainers' weights and
-    the data position stay together; the caller releases it once the step is logged and saved."""
+    the data position stay together; the caller releases it once the step is logged and saved. `probes`: which
+    syncs the functional check runs on (sync.probe_every)."""
     t, n = Timer(memory_probe(c) if cfg.loop.memory_stats else None), cfg.rollout.n
     trainers, engines, t_step = c.trainer_group, c.engine_group, time.perf_counter()
     with t("rollout"):
@@ -305,12 +308,16 @@ def rl_step(step: int, c: Cluster, cfg: ColoConfig, inputs: RunInputs, rewards: 
     with t("sync"):
         if c.colocated:
             engines.wake_up(["weights"])
-        synced = sync_all(c)
+        probe = probes.next() if probes is not None else None
+        synced, policy = sync_all(c, probe)
         if offloads(c, cfg):
             trainers.offload()
     with t("wake"):
         if c.colocated:
             engines.wake_up(["kv_cache", "scheduling"])
+    if probe is not None:
+        with t("probe"):  # the engines score the sequences the trainers scored in sync (colo.sync.probe)
+            check_probe(c, cfg, probe, policy, synced)
     lens = torch.tensor([len(s["response_ids"]) for s in samples], dtype=torch.float32)
     metrics = {"step": step, "reward/mean": reward.mean().item(), "reward/std": reward.std().item(),
                "response_len/mean": lens.mean().item(),
@@ -345,17 +352,50 @@ def sleep_level(cfg: ColoConfig) -> int:
 
 
 def sync_metrics(reports: list[dict]) -> dict:
-    bad = [r for r in reports if not r["verified"]]
-    if bad:
-        raise RuntimeError(f"weight sync not verified: {bad[0].get('errors')}")
+    """sync/verified: every byte landed where the engine expects it (Sender.push raises otherwise) and, where the
+    functional check ran on this sync (sync/probe 1), the engines computed what the trainer computes
+    (check_probe raises otherwise)."""
     return {"sync/tensors": sum(r["tensors"] for r in reports), "sync/bytes": sum(r["bytes"] for r in reports),
-            "sync/verified": True, "sync/seconds": max(r["seconds"] for r in reports)}
+            "sync/verified": all(r["verified"] for r in reports), "sync/seconds": max(r["seconds"] for r in reports),
+            "sync/probe": 0.0}
 
 
-def sync_all(c: Cluster) -> dict:
+def sync_all(c: Cluster, probe: list[list[int]] | None = None) -> tuple[dict, dict | None]:
     """Push the trainers' weights into the (awake) engines: colocated, each rank into the engine on its GPU;
-    disaggregated, rank 0 broadcasts to every engine while the other ranks take part in the gathers."""
-    return sync_metrics(c.trainer_group.sync_weights())
+    disaggregated, rank 0 broadcasts to every engine while the other ranks take part in the gathers. With `probe`
+    (colo.sync.probe) the trainers also score those sequences: returns (metrics, the policy's probe) for
+    check_probe once the engines can generate."""
+    reports = c.trainer_group.sync_weights(probe)
+    return sync_metrics(reports), reports[0].get("probe")
+
+
+class SyncMismatch(RuntimeError):
+    """After a sync whose bytes all arrived, an engine computes other log-probs than the trainer."""
+
+
+def check_probe(c: Cluster, cfg: ColoConfig, seqs: list[list[int]], policy: dict, synced: dict) -> None:
+    """The functional check of the sync just made (colo.sync.probe): every engine scores the sequences the
+    trainers scored; a disagreement beyond model.dtype's tolerance raises SyncMismatch naming the engine and the
+    first sublayer whose output differs. Updates `synced` with sync/probe and sync/probe_err."""
+    mine = ProbeScores(**policy["scores"])
+    worst = 0.0
+    for e, got in enumerate(c.engine_group.probe(seqs)):
+        res = probe_check(mine, engine_scores(got["tables"]), cfg.model.dtype)
+        worst = max(worst, res.err)
+        if not res.ok:
+            trace = c.engine_group.probe(seqs, trace=True, only=e)[0]["trace"]
+            where = first_difference(policy["trace"], trace)
+            synced["sync/verified"] = False
+            raise SyncMismatch(
+                f"engine {e} computes other log-probs than the trainer right after a weight sync whose every byte "
+                f"arrived (median relative error {res.err:.3f} over {res.positions} positions, tolerance "
+                f"{TOLERANCE.get(cfg.model.dtype, TOLERANCE['bfloat16'])} for {cfg.model.dtype}): a weight vLLM "
+                "derives at load was not refreshed; "
+                + (f"the first sublayer that differs: {where}" if where else
+                   "no sublayer trace names the layer (only an eager engine can be traced: rollout.enforce_eager=true)")
+                + f"; please report it with {cfg.run.dir}/error.log, your CPU or GPU model and the output of "
+                f"`.venv/bin/python -m colo.bench.sync --model {cfg.model.path} --ranks 2 --check`")
+    synced.update({"sync/probe": 1.0, "sync/probe_err": worst})
 
 
 def check_sync(c: Cluster) -> list[dict]:
@@ -549,27 +589,31 @@ def run(cfg: ColoConfig, warm: WarmClusters | None = None, phases: Phases | None
                   "(docs/models.md)", file=sys.stderr, flush=True)
             return 2
         restored = restore(cluster, inputs, writer) if cfg.run.resume else None
-        if restored:
-            pos = restored
-            sync_all(cluster)
-            phases.end(f"ready in {{s}}, at step {pos.step + 1} of {cfg.loop.steps}")
-        else:
+        probes = ProbeSchedule(inputs.probe_vocab, cfg.rollout.max_model_len, cfg.sync.probe_every)
+        if not restored:
             phases.end("ready in {s}")
             phases.begin("warm-up")
             progress = ProgressLine(cfg.loop.sft_warmup_steps, desc="warm-up", disable=not cfg.loop.sft_warmup_steps)
-            first = warm_up(cluster, cfg, inputs, progress)
+        first = {} if restored else warm_up(cluster, cfg, inputs, progress)
+        if progress:
             progress.close()
-            first.update(sync_all(cluster))
+        seqs = probes.next()  # the first sync of every run is checked
+        synced, policy = sync_all(cluster, seqs)
+        check_probe(cluster, cfg, seqs, policy, synced)  # the engines are awake: they start so
+        if restored:
+            pos = restored
+            phases.end(f"ready in {{s}}, at step {pos.step + 1} of {cfg.loop.steps}")
+        else:
             setup = {f"setup/{k}": v for k, v in cluster.setup.items()}
             evals = evaluate(cluster, cfg, inputs, rewards)
-            writer.log(-1, {**first, **setup, **evals})
+            writer.log(-1, {**first, **synced, **setup, **evals})
             phases.end(warmed_up(cfg.loop.sft_warmup_steps, evals))
         if offloads(cluster, cfg):
             cluster.trainer_group.offload()
         phases.begin("RL")
         progress = ProgressLine(cfg.loop.steps, initial_step=pos.step + 1)
         for step in range(pos.step + 1, cfg.loop.steps):
-            metrics = rl_step(step, cluster, cfg, inputs, rewards, pos, stop)  # holds a stop from its train phase
+            metrics = rl_step(step, cluster, cfg, inputs, rewards, pos, stop, probes)  # holds a stop from its train
             last = step + 1 == cfg.loop.steps  # evaluated and saved too: --resume can extend a finished run
             if cfg.loop.eval_every and (step + 1) % cfg.loop.eval_every == 0 or last:
                 metrics.update(evaluate(cluster, cfg, inputs, rewards))
@@ -588,7 +632,7 @@ def run(cfg: ColoConfig, warm: WarmClusters | None = None, phases: Phases | None
     except KeyboardInterrupt:  # Ctrl-C or SIGTERM (colo.run.signals)
         healthy = False  # an actor may still be in the call the signal cut short: a warm cluster is not kept
         return stopped(cluster, inputs, pos, stop, progress)
-    except (RewardError, TrainingDiverged) as e:  # the trainers hold a whole policy: save it
+    except (RewardError, TrainingDiverged, SyncMismatch) as e:  # the trainers hold a whole policy: save it
         return fail(cluster, inputs, pos, e, keep_policy=True, progress=progress)
     except OSError as e:  # the driver's own writes (metrics, logs): a full or vanished disk
         return fail(cluster, inputs, pos, e, keep_policy=True, progress=progress)

@@ -64,9 +64,28 @@ class BenchWorkerExtension(WorkerExtension):
         """tensor_digest of every live vLLM parameter (whatever layout vLLM keeps it in)."""
         return {n: tensor_digest(p.data) for n, p in self.model_runner.model.named_parameters()}  # type: ignore[attr-defined]
 
+    def colo_load_transient(self, pieces: list[dict], handle: dict) -> dict:
+        """The straightforward baseline's bucket (colo.bench.yardsticks): its own fresh buffer, opened for this
+        bucket only and let go after it, then loaded as colo's own buckets are."""
+        from colo.sync.transport import close_transient, open_transient
+
+        st = self._colo_get_state()
+        assert st.coverage is not None, "colo_load_transient before colo_begin_sync"
+        buf, seg = open_transient(handle, torch.device(self.device))  # type: ignore[attr-defined]
+        try:
+            return self._colo_load_pieces(st, buf, pieces, handle["kind"])
+        finally:
+            del buf  # the last view: the mapping can close
+            close_transient(seg)
+
 
 class BenchEngine(Engine):
     extension = BenchWorkerExtension
+
+    def load_transient(self, pieces: list[dict], handle: dict) -> dict:
+        """One bucket of the straightforward baseline, from a buffer of its own (colo_load_transient)."""
+        results = self._rpc_all("colo_load_transient", pieces, handle)
+        return {"tensors": sum(r["tensors"] for r in results), "bytes": sum(r["bytes"] for r in results)}
 
     def param_digest(self) -> list[dict[str, float]]:
         """Per worker, a checksum of every vLLM parameter as it is now: tells whether two sync paths wrote

@@ -63,6 +63,11 @@ per measured step) check inductor's numerics against eager's in the same run.
 (packed first, the same steps again padded) and adds "no_packing" and "speedup" (packed / padded). The padded
 path runs trainer.micro_batch_size = max_tokens_per_micro_batch // max_model_len rows (at least 1) unless
 given: the activation memory of the packed path's budget.
+The trainer settings that take `auto` (trainer.offload, optimizer_offload, compile, gradient_checkpointing,
+gather_once, max_tokens_per_micro_batch) are resolved for the job on this GPU as colo.launch resolves them
+(colo.plan.auto; their table on stderr, the JSON's "auto"); an override keeps its value. On one H200 the L12 slice
+gets the hand-tuned settings of docs/benchmarks.md's train-MFU figures with no trainer override but
+trainer.optimizer_dtype=bfloat16 (a numerics choice, never auto's).
 Arguments are parsed before torch, Ray or vLLM are imported.
 """
 from __future__ import annotations
@@ -170,8 +175,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def make_config(args: argparse.Namespace, model_dir: str, dummy: bool) -> Any:
+def make_config(args: argparse.Namespace, model_dir: str, dummy: bool) -> tuple[Any, Any]:
+    """The run's config and its colo.plan.auto.Tuned: the `auto` trainer settings resolved for this job on this
+    GPU as colo.launch resolves them (an override keeps its value), their table on stderr."""
     from colo.config import load_config, validate
+    from colo.plan.job import tune
 
     cfg = load_config(None, list(args.overrides))
     cfg.model.path, cfg.model.dummy_weights = model_dir, dummy
@@ -181,12 +189,21 @@ def make_config(args: argparse.Namespace, model_dir: str, dummy: bool) -> Any:
     cfg.rollout.enforce_eager = cfg.rollout.enforce_eager or args.device == "cpu"
     cfg.data.prompts_per_step = args.prompts
     cfg.loop.sft_warmup_steps = 0
+    cfg.run.dir = str(Path(args.workdir) / "step-run")
+    validate(cfg, check_resources=False)
+    # a comparison that varies a key resolves the others for its variant that needs more memory (the plan must fit
+    # both) or runs longer
+    if args.compare_gather_once and cfg.trainer.gather_once == "auto":
+        cfg.trainer.gather_once = True
+    if args.compare_compile and cfg.trainer.compile == "auto":
+        cfg.trainer.compile = True
+    tuned = tune(cfg)
+    print(f"[bench.step] {tuned.table()}", file=sys.stderr, flush=True)
+    cfg = tuned.cfg
     if not any(o.startswith("trainer.micro_batch_size=") for o in args.overrides):
         # the padded path gets the rows that fit the packed path's token budget: the same activation memory
         cfg.trainer.micro_batch_size = max(1, cfg.trainer.max_tokens_per_micro_batch // cfg.rollout.max_model_len)
-    cfg.run.dir = str(Path(args.workdir) / "step-run")
-    validate(cfg, check_resources=False)
-    return cfg
+    return cfg, tuned
 
 
 class RandomPrompts:
@@ -314,7 +331,7 @@ def measure(args: argparse.Namespace, report: Callable[[dict], None] | None = No
     else:
         model_dir = str(make_tiny_model(Path(args.workdir) / f"{args.preset}-s0", args.preset, 0))
         dummy, name = args.preset not in WITH_WEIGHTS, args.preset
-    cfg = make_config(args, model_dir, dummy)
+    cfg, tuned = make_config(args, model_dir, dummy)
     config_json = model_config_json(cfg)
     # the measured variants, each (trainer.packing, loop.mode, trainer.gather_once, trainer.compile,
     # trainer.old_logprobs, trainer.loss_in_lm_head), one after the other on one cluster
@@ -355,7 +372,7 @@ def measure(args: argparse.Namespace, report: Callable[[dict], None] | None = No
         device_name = ray.get(cluster.trainers[0].device_name.remote())
         lengths = ray.get([e.set_lengths.remote(args.lengths, args.length_rho or 0.0) for e in cluster.engines])[0]
         check_sync(cluster)
-        sync_all(cluster)
+        sync_all(cluster)  # unchecked here: the bench times steps; its --check mode compares with vLLM itself
         if offloads(cluster, cfg):
             cluster.trainer_group.offload()
         for layout in layouts:
@@ -402,6 +419,7 @@ def measure(args: argparse.Namespace, report: Callable[[dict], None] | None = No
             results[layout] = summarize(records, cfg, config_json, args.gpus, device_name)
             results[layout]["warmup_train_s"] = warmup_train_s
         out = _output(args, cfg, layouts, results, compile_figures, name, device_name, lengths, mem_plan)
+        out["auto"] = tuned.resolved  # the trainer settings colo.plan.auto chose (the rest were overrides)
         if report is not None:
             report(out)
     finally:

@@ -296,8 +296,9 @@ class TrainerGroup:
     def prepare_sync(self) -> list[dict]:
         return self._gather([t.prepare_sync.remote(e) for t, e in zip(self.trainers, self.sync_engines())])
 
-    def sync_weights(self) -> list[dict]:
-        return self._gather([t.sync_weights.remote(e) for t, e in zip(self.trainers, self.sync_engines())])
+    def sync_weights(self, probe: list[list[int]] | None = None) -> list[dict]:
+        """Every rank's sync report; with `probe`, each also holds the policy's scores of those sequences."""
+        return self._gather([t.sync_weights.remote(e, probe) for t, e in zip(self.trainers, self.sync_engines())])
 
     def save_checkpoint(self, path: str, extra: dict, timeout: float | None = None) -> None:
         self._gather([t.save_checkpoint.remote(path, extra) for t in self.trainers], timeout)
@@ -341,6 +342,12 @@ class EngineGroup:
         (samples, {"env_s"}) (colo.rollout.multiturn)."""
         return self._gather([e.rollout.remote(r, n, max_tokens, temperature, top_p, s, routing)
                              for e, r, s in zip(self.engines, rows, seeds)])
+
+    def probe(self, seqs: list[list[int]], trace: bool = False, only: int | None = None) -> list[dict]:
+        """Each engine's scores of `seqs` (colo.sync.probe; `trace`: with sublayer traces); `only`: that engine."""
+        which = range(len(self.engines)) if only is None else [only]
+        return gather([self.engines[e].probe.remote(seqs, trace) for e in which],
+                      [engine_name(e, self.colocated) for e in which])
 
     def sleep(self, level: int) -> list[float]:
         return self._gather([e.sleep.remote(level) for e in self.engines])

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from colo.plan.memory import Settings, model_shape
+from colo.plan.memory import model_shape
 
 if TYPE_CHECKING:
     from colo.config import ColoConfig
@@ -60,11 +60,11 @@ def size(n: float) -> str:
     return f"{n / GiB:.1f} GiB" if n >= GiB else f"{n / MiB:.1f} MiB"
 
 
-def checkpoint_bytes(config_json: dict[str, Any], s: Settings) -> int:
-    """Bytes of one checkpoint: fp32 params, AdamW's two states, the fp32 KL reference when there is one."""
-    numel = model_shape(config_json).numel
-    state = 2 if s.optimizer_dtype == "bfloat16" else 4
-    return numel * (4 + 2 * state + (4 if s.ref_model else 0))
+def checkpoint_bytes(config_json: dict[str, Any], optimizer_dtype: str, ref_model: bool) -> int:
+    """Bytes of one checkpoint: fp32 params, AdamW's two states (trainer.optimizer_dtype), the fp32 KL reference
+    when there is one (algo.kl_coef > 0)."""
+    state = 2 if optimizer_dtype == "bfloat16" else 4
+    return model_shape(config_json).numel * (4 + 2 * state + (4 if ref_model else 0))
 
 
 def saves(steps: int, every: int, first: int = 0) -> int:
@@ -79,7 +79,7 @@ def saves(steps: int, every: int, first: int = 0) -> int:
 def disk_plan(cfg: ColoConfig, config_json: dict[str, Any], existing: int = 0, first: int = 0) -> DiskPlan:
     """The plan of `cfg`'s run; `existing` checkpoints already in the run dir and RL steps from `first` (a resume:
     colo.run.rundir.complete_checkpoints and the newest one's step + 1)."""
-    per = checkpoint_bytes(config_json, Settings.from_config(cfg))
+    per = checkpoint_bytes(config_json, cfg.trainer.optimizer_dtype, cfg.algo.kl_coef > 0)
     n, keep = saves(cfg.loop.steps, cfg.loop.checkpoint_every, first), cfg.run.keep_checkpoints
     total = existing + n
     kept = min(total, keep) if keep else total

@@ -428,6 +428,34 @@ class Engine:
             self._moe_layer_ids = self._rpc("colo_moe_layers")
         return self._moe_layer_ids
 
+    def probe(self, seqs: list[list[int]], trace: bool = False) -> dict:
+        """The sync's functional check (colo.sync.probe): vLLM's log-probs of every position of `seqs` (its top
+        ENGINE_TOPK next tokens and the actual one), and with `trace` the sublayer traces of the last sequence
+        (module hooks: an eager engine only; a compiled one returns none)."""
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        from colo.sync.probe import ENGINE_TOPK
+
+        if self.sleeping:
+            raise RuntimeError(f"probe() on rank {self.rank} while {sorted(self.sleeping)} still sleep")
+        # prompt log-probs never read the prefix cache (vLLM's default for them): every position is computed now
+        params = SamplingParams(max_tokens=1, temperature=1.0, prompt_logprobs=ENGINE_TOPK, detokenize=False)
+        outs = self.llm.generate([TokensPrompt(prompt_token_ids=list(map(int, s))) for s in seqs], params,
+                                 use_tqdm=False)
+        tables = [[None if p is None else {int(t): float(lp.logprob) for t, lp in p.items()}
+                   for p in o.prompt_logprobs] for o in outs]
+        out: dict = {"tables": tables, "trace": {}}
+        if trace:
+            self._rpc_all("colo_trace_start", len(seqs[-1]))
+            try:
+                self.llm.generate([TokensPrompt(prompt_token_ids=list(map(int, seqs[-1])))],
+                                  SamplingParams(max_tokens=1, detokenize=False, skip_reading_prefix_cache=True),
+                                  use_tqdm=False)
+            finally:
+                out["trace"] = self._rpc("colo_trace_stop")
+        return out
+
     # ------------------------------------------------------------------------------------ sleep/wake
 
     def sleep(self, level: int) -> float:
@@ -461,8 +489,8 @@ class Engine:
     def begin_sync(self, handles: list[dict], expect: dict[str, int] | None, digest: bool = False) -> None:
         self._rpc_all("colo_begin_sync", handles, expect, digest)
 
-    def load_bucket(self, buffer_id: int, pieces: list[dict], handle: dict | None = None) -> dict:
-        results = self._rpc_all("colo_load_bucket", buffer_id, pieces, handle)
+    def load_bucket(self, buffer_id: int, pieces: list[dict]) -> dict:
+        results = self._rpc_all("colo_load_bucket", buffer_id, pieces)
         return {"tensors": sum(r["tensors"] for r in results), "bytes": sum(r["bytes"] for r in results)}
 
     def end_sync(self, digest: bool) -> dict:

@@ -169,6 +169,10 @@ def test_prepare_run_generates_model_data_and_config(tmp_path: Path) -> None:
     saved = load_config(str(run / "config.yaml"), ["run.resume=true"], {})
     validate(saved)
     assert saved.model.path == r.model.path and saved.placement.device == "cpu"
+    # the `auto` trainer settings as the run ran them (colo.plan.auto: CPU's), so a resume runs the same
+    from colo.plan.settings import PLAIN, get
+
+    assert {k: get(saved, k) for k in PLAIN} == PLAIN  # true, false, 16384 in config.yaml: no `auto` left
 
 
 def test_resume_starts_from_the_runs_saved_config(tmp_path: Path) -> None:

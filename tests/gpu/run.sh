@@ -34,7 +34,10 @@
 # one = colo.bench.step with no comparison: one variant alone, ONE_ARGS its overrides (only when named), for a slice
 # whose two variants do not fit one call. BENCH_PRESET picks the slice of step/async/gather/compile/one (default
 # qwen3-30b-a3b-L4; qwen3-30b-a3b-L12 fits one H200 with trainer.optimizer_offload=true, and with gather_once too
-# when trainer.offload=false: docs/benchmarks.md, twelfth session, call N2).
+# when trainer.offload=false: docs/benchmarks.md, twelfth session, call N2). Every bench_step run starts from
+# BENCH_BASE (default `trainer.optimizer_dtype=bfloat16 trainer.max_tokens_per_micro_batch=8192`, the figures' base
+# since 2026-11-25); BENCH_BASE=trainer.optimizer_dtype=bfloat16 leaves the micro-batch, like the other trainer
+# settings that take auto, to colo.plan.auto (the L12 slice on one H200 then runs the hand-tuned fast path).
 # CUDA_VISIBLE_DEVICES limits the GPUs it counts and uses; SHARED_HOST=1 leaves Ray running after a failed step
 # (tests/gpu/streams.sh runs two of these at once, one per GPU).
 # Everything this script leaves in $OUT is at most 8 files, one level deep: what a device call brings back.
@@ -157,8 +160,8 @@ bench_step() {  # bench_step NAME WARMUP COMPARE_FLAG [OVERRIDES...]
   timeout -k 15 "$t" "$PY" -m colo.bench.step --preset "${BENCH_PRESET:-qwen3-30b-a3b-L4}" --device cuda --gpus 1 \
       --max-tokens "${BENCH_MAX_TOKENS:-4096}" --prompt-len 256 --prompts "${BENCH_PROMPTS:-16}" --n 8 --warmup "$warmup" \
       --steps "${BENCH_STEPS:-2}" ${flag:+"$flag"} ${BENCH_FLAGS:-} --json \
-      --workdir "${RUN_ROOT:-/tmp}/colo-$name" trainer.optimizer_dtype=bfloat16 trainer.max_tokens_per_micro_batch=8192 \
-      "$@" >"$OUT/$name.json" 2>"$OUT/$name.log"
+      --workdir "${RUN_ROOT:-/tmp}/colo-$name" \
+      ${BENCH_BASE-trainer.optimizer_dtype=bfloat16 trainer.max_tokens_per_micro_batch=8192} "$@" >"$OUT/$name.json" 2>"$OUT/$name.log"
   local rc=$?
   echo "[run.sh] $name: rc=$rc in $((SECONDS - t0))s"
   tail -n 15 "$OUT/$name.log"

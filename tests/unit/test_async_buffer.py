@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from colo.algo.batch import build_batch
-from colo.algo.loss import policy_loss
+from colo.algo.loss import LossOptions, policy_loss
 from colo.config import ConfigError, load_config, validate
 from colo.rollout.buffer import RolloutBuffer
 
@@ -150,8 +150,8 @@ def test_decoupled_loss_on_tokens_of_two_versions_matches_a_plain_loop() -> None
     adv = torch.tensor([1.0, -0.5, 0.3])
     mask = torch.ones(B, T)
     mask[2, 4:] = 0
-    loss, m = policy_loss(logp, old, adv, mask, clip_low=0.2, clip_high=0.28, rollout_logprobs=behaviour,
-                          tis_cap=2.0)
+    loss, m = policy_loss(logp, old, adv, mask,
+                          LossOptions(clip_low=0.2, clip_high=0.28, tis_cap=2.0), rollout_logprobs=behaviour)
     total, count, ws = 0.0, 0, []
     for b in range(B):
         for t in range(T):
@@ -168,7 +168,7 @@ def test_decoupled_loss_on_tokens_of_two_versions_matches_a_plain_loop() -> None
     assert m["tis_mean"].item() == pytest.approx(sum(ws) / len(ws), rel=1e-5)
     assert any(w == 2.0 for w in ws) and any(w < 1.0 for w in ws)  # some stale tokens truncated, some down-weighted
     # the naive loss (ratio against the behaviour log-probs, no pi_old) is a different objective
-    naive, _ = policy_loss(logp, behaviour, adv, mask, clip_low=0.2, clip_high=0.28)
+    naive, _ = policy_loss(logp, behaviour, adv, mask, LossOptions(clip_low=0.2, clip_high=0.28))
     assert abs(naive.item() - loss.item()) > 1e-3
 
 
