@@ -120,12 +120,12 @@ def _run(args: argparse.Namespace, warm: WarmClusters | None = None) -> int:
             print(f"\n{resumed.describe(resolved)}")
         note = config.gpu_count_note(cfg)
         disk = _disk_plan(cfg, resolved)
-        print(f"\n{disk.line()}")
+        print(f"\n{disk.line() if disk else 'disk: not estimated (the model config.json lacks sizes the plan needs)'}")
         if note:
             print(f"\n{note}")
         if plan is not None and plan.gpu_bytes is not None and not plan.fits:  # the plan table shows why
             raise config.ConfigError(refusal(cfg, plan, config.model_config_json(cfg)))
-        if not disk.fits and not note and not resolved.run.ray_address:  # a job that would run on this machine
+        if disk and not disk.fits and not note and not resolved.run.ray_address:  # a job that would run here
             from colo.plan.disk import refusal as disk_refusal
 
             raise config.ConfigError(disk_refusal(disk))
@@ -133,7 +133,7 @@ def _run(args: argparse.Namespace, warm: WarmClusters | None = None) -> int:
         return 0
     check_fits(cfg)  # a job that cannot fit is refused before anything is written or started
     disk = _disk_plan(cfg, config.resolve(cfg, download=False))
-    if not disk.fits:  # its checkpoints would fill the disk mid-run
+    if disk and not disk.fits:  # its checkpoints would fill the disk mid-run
         from colo.plan.disk import refusal as disk_refusal
 
         raise config.ConfigError(disk_refusal(disk))
@@ -174,14 +174,18 @@ def _start_up(cfg: ColoConfig) -> str:
 
 
 def _disk_plan(cfg: ColoConfig, resolved: ColoConfig):
-    """The disk the run's checkpoints take (colo.plan.disk), counting those a resumed run already has."""
+    """The disk the run's checkpoints take (colo.plan.disk), counting those a resumed run already has; None when
+    the model's config.json lacks the sizes (a checkpoint transformers cannot read either: prepare_run says so)."""
     from colo import config
     from colo.plan.disk import disk_plan
     from colo.run.rundir import complete_checkpoints
 
     existing = complete_checkpoints(resolved.run.dir) if cfg.run.resume else []
     first = int(existing[-1].name.removeprefix("step_")) + 1 if existing else 0
-    return disk_plan(resolved, config.model_config_json(cfg), len(existing), first)
+    try:
+        return disk_plan(resolved, config.model_config_json(cfg), len(existing), first)
+    except (KeyError, TypeError, ValueError):
+        return None
 
 
 def prepare_run(cfg: ColoConfig) -> ColoConfig:
