@@ -27,8 +27,10 @@ DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "tiny-cpu.
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    from colo.run.commands import python  # stdlib only: --help stays fast
+
     ap = argparse.ArgumentParser(
-        prog="python -m colo.launch",
+        prog=f"{python()} -m colo.launch",  # .venv/bin/python from a checkout's root: runs as shown
         description="Colocated RL on Mixture-of-Experts LMs (FSDP2 trainer + vLLM on each GPU).",
         epilog="Precedence: defaults < --config YAML < COLO_* env vars < key=value. "
                "Keys and env vars: docs/config.md.")
@@ -118,15 +120,29 @@ def _run(args: argparse.Namespace, clusters: Clusters | None = None) -> int:
         if resumed:
             print(f"\n{resumed.describe(resolved)}")
         note = config.gpu_count_note(cfg)
+        disk = _disk_plan(cfg, resolved)
+        print(f"\n{disk.line() if disk else 'disk: not estimated (the model config.json lacks sizes the plan needs)'}")
         if note:
             print(f"\n{note}")
         if plan is not None and plan.gpu_bytes is not None and not plan.fits:  # the plan table shows why
             raise config.ConfigError(refusal(cfg, plan, config.model_config_json(cfg)))
+        if disk and not disk.fits and not note and not resolved.run.ray_address:  # a job that would run here
+            from colo.plan.disk import refusal as disk_refusal
+
+            raise config.ConfigError(disk_refusal(disk))
         print("\n(dry run: nothing was written or started)")
         return 0
     check_fits(cfg)  # a job that cannot fit is refused before anything is written or started
+    disk = _disk_plan(cfg, config.resolve(cfg, download=False))
+    if disk and not disk.fits:  # its checkpoints would fill the disk mid-run
+        from colo.plan.disk import refusal as disk_refusal
+
+        raise config.ConfigError(disk_refusal(disk))
     if clusters is not None:
         clusters.check(config.resolve(cfg, download=False))  # the concrete device: "auto" is resolved
+    from colo.run.terminal import Phases
+
+    phases = Phases()  # the start-up phase begins here: the run dir, then Ray, the actors and their imports
     cfg = prepare_run(cfg)  # its config.yaml holds the concrete values: a resume runs them as they were
     changed = {k: v for k, v in tuned.resolved.items() if v != PLAIN[k]}
     if changed:
@@ -135,14 +151,42 @@ def _run(args: argparse.Namespace, clusters: Clusters | None = None) -> int:
     if resumed:
         print(resumed.describe(cfg), flush=True)
     print(f"colo: run dir {cfg.run.dir}", flush=True)
+    phases.begin("start-up", _start_up(cfg), at=phases.started)
     from colo import loop  # heavy: torch, Ray, vLLM
+    from colo.run.logs import keep_logs
     from colo.run.rundir import unlock
 
     try:
-        status = loop.run(cfg, clusters)
+        status = loop.run(cfg, clusters, phases=phases)
     finally:
+        keep_logs(cfg.run.dir, ray_logs=clusters is None)  # a warm cluster's Ray session is not this run's alone
         unlock(cfg.run.dir)  # the process may go on to another job (`clusters`)
     return status if isinstance(status, int) else 0
+
+
+def _start_up(cfg: ColoConfig) -> str:
+    """What the start-up phase starts, in words."""
+    p = cfg.placement
+    trainers = p.num_gpus if p.mode == "colocated" else p.trainer_gpus
+    engines = p.num_gpus if p.mode == "colocated" else (p.num_gpus - p.trainer_gpus) // cfg.rollout.tp_size
+    where = "the Ray cluster at " + cfg.run.ray_address if cfg.run.ray_address else "Ray"
+    return (f"{where}, {trainers} FSDP2 trainer rank{'s' * (trainers != 1)} and {engines} vLLM "
+            f"engine{'s' * (engines != 1)} ({p.mode} on {p.device})")
+
+
+def _disk_plan(cfg: ColoConfig, resolved: ColoConfig):
+    """The disk the run's checkpoints take (colo.plan.disk), counting those a resumed run already has; None when
+    the model's config.json lacks the sizes (a checkpoint transformers cannot read either: prepare_run says so)."""
+    from colo import config
+    from colo.plan.disk import disk_plan
+    from colo.run.rundir import complete_checkpoints
+
+    existing = complete_checkpoints(resolved.run.dir) if cfg.run.resume else []
+    first = int(existing[-1].name.removeprefix("step_")) + 1 if existing else 0
+    try:
+        return disk_plan(resolved, config.model_config_json(cfg), len(existing), first)
+    except (KeyError, TypeError, ValueError):
+        return None
 
 
 def prepare_run(cfg: ColoConfig) -> ColoConfig:

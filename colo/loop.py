@@ -68,10 +68,12 @@ from colo.host.shm import sweep
 from colo.rollout.generation import generate
 from colo.rollout.schedule import SyncRollout, schedule_for
 from colo.rollout.vllm_compat import serve_command
-from colo.run.logs import link_ray_logs
+from colo.run.logs import note_ray_logs
 from colo.run.metrics import MetricsWriter, ProgressLine, WandbSettings
 from colo.run.signals import StopSignals
+from colo.run.rundir import prune_checkpoints
 from colo.run.summary import run_summary
+from colo.run.terminal import Phases, warmed_up
 from colo.cluster.probing import SyncMismatch, check_probe
 from colo.runlife import Clusters, OwnCluster, fail, restore, save, shut_down, stopped
 from colo.sync.plan import MappingError
@@ -261,24 +263,30 @@ def evaluate(job: Job) -> dict:
     return out
 
 
-def warm_up(c: Cluster, cfg: ColoConfig, inputs: RunInputs) -> dict:
+def warm_up(c: Cluster, cfg: ColoConfig, inputs: RunInputs, progress: ProgressLine | None = None) -> dict:
     """A short supervised phase so the tiny policy sometimes succeeds and GRPO has a signal to climb."""
     losses = []
     for i in range(cfg.loop.sft_warmup_steps):
         batch = inputs.sft_batch(cfg.data.prompts_per_step * cfg.rollout.n, i)
         shards = shard_batch(batch, len(c.trainers))
         losses.append(c.trainer_group.sft_step(shards)[0]["sft_loss"])
+        if progress is not None:
+            progress.update({"sft_loss": losses[-1]})
     return {"sft/loss_first": losses[0], "sft/loss_last": losses[-1]} if losses else {}
 
 
-def run(cfg: ColoConfig, clusters: Clusters | None = None) -> int:
+def run(cfg: ColoConfig, clusters: Clusters | None = None, phases: Phases | None = None) -> int:
     """Run a whole job on a resolved config (colo.launch.prepare_run); returns the exit status.
 
     A reward function that raises or an actor that dies or raises ends the run with status 1 after a
     checkpoint of the last completed step, when the trainers still hold one (not after a trainer failed).
     `clusters`: where the job's cluster comes from and goes (colo.runlife.Clusters); by default the job starts
-    its own actors and ends them, and Ray, when it ends (OwnCluster)."""
-    t_start, clusters = time.perf_counter(), clusters or OwnCluster()
+    its own actors and ends them, and Ray, when it ends (OwnCluster). `phases`: the terminal's phases
+    (colo.run.terminal), start-up already begun by colo.launch."""
+    clusters = clusters or OwnCluster()
+    if phases is None:
+        phases = Phases()
+        phases.begin("start-up")
     stop = StopSignals()
     stop.install()  # from here on Ctrl-C / SIGTERM stop the run cleanly (colo.run.signals), start-up included
     inputs, cluster, writer, rewards, progress = None, None, None, None, None
@@ -290,7 +298,7 @@ def run(cfg: ColoConfig, clusters: Clusters | None = None) -> int:
         # the actors' output stays in <run.dir>/logs unless the run is verbose (colo.run.logs)
         init_ray(plan, address=cfg.run.ray_address, log_to_driver=cfg.run.verbose,
                  logging_level=logging.INFO if cfg.run.verbose else logging.ERROR)
-        link_ray_logs(inputs.run_dir)
+        note_ray_logs(inputs.run_dir)  # copied into the run dir at its end (colo.run.logs.keep_logs)
         stop.install()  # again: ray.init replaced the SIGTERM handler with its own
         cluster = clusters.acquire(cfg, plan)
         stop.install()  # and whatever start-up imported may have too
@@ -320,14 +328,25 @@ def run(cfg: ColoConfig, clusters: Clusters | None = None) -> int:
         restored = restore(cluster, inputs, writer) if cfg.run.resume else None
         if restored:
             at.restore(restored)
-        first = {} if restored else warm_up(cluster, cfg, inputs)
+        else:
+            phases.end("ready in {s}")
+            phases.begin("warm-up")
+            progress = ProgressLine(cfg.loop.sft_warmup_steps, desc="warm-up", disable=not cfg.loop.sft_warmup_steps)
+        first = {} if restored else warm_up(cluster, cfg, inputs, progress)
+        if progress:
+            progress.close()
         seqs = job.probes.next()  # the first sync of every run (and of every resume) is checked
         synced, policy = sync_all(cluster, seqs)
         check_probe(cluster, cfg, seqs, policy, synced)  # the engines are awake: they start so
-        if not restored:
+        if restored:
+            phases.end(f"ready in {{s}}, at step {at.position.step + 1} of {cfg.loop.steps}")
+        else:
             setup = {f"setup/{k}": v for k, v in cluster.setup.items()}
-            writer.log(-1, {**first, **synced, **setup, **evaluate(job)})
+            evals = evaluate(job)
+            writer.log(-1, {**first, **synced, **setup, **evals})
+            phases.end(warmed_up(cfg.loop.sft_warmup_steps, evals))
         job.side.offload()
+        phases.begin("RL")
         progress = ProgressLine(cfg.loop.steps, initial_step=at.position.step + 1)
         for step in range(at.position.step + 1, cfg.loop.steps):
             metrics = rl_step(step, job, stop)  # holds a stop from its train phase
@@ -339,10 +358,12 @@ def run(cfg: ColoConfig, clusters: Clusters | None = None) -> int:
             check_skipped(metrics, cfg.trainer.max_consecutive_skipped)
             if cfg.loop.checkpoint_every and (step + 1) % cfg.loop.checkpoint_every == 0 or last:
                 save(cluster, inputs, at.position)
+                prune_checkpoints(inputs.run_dir, cfg.run.keep_checkpoints)  # the newest N and those marked `keep`
             stop.release()  # the step is trained, logged and saved as configured: a stop that came meanwhile
         cluster.trainer_group.export_hf(str(inputs.run_dir / "export"))
         progress.close()
-        print(run_summary(inputs.run_dir, time.perf_counter() - t_start, list(cfg.run.loggers), serve_command),
+        phases.end()
+        print(run_summary(inputs.run_dir, phases.wall(), list(cfg.run.loggers), serve_command, phases.seconds),
               flush=True)
     except KeyboardInterrupt:  # Ctrl-C or SIGTERM (colo.run.signals)
         healthy = False  # an actor may still be in the call the signal cut short: its cluster is not reused

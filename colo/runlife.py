@@ -26,6 +26,7 @@ import ray
 
 from colo.cluster.actors import Cluster, start_cluster
 from colo.host.shm import sweep
+from colo.run import commands
 from colo.run.logs import log_of
 from colo.run.rundir import complete_checkpoints
 from colo.rollout.schedule import Position
@@ -148,7 +149,7 @@ def fail(c: Cluster, inputs: RunInputs, pos: Position, e: Exception, keep_policy
             lines.append(f"colo: could not checkpoint step {pos.step}: {type(err).__name__}: {err}")
     if checkpoints(inputs.run_dir):
         lines.append(f"colo: newest checkpoint {checkpoints(inputs.run_dir)[-1]}; "
-                     f"continue with: python -m colo.launch --resume run.dir={inputs.run_dir}")
+                     f"continue with: {commands.resume(inputs.run_dir)}")
     print("\n".join(lines), file=sys.stderr, flush=True)
     return 1
 
@@ -174,7 +175,7 @@ def stopped(c: Cluster, inputs: RunInputs, pos: Position, stop: StopSignals, pro
     saying what was saved and how to continue; the exit status is 130 (SIGINT) or 143 (SIGTERM)."""
     if progress:
         progress.close()
-    hint = f"continue with: python -m colo.launch --resume run.dir={inputs.run_dir}"
+    hint = f"continue with: {commands.resume(inputs.run_dir)}"
     saved = None
     if pos.step >= 0 and not stop.hurry:
         try:

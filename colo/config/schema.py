@@ -324,6 +324,11 @@ class RunConfig:
     YYYYmmdd-HHMMSS; with resume it selects the newest existing match."""
     seed: int = 0
     """Seed for data order, sampling and the generated model/data."""
+    keep_checkpoints: int = 3
+    """Checkpoints kept in <run.dir>/checkpoints: the newest this many (0: all), plus every one holding a file
+    named `keep` (touch <run.dir>/checkpoints/step_000099/keep). A save writes the new one before the oldest
+    goes, so one more is on disk meanwhile; --dry-run says how much disk that takes at the model's size and
+    refuses a run whose filesystem cannot hold it."""
     resume: bool = False
     """Continue the run in run.dir from its newest checkpoint (also: --resume), with the run's newest
     saved config; COLO_* variables and key=value overrides apply on top, and each setting that differs
