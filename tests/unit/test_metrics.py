@@ -101,7 +101,7 @@ def test_phase_panel_draws_parts_inside_their_phase_and_new_phases_without_a_cha
              "timing/batch_cpu_s": 1.4, "timing/sync_s": 0.5, "timing/offload_s": 0.2, "timing/step_s": 3.8,
              "reward/mean": 0.1 * s} for s in range(12)]
     plot_metrics(rows, tmp_path / "m.png")
-    assert [label for label, _ in drawn] == ["rollout", "train", "offload", "sync", "batch (part of train)"]
+    assert [label for label, _ in drawn] == ["rollout", "train", "sync", "offload", "batch (part of train)"]
     assert max(max(tops) for _, tops in drawn) <= 3.8, drawn  # nothing above the step's total
     assert drawn[-1][1] == [2.5] * 12  # the part: from the train bar's base (1.0) up 1.5, inside train (1.0-3.0)
 
