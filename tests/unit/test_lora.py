@@ -112,8 +112,9 @@ def test_exported_adapter_loads_in_peft_with_the_merged_logits(tmp_path: Path) -
     from colo.rollout.vllm_compat import serve_command
 
     cmd = serve_command(out)
-    assert f" {base_dir} --enable-lora --max-lora-rank 8 --enable-mixed-moe-lora-format --lora-modules " in cmd, cmd
-    assert '"is_3d_lora_weight": true' in cmd and str(out) in cmd
+    assert f" {base_dir} --served-model-name colo-base " in cmd and " --enable-lora --max-lora-rank 8 " in cmd, cmd
+    assert "--enable-mixed-moe-lora-format --lora-modules " in cmd and '"is_3d_lora_weight": true' in cmd, cmd
+    assert f'"name": "colo", "path": "{out}"' in cmd, cmd
 
 
 def test_plan_counts_the_adapters_the_trainer_adds() -> None:
