@@ -43,8 +43,8 @@ def lora_pair(tmp_path_factory: pytest.TempPathFactory):
     pgs = create_placement(plan)
     engines: list = []
     try:
-        trainers, _ = start_trainers(cfg, pgs)
-        engines, _ = start_engines(cfg, pgs)
+        trainers, setups = start_trainers(cfg, pgs)
+        engines, _ = start_engines(cfg, pgs, setups)
         yield {"cfg": cfg, "trainer": trainers[0], "engine": engines[0], "root": root, "model": model}
     finally:
         stop_engines(engines)
