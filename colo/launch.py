@@ -221,11 +221,17 @@ def prepare_run(cfg: ColoConfig) -> ColoConfig:
     if cfg.model.path.startswith(config.AUTO):
         from transformers.utils import logging as hf_logging
 
-        from colo.models.tiny import make_tiny_model
+        from colo.models.tiny import WARM, make_tiny_model
 
         if not cfg.run.verbose:  # save_pretrained's progress bar is not the run's
             hf_logging.disable_progress_bar()
-        make_tiny_model(resolved.model.path, cfg.model.path[len(config.AUTO):], seed=cfg.run.seed)
+        preset = cfg.model.path[len(config.AUTO):]
+        if preset in WARM:  # a trained base (LoRA's tiny job): trained once, from the task, by colo.data.warmstart
+            from colo.data.warmstart import make_warm_model
+
+            make_warm_model(resolved.model.path, preset, seed=cfg.run.seed)
+        else:
+            make_tiny_model(resolved.model.path, preset, seed=cfg.run.seed)
     for value in {cfg.data.path, cfg.data.eval_path} - {None}:
         if value.startswith(config.AUTO):
             from colo.data.tasks import make_task

