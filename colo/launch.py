@@ -220,27 +220,46 @@ def _prompt_preview(cfg: ColoConfig) -> str:
 def check_user_data(cfg: ColoConfig, resolved: ColoConfig) -> None:
     """Read every row of the user's data files (or datasets) before the run dir exists: validate() only looks
     at the first row, and a bad row found after config.yaml is written would force --resume on the rerun.
-    A system prompt needs a chat template: checked here too, with the checkpoint's tokenizer."""
+    Every first turn must leave rollout.max_tokens of rollout.max_model_len: the prompt as the chat template
+    renders it, or with algo.environment what its reset() sends (synthetic auto: tasks included: a system
+    message may not fit). A system prompt needs a chat template: checked here too, with the checkpoint's tokenizer."""
     from colo import config
-    from colo.data.inputs import uses_chat_template
+    from colo.data.inputs import check_first_turns, uses_chat_template
     from colo.data.prompts import check_prompt_lengths, read_rows
+    from colo.data.tasks import task_rows
+    from colo.envs.base import EnvError
 
     tok = chat = None
+    checks: list[tuple[str, list[dict]]] = []  # (name, rows {"prompt", "answer"})
     for key in ("path", "eval_path"):
         value = getattr(cfg.data, key)
-        if value and not value.startswith(config.AUTO):
-            path = getattr(resolved.data, key)
-            try:
-                rows = read_rows(path, [cfg.data.prompt_key, cfg.data.answer_key])
-                if tok is None:
-                    tok = driver_tokenizer(cfg, resolved)
-                    chat = uses_chat_template(cfg, tok)
-                if key == "eval_path":  # only the first data.eval_size rows are used
-                    rows = rows[:cfg.data.eval_size]
-                check_prompt_lengths([str(r[cfg.data.prompt_key]) for r in rows], tok, chat, cfg.data.system_prompt,
+        if not value or value.startswith(config.AUTO) and not cfg.algo.environment:
+            continue  # a synthetic task's own prompts fit the presets it is made for
+        path = value if value.startswith(config.AUTO) else getattr(resolved.data, key)
+        try:
+            if value.startswith(config.AUTO):
+                rows = task_rows(value[len(config.AUTO):], "eval" if key == "eval_path" else "train", cfg.run.seed)
+            else:
+                rows = [{"prompt": str(r[cfg.data.prompt_key]), "answer": str(r[cfg.data.answer_key])}
+                        for r in read_rows(path, [cfg.data.prompt_key, cfg.data.answer_key])]
+            if tok is None:
+                tok = driver_tokenizer(cfg, resolved)
+                chat = uses_chat_template(cfg, tok)
+            if key == "eval_path":  # only the first data.eval_size rows are used
+                rows = rows[:cfg.data.eval_size]
+            if not cfg.algo.environment:
+                check_prompt_lengths([r["prompt"] for r in rows], tok, chat, cfg.data.system_prompt,
                                      cfg.rollout.max_model_len, cfg.rollout.max_tokens, path)
-            except (OSError, ValueError) as e:  # read_rows names the file, the row and the field
-                raise config.ConfigError(f"data: {e}") from e
+        except (OSError, ValueError) as e:  # read_rows names the file, the row and the field
+            raise config.ConfigError(f"data: {e}") from e
+        checks.append((path, rows))
+    if cfg.algo.environment and checks:
+        try:
+            check_first_turns(cfg, tok, chat, checks)
+        except ValueError as e:
+            raise config.ConfigError(f"data: {e}") from e
+        except EnvError as e:
+            raise config.ConfigError(f"{e}; fix: the environment's reset() (docs/environments.md)") from e
     if cfg.data.system_prompt and not cfg.model.path.startswith(config.AUTO):  # presets have a template
         uses_chat_template(cfg, tok if tok is not None else driver_tokenizer(cfg, resolved))
 
@@ -250,10 +269,10 @@ def driver_tokenizer(cfg: ColoConfig, resolved: ColoConfig):
     from colo import config
 
     if cfg.model.path.startswith(config.AUTO):
-        from colo.models.tiny import TOKENIZER_VOCAB
+        from colo.models.tiny import TOKENIZER_VOCAB, TOOL_PRESETS
         from colo.models.tokenizer import build_tokenizer
 
-        return build_tokenizer(TOKENIZER_VOCAB)
+        return build_tokenizer(TOKENIZER_VOCAB, tools=cfg.model.path[len(config.AUTO):] in TOOL_PRESETS)
     from colo.data.prompts import load_tokenizer
 
     return load_tokenizer(resolved.model.path)

@@ -470,10 +470,17 @@ def _check_environment(cfg: ColoConfig) -> None:
     from colo.envs.base import load_environment  # imports the user module named here
 
     try:
-        load_environment(cfg.algo.environment)
+        cls = load_environment(cfg.algo.environment)
     except ValueError as e:
         raise ConfigError(f"{e}; fix: algo.environment=calculator, python, or a module:Class importable "
                           "from here (docs/environments.md)") from e
+    from colo.envs.isolation import missing
+    from colo.envs.sandbox import PythonEnv
+
+    if issubclass(cls, PythonEnv) and not cfg.algo.unsafe_unsandboxed_tools:
+        problem = missing()  # probed once: bwrap, a cgroup, a sandboxed interpreter that runs
+        if problem:
+            raise ConfigError(f"algo.environment={cfg.algo.environment} runs model-written code, but {problem}")
 
 
 def gpu_count_note(cfg: ColoConfig) -> str | None:

@@ -183,17 +183,23 @@ def check_prompt_lengths(prompts: Sequence[str], tokenizer: Any, chat_template: 
     response: vLLM refuses a longer prompt only at the first rollout (after the warm-up), and a prompt that
     leaves less room gets its responses cut short of max_tokens. Raises ValueError naming the first such row,
     how many there are, and the fix."""
-    budget = max_model_len - max_tokens
     lengths = [len(encode_prompt(tokenizer, p, chat_template, system_prompt)[1]) for p in prompts]
+    check_lengths(lengths, max_model_len, max_tokens, name)
+
+
+def check_lengths(lengths: Sequence[int], max_model_len: int, max_tokens: int, name: str,
+                  what: str = "its prompt") -> None:
+    """check_prompt_lengths on token counts already known (`what` names them: an environment's first turn)."""
+    budget = max_model_len - max_tokens
     over = [i for i, n in enumerate(lengths) if n > budget]
     if not over:
         return
     first, longest = over[0], max(lengths)
-    what = (f"longer than rollout.max_model_len={max_model_len}" if lengths[first] > max_model_len else
+    room = (f"longer than rollout.max_model_len={max_model_len}" if lengths[first] > max_model_len else
             f"leaves {max_model_len - lengths[first]} tokens of rollout.max_model_len={max_model_len} for a "
             f"response of rollout.max_tokens={max_tokens}")
-    raise ValueError(f"{name}: row {first}: its prompt is {lengths[first]} tokens, {what}; {len(over)} of "
-                     f"{len(prompts)} rows are too long (the longest: {longest} tokens); fix: "
+    raise ValueError(f"{name}: row {first}: {what} is {lengths[first]} tokens, {room}; {len(over)} of "
+                     f"{len(lengths)} rows are too long (the longest: {longest} tokens); fix: "
                      f"rollout.max_model_len={longest + max_tokens}, or drop or shorten those rows")
 
 
