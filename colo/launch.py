@@ -151,7 +151,7 @@ def prepare_run(cfg: ColoConfig) -> ColoConfig:
     if not cfg.model.path.startswith(config.AUTO):  # presets are written by colo itself
         from colo.config.checks import check_model_readable
 
-        check_model_readable(resolved.model.path)
+        check_model_readable(resolved.model.path, weights=not cfg.model.dummy_weights)
     run_dir = Path(resolved.run.dir)
     try:
         rundir.check_writable(run_dir)
@@ -241,7 +241,7 @@ def check_user_data(cfg: ColoConfig, resolved: ColoConfig) -> None:
                 rows = task_rows(value[len(config.AUTO):], "eval" if key == "eval_path" else "train", cfg.run.seed)
             else:
                 rows = [{"prompt": str(r[cfg.data.prompt_key]), "answer": str(r[cfg.data.answer_key])}
-                        for r in read_rows(path, [cfg.data.prompt_key, cfg.data.answer_key])]
+                        for r in read_rows(path, [cfg.data.prompt_key, cfg.data.answer_key], text=[cfg.data.prompt_key])]
             if tok is None:
                 tok = driver_tokenizer(cfg, resolved)
                 chat = uses_chat_template(cfg, tok)

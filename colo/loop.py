@@ -60,6 +60,7 @@ from colo.algo.batch import build_batch, shard_batch, torch_threads
 from colo.algo.rewards import RewardError, RewardRunner
 from colo.cluster.actors import ActorDied, ActorError, Cluster, node_loss, start_cluster
 from colo.config import ColoConfig, to_dict
+from colo.envs.base import EnvError
 from colo.run.metrics import MetricsWriter, ProgressLine, WandbSettings
 from colo.data.inputs import RunInputs, open_inputs
 from colo.run.logs import link_ray_logs, log_of
@@ -571,7 +572,7 @@ def run(cfg: ColoConfig, warm: WarmClusters | None = None) -> int:
     except KeyboardInterrupt:  # Ctrl-C or SIGTERM (colo.run.signals)
         healthy = False  # an actor may still be in the call the signal cut short: a warm cluster is not kept
         return stopped(cluster, inputs, pos, stop, progress)
-    except (RewardError, TrainingDiverged) as e:  # the trainers hold a whole policy: save it
+    except (RewardError, TrainingDiverged, EnvError) as e:  # the trainers hold a whole policy: save it
         return fail(cluster, inputs, pos, e, keep_policy=True, progress=progress)
     except OSError as e:  # the driver's own writes (metrics, logs): a full or vanished disk
         return fail(cluster, inputs, pos, e, keep_policy=True, progress=progress)

@@ -282,6 +282,21 @@ def _check_weights(cfg: ColoConfig) -> None:
                           f"({'/'.join('*' + s for s in WEIGHT_SUFFIXES)}); fix: the checkpoint dir with its "
                           "weights, or model.dummy_weights=true for random weights")
     check_safetensors(local)
+    check_tokenizer_files(local, cfg.model.path)
+
+
+# what a tokenizer is saved as: without any of them transformers builds an empty one (1 token, every text -> [])
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model",
+                   "sentencepiece.bpe.model", "tiktoken.model", "qwen.tiktoken")
+
+
+def check_tokenizer_files(model_dir: Path, value: str) -> None:
+    """A checkpoint dir must carry its tokenizer: prompts would otherwise encode to nothing ("sample 0: empty
+    prompt" after the cluster started)."""
+    if not any((Path(model_dir) / f).is_file() for f in TOKENIZER_FILES):
+        raise ConfigError(f"model.path={value} has no tokenizer (none of {', '.join(TOKENIZER_FILES[:4])}, ...); "
+                          "fix: save the tokenizer of the model it comes from into it, e.g. AutoTokenizer."
+                          f"from_pretrained(<base model>).save_pretrained('{value}')")
 
 
 def check_safetensors(model_dir: Path) -> None:
@@ -318,22 +333,47 @@ def _safetensors_problem(path: Path) -> str | None:
     return None
 
 
-def check_model_readable(path: str) -> None:
-    """transformers must read the checkpoint's config (imports transformers and torch: colo.launch runs it
-    for a real launch only, after validate() and before the run dir is created)."""
+def check_model_readable(path: str, weights: bool = True) -> None:
+    """transformers must read the checkpoint's config, its tokenizer must encode text, and (`weights`: not
+    model.dummy_weights) every tensor of its safetensors headers must be what config.json's model holds
+    (colo.models.headers). Imports transformers and torch: colo.launch runs it for a real launch only, after
+    validate() and before the run dir is created, so nothing has started when it refuses."""
     try:
         from transformers import AutoConfig
 
         AutoConfig.from_pretrained(path)
-        check_safetensors(Path(path))  # a Hub model, downloaded since validate(): its files too
-    except ConfigError:
-        raise
     except Exception as e:  # noqa: BLE001 (whatever transformers raises: one line, exit 2)
-        what = " ".join(str(e).split())  # one line, however many transformers wrote
-        what = what if len(what) <= 240 else what[:237] + "..."
-        raise ConfigError(f"model.path={path}: transformers cannot read its config.json: "
-                          f"{type(e).__name__}: {what}; fix: a config.json written by save_pretrained of a "
-                          "supported family") from e
+        raise ConfigError(f"model.path={path}: transformers cannot read its config.json: {_one_line(e)}; fix: a "
+                          "config.json written by save_pretrained of a supported family") from e
+    check_tokenizer_files(Path(path), path)  # a Hub model, downloaded since validate(): its files too
+    from colo.data.prompts import load_tokenizer
+
+    try:
+        ids = load_tokenizer(path)("Hello world")["input_ids"]
+    except Exception as e:  # noqa: BLE001
+        raise ConfigError(f"model.path={path}: its tokenizer cannot be loaded: {_one_line(e)}; fix: re-save the "
+                          "tokenizer with save_pretrained into it") from e
+    if not ids:
+        raise ConfigError(f"model.path={path}: its tokenizer encodes text to no tokens (an empty vocabulary); fix: "
+                          "save the tokenizer of the model it comes from into it (AutoTokenizer.save_pretrained)")
+    if not weights:
+        return
+    check_safetensors(Path(path))
+    from colo.models.headers import weight_problems
+
+    try:
+        problems = weight_problems(path)
+    except Exception as e:  # noqa: BLE001 (transformers cannot build the config's model: one line, exit 2)
+        raise ConfigError(f"model.path={path}: cannot build the model of its config.json to check its weights: "
+                          f"{_one_line(e)}; fix: a config.json written by save_pretrained of a supported family") from e
+    if problems:
+        raise ConfigError(f"model.path={path}: its weights do not match its config.json: {'; '.join(problems)}; "
+                          "fix: the config.json these weights were saved with, or the weights of this config")
+
+
+def _one_line(e: BaseException) -> str:
+    what = " ".join(str(e).split())  # one line, however many lines transformers wrote
+    return f"{type(e).__name__}: " + (what if len(what) <= 240 else what[:237] + "...")
 
 
 def expert_parallel_size(device: str, num_gpus: int, mode: str = "colocated") -> int:
@@ -423,19 +463,49 @@ def _check_data(cfg: ColoConfig, key: str) -> None:
         raise ConfigError(f"{key}={value} does not exist or is not a file; {fix}")
     if path.suffix not in FILE_SUFFIXES:
         raise ConfigError(f"{key}={value}: unknown format {path.suffix!r}, not {FILE_SUFFIXES}; {fix}")
+    empty = (f"{key}={value} is empty: %s, no rows; fix: point {key} at a file with one row per prompt "
+             f"('{cfg.data.prompt_key}' and '{cfg.data.answer_key}' fields), or use {key}=auto:arith")
     try:
         if path.suffix == ".parquet":
             import pyarrow.parquet as pq
 
-            fields = set(pq.read_schema(path).names)
+            meta = pq.read_metadata(path)
+            schema = meta.schema.to_arrow_schema()
+            if meta.num_rows == 0:
+                raise ConfigError(empty % "a Parquet file of 0 rows")
+            fields, first = set(schema.names), None
         else:
             with open(path, "rb") as f:  # the first row only; every row and byte: colo.data.prompts.read_rows
-                first = next((line for line in f if line.strip()), b"{}")
-            fields = set(json.loads(first.decode("utf-8")))
+                line = next((line for line in f if line.strip()), None)
+            if line is None:
+                raise ConfigError(empty % ("0 bytes" if path.stat().st_size == 0 else "only blank lines"))
+            first = json.loads(line.decode("utf-8"))
+            fields = set(first) if isinstance(first, dict) else set()
+    except ConfigError:
+        raise
     except Exception as e:  # unreadable (permissions, not UTF-8, corrupt Parquet, bad JSON line)
         raise ConfigError(f"{key}={value} is unreadable: {type(e).__name__}: "
                           f"{str(e).splitlines()[0] if str(e) else ''}; {fix}") from e
     _check_fields(cfg, key, value, fields)
+    if first is None:  # Parquet: the prompt column's type, from the schema
+        import pyarrow as pa
+
+        kind = schema.field(cfg.data.prompt_key).type
+        if not (pa.types.is_string(kind) or pa.types.is_large_string(kind)):
+            raise ConfigError(_not_text(key, value, cfg.data.prompt_key, f"{kind} values"))
+    elif not isinstance(first[cfg.data.prompt_key], str):
+        raise ConfigError(_not_text(key, value, cfg.data.prompt_key,
+                                    f"{_a(type(first[cfg.data.prompt_key]).__name__)} in its first row"))
+
+
+def _a(noun: str) -> str:
+    return ("an " if noun[:1] in "aeiou" else "a ") + noun
+
+
+def _not_text(key: str, value: str, prompt_key: str, what: str) -> str:
+    return (f"{key}={value}: the prompt column '{prompt_key}' holds {what}, not text (the run would train on "
+            f"prompts like '1000'); fix: data.prompt_key= the column that holds the prompts, or make it a string "
+            f"column (e.g. df['{prompt_key}'] = df['{prompt_key}'].astype(str) if those are the prompts)")
 
 
 def _check_fields(cfg: ColoConfig, key: str, value: str, fields: set[str]) -> None:

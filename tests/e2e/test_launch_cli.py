@@ -209,6 +209,8 @@ def test_bad_checkpoints_refused_before_ray(tmp_path: Path) -> None:
     assert_config_error(run_cli(f"model.path={ckpt}", runs, cwd=tmp_path), "no weight files",
                         "model.dummy_weights=true")
     (ckpt / "model.safetensors").write_bytes((2).to_bytes(8, "little") + b"{}")  # no tensors
+    assert_config_error(run_cli(f"model.path={ckpt}", runs, cwd=tmp_path), "has no tokenizer")
+    (ckpt / "tokenizer.json").write_text("{}")
     (ckpt / "config.json").write_text(json.dumps({**qwen, "model_type": "qwen3_moe_nonesuch"}))
     assert_config_error(run_cli(f"model.path={ckpt}", runs, cwd=tmp_path), "transformers cannot read")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]  # no run dir, no Ray session dir
