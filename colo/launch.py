@@ -83,7 +83,7 @@ def _run(args: argparse.Namespace, warm: WarmClusters | None = None) -> int:
     if cfg.run.resume:  # the run's own saved config, this command's env and overrides on top
         from colo.config.resume import load_resumed
 
-        resumed = load_resumed(cfg.run.dir, overrides)
+        resumed = load_resumed(cfg.run.dir, overrides, config_file=args.config)  # an explicit --config only
         cfg, path = resumed.cfg, str(resumed.base)
     config.validate(cfg, check_gpus=not args.dry_run)
     from colo.rollout.vllm_compat import check_installed  # package metadata only: no vLLM import
@@ -121,7 +121,7 @@ def _run(args: argparse.Namespace, warm: WarmClusters | None = None) -> int:
     check_fits(cfg)  # a job that cannot fit is refused before anything is written or started
     if warm is not None:
         warm.check(config.resolve(cfg, download=False))  # the concrete device: "auto" is resolved
-    cfg = prepare_run(cfg)
+    cfg = prepare_run(cfg, config_file=path)
     if resumed:
         print(resumed.describe(cfg), flush=True)
     print(f"colo: run dir {cfg.run.dir}", flush=True)
@@ -135,24 +135,31 @@ def _run(args: argparse.Namespace, warm: WarmClusters | None = None) -> int:
     return status if isinstance(status, int) else 0
 
 
-def prepare_run(cfg: ColoConfig) -> ColoConfig:
+def prepare_run(cfg: ColoConfig, config_file: str | None = None) -> ColoConfig:
     """Resolve the config, create run.dir, generate auto: model/data into it, save the config: config.yaml
+    and origin.json (what the run started from: colo.run.origin; `config_file`, the --config it started with)
     at the start of a run, config.resume-<n>.yaml at its n-th resume (config.yaml is never rewritten).
 
     Returns the resolved config (concrete device, absolute paths) that the loop and actors get;
-    `--resume run.dir=<run.dir>` continues from it. Generation is idempotent, so a resumed run reuses the
-    model and data it started with."""
+    `--resume run.dir=<run.dir>` continues from it. A resume generates nothing: the run's model and data are
+    the ones it started with, and must still be there."""
     from colo import config
 
     from colo.run import rundir
 
     resolved = config.resolve(cfg)  # may download a Hub model: still before anything is written
+    run_dir = Path(resolved.run.dir)
+    if cfg.run.resume:
+        for key, value in (("model.path", resolved.model.path), ("data.path", resolved.data.path),
+                           ("data.eval_path", resolved.data.eval_path)):
+            if value and Path(value).is_relative_to(run_dir) and not Path(value).exists():
+                raise config.ConfigError(f"--resume: the run's {key} {value} is gone (it was generated at the run's "
+                                         "start and is not generated again); fix: restore it from a copy of the run")
     check_user_data(cfg, resolved)
     if not cfg.model.path.startswith(config.AUTO):  # presets are written by colo itself
         from colo.config.checks import check_model_readable
 
         check_model_readable(resolved.model.path, weights=not cfg.model.dummy_weights)
-    run_dir = Path(resolved.run.dir)
     try:
         rundir.check_writable(run_dir)
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -161,7 +168,11 @@ def prepare_run(cfg: ColoConfig) -> ColoConfig:
         raise config.ConfigError(str(e) if isinstance(e, rundir.RunDirError) else
                                  f"run.dir={run_dir}: {e}; fix: a writable run.dir") from e
     if cfg.run.resume:
+        from colo.config.resume import next_resume_config
+
         set_aside_damaged(run_dir)
+        config.save_resolved(resolved, run_dir, next_resume_config(run_dir).name)
+        return resolved
     if cfg.model.path.startswith(config.AUTO):
         from transformers.utils import logging as hf_logging
 
@@ -175,13 +186,19 @@ def prepare_run(cfg: ColoConfig) -> ColoConfig:
             from colo.data.tasks import make_task
 
             make_task(value[len(config.AUTO):], run_dir / "data", seed=cfg.run.seed)
-    if cfg.run.resume:
-        from colo.config.resume import next_resume_config
-
-        config.save_resolved(resolved, run_dir, next_resume_config(run_dir).name)
-    else:
-        config.save_resolved(resolved, run_dir)
+    config.save_resolved(resolved, run_dir)
+    _write_origin(cfg, resolved, config_file)
     return resolved
+
+
+def _write_origin(cfg: ColoConfig, resolved: ColoConfig, config_file: str | None) -> None:
+    from colo.config.resume import file_values
+    from colo.run.origin import write_origin
+
+    values = file_values(config_file) if config_file else {}
+    specs = {"model.path": cfg.model.path, "data.path": cfg.data.path, "data.eval_path": cfg.data.eval_path}
+    write_origin(resolved.run.dir, specs, config_file, values, resolved.model.path,
+                 {"data.path": resolved.data.path, "data.eval_path": resolved.data.eval_path})
 
 
 def set_aside_damaged(run_dir: Path) -> None:
