@@ -157,7 +157,7 @@ def prepare_run(cfg: ColoConfig, config_file: str | None = None) -> ColoConfig:
                                          "start and is not generated again); fix: restore it from a copy of the run")
     check_user_data(cfg, resolved)
     if not cfg.model.path.startswith(config.AUTO):  # presets are written by colo itself
-        from colo.config.checks import check_model_readable
+        from colo.config.weights import check_model_readable
 
         check_model_readable(resolved.model.path, weights=not cfg.model.dummy_weights)
     try:

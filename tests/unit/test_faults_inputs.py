@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from colo.config import ConfigError, load_config, resolve, validate
-from colo.config.checks import check_model_readable
+from colo.config.weights import check_model_readable
 
 
 @pytest.fixture(scope="module")
