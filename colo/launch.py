@@ -119,6 +119,9 @@ def _run(args: argparse.Namespace, warm: WarmClusters | None = None) -> int:
         print("\n(dry run: nothing was written or started)")
         return 0
     check_fits(cfg)  # a job that cannot fit is refused before anything is written or started
+    from colo.host.procs import sweep as sweep_processes
+
+    sweep_processes()  # what a run killed with SIGKILL left running on this host, by pid (colo.host.procs)
     if warm is not None:
         warm.check(config.resolve(cfg, download=False))  # the concrete device: "auto" is resolved
     cfg = prepare_run(cfg, config_file=path)

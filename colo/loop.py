@@ -58,7 +58,8 @@ import torch
 from colo.algo.advantages import step_advantages
 from colo.algo.batch import build_batch, shard_batch, torch_threads
 from colo.algo.rewards import RewardError, RewardRunner
-from colo.cluster.actors import ActorDied, ActorError, Cluster, node_loss, start_cluster
+from colo.cluster.actors import ActorDied, ActorError, Cluster, leave, node_loss, shutdown_ray, start_cluster
+from colo.cluster.head import HeadLost
 from colo.config import ColoConfig, to_dict
 from colo.envs.base import EnvError
 from colo.run.metrics import MetricsWriter, ProgressLine, WandbSettings
@@ -572,7 +573,7 @@ def run(cfg: ColoConfig, warm: WarmClusters | None = None) -> int:
     except KeyboardInterrupt:  # Ctrl-C or SIGTERM (colo.run.signals)
         healthy = False  # an actor may still be in the call the signal cut short: a warm cluster is not kept
         return stopped(cluster, inputs, pos, stop, progress)
-    except (RewardError, TrainingDiverged, EnvError) as e:  # the trainers hold a whole policy: save it
+    except (RewardError, TrainingDiverged, EnvError, HeadLost) as e:  # the trainers hold a whole policy: save it
         return fail(cluster, inputs, pos, e, keep_policy=True, progress=progress)
     except OSError as e:  # the driver's own writes (metrics, logs): a full or vanished disk
         return fail(cluster, inputs, pos, e, keep_policy=True, progress=progress)
@@ -647,8 +648,10 @@ def shut_down(cluster: Cluster | None, writer: MetricsWriter | None, progress: P
             ends = [a.shutdown.remote() for name, a in cluster.actors() if name not in gone]
             deadline = time.monotonic() + 30
             while ends and time.monotonic() < deadline and not stop.hurry:  # a second signal: stop waiting
-                _, ends = ray.wait(ends, num_returns=len(ends), timeout=0.5)
-        ray.shutdown()
+                done, ends = ray.wait(ends, num_returns=len(ends), timeout=0.5)
+                leave(done)  # read, never dropped: a failed one would print Ray's "Unhandled error" dump
+            leave(ends)
+        shutdown_ray()  # and what Ray's shutdown leaves running, by pid (colo.host.procs)
         sweep()  # what an actor that did not get to its shutdown left in this host's /dev/shm
     finally:
         stop.restore()
