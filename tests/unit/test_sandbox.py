@@ -23,15 +23,15 @@ if isolation.missing():  # CI and this project's machines install it (launch/set
     pytest.fail(f"the sandbox is missing here: {isolation.missing()}", pytrace=False)
 
 
-def in_a_caller(code: str, **kw) -> dict:
-    """run_python(code) from a process of its own (an engine's stand-in): what it returned, and whether the caller
-    lived through it. `code` may name the caller's pid as CALLER."""
+def in_a_caller(code: str, env: dict | None = None, **kw) -> dict:
+    """run_python(code) from a process of its own (an engine's stand-in, with `env` added to its environment): what
+    it returned, and whether the caller lived through it. `code` may name the caller's pid as CALLER."""
     probe = (f"import json, os, resource, sys, time; from colo.envs.sandbox import run_python\n"
              f"t = time.monotonic(); r = run_python({code!r}.replace('CALLER', str(os.getpid())), **{kw!r})\n"
              "print(json.dumps({'stdout': r.stdout, 'error': r.error, 'seconds': time.monotonic() - t,\n"
              "                  'maxrss_mb': resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))")
     p = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120,
-                       env={**os.environ, "PYTHONPATH": str(ROOT)})
+                       env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {})})
     assert p.returncode == 0, f"the caller died: exit {p.returncode}; {p.stderr[-2000:]}"
     return json.loads(p.stdout.splitlines()[-1])
 
@@ -46,15 +46,13 @@ def test_it_cannot_kill_its_parent() -> None:
     assert "ProcessLookupError" in r["stdout"], r  # the caller's pid does not exist in its PID namespace
 
 
-def test_it_cannot_read_the_callers_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_it_cannot_read_the_callers_environment() -> None:
     """/proc/<parent>/environ held WANDB_API_KEY (Ray passes the driver's environment to actors)."""
-    monkeypatch.setenv("WANDB_API_KEY", "sekrit-4711")
-    code = (f"import glob\nfor f in ['/proc/{os.getpid()}/environ', '/proc/{os.getppid()}/environ',"
-            " *glob.glob('/proc/*/environ')]:\n"
+    code = ("import glob\nfor f in ['/proc/CALLER/environ', '/proc/1/environ', *glob.glob('/proc/*/environ')]:\n"
             "    try:\n        print(f, open(f, 'rb').read())\n    except OSError as e:\n        print(f, type(e).__name__)")
-    r = run_python(code, timeout_s=20)
-    assert r.error is None and f"/proc/{os.getpid()}/environ FileNotFoundError" in r.stdout, r
-    assert "sekrit-4711" not in r.stdout and "WANDB" not in r.stdout, r
+    r = in_a_caller(code, env={"WANDB_API_KEY": "sekrit-4711"}, timeout_s=20)
+    assert r["error"] is None and "/environ FileNotFoundError" in r["stdout"].splitlines()[0], r
+    assert "sekrit-4711" not in r["stdout"] and "WANDB" not in r["stdout"], r
 
 
 def test_it_cannot_read_the_users_files(tmp_path: Path) -> None:
