@@ -37,7 +37,9 @@ if ! command -v bwrap >/dev/null 2>&1; then
   if [[ "$(id -u)" == 0 ]] && command -v apt-get >/dev/null 2>&1; then
     echo "setup: installing bubblewrap (the Python tool's sandbox)"
     export DEBIAN_FRONTEND=noninteractive
-    apt-get install -y -qq bubblewrap >/dev/null 2>&1 || { apt-get update -qq && apt-get install -y -qq bubblewrap >/dev/null; }
+    apt-get install -y -qq bubblewrap >/dev/null 2>&1 ||
+      { apt-get update -qq >/dev/null 2>&1 && apt-get install -y -qq bubblewrap >/dev/null 2>&1; } ||
+      echo "setup: note: could not install bubblewrap with apt-get; algo.environment=python is refused without it"
   else
     echo "setup: note: bubblewrap (bwrap) is not installed; algo.environment=python is refused without it" \
          "(install: sudo apt-get install bubblewrap, or dnf install bubblewrap)"
