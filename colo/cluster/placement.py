@@ -171,7 +171,7 @@ def init_ray(plan: PlacementPlan, address: str = "", **kwargs: Any) -> None:
     import ray
 
     from colo.cluster.head import watch_head
-    from colo.host.procs import record
+    from colo.host.procs import children, record
 
     if ray.is_initialized():
         watch_head()
@@ -190,9 +190,10 @@ def init_ray(plan: PlacementPlan, address: str = "", **kwargs: Any) -> None:
         need = len(plan.rows) * plan.cpus_per_bundle + 2
         kwargs.setdefault("num_cpus", max(os.cpu_count() or 1, need))
         kwargs.setdefault("num_gpus", plan.num_gpus)
+    before = set(children())
     ray.init(**kwargs)
     watch_head()  # a lost GCS or raylet ends the run with a checkpoint (colo.cluster.head)
-    record()  # Ray's head processes, stopped by id at the end however the run ends (colo.host.procs)
+    record([p for p in children() if p not in before])  # Ray's head: stopped by id at the end (colo.host.procs)
 
 
 def create_placement(plan: PlacementPlan, timeout_s: float = 120.0) -> list[PlacementGroup]:

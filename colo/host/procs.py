@@ -1,8 +1,11 @@
 """The processes a run starts on this host, recorded by id: stopped by their ids when the run ends, however it
 ends, and swept by the next start when it ended by SIGKILL.
 
-    record()          # the driver, once Ray and the actors run: its descendants (Ray's head processes, the raylet,
-                      # its agents, the actors, vLLM's engine cores), each as (pid, start time)
+    before = children()
+    ray.init(...)
+    record([p for p in children() if p not in before])   # Ray's head processes, and all they started so far
+    record()          # again once the actors run: the raylet's agents, the actors, vLLM's engine cores,
+                      # each as (pid, start time)
     stop_recorded()   # at the end, after ray.shutdown(): whatever of them still runs (SIGTERM, then SIGKILL)
     sweep()           # at a start: the records of drivers that are gone; their processes that still run
 
@@ -42,11 +45,33 @@ def _own_record() -> Path:
     return records_dir() / f"{os.getpid()}-{start_ticks(os.getpid())}.json"
 
 
-def record(pids: list[int] | None = None) -> Path:
-    """Add `pids` (default: every descendant of this process) to this process's record."""
+def children(pid: int | None = None) -> list[int]:
+    """The direct children of `pid` (this process by default)."""
+    out: list[int] = []
+    pid = os.getpid() if pid is None else pid
+    try:
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            out += [int(c) for c in Path(f"/proc/{pid}/task/{tid}/children").read_text().split()]
+    except OSError:
+        pass
+    return out
+
+
+_ROOTS: list[int] = []  # the processes this run started itself (Ray's head): what record() follows
+
+
+def record(roots: list[int] | None = None) -> Path | None:
+    """Add `roots` and every process under them to this process's record; without `roots`, the roots given before
+    (again: more run under them now). Only these: the driver's other children (its multiprocessing resource tracker,
+    an environment's worker) end with it and are not the run's to stop. None when there is nothing to follow (a
+    cluster this driver joined: its processes are the cluster's)."""
+    if roots is not None:
+        _ROOTS[:] = roots
+    if not _ROOTS:
+        return None
     path = _own_record()
     procs = _read(path).get("procs", {})
-    for pid in pids if pids is not None else process_tree(os.getpid())[1:]:
+    for pid in (p for root in _ROOTS for p in process_tree(root)):
         ticks = start_ticks(pid)
         if ticks is not None:
             procs[str(pid)] = ticks
@@ -88,6 +113,7 @@ def stop_recorded(grace_s: float = 5.0) -> list[int]:
         time.sleep(0.1)
     _kill(_live({str(p): procs[str(p)] for p in left}), signal.SIGKILL)
     path.unlink(missing_ok=True)
+    _ROOTS.clear()
     return left
 
 
