@@ -4,8 +4,7 @@
   Per sync: `full_tensor()` of every parameter (one all-gather per tensor, experts included), experts
   un-fused into per-expert checkpoint names, a fresh shared buffer + handle per bucket (opened anew by
   the receiver and let go after it), buckets packed and loaded one after another as the parameters are
-  gathered, and vLLM's own weight loading for every tensor (`reload_weights` / `load_weights`, which
-  re-runs vLLM's post-load processing).
+  gathered, and vLLM's own weight loading for every tensor (`load_weights`, then vLLM's post-load step).
 - `broadcast_weights_baseline` (disaggregated): as vLLM's RLHF examples do it, one broadcast and one
   load_weights per tensor.
 - `push_weights_vllm_ipc` (colocated GPU): vLLM's own packed CUDA-IPC weight-transfer engine, driven as its
@@ -75,7 +74,7 @@ def push_weights_baseline(model: nn.Module, engine: Any, sync_cfg: SyncConfig, r
                 torch.cuda.synchronize(device)
             timings["pack"] += time.perf_counter() - t
             t = time.perf_counter()
-            res = ray.get(engine.load_bucket.remote(0, table, sb.handles()[0]))
+            res = ray.get(engine.load_transient.remote(table, sb.handles()[0]))
             timings["load"] += time.perf_counter() - t
         finally:
             sb.close()
@@ -105,7 +104,7 @@ def push_weights_baseline(model: nn.Module, engine: Any, sync_cfg: SyncConfig, r
     if bucket:
         flush(bucket)
     t = time.perf_counter()
-    res = ray.get(engine.end_sync.remote(False))  # CPU: vLLM's weight loading runs here
+    res = ray.get(engine.end_sync.remote(False))  # vLLM's post-load step runs here
     timings["load"] += time.perf_counter() - t
     errors = list(res.get("errors", []))
     report = {"seconds": time.perf_counter() - t_start, "gather_s": timings["gather"], "pack_s": timings["pack"],
@@ -150,7 +149,7 @@ def broadcast_weights_baseline(model: nn.Module, engines: list, group: Any, sync
         return {"seconds": time.perf_counter() - t_start, "gather_s": timings["gather"], "tensors": 0, "bytes": 0,
                 "buckets": 0, "verified": True, "errors": []}
     t = time.perf_counter()
-    results = ray.get([e.end_sync.remote(False) for e in engines])  # CPU: vLLM's reload runs here
+    results = ray.get([e.end_sync.remote(False) for e in engines])  # vLLM's post-load step runs here
     timings["load"] += time.perf_counter() - t
     errors = [f"engine {i}: {x}" for i, r in enumerate(results) for x in r.get("errors", [])]
     report = {"seconds": time.perf_counter() - t_start, "gather_s": timings["gather"], "pack_s": 0.0,

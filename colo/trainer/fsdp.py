@@ -59,11 +59,18 @@ def _logprob_forward(self: nn.Module, input_ids: torch.Tensor, attention_mask: t
                             token_loss=token_loss)
 
 
+def _probe_forward(self: nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
+    """(S, T, V) float32 logits of unpadded sequences input_ids (S, T): the sync's functional check
+    (colo.sync.probe), a few dozen tokens, so the whole logits are fine here."""
+    hidden = self.get_decoder()(input_ids=input_ids, use_cache=False).last_hidden_state  # (S, T, H)
+    return hidden.float() @ self.get_output_embeddings().weight.float().T
+
+
 def enable_logprob_forward(model: nn.Module) -> nn.Module:
     """Give the sharded root `model.colo_logprobs(input_ids, attention_mask, position_ids, temperature, chunk,
-    bounds)`,
-    registered with FSDP2 as a forward method: its pre/post-forward hooks gather the root's params (embedding,
-    final norm, lm_head) around it as around forward, and backward reduce-scatters the lm_head's gradient that
+    bounds)` and `model.colo_probe(input_ids)`,
+    registered with FSDP2 as forward methods: their pre/post-forward hooks gather the root's params (embedding,
+    final norm, lm_head) around them as around forward, and backward reduce-scatters the lm_head's gradient that
     the chunked function produces. Calling the decoder and the weight outside such a method would read
     sharded DTensors."""
     import types
@@ -72,6 +79,8 @@ def enable_logprob_forward(model: nn.Module) -> nn.Module:
 
     model.colo_logprobs = types.MethodType(_logprob_forward, model)
     register_fsdp_forward_method(model, "colo_logprobs")
+    model.colo_probe = types.MethodType(_probe_forward, model)
+    register_fsdp_forward_method(model, "colo_probe")
     return model
 
 

@@ -79,6 +79,7 @@ class TwoNodes:
         self._noted: dict[int, float] = {}  # pid -> create time of processes seen in our nodes' trees
         # short: Ray's unix socket paths under it must stay within 107 bytes
         self.tmp = Path(tempfile.mkdtemp(prefix="cmn", dir="/tmp"))
+        self.keep_logs = False  # a start that failed keeps its nodes' logs (its error names them)
 
     # ---------------------------------------------------------------------------------------- network
     def _net_up(self) -> None:
@@ -169,9 +170,11 @@ class TwoNodes:
             self.watcher.wait()
             self.watcher = None
 
-    def _wait_nodes(self, n: int, timeout: float = 90) -> None:
+    def _wait_nodes(self, n: int, timeout: float = 300) -> None:
         """Until the GCS counts n nodes alive; the node just spawned has said "Ray runtime started." in its log
-        first (read, not asked: the GCS is asked once it is worth asking)."""
+        first (read, not asked: the GCS is asked once it is worth asking). 300 s: alone a node is up in ~10 s, but in
+        the full suite on a loaded 2-core machine 90 s were seen to pass without it (the suite on an Intel Xeon,
+        2026-11-28); a node that gave up ends the wait at once, so only a slow start waits longer."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline and all(p.poll() is None for p in self.procs):
             with open(self._log, "rb") as f:
@@ -185,8 +188,11 @@ class TwoNodes:
             if len(self.alive_nodes()) >= n:
                 return
             time.sleep(0.5)
+        self.keep_logs = True  # stop() leaves them where this message says
+        tails = "".join(f"\n--- {log} (last lines) ---\n{_tail(self.tmp / log)}" for log in ("head.log", "worker.log")
+                        if (self.tmp / log).exists())
         raise RuntimeError(f"Ray cluster of {n} node(s) not up in {timeout:.0f} s ({self.kind}); "
-                           f"logs: {self.tmp}/head.log, worker.log")
+                           f"logs (kept): {self.tmp}/head.log, worker.log{tails}")
 
     def worker_raylet_pid(self) -> int:
         """The raylet under the worker node's `ray start --block` (our child's child)."""
@@ -211,7 +217,8 @@ class TwoNodes:
             _stop_tree(p, self._noted)
         self.procs.clear()
         self._net_down()
-        shutil.rmtree(self.tmp, ignore_errors=True)
+        if not self.keep_logs:
+            shutil.rmtree(self.tmp, ignore_errors=True)
 
     def __enter__(self) -> "TwoNodes":
         try:
@@ -222,6 +229,10 @@ class TwoNodes:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def _tail(path: Path, lines: int = 15) -> str:
+    return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
 
 
 def _tree(p: subprocess.Popen) -> dict[int, float]:

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Every model family's sync on CUDA, checked: for each family, its checkpoint with the shapes vLLM's CUDA
-# kernels need (`colo.models.families --cuda`: DeepSeek-V3 with its real MLA head dims), then
+# kernels need (colo.models.families: DeepSeek-V3 with its real MLA head dims), then
 # `colo.bench.sync --model DIR --check` on one GPU (ours against the straightforward path; --check: perturbed
 # weights synced, greedy tokens and log-probs equal a fresh engine loading the trainer's export).
 #
@@ -23,7 +23,7 @@ families=${*:-deepseek_v3 gpt_oss glm4_moe qwen3_moe qwen2_moe mixtral qwen3}
 status=0
 for f in $families; do
   t0=$SECONDS
-  "$PY" -m colo.models.families "$CKPT/$f" --family "$f" --cuda >>"$OUT/families.log" 2>&1
+  "$PY" -m colo.models.families "$CKPT/$f" --family "$f" >>"$OUT/families.log" 2>&1
   timeout -k 15 "$LIMIT" "$PY" -m colo.bench.sync --model "$CKPT/$f" --ranks 1 --device cuda --check --reps 2 \
       --no-vllm-ipc --json >"$OUT/families-$f.json" 2>>"$OUT/families.log"
   rc=$?

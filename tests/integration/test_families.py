@@ -29,17 +29,16 @@ from pathlib import Path
 
 import pytest
 import ray
-
+from warm_clusters import WarmEngine, WarmTrainer
 
 from colo.bench.sync import LOGPROB_ATOL, compare, greedy
 from colo.cluster.actors import Cluster, connect_weight_group, start_cluster
 from colo.config import from_dict, load_config, to_dict
 from colo.models.archs import ARCHS, REPLAY_ARCHS
-from colo.models.families import FAMILIES, make_family_model
+from colo.models.families import FAMILIES, TOKENIZER_VOCAB, make_family_model
 from colo.cluster.placement import plan_placement, remove_placement, scheduling
-from colo.rollout.engine import Engine
 from colo.rollout.extension import WorkerExtension
-from colo.trainer.worker import Trainer
+from colo.sync.probe import TOLERANCE, ProbeSchedule
 
 pytestmark = pytest.mark.slow
 
@@ -69,7 +68,7 @@ class Recorder:
         return out
 
 
-class FamilyTrainer(Recorder, Trainer):
+class FamilyTrainer(Recorder, WarmTrainer):
     """TrainWorker that can rebuild itself on another checkpoint in the same process group, keeps the
     disaggregated link's plan and buffers apart from the colocated one's, and records its phases."""
 
@@ -82,12 +81,12 @@ class FamilyTrainer(Recorder, Trainer):
     def train_step(self, batch: dict) -> dict:
         return self._timed("train_step", super().train_step, batch)
 
-    def sync_weights(self, engines: list) -> dict:
-        return self._timed("sync_weights", super().sync_weights, engines)
+    def sync_weights(self, engines: list, probe: list[list[int]] | None = None) -> dict:
+        return self._timed("sync_weights", super().sync_weights, engines, probe)
 
     def reload(self, cfg: dict) -> dict:
         self._apart = None  # the Sender of the disaggregated link to engine 3
-        return self.reconfigure(cfg)  # the product's (colo.cluster.warm's): model, optimizer, sync buffers anew
+        return self.reconfigure(cfg)  # the warm clusters' (tests/warm_clusters.py): model, optimizer, sync buffers anew
 
     def broadcast_apart(self, engines: list) -> dict:
         from colo.sync.sender import Sender
@@ -117,11 +116,12 @@ class FamilyTrainer(Recorder, Trainer):
         return tampered.push(raise_on_error=False)
 
     def sync_reference(self, engine) -> dict:
-        """sync.mode=load_weights: checkpoint-named, unpadded tensors into vLLM's own loaders."""
+        """sync.mode=load_weights: checkpoint-named, unpadded tensors into vLLM's own loaders (whole tensors: 8 MiB
+        buckets hold DeepSeek-V3's 4-MiB kv_b_proj)."""
         from colo.config import SyncConfig
         from colo.sync.sender import Sender
 
-        reference = Sender.colocated(self.model, SyncConfig(mode="load_weights", bucket_mb=1), engine)
+        reference = Sender.colocated(self.model, SyncConfig(mode="load_weights", bucket_mb=8), engine)
         try:
             return reference.push()
         finally:
@@ -132,7 +132,16 @@ EMBED = "model.embed_tokens.weight"
 
 
 class FamilyWorkerExtension(WorkerExtension):
-    """colo's worker extension plus a way to make the engine's weights wrong in place."""
+    """colo's worker extension plus ways to make the engine's weights wrong in place: noise, or a sync that
+    writes every byte but skips vLLM's post-load step (colo.sync.refresh)."""
+
+    def colo_skip_refresh(self, skip: bool) -> None:
+        self._colo_skip = bool(skip)
+
+    def _colo_refresh(self, st) -> int:
+        if getattr(self, "_colo_skip", False):  # the modules keep their checkpoint-layout tensors, unprocessed;
+            return 0  # the next sync that refreshes processes them and writes back (Refresher.open keeps them)
+        return super()._colo_refresh(st)
 
     def colo_scramble(self, seed: int) -> int:
         """Every floating-point vLLM parameter (in whatever layout vLLM keeps it) overwritten with uniform noise;
@@ -147,7 +156,7 @@ class FamilyWorkerExtension(WorkerExtension):
         return n
 
 
-class FamilyEngine(Recorder, Engine):
+class FamilyEngine(Recorder, WarmEngine):
     """RolloutEngine that can start vLLM again on another checkpoint (random weights when `dummy`), scramble its
     weights in place, and records its phases."""
 
@@ -156,6 +165,9 @@ class FamilyEngine(Recorder, Engine):
     def scramble(self, seed: int) -> int:
         """Random weights without starting vLLM again (~3 CPU-s less than restart(cfg, dummy=True) on 2 cores)."""
         return sum(self._rpc_all("colo_scramble", seed))
+
+    def skip_refresh(self, skip: bool) -> None:
+        self._rpc_all("colo_skip_refresh", skip)
 
     def generate(self, *args) -> list[dict]:
         return self._timed("generate", super().generate, *args)
@@ -173,7 +185,8 @@ class FamilyEngine(Recorder, Engine):
         return self._timed("end_sync", super().end_sync, digest)
 
     def restart(self, cfg: dict, dummy: bool) -> dict:
-        """The product's Engine.reconfigure (colo.cluster.warm's) on `cfg`, with random weights when `dummy`."""
+        """The warm clusters' WarmEngine.reconfigure (tests/warm_clusters.py) on `cfg`, with random weights when
+        `dummy`."""
         return self.reconfigure({**cfg, "model": {**cfg["model"], "dummy_weights": dummy}})
 
 
@@ -252,7 +265,8 @@ def test_every_mapped_architecture_has_a_family_checkpoint() -> None:
 @pytest.mark.parametrize("family", CPU_FAMILIES)
 def test_family_syncs_equivalent_and_trains(rig: Rig, family: str) -> None:
     from colo.data.inputs import open_inputs
-    from colo.loop import Position, rl_step, sync_all, warm_up
+    from colo.cluster.probing import check_probe
+    from colo.loop import Job, rl_step, sync_all, warm_up
     from colo.algo.rewards import RewardRunner
 
     d = rig.load(family)
@@ -261,12 +275,25 @@ def test_family_syncs_equivalent_and_trains(rig: Rig, family: str) -> None:
     dummy = greedy(c.engines)
     assert any(g[0] != w[0] for g, w in zip(dummy[0], want)), "random weights already give the disk tokens"
 
-    # colocated: shared memory into engines 1 and 2, every param covered exactly, digests equal
-    reps = c.trainer_group.sync_weights()
-    for r in reps:
-        assert r["verified"] and r["digest_checked"] and r["plan"] == "direct", r["errors"]
+    # colocated: shared memory into engines 1 and 2, every param covered exactly, digests equal, and the
+    # functional check: the engines score the probe sequences as the trainers do (colo.sync.probe)
+    cfg = from_dict(d)
+    seqs = ProbeSchedule(TOKENIZER_VOCAB, cfg.rollout.max_model_len, 1).next()
+    synced, policy = sync_all(c, seqs)
+    assert synced["sync/verified"] and synced["sync/bytes"] > 0
+    check_probe(c, cfg, seqs, policy, synced)
+    assert synced["sync/probe"] == 1.0 and synced["sync/probe_err"] < TOLERANCE["bfloat16"] / 2, synced
     for e, got in enumerate(greedy(c.engines)):
         _same(got, want, f"{family} colocated engine {e}")
+    print(f"{family}: probe error after a correct sync {synced['sync/probe_err']:.4f}")  # -s shows the margin
+
+    # reference mode (sync.mode=load_weights): noise in the engines' weights, then whole checkpoint tensors through
+    # vLLM's own loaders into the same checkpoint-layout tensors, the same post-load refresh
+    ray.get([e.scramble.remote(2) for e in c.engines])
+    reps = ray.get([t.sync_reference.remote(e) for t, e in zip(c.trainers, c.engines)])
+    assert all(r["verified"] for r in reps), [r["errors"] for r in reps]
+    for e, got in enumerate(greedy(c.engines)):
+        _same(got, want, f"{family} reference path, engine {e}")
 
     # disaggregated: engine 3's weights scrambled in place, then it gets them by broadcast from trainer rank 0 (until
     # 2026-11-27 engine 3 restarted with random weights: the same wrong start, one vLLM start more per family)
@@ -279,21 +306,21 @@ def test_family_syncs_equivalent_and_trains(rig: Rig, family: str) -> None:
     _same(greedy([rig.remote])[0], want, f"{family} disaggregated")
     rig.loaded = None  # engine 3 is no disk oracle any more: the next load restarts everything
 
-    # the loop: warm-up step, its sync, two GRPO steps (each ends in a verified sync)
-    cfg = from_dict(d)
+    # the loop: warm-up step, its sync, two GRPO steps (each ends in a verified sync, checked by the probe)
     inputs = open_inputs(cfg)
     rewards = RewardRunner(list(cfg.algo.rewards))
     try:
         warm = warm_up(c, cfg, inputs)
         assert warm["sft/loss_first"] > 0
-        assert sync_all(c)["sync/verified"]
+        assert sync_all(c)[0]["sync/verified"]
         cfg.trainer.offload = True  # the whole colocated timeline (the trainers' own config keeps offload off)
-        c.trainer_group.offload()  # as colo.loop.run does after the warm-up
-        pos = Position(-1, inputs.train_data.state_dict())
+        job = Job.of(c, cfg, inputs, rewards)  # the sync schedule, the colocated side
+        job.probes = ProbeSchedule(inputs.probe_vocab, 128, 1)  # the functional check on every sync
+        job.side.offload()  # as colo.loop.run does after the warm-up
         for step in range(2):
             ray.get([a.calls.remote() for a in c.trainers + c.engines])  # forget earlier calls
-            m = rl_step(step, c, cfg, inputs, rewards, pos)
-            assert m["sync/verified"] and m["sync/bytes"] > 0
+            m = rl_step(step, job)
+            assert m["sync/verified"] and m["sync/bytes"] > 0 and m["sync/probe"] == 1.0
             assert m["logprob_diff/mean"] < LOGPROB_GAP, (family, step, m["logprob_diff/mean"])
             # the engine's routing is captured for the families R3 replays (docs/routing.md): a layer or
             # token misaligned between engine and trainer would show as a mismatch near 1 - top_k/E
@@ -304,6 +331,36 @@ def test_family_syncs_equivalent_and_trains(rig: Rig, family: str) -> None:
         c.trainer_group.onload()
     finally:
         rewards.close()
+
+
+def test_functional_check_fails_when_the_refresh_is_skipped(rig: Rig) -> None:
+    """DeepSeek-V3 (the family whose engine computed wrong tokens after a "verified" sync on an AMX CPU): engines
+    with random weights get every byte of the trainers' weights (coverage and digests pass) but skip vLLM's
+    post-load step, so they compute with what it derived from the random weights. The byte check cannot see it;
+    the functional check fails and names the first sublayer that differs. A sync that refreshes mends them."""
+    from colo.cluster.probing import SyncMismatch, check_probe
+    from colo.loop import sync_all
+
+    d = rig.load("deepseek_v3")
+    c, cfg = rig.cluster, from_dict(d)
+    ray.get([e.restart.remote(d, True) for e in c.engines])  # random weights: every derived weight from them
+    seqs = ProbeSchedule(TOKENIZER_VOCAB, cfg.rollout.max_model_len, 1).next()
+    ray.get([e.skip_refresh.remote(True) for e in c.engines])
+    try:
+        synced, policy = sync_all(c, seqs)
+        assert synced["sync/verified"]  # every byte arrived
+        with pytest.raises(SyncMismatch) as err:
+            check_probe(c, cfg, seqs, policy, synced)
+    finally:
+        ray.get([e.skip_refresh.remote(False) for e in c.engines])
+    msg = str(err.value)
+    print(msg)  # -s shows the error and the sublayer it names
+    assert msg.startswith("engine 0 computes other log-probs than the trainer") and "error.log" in msg, msg
+    assert "the first sublayer that differs: layer 0 attention" in msg, msg
+    assert synced["sync/verified"] is False  # what the step would log, had the run gone on
+    synced, policy = sync_all(c, seqs)
+    check_probe(c, cfg, seqs, policy, synced)  # raises if the refresh did not mend the engines
+    assert synced["sync/probe_err"] < TOLERANCE["bfloat16"] / 2, synced
 
 
 # One colocated RL step as each actor saw it. A phase ends on every actor before the next begins on any:
