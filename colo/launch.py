@@ -314,8 +314,9 @@ def check_user_data(cfg: ColoConfig, resolved: ColoConfig) -> None:
             if value.startswith(config.AUTO):
                 rows = task_rows(value[len(config.AUTO):], "eval" if key == "eval_path" else "train", cfg.run.seed)
             else:
-                rows = [{"prompt": str(r[cfg.data.prompt_key]), "answer": str(r[cfg.data.answer_key])}
-                        for r in read_rows(path, [cfg.data.prompt_key, cfg.data.answer_key], text=[cfg.data.prompt_key])]
+                keys = [cfg.data.prompt_key, cfg.data.answer_key]
+                rows = [{"prompt": str(r[keys[0]]), "answer": str(r[keys[1]])}
+                        for r in read_rows(path, keys, text=keys[:1])]
             if tok is None:
                 tok = driver_tokenizer(cfg, resolved)
                 chat = uses_chat_template(cfg, tok)

@@ -91,7 +91,8 @@ class Resumed:
                 continue
             if key in RUN_PATHS and new[key] and (new[key] == specs.get(key) or _same_place(new[key], old[key])):
                 continue  # the run's own model or data, named as it was given or by another path
-            out.append(f"{key} {_show(old.get(key))} -> {_show(new.get(key))} ({self.sources.get(key, 'this command')})")
+            source = self.sources.get(key, "this command")
+            out.append(f"{key} {_show(old.get(key))} -> {_show(new.get(key))} ({source})")
         if origin and not out:  # the run's own model and data: where they are now (saved, or moved with the run)
             def where(key: str) -> str:
                 return (new if self.sources.get(key) == "moved with run.dir" else old)[key]

@@ -90,7 +90,8 @@ def run_python(code: str, timeout_s: float = 10.0, memory_mb: int = 1024, max_pr
         raise SandboxUnavailable(problem)
     python, _ = runtime()
     cmd = [python, "-I", "-c", PRELUDE, str(memory_mb), str(max(1, int(timeout_s) + 1))]
-    budget, tmp = (Budget(memory_mb, max_procs), None) if problem is None else (None, tempfile.mkdtemp(prefix="colo-tool-"))
+    budget = Budget(memory_mb, max_procs) if problem is None else None
+    tmp = None if budget else tempfile.mkdtemp(prefix="colo-tool-")
     argv = budget.join(sandbox_argv(cmd)) if budget else cmd
     oom = False
     try:

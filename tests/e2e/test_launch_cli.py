@@ -306,7 +306,8 @@ def test_resume_into_another_model_through_the_cli(tmp_path: Path) -> None:
 
     from colo.run.rundir import unlock
 
-    run = Path(prepare_run(load_config(str(ROOT / "configs" / "tiny-cpu.yaml"), [f"run.dir={tmp_path}/run"], {})).run.dir)
+    cfg = load_config(str(ROOT / "configs" / "tiny-cpu.yaml"), [f"run.dir={tmp_path}/run"], {})
+    run = Path(prepare_run(cfg).run.dir)
     unlock(run)  # as the launch does when its run ends
     marker = (run / "model" / "colo_preset.json").read_text()
     r = run_cli("--resume", "model.path=auto:tiny-tools", f"run.dir={run}", cwd=tmp_path)

@@ -56,17 +56,17 @@ _done = threading.Lock()
 def attacks(engine: int, gcs_host: str, gcs_port: int, token: str) -> dict:
     """What issue 49's model-written code did from an engine, as run_python gets it there."""
     forks = ("import os, time\\nkids = []\\nfor i in range(4):\\n    pid = os.fork()\\n    if pid == 0:\\n"
-             "        x = b'x' * (400 * 2**20)\\n        print('held', flush=True)\\n        time.sleep(3)\\n        os._exit(0)\\n"
-             "    kids.append(pid)\\nfor k in kids: os.waitpid(k, 0)")
+             "        x = b'x' * (400 * 2**20)\\n        print('held', flush=True)\\n        time.sleep(3)\\n"
+             "        os._exit(0)\\n    kids.append(pid)\\nfor k in kids: os.waitpid(k, 0)")
     codes = {{
         "kill": f"import os\\nos.kill(os.getppid(), 9)\\nos.kill({{engine}}, 9)",
         "environ": f"print(open('/proc/{{engine}}/environ', 'rb').read())",
         "passwd": "print(open('/etc/passwd').read())",
-        "home": f"import os\\nprint(os.listdir({{os.path.expanduser('~')!r}}))\\nprint(open({{os.getcwd()!r}} + '/x', 'w'))",
+        "home": (f"import os\\nprint(os.listdir({{os.path.expanduser('~')!r}}))\\n"
+                 f"print(open({{os.getcwd()!r}} + '/x', 'w'))"),
         "gcs": f"import socket\\nsocket.create_connection(({{gcs_host!r}}, {{gcs_port}}), 3)",
-        "setsid": ("import os, sys\\nif os.fork() == 0:\\n    os.setsid()\\n"
-                   f"    os.execv(sys.executable, [sys.executable, '-c', 'import time; time.sleep(60)', {{token!r}}])\\n"
-                   "print('returned')"),
+        "setsid": ("import os, sys\\nif os.fork() == 0:\\n    os.setsid()\\n    os.execv(sys.executable, "
+                   f"[sys.executable, '-c', 'import time; time.sleep(60)', {{token!r}}])\\nprint('returned')"),
         "forks": forks,
         "bomb": "import os, time\\nwhile True:\\n    if os.fork() == 0:\\n        time.sleep(30); os._exit(0)",
         "flood": "import sys\\nwhile True: sys.stdout.write('x' * 65536)",

@@ -49,7 +49,8 @@ def test_it_cannot_kill_its_parent() -> None:
 def test_it_cannot_read_the_callers_environment() -> None:
     """/proc/<parent>/environ held WANDB_API_KEY (Ray passes the driver's environment to actors)."""
     code = ("import glob\nfor f in ['/proc/CALLER/environ', '/proc/1/environ', *glob.glob('/proc/*/environ')]:\n"
-            "    try:\n        print(f, open(f, 'rb').read())\n    except OSError as e:\n        print(f, type(e).__name__)")
+            "    try:\n        print(f, open(f, 'rb').read())\n"
+            "    except OSError as e:\n        print(f, type(e).__name__)")
     r = in_a_caller(code, env={"WANDB_API_KEY": "sekrit-4711"}, timeout_s=20)
     assert r["error"] is None and "/environ FileNotFoundError" in r["stdout"].splitlines()[0], r
     assert "sekrit-4711" not in r["stdout"] and "WANDB" not in r["stdout"], r
@@ -169,7 +170,8 @@ def test_the_python_tool_still_works() -> None:
     env = PythonEnv()
     step = env.step(turn('<tool_call>{"name": "python", "arguments": {"code": "print(2**20)"}}</tool_call>'))
     assert (step.observation, step.tool_calls, step.tool_errors) == ("1048576\n", 1, 0)
-    assert env.solution({"prompt": "Calculate 47*12+35.", "answer": "599"}) == ["<tool_call>47*12+35</tool_call>", "599"]
+    solved = env.solution({"prompt": "Calculate 47*12+35.", "answer": "599"})
+    assert solved == ["<tool_call>47*12+35</tool_call>", "599"]
     assert env.solution({"prompt": "How many eggs are there in 12 boxes?", "answer": "144"}) is None
 
 
