@@ -267,6 +267,10 @@ class AlgoConfig:
     """An environment that raises, hangs or answers something malformed: sample (that sample ends, gets no
     loss, and the error is logged to <run.dir>/env-errors.log and counted in env/errors) | fail (the run ends
     with one colo: error: line)."""
+    unsafe_unsandboxed_tools: bool = False
+    """Where the Python tool's sandbox (bubblewrap and a cgroup, docs/environments.md) is missing, run model-written
+    code without it, in a plain subprocess that can read the user's files and reach the network. Off: such a
+    launch is refused with one line naming what is missing."""
 
 
 @dataclass
