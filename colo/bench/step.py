@@ -399,7 +399,9 @@ def measure(args: argparse.Namespace, report: Callable[[dict], None] | None = No
                       f"{m['bench/train_call_s']:.2f}, of it waiting for the GPU at entry "
                       f"{m['bench/entry_wait_s']:.2f}), "
                       f"trained tokens {m['bench/tokens']}, padding {m['train/padding_fraction']:.3f}, allocator "
-                      f"retries {m['bench/alloc_retries']}", file=sys.stderr, flush=True)
+                      f"retries {m['bench/alloc_retries']}"
+                      + (f", functional check {m['sync/probe_err']:.4f} (verified {m['sync/verified']})"
+                         if m.get("sync/probe") else ""), file=sys.stderr, flush=True)
                 if args.profile and step == args.warmup - 1:
                     print(f"[bench.step] profile of step {step}'s train phase, {variant(layout)}:\n"
                           + ray.get(cluster.trainers[0].profile_table.remote()), file=sys.stderr, flush=True)
