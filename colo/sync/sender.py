@@ -43,6 +43,7 @@ from torch.distributed.tensor import DTensor
 from colo.config import SyncConfig
 from colo.models.dtypes import torch_dtype
 from colo.models.archs import Arch, arch_for, architecture, expert_param, expert_shard_range
+from colo.sync.fp8 import FP8_DTYPE, Fp8Plan, Fp8PlanError
 from colo.sync.plan import MappingError, build_plan, build_reference_plan, direct_mapping
 from colo.sync.transport import SenderBuffers, WeightGroup, align_up
 from colo.sync.verify import compare_digests, piece_digest
@@ -257,7 +258,12 @@ class Sender:
         arch = model_arch(model)
         self.cfg, self.describe = cfg, describe
         self.source = ParamSource(model, arch)
+        self.shapes = self.source.shapes  # what the plan reads: with FP8, each quantized tensor's scale too
+        self.fp8: Fp8Plan | None = None
         reference = int(describe.get("tp_size", 1)) > 1 or cfg.mode == "load_weights"
+        if reference and any(p["dtype"] == FP8_DTYPE for p in describe["params"].values()):
+            raise MappingError("an engine holding FP8 weights takes the direct plan only (colo quantizes into vLLM's "
+                               "own params); fix: sync.mode=direct and rollout.tp_size=1")
         if reference:
             # the names must still correspond (a TP worker's params are slices, so their sizes cannot)
             _, errors = direct_mapping(arch, self.source.shapes, describe, names_only=True)
@@ -270,7 +276,13 @@ class Sender:
             # the ranks agree without the all-reduce)
             self.expert_fast, self.expert_fast_reason = False, "reference plan: whole tensors"
         else:
-            self.plan = build_plan(arch, self.source.shapes, describe, bucket_bytes(cfg))
+            try:  # FP8 engine: the sender quantizes (colo.sync.fp8), the plan carries bytes and scales
+                self.fp8 = Fp8Plan.of(arch, self.shapes, describe, direct_mapping(arch, self.shapes, describe)[0])
+            except Fp8PlanError as e:
+                raise MappingError(str(e)) from e
+            if self.fp8 is not None:
+                self.shapes = self.fp8.shapes
+            self.plan = build_plan(arch, self.shapes, describe, bucket_bytes(cfg))
             self.expert_fast, self.expert_fast_reason = self.source.expert_fast_path(describe, self.plan.expert_modules)  # collective
         self.buffers: SenderBuffers | None = None
         self.link: IpcLink | BroadcastLink | None = None
@@ -297,6 +309,7 @@ class Sender:
         plan = self.plan
         return {"plan": plan.mode, "buckets": len(plan.buckets), "bytes": plan.total_bytes,
                 "pieces": sum(len(b) for b in plan.buckets), "vllm_params": len(plan.expect),
+                "fp8_tensors": 0 if self.fp8 is None else len(self.fp8.quantized),
                 "expert_fast_path": self.expert_fast, "expert_fast_reason": self.expert_fast_reason}
 
     def close(self) -> None:
@@ -351,6 +364,7 @@ class Sender:
                 errors += [where + x for x in compare_digests(sent_digest, res.get("digest") or {})]
         verify_s = time.perf_counter() - t
         report = {"seconds": time.perf_counter() - t_start, "gather_s": timings["gather"], "pack_s": timings["pack"],
+                  "quantize_s": timings.get("quantize", 0.0),
                   "load_s": timings["load"], "verify_s": verify_s, "tensors": sum(r["tensors"] for r in results),
                   "bytes": sum(r["bytes"] for r in results), "engines": len(results),
                   "loaded_tensors": loaded["tensors"], "loaded_bytes": loaded["bytes"], "buckets": len(plan.buckets),
@@ -375,6 +389,8 @@ class Sender:
         flat = [(k, i) for k, b in enumerate(plan.buckets) for i in range(len(b))]
         pos = 0
         for tensors in self.source.iter_units(self.expert_fast, timings):
+            if self.fp8 is not None:  # after the source (and LoRA's merge, in it): merge, then quantize
+                tensors = self.fp8.quantize(tensors, timings)
             t = time.perf_counter()
             while pos < len(flat) and plan.buckets[flat[pos][0]][flat[pos][1]]["src"] in tensors:
                 k, i = flat[pos]
@@ -388,7 +404,7 @@ class Sender:
                     if sent_digest is not None:
                         sent_digest.setdefault(piece["dst"], 0.0)
                 else:
-                    out = pack_piece(bufs.tensors[slot], piece, tensors[piece["src"]], self.source.shapes[piece["src"]])
+                    out = pack_piece(bufs.tensors[slot], piece, tensors[piece["src"]], self.shapes[piece["src"]])
                     if sent_digest is not None:
                         part = piece_digest(out, piece["dst_offset"])
                         sent_digest[piece["dst"]] = sent_digest.get(piece["dst"], 0.0) + part
