@@ -72,7 +72,7 @@ from colo.rollout.buffer import RolloutBuffer
 from colo.rollout.vllm_compat import serve_command
 from colo.cluster.placement import init_ray, plan_placement
 from colo.sync.plan import MappingError
-from colo.sync.probe import TOLERANCE, ProbeSchedule, ProbeScores, engine_scores, first_difference
+from colo.sync.probe import TOLERANCE, ProbeSchedule, ProbeScores, engine_scores, first_difference, tolerance_key
 from colo.sync.probe import check as probe_check
 
 if TYPE_CHECKING:
@@ -376,9 +376,9 @@ def check_probe(c: Cluster, cfg: ColoConfig, seqs: list[list[int]], policy: dict
     trainers scored; a disagreement beyond model.dtype's tolerance raises SyncMismatch naming the engine and the
     first sublayer whose output differs. Updates `synced` with sync/probe and sync/probe_err."""
     mine = ProbeScores(**policy["scores"])
-    worst = 0.0
+    worst, kind = 0.0, tolerance_key(cfg.model.dtype, cfg.rollout.quantization)  # an FP8 engine: FP8's rounding
     for e, got in enumerate(c.engine_group.probe(seqs)):
-        res = probe_check(mine, engine_scores(got["tables"]), cfg.model.dtype)
+        res = probe_check(mine, engine_scores(got["tables"]), kind)
         worst = max(worst, res.err)
         if not res.ok:
             trace = c.engine_group.probe(seqs, trace=True, only=e)[0]["trace"]
@@ -387,7 +387,7 @@ def check_probe(c: Cluster, cfg: ColoConfig, seqs: list[list[int]], policy: dict
             raise SyncMismatch(
                 f"engine {e} computes other log-probs than the trainer right after a weight sync whose every byte "
                 f"arrived (median relative error {res.err:.3f} over {res.positions} positions, tolerance "
-                f"{TOLERANCE.get(cfg.model.dtype, TOLERANCE['bfloat16'])} for {cfg.model.dtype}): a weight vLLM "
+                f"{TOLERANCE.get(kind, TOLERANCE['bfloat16'])} for {kind}): a weight vLLM "
                 "derives at load was not refreshed; "
                 + (f"the first sublayer that differs: {where}" if where else
                    "no sublayer trace names the layer (only an eager engine can be traced: rollout.enforce_eager=true)")

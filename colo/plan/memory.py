@@ -32,6 +32,7 @@ Where the figures come from (docs/benchmarks.md, "Memory plan: calibration", hol
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import math
@@ -39,6 +40,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Optional
 
 from colo.models.archs import num_experts
+from colo.plan.engine import engine_weights
 
 if TYPE_CHECKING:
     from colo.config import ColoConfig
@@ -206,6 +208,10 @@ class Settings:
     batch_seqs: int = 128  # sequences one engine generates per step (prompts x n / engines)
     sleep_level: int = 2
     gather_once: bool = False  # trainer.gather_once: the whole model gathered and its gradient unsharded
+    quantization: str = "none"  # rollout.quantization: fp8 engine weights (engine_weights)
+    fp8_attention: bool = True  # rollout.fp8_attention
+    fp8_in: str = "sender"  # sync.fp8_in: receiver keeps a bf16 staging copy of every quantized weight
+    kv_cache_dtype: str = "auto"  # rollout.kv_cache_dtype: fp8 halves the KV cache's bytes per token
 
     @classmethod
     def from_config(cls, cfg: ColoConfig) -> Settings:
@@ -221,7 +227,9 @@ class Settings:
                    packing=bool(t.packing), max_tokens_per_micro_batch=int(t.max_tokens_per_micro_batch),
                    logprob_chunk=int(t.logprob_chunk),
                    batch_seqs=-(-cfg.data.prompts_per_step * r.n // engines),
-                   sleep_level=1 if r.sleep_level == 1 else 2, gather_once=bool(getattr(t, "gather_once", False)))
+                   sleep_level=1 if r.sleep_level == 1 else 2, gather_once=bool(getattr(t, "gather_once", False)),
+                   quantization=r.quantization, fp8_attention=bool(r.fp8_attention), fp8_in=cfg.sync.fp8_in,
+                   kv_cache_dtype=r.kv_cache_dtype)
 
     @property
     def micro_tokens(self) -> int:
@@ -453,20 +461,17 @@ def plan_memory(config_json: dict[str, Any], s: Settings, gpu_bytes: Optional[fl
     W = s.trainer_world
     notes: list[str] = []
     # ---- vLLM, per GPU: dense weights replicated, experts split over EP (colocated) or TP (disaggregated)
-    dense = sum(p.numel for p in m.params if not p.expert)
     vocab_pad = (-m.vocab) % 64 * m.hidden * (1 if config_json.get("tie_word_embeddings") else 2)
-    if s.mode == "colocated":
-        v_weights = 2 * (dense + vocab_pad) + 2 * m.expert_numel / s.num_gpus
-    else:
-        v_weights = 2 * (dense + vocab_pad + m.expert_numel) / s.tp_size
+    v_weights, staging = engine_weights(m, s, vocab_pad)
+    kv_per_token = m.kv_bytes_per_token // (2 if s.kv_cache_dtype == "fp8" else 1)
     reserve = VLLM_RESERVE_BASE + VLLM_RESERVE_PER_WIDTH * m.width
     budget = s.vllm_fraction * gpu_bytes if gpu_bytes is not None else v_weights + reserve + \
-        s.max_model_len * m.kv_bytes_per_token
+        s.max_model_len * kv_per_token
     kv = budget - v_weights - reserve
-    kv_tokens = kv / m.kv_bytes_per_token
+    kv_tokens = kv / kv_per_token
     t = trainer_terms(m, s)
     if s.mode == "disaggregated":
-        return _plan_disaggregated(m, s, gpu_bytes, gpu_source, v_weights, reserve, kv, kv_tokens, t, notes)
+        return _plan_disaggregated(m, s, gpu_bytes, gpu_source, v_weights, reserve, kv, kv_tokens, t, notes, staging)
     params, grads, optim, ref, resident = t["params"], t["grads"], t["optim"], t["ref"], t["resident"]
     train_peak = max(t["backward"], t["entropy"], t["step"])
     slack = ALLOC_SLACK * (train_peak - resident)
@@ -476,7 +481,10 @@ def plan_memory(config_json: dict[str, Any], s: Settings, gpu_bytes: Optional[fl
     rows: list[tuple[str, dict[str, float]]] = [
         ("overhead (CUDA contexts, NCCL; calibrated)", {p: OVERHEAD for p in phases}),
         ("vLLM reserve (activations; calibrated)", {p: reserve for p in phases}),
-        ("vLLM weights (bf16, experts / EP)", {"start": v_weights, "rollout": v_weights, "sync": v_weights}),
+        ("vLLM weights (" + ("FP8 e4m3 + scales, router/embeddings/norms bf16" if s.quantization == "fp8" else "bf16")
+         + ", experts / EP)", {"start": v_weights, "rollout": v_weights, "sync": v_weights}),
+        ("vLLM's bf16 staging of its FP8 weights (sync.fp8_in=receiver)",
+         {p: staging for p in phases if p != "start"}),
         ("vLLM KV cache", {"start": max(kv, 0.0), "rollout": max(kv, 0.0)}),
         ("trainer while vLLM runs" + (" (offloaded: sync buffers)" if s.offload else " (offload=false)"),
          {"rollout": kept, "asleep": kept}),
@@ -503,6 +511,11 @@ def plan_memory(config_json: dict[str, Any], s: Settings, gpu_bytes: Optional[fl
     host = {"trainer state offloaded": on_host,
             "vLLM weights asleep (level 1)": v_weights if s.sleep_level == 1 else 0}
     plan = MemoryPlan(m, s, gpu_bytes, gpu_source, phases, rows, kv_tokens, host, notes)
+    if s.quantization == "fp8" or s.kv_cache_dtype == "fp8":
+        bf16 = engine_weights(m, dataclasses.replace(s, quantization="none"), vocab_pad)[0]
+        notes.append(f"FP8 rollout: vLLM's weights {v_weights / GiB:.2f} GiB per GPU against {bf16 / GiB:.2f} in bf16"
+                     + (f", KV cache {kv_per_token} bytes per token (fp8)" if s.kv_cache_dtype == "fp8" else "")
+                     + "; the room freed goes to the KV cache")
     notes.append(f"loading: each rank reads its own {params / GiB:.1f} GiB fp32 shard from the safetensors "
                  f"files; the end-of-run export gathers the model in bf16 on rank 0's host "
                  f"({2 * m.numel / GiB:.0f} GiB)")
@@ -523,13 +536,17 @@ def _units(m: ModelShape, experts: Optional[bool] = None) -> list[int]:
 
 def _plan_disaggregated(m: ModelShape, s: Settings, gpu_bytes: Optional[float], gpu_source: str,
                         v_weights: float, reserve: float, kv: float, kv_tokens: float, t: dict[str, float],
-                        notes: list[str]) -> MemoryPlan:
-    """Trainer GPUs hold the trainer all the time (nothing sleeps); engine GPUs hold vLLM at its fraction."""
+                        notes: list[str], staging: float = 0.0) -> MemoryPlan:
+    """Trainer GPUs hold the trainer all the time (nothing sleeps); engine GPUs hold vLLM at its fraction (and, with
+    sync.fp8_in=receiver, the bf16 staging of its FP8 weights beside it)."""
     phases = ("trainer GPU", "engine GPU")
     state = t["params"] + t["grads"] + t["optim"] + t["ref"]
     peak = max(t["backward"], t["entropy"], t["step"])
     rows = [("overhead (CUDA contexts, NCCL; calibrated)", {p: OVERHEAD for p in phases}),
-            ("vLLM weights (bf16, / TP)", {"engine GPU": v_weights}),
+            ("vLLM weights (" + ("FP8 + scales" if s.quantization == "fp8" else "bf16") + ", / TP)",
+             {"engine GPU": v_weights}),
+            *([("vLLM's bf16 staging of its FP8 weights (sync.fp8_in=receiver)", {"engine GPU": staging})]
+              if staging else []),
             ("vLLM KV cache", {"engine GPU": max(kv, 0.0)}),
             ("vLLM reserve (activations)", {"engine GPU": reserve}),
             ("trainer state (params, grads, AdamW, ref)", {"trainer GPU": state}),
