@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Optional
 
 from colo.models.archs import num_experts
-from colo.plan.engine import engine_weights
+from colo.plan.vllm_weights import engine_weights
 
 if TYPE_CHECKING:
     from colo.config import ColoConfig
