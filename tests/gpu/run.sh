@@ -35,6 +35,10 @@
 # whose two variants do not fit one call. BENCH_PRESET picks the slice of step/async/gather/compile/one (default
 # qwen3-30b-a3b-L4; qwen3-30b-a3b-L12 fits one H200 with trainer.optimizer_offload=true, and with gather_once too
 # when trainer.offload=false: docs/benchmarks.md, twelfth session, call N2).
+# fp8 = tests/gpu/test_fp8_gpu.py and test_fp8_loop_gpu.py: FP8 rollout (quantization against vLLM's on CUDA, a real
+# FP8 engine synced both ways, the loop with R3/TIS, async, multi-turn, and disaggregated on 2 GPUs) (only when named).
+# fp8step = colo.bench.step --compare-fp8: rollout.quantization=fp8 against bf16, one cluster each, on BENCH_PRESET
+# (FP8STEP_ARGS adds overrides; the L12 slice needs trainer.optimizer_offload=true on one H200) (only when named).
 # CUDA_VISIBLE_DEVICES limits the GPUs it counts and uses; SHARED_HOST=1 leaves Ray running after a failed step
 # (tests/gpu/streams.sh runs two of these at once, one per GPU).
 # Everything this script leaves in $OUT is at most 8 files, one level deep: what a device call brings back.
@@ -90,7 +94,7 @@ step() {  # step NAME MAX_SECONDS CMD...
 ngpu=$(nvidia-smi -L | wc -l)
 if [ -n "${CUDA_VISIBLE_DEVICES:-}" ]; then ngpu=$(echo "$CUDA_VISIBLE_DEVICES" | tr ',' '\n' | grep -c .); fi
 
-STEPS=${STEPS:-colocated ipc dpep routing bench loop}  # and: attention, rollout, decode, step, async, gather, compile, one, optim
+STEPS=${STEPS:-colocated ipc dpep routing bench loop}  # and: attention, rollout, decode, step, async, gather, compile, one, optim, fp8, fp8step
 want() { case " $STEPS " in *" $1 "*) return 0;; *) return 1;; esac; }
 
 # attention = the packed-row attention kernels against per-sample SDPA (test + colo.bench.packed_attention; no vLLM)
@@ -103,6 +107,8 @@ want colocated && step pytest-colocated 420 "$PY" -m pytest tests/gpu/test_coloc
 want ipc && step pytest-ipc 90 "$PY" -m pytest tests/gpu/test_ipc_alloc.py -x -q -s -p no:cacheprovider
 want dpep && step pytest-dpep 240 "$PY" -m pytest tests/gpu/test_dpep.py -x -q -s -p no:cacheprovider
 want routing && step pytest-routing 300 "$PY" -m pytest tests/gpu/test_routing_gpu.py -x -q -s -p no:cacheprovider
+want fp8 && step pytest-fp8 540 "$PY" -m pytest tests/gpu/test_fp8_gpu.py tests/gpu/test_fp8_loop_gpu.py -x -q -s \
+    -p no:cacheprovider
 
 if [ "$ngpu" -ge 4 ]; then default_bench="--preset qwen3-30b-a3b --ranks $ngpu"  # the goal: <= 1.0 s per sync
 else default_bench="--preset qwen3-30b-a3b-L12 --ranks $((ngpu < 2 ? ngpu : 2))"; fi
@@ -176,6 +182,8 @@ want async && bench_step async "${BENCH_WARMUP:-2}" --compare-async ${ASYNC_ARGS
 want gather && bench_step gather 1 --compare-gather-once ${GATHER_ARGS:-}  # trainer.gather_once against per micro-batch
 # shellcheck disable=SC2086
 want compile && bench_step compile "${BENCH_WARMUP:-1}" --compare-compile ${COMPILE_ARGS:-}  # compiled layers against eager
+# shellcheck disable=SC2086
+want fp8step && bench_step fp8step "${BENCH_WARMUP:-1}" --compare-fp8 ${FP8STEP_ARGS:-}  # FP8 rollout against bf16
 # shellcheck disable=SC2086
 want one && bench_step one "${BENCH_WARMUP:-1}" "" ${ONE_ARGS:-}  # one variant alone (ONE_ARGS), e.g. the L12 slice compiled
 echo "[run.sh] done in $((SECONDS - start))s, status $status"

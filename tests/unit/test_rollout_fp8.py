@@ -124,3 +124,16 @@ def test_memory_plan_counts_the_receivers_staging_copy() -> None:
     assert staging["sync"] == pytest.approx(2 * (m.expert_numel / 4 + 48 * (5120 + 4096) * 2048))
     assert "start" not in staging and receiver.kv_tokens == sender.kv_tokens
     assert receiver.total("rollout") - sender.total("rollout") == pytest.approx(staging["rollout"])
+
+
+def test_bench_step_compares_fp8_on_gpus_only(capsys: pytest.CaptureFixture) -> None:
+    from colo.bench.step import parse_args
+
+    args = parse_args(["--device", "cuda", "--compare-fp8", "trainer.optimizer_offload=true"])
+    assert args.compare_fp8 and args.overrides == ["trainer.optimizer_offload=true"]
+    for bad, why in ((["--compare-fp8"], "needs --device cuda"),
+                     (["--device", "cuda", "--compare-fp8", "rollout.quantization=fp8"], "sets rollout.quantization"),
+                     (["--device", "cuda", "--compare-fp8", "--compare"], "two runs each")):
+        with pytest.raises(SystemExit):
+            parse_args(bad)
+        assert why in capsys.readouterr().err
