@@ -275,8 +275,9 @@ class SyncConfig:
     fp8_in: str = "sender"
     """rollout.quantization=fp8: where bf16 becomes FP8. sender: on the trainer's GPU while packing (half the bytes
     travel; each rank quantizes its own experts, still never gathered). receiver: vLLM's own online quantization,
-    re-run in the engine's post-load step after each sync (bf16 travels into a bf16 staging copy the engine keeps of
-    every quantized weight, which the memory plan counts). The same bytes either way (colo.sync.fp8)."""
+    re-run in the engine's post-load step after each sync (bf16 travels, into a bf16 staging copy of every quantized
+    weight the engine holds while the sync runs, which the memory plan counts). The same bytes either way
+    (colo.sync.fp8)."""
     probe_every: int = 10
     """The functional check (colo.sync.probe): after the first sync and every this many syncs after it, each
     engine and the trainer score the same few token sequences, and a disagreement beyond the dtype's tolerance

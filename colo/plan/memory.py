@@ -483,8 +483,7 @@ def plan_memory(config_json: dict[str, Any], s: Settings, gpu_bytes: Optional[fl
         ("vLLM reserve (activations; calibrated)", {p: reserve for p in phases}),
         ("vLLM weights (" + ("FP8 e4m3 + scales, router/embeddings/norms bf16" if s.quantization == "fp8" else "bf16")
          + ", experts / EP)", {"start": v_weights, "rollout": v_weights, "sync": v_weights}),
-        ("vLLM's bf16 staging of its FP8 weights (sync.fp8_in=receiver)",
-         {p: staging for p in phases if p != "start"}),
+        ("vLLM's bf16 staging of its FP8 weights during the sync (sync.fp8_in=receiver)", {"sync": staging}),
         ("vLLM KV cache", {"start": max(kv, 0.0), "rollout": max(kv, 0.0)}),
         ("trainer while vLLM runs" + (" (offloaded: sync buffers)" if s.offload else " (offload=false)"),
          {"rollout": kept, "asleep": kept}),
@@ -545,7 +544,7 @@ def _plan_disaggregated(m: ModelShape, s: Settings, gpu_bytes: Optional[float], 
     rows = [("overhead (CUDA contexts, NCCL; calibrated)", {p: OVERHEAD for p in phases}),
             ("vLLM weights (" + ("FP8 + scales" if s.quantization == "fp8" else "bf16") + ", / TP)",
              {"engine GPU": v_weights}),
-            *([("vLLM's bf16 staging of its FP8 weights (sync.fp8_in=receiver)", {"engine GPU": staging})]
+            *([("vLLM's bf16 staging of its FP8 weights during the sync (sync.fp8_in=receiver)", {"engine GPU": staging})]
               if staging else []),
             ("vLLM KV cache", {"engine GPU": max(kv, 0.0)}),
             ("vLLM reserve (activations)", {"engine GPU": reserve}),

@@ -6,8 +6,9 @@ Pure (no torch: the plan runs before anything heavy is imported). What an FP8 en
 colo.rollout.quant leaves to vLLM's FP8 config: every matrix of the linears and experts but the router, the
 embeddings and the lm_head (and the attention projections when rollout.fp8_attention=false), one byte per element
 and one float32 scale per 128 x 128 block (colo.sync.fp8). A receiver-quantizing engine (sync.fp8_in=receiver)
-also keeps a bf16 staging copy of every quantized weight (colo.sync.refresh writes the bf16 bytes there and vLLM's
-post-load step quantizes them): allocated at the first sync, outside vLLM's memory fraction, never freed.
+also holds a bf16 staging copy of every quantized weight while a sync runs (colo.sync.refresh writes the bf16 bytes
+there, vLLM's post-load step quantizes them, and the storage is freed at the sync's end), outside vLLM's memory
+fraction: colocated, beside the weights woken for the sync while the KV cache still sleeps.
 """
 from __future__ import annotations
 
@@ -31,7 +32,7 @@ def fp8_quantized(p: ParamSpec, attention: bool) -> bool:
 
 def engine_weights(m: ModelShape, s: Settings, vocab_pad: int) -> tuple[float, float]:
     """(bytes of vLLM's weights on one engine GPU, bytes of the bf16 staging copy a receiver-quantizing FP8 engine
-    keeps). Experts are split over EP (colocated) or TP (disaggregated), the rest replicated (or split over TP).
+    holds during a sync). Experts are split over EP (colocated) or TP (disaggregated), the rest replicated (or split over TP).
     FP8: one byte per quantized element and a float32 scale per 128 x 128 block of each matrix."""
     def nbytes(p: ParamSpec) -> float:
         if s.quantization != "fp8" or not fp8_quantized(p, s.fp8_attention):

@@ -115,15 +115,16 @@ def test_memory_plan_counts_fp8_weights_and_gives_the_room_to_the_kv_cache() -> 
 
 
 def test_memory_plan_counts_the_receivers_staging_copy() -> None:
-    """sync.fp8_in=receiver: the engine keeps a bf16 copy of every quantized weight from the first sync on, outside
-    vLLM's fraction (it does not shrink the KV cache; it adds to every phase after start)."""
+    """sync.fp8_in=receiver: the engine holds a bf16 copy of every quantized weight while a sync runs, outside vLLM's
+    fraction (colo.sync.refresh frees it at the sync's end): it does not shrink the KV cache, it adds to the sync."""
     sender, receiver = _plan(QWEN, "rollout.quantization=fp8"), _plan(QWEN, "rollout.quantization=fp8",
                                                                        "sync.fp8_in=receiver")
     staging = _row(receiver, "vLLM's bf16 staging")
     m = model_shape(QWEN)
     assert staging["sync"] == pytest.approx(2 * (m.expert_numel / 4 + 48 * (5120 + 4096) * 2048))
-    assert "start" not in staging and receiver.kv_tokens == sender.kv_tokens
-    assert receiver.total("rollout") - sender.total("rollout") == pytest.approx(staging["rollout"])
+    assert list(staging) == ["sync"] and receiver.kv_tokens == sender.kv_tokens
+    assert receiver.total("sync") - sender.total("sync") == pytest.approx(staging["sync"])
+    assert receiver.total("rollout") == sender.total("rollout")
 
 
 def test_bench_step_compares_fp8_on_gpus_only(capsys: pytest.CaptureFixture) -> None:
