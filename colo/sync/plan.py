@@ -13,6 +13,10 @@ pad rows with zeros when it loads from disk. The engine declares them (`describe
 ["rows"]` = rows holding vocabulary); the plan then writes the trainer's V rows and a zero-fill segment
 over exactly the declared pad rows, so coverage stays exact: a missing vocabulary row is still a gap.
 
+FP8 engines (colo.sync.fp8): a trainer tensor vLLM holds in e4m3 comes with a companion `<name>_scale_inv` of its
+block-scale shape, which maps as its base does (stacked parts to row offsets of the fused scale; experts by module to
+`<expert param>_scale_inv`).
+
 The plan depends only on (trainer param names/shapes, the engine's describe()), both fixed for a run,
 so the sender caches it and every sync replays it: no per-sync name matching or shape arithmetic.
 

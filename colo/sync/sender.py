@@ -10,7 +10,8 @@ for its describe(), builds the SyncPlan (plan.py, from the family's table in col
 expert fast path (an all-reduce) and allocates its buffers once. Every push() then replays the plan:
 
     FSDP unit ──unshard() (1 all-gather/unit; expert units ──to_local(), no all-gather, when the
-      shard is exactly the engine's experts)──▶ tensors ──pack_piece: copy+cast into buffer k % B──▶
+      shard is exactly the engine's experts)──▶ tensors ──[FP8 engine: fp8.py quantizes: e4m3 + scales]
+      ──pack_piece: copy+cast into buffer k % B──▶
     link.send(k): colocated, engine.load_bucket reads our buffer in place (transport: shm / CUDA IPC);
       disaggregated, every engine posts load_bucket and we broadcast the bucket (transport.WeightGroup)
     ──▶ end_sync on every engine: coverage (+ digests) ──▶ report
@@ -261,7 +262,8 @@ class Sender:
         self.shapes = self.source.shapes  # what the plan reads: with FP8, each quantized tensor's scale too
         self.fp8: Fp8Plan | None = None
         reference = int(describe.get("tp_size", 1)) > 1 or cfg.mode == "load_weights"
-        if reference and any(p["dtype"] == FP8_DTYPE for p in describe["params"].values()):
+        fp8_engine = any(p["dtype"] == FP8_DTYPE for p in describe["params"].values())
+        if reference and fp8_engine:
             raise MappingError("an engine holding FP8 weights takes the direct plan only (colo quantizes into vLLM's "
                                "own params); fix: sync.mode=direct and rollout.tp_size=1")
         if reference:
@@ -276,11 +278,11 @@ class Sender:
             # the ranks agree without the all-reduce)
             self.expert_fast, self.expert_fast_reason = False, "reference plan: whole tensors"
         else:
-            try:  # FP8 engine: the sender quantizes (colo.sync.fp8), the plan carries bytes and scales
-                self.fp8 = Fp8Plan.of(arch, self.shapes, describe, direct_mapping(arch, self.shapes, describe)[0])
-            except Fp8PlanError as e:
-                raise MappingError(str(e)) from e
-            if self.fp8 is not None:
+            if fp8_engine:
+                try:  # an FP8 engine: the sender quantizes (colo.sync.fp8), the plan carries bytes and scales
+                    self.fp8 = Fp8Plan.of(arch, self.shapes, describe, direct_mapping(arch, self.shapes, describe)[0])
+                except Fp8PlanError as e:
+                    raise MappingError(str(e)) from e
                 self.shapes = self.fp8.shapes
             self.plan = build_plan(arch, self.shapes, describe, bucket_bytes(cfg))
             self.expert_fast, self.expert_fast_reason = self.source.expert_fast_path(describe, self.plan.expert_modules)  # collective
