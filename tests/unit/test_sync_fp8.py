@@ -199,3 +199,15 @@ def test_attention_left_in_bf16_needs_no_scale() -> None:
 
     with pytest.raises(MappingError, match="o_proj.weight_scale_inv: nothing writes it"):
         build_plan(QWEN3_MOE, _fp8_plan(trainer, d).shapes, d, 1 << 20)
+
+
+def test_fp8_rounding_stays_inside_its_tolerance_and_a_stale_engine_does_not(tmp_path) -> None:
+    """TOLERANCE["fp8"] (colo.sync.probe) against what colo.bench.fp8probe measures on one tiny-fp8 model: FP8's
+    rounding of weights and activations well inside it, the weights of another model far outside."""
+    from colo.bench.fp8probe import measure, parse_args
+    from colo.sync.probe import TOLERANCE
+
+    out = measure(parse_args(["--preset", "tiny-fp8", "--seeds", "1", "--workdir", str(tmp_path)]))
+    row = out["rows"][0]
+    assert 0 < row["weights"] <= row["w8a8"] < TOLERANCE["fp8"] / 2, row
+    assert row["stale"] > 3 * TOLERANCE["fp8"], row
