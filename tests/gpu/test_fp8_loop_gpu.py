@@ -33,7 +33,8 @@ def _job(tmp: Path, *overrides: str, gpus: int = 1) -> subprocess.CompletedProce
 
     model = make_tiny_model(tmp / "tiny-fp8", "tiny-fp8", 0)
     args = [sys.executable, "-m", "colo.launch", f"model.path={model}", "placement.device=cuda",
-            f"placement.num_gpus={gpus}", "rollout.quantization=fp8", "loop.steps=3", "loop.sft_warmup_steps=2",
+            f"placement.num_gpus={gpus}", "model.dtype=bfloat16", "rollout.quantization=fp8", "loop.steps=3",
+            "loop.sft_warmup_steps=2",
             "loop.eval_every=0", "data.prompts_per_step=4", "rollout.n=4", "rollout.max_tokens=32",
             "rollout.max_model_len=256", "rollout.enforce_eager=true", "sync.probe_every=1", f"run.dir={tmp}/run",
             *overrides]
