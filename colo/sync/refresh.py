@@ -246,8 +246,12 @@ def _post_load(module: torch.nn.Module) -> None:
     """One module's post-load step as vLLM's loader runs it at load (model_loader/utils.py)."""
     if hasattr(module, "_already_called_process_weights_after_loading"):
         delattr(module, "_already_called_process_weights_after_loading")  # online quantization runs once otherwise
+    from vllm.model_executor.layers.fused_moe import UnquantizedFusedMoEMethod
+
     qm = module.quant_method
-    update = getattr(qm, "moe_kernel", None) is not None
+    # only the unquantized method has the gap below; vLLM's FP8 MoE methods build their kernel anew at every
+    # post-load step and never run the experts' own step (a FlashInfer CUTLASS one would transform twice)
+    update = isinstance(qm, UnquantizedFusedMoEMethod) and getattr(qm, "moe_kernel", None) is not None
     qm.process_weights_after_loading(module)
     if update:
         # vLLM 0.32's UnquantizedFusedMoEMethod._setup_kernel runs the experts' own post-load step (on CPU: the
