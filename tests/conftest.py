@@ -27,7 +27,7 @@ TIERS = ("unit", "integration", "e2e", "gpu")
 # what every RL step of a run logs to metrics.jsonl, in both placement modes (test_loop, test_readme)
 STEP_KEYS = ["step", "reward/mean", "reward/std", "response_len/mean", "loss", "entropy", "clip_frac",
              "grad_norm", "logprob_diff/mean", "sync/tensors", "sync/bytes", "sync/verified"] + [
-    f"timing/{p}_s" for p in ("rollout", "reward", "sleep", "train", "sync", "wake", "step")]
+    f"timing/{p}_s" for p in ("rollout", "reward", "sleep", "train", "wait", "sync", "offload", "wake", "probe", "step")]
 
 
 # wider than one test, but every test process has its own: a test that uses one shares nothing with its module
@@ -288,12 +288,12 @@ def run_cli(*args: str, cwd: Path | str | None = None, env: dict[str, str] | Non
 
 # ------------------------------------------------------------------------- CLI jobs on this process's warm clusters
 
-_WARM: list = []  # this test process's colo.cluster.warm.WarmClusters, made by the first run_job
+_WARM: list = []  # this test process's warm_clusters.WarmClusters (tests/warm_clusters.py), made by the first run_job
 
 
 def run_job(*args: str, env: dict[str, str] | None = None, timeout: float = 600) -> CliResult:
     """`python -m colo.launch ARGS` as run_cli runs it, but in this test process, through the same entry point
-    (colo.launch.main) on its warm clusters (colo.cluster.warm): a CPU job of a shape run before here
+    (colo.launch.main) on its warm clusters (tests/warm_clusters.py): a CPU job of a shape run before here
     reuses that job's trainer and engine processes, reconfigured, instead of starting Ray, the actors and their
     imports again (a one-pair tiny job: 7 s and 8.5 CPU-s warm against 39 s and 51 CPU-s as its own process,
     measured 2026-11-26 on the 2-core machine). `env`: the job's COLO_* variables (the only ones it may set: the
@@ -301,7 +301,7 @@ def run_job(*args: str, env: dict[str, str] | None = None, timeout: float = 600)
     not (the terminal of a fresh start, Ray's start-up, a kill, a signal) stays with run_cli's jobs: the kill -9
     and the last resume of test_loop.py's engine-error test, Ctrl-C / SIGTERM / full disk, multi-node.
     `timeout`: then the job gets a SIGINT (it stops as on Ctrl-C)."""
-    from colo.cluster.warm import WarmClusters
+    from warm_clusters import WarmClusters
 
     start_shared_ray()
     if not _WARM:
@@ -346,7 +346,7 @@ def _in_this_process(args: tuple[str, ...], env: dict[str, str] | None, timeout:
         os.chdir(ROOT)
         timer.start()
         with redirect_stdout(out), redirect_stderr(err):
-            rc = main(list(args), warm=warm)
+            rc = main(list(args), clusters=warm)
     finally:
         timer.cancel()
         os.chdir(cwd)
@@ -406,6 +406,27 @@ def warm_jobs(shared_ray):
 
 SESSION_JOBS = ("default_job", "tools_job", "warm_jobs")
 SESSION_GROUP = "session_jobs"  # their xdist group
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """colo.models.tiny's "tiny" preset (seed 0), written once per test process: what the integration modules'
+    trainers and engines load unless they test another checkpoint."""
+    from colo.models.tiny import make_tiny_model
+
+    return Path(make_tiny_model(tmp_path_factory.mktemp("tiny") / "m", "tiny", seed=0))
+
+
+def cpu_trainer_config(model_dir, **trainer):
+    """The ColoConfig an integration module's own CPU trainers start from: the model in float32 (exact comparisons
+    on CPU), `trainer` fields set as given (e.g. lr=5e-3, micro_batch_size=2)."""
+    from colo.config import ColoConfig
+
+    cfg = ColoConfig()
+    cfg.model.path, cfg.model.dtype, cfg.placement.device = str(model_dir), "float32", "cpu"
+    for key, value in trainer.items():
+        setattr(cfg.trainer, key, value)
+    return cfg
 
 
 def cpu_engine_config(model_dir, num_gpus: int, max_model_len: int, kv_cache_mb: int):

@@ -100,7 +100,15 @@ def build_batch(
     }
 
 
-NO_EXPERT = {torch.uint8: 255, torch.int16: -1}  # colo.algo.replay reads the same values
+NO_EXPERT = {"uint8": 255, "int16": -1}
+"""'No engine expert id here' (the padding, each sample's last token, an environment's tokens), by the expert ids'
+dtype: the one definition. colo.rollout.capture.ids_dtype takes uint8 below 255 experts, the engine pads its
+routing with it, and colo.algo.replay keeps the trainer's own routing wherever it finds it."""
+
+
+def no_expert(dtype: torch.dtype | np.dtype) -> int:
+    """NO_EXPERT of a torch or numpy dtype of expert ids."""
+    return NO_EXPERT[str(dtype).removeprefix("torch.")]
 
 
 def _routed_experts(samples: Sequence[dict], T: int) -> dict[str, torch.Tensor]:
@@ -108,9 +116,9 @@ def _routed_experts(samples: Sequence[dict], T: int) -> dict[str, torch.Tensor]:
     without one, and the environment's tokens of a multi-turn sample, keep NO_EXPERT."""
     first = _ids(next(s["routing"] for s in samples if "routing" in s))
     dtype = first.dtype
-    if dtype not in NO_EXPERT:
+    if str(dtype).removeprefix("torch.") not in NO_EXPERT:
         raise ValueError(f"routing ids of dtype {dtype}; expected uint8 or int16 (colo.rollout.capture.ids_dtype)")
-    out = torch.full((len(samples), T, *first.shape[1:]), NO_EXPERT[dtype], dtype=dtype)
+    out = torch.full((len(samples), T, *first.shape[1:]), no_expert(dtype), dtype=dtype)
     for b, s in enumerate(samples):
         if "routing" not in s:
             continue
@@ -123,7 +131,7 @@ def _routed_experts(samples: Sequence[dict], T: int) -> dict[str, torch.Tensor]:
         if "model_mask" in s:  # the environment's tokens: prefilled, so replay leaves them to the trainer
             P = len(s["prompt_ids"])
             env = P + torch.nonzero(torch.tensor(s["model_mask"]) == 0).flatten()  # (E,) positions
-            out[b, env[env < n]] = NO_EXPERT[dtype]
+            out[b, env[env < n]] = no_expert(dtype)
     return {"routed_experts": out}  # (B, T, M, K)
 
 
@@ -227,15 +235,3 @@ def from_wire(batch: dict) -> dict:
     """to_wire undone on the trainer: numpy arrays back to tensors, each a copy of its own. Ray maps the arrays
     read-only from its object store; a tensor over one would let a write reach memory other readers share."""
     return {k: torch.from_numpy(v.copy()) if isinstance(v, np.ndarray) else v for k, v in batch.items()}
-
-
-def build_shards(
-    samples: Sequence[dict],
-    advantages: torch.Tensor | Sequence[float],
-    world_size: int,
-    pad_id: int = 0,
-    pad_to_multiple: int = 1,
-) -> list[dict[str, torch.Tensor]]:
-    """`shard_batch(build_batch(...))`: rollout samples straight to per-rank batches."""
-    return shard_batch(build_batch(samples, advantages, pad_id, pad_to_multiple), world_size,
-                       pad_to_multiple)

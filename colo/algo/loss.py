@@ -43,8 +43,12 @@ every gradient. Differences are zeroed off-mask *before* exp.
 from __future__ import annotations
 
 import dataclasses
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from colo.config import AlgoConfig
 
 LOSS_AGGS = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")
 KL_LOG_RATIO_CLAMP = 20.0  # |ref - logp| beyond this is treated as this (exp(20) ~ 5e8)
@@ -52,30 +56,53 @@ KL_CLAMP = 10.0  # a token's k3 term is at most this
 LOG_RATIO_CLAMP = 20.0  # PPO ratio and TIS weight: |log-ratio| beyond this is this (verl, slime: +-20)
 
 
+@dataclasses.dataclass(frozen=True)
+class LossOptions:
+    """The loss's options, named as algo.* names them: `LossOptions.of(cfg.algo)` in the trainer, one object through
+    policy_loss, TokenLoss and their per-token terms. The defaults are each term's off (tests build options by hand).
+
+    `tis_cap=None` with rollout log-probs given means an uncapped importance weight; `tis_cap=0` turns the correction
+    off (the config's meaning of 0; a literal cap of 0 would zero the loss). `clip_ratio_c` > 1 bounds the loss of
+    negative-advantage tokens at -A * clip_ratio_c; 0 is off."""
+    clip_low: float
+    clip_high: float
+    loss_agg: str = "token-mean"
+    tis_cap: float | None = None
+    kl_coef: float = 0.0
+    clip_ratio_c: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.loss_agg not in LOSS_AGGS:
+            raise ValueError(f"loss_agg must be one of {LOSS_AGGS}, got {self.loss_agg!r}")
+        if self.clip_ratio_c != 0 and self.clip_ratio_c <= 1.0:
+            raise ValueError(f"clip_ratio_c must be > 1 (0 = off), got {self.clip_ratio_c}")
+        if self.tis_cap is not None and self.tis_cap < 0:
+            raise ValueError(f"tis_cap must be >= 0 (0 = off), got {self.tis_cap}")
+
+    @classmethod
+    def of(cls, algo: AlgoConfig) -> LossOptions:
+        """From the config's algo section: its fields of the same names."""
+        values = {f.name: getattr(algo, f.name) for f in dataclasses.fields(cls)}
+        return cls(**{k: v if v is None or k == "loss_agg" else float(v) for k, v in values.items()})
+
+
 def policy_loss(
     logprobs: torch.Tensor,
     old_logprobs: torch.Tensor,
     advantages: torch.Tensor,
     loss_mask: torch.Tensor,
+    opts: LossOptions,
     *,
-    clip_low: float,
-    clip_high: float,
-    loss_agg: str = "token-mean",
     rollout_logprobs: torch.Tensor | None = None,
-    tis_cap: float | None = None,
     ref_logprobs: torch.Tensor | None = None,
-    kl_coef: float = 0.0,
-    clip_ratio_c: float = 0.0,
     token_count: float | torch.Tensor | None = None,
     seq_count: float | torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Scalar loss to backpropagate, plus detached scalar metrics.
 
     logprobs (B, T) carries the grad; old_logprobs, rollout_logprobs, ref_logprobs (B, T) are
-    treated as constants; advantages (B,) or (B, T); loss_mask (B, T) (bool/int/float).
-    `tis_cap=None` with rollout_logprobs given means an uncapped importance weight; `tis_cap=0`
-    turns the correction off (config's meaning of 0; a literal cap of 0 would zero the loss).
-    `clip_ratio_c` > 1 bounds the loss of negative-advantage tokens at -A * clip_ratio_c; 0 is off.
+    treated as constants; advantages (B,) or (B, T); loss_mask (B, T) (bool/int/float); `opts` the
+    clips, the aggregation, the TIS cap and the KL weight (LossOptions).
     `seq_count` is the seq-mean analogue of token_count (default: local sequences with at least one
     masked token, so zero-mask padding rows never dilute the mean).
 
@@ -87,24 +114,16 @@ def policy_loss(
     token_count/seq_count are global: pg_loss and, when kl_coef > 0, kl_loss (before kl_coef), so
     loss = pg_loss + kl_coef * kl_loss.
     """
-    if loss_agg not in LOSS_AGGS:
-        raise ValueError(f"loss_agg must be one of {LOSS_AGGS}, got {loss_agg!r}")
     if logprobs.shape != old_logprobs.shape or logprobs.shape != loss_mask.shape:
         raise ValueError(
             f"shape mismatch: logprobs {tuple(logprobs.shape)}, old_logprobs "
             f"{tuple(old_logprobs.shape)}, loss_mask {tuple(loss_mask.shape)}"
         )
-    if clip_ratio_c != 0 and clip_ratio_c <= 1.0:
-        raise ValueError(f"clip_ratio_c must be > 1 (0 = off), got {clip_ratio_c}")
-    if tis_cap is not None and tis_cap < 0:
-        raise ValueError(f"tis_cap must be >= 0 (0 = off), got {tis_cap}")
-    if kl_coef > 0.0 and ref_logprobs is None:
+    if opts.kl_coef > 0.0 and ref_logprobs is None:
         raise ValueError("kl_coef > 0 needs ref_logprobs")
     mask = loss_mask.to(torch.bool)  # (B, T)
     maskf = mask.to(logprobs.dtype)  # (B, T)
-    t = _token_terms(logprobs, old_logprobs, advantages, mask, clip_low=clip_low, clip_high=clip_high,
-                     rollout_logprobs=rollout_logprobs, tis_cap=tis_cap, ref_logprobs=ref_logprobs,
-                     kl_coef=kl_coef, clip_ratio_c=clip_ratio_c)
+    t = _token_terms(logprobs, old_logprobs, advantages, mask, opts, rollout_logprobs, ref_logprobs)
     metrics: dict[str, torch.Tensor] = {}
     n_local = maskf.sum().clamp(min=1.0)
     with torch.no_grad():
@@ -115,11 +134,11 @@ def policy_loss(
         tis_w = t["tis_w"]
         metrics["tis_mean"] = (torch.ones((), dtype=maskf.dtype) if tis_w is None
                                else (tis_w.to(maskf.dtype) * maskf).sum() / n_local)
-    pg_loss = _aggregate(t["pg"], maskf, loss_agg, token_count, seq_count)
+    pg_loss = _aggregate(t["pg"], maskf, opts.loss_agg, token_count, seq_count)
     loss = pg_loss
     if t["kl"] is not None:
-        kl_loss = _aggregate(t["kl"], maskf, loss_agg, token_count, seq_count)
-        loss = loss + kl_coef * kl_loss
+        kl_loss = _aggregate(t["kl"], maskf, opts.loss_agg, token_count, seq_count)
+        loss = loss + opts.kl_coef * kl_loss
         metrics["kl_ref"] = ((t["kl"].detach() * maskf).sum() / n_local)
         metrics["kl_loss"] = kl_loss.detach()
     metrics["pg_loss"] = pg_loss.detach()
@@ -127,8 +146,7 @@ def policy_loss(
 
 
 def _token_terms(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
-                 *, clip_low: float, clip_high: float, rollout_logprobs: torch.Tensor | None, tis_cap: float | None,
-                 ref_logprobs: torch.Tensor | None, kl_coef: float, clip_ratio_c: float) -> dict:
+                 opts: LossOptions, rollout_logprobs: torch.Tensor | None, ref_logprobs: torch.Tensor | None) -> dict:
     """Each token's terms of the module docstring's formulas, (B, T) or (N,) alike (`mask` bool): "pg" (dual-clip
     and the TIS weight applied), "kl" (None when kl_coef is 0), and what the metrics read. policy_loss aggregates
     them; TokenLoss differentiates them chunk by chunk inside the lm_head's loop."""
@@ -140,23 +158,23 @@ def _token_terms(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages:
     log_ratio = torch.clamp(log_ratio, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
     ratio = torch.exp(log_ratio)
     pg_unclipped = -adv * ratio
-    pg_clipped = -adv * torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high)
+    pg_clipped = -adv * torch.clamp(ratio, 1.0 - opts.clip_low, 1.0 + opts.clip_high)
     pg = torch.maximum(pg_unclipped, pg_clipped)
     dual = torch.zeros_like(mask)
-    if clip_ratio_c > 0:
-        bound = -adv * clip_ratio_c  # only binding where A < 0
+    if opts.clip_ratio_c > 0:
+        bound = -adv * opts.clip_ratio_c  # only binding where A < 0
         dual = (adv < 0) & (pg > bound) & mask
         pg = torch.where(adv < 0, torch.minimum(pg, bound), pg)
     tis_w = None
-    if rollout_logprobs is not None and tis_cap != 0:
+    if rollout_logprobs is not None and opts.tis_cap != 0:
         with torch.no_grad():
             tis_log = torch.where(mask, old - rollout_logprobs.to(old.dtype), torch.zeros_like(old))
             tis_log = torch.clamp(tis_log, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)  # uncapped (tis_cap=None): finite
             tis_w = torch.exp(tis_log)
-            if tis_cap is not None:
-                tis_w = torch.clamp(tis_w, max=tis_cap)
+            if opts.tis_cap is not None:
+                tis_w = torch.clamp(tis_w, max=opts.tis_cap)
         pg = pg * tis_w.to(pg.dtype)
-    kl = k3_kl(logprobs, ref_logprobs.detach().to(logprobs.dtype), mask) if kl_coef > 0.0 else None
+    kl = k3_kl(logprobs, ref_logprobs.detach().to(logprobs.dtype), mask) if opts.kl_coef > 0.0 else None
     return {"log_ratio": log_ratio, "ratio": ratio, "pg_unclipped": pg_unclipped, "pg_clipped": pg_clipped,
             "dual": dual, "pg": pg, "tis_w": tis_w, "kl": kl}
 
@@ -176,24 +194,20 @@ class TokenLoss:
     old: torch.Tensor | None  # None: the log-probs themselves (the step's one update: trainer.old_logprobs=auto)
     rollout: torch.Tensor | None
     ref: torch.Tensor | None
-    options: dict  # clip_low, clip_high, tis_cap, kl_coef, clip_ratio_c: as policy_loss takes them
+    opts: LossOptions
 
     @classmethod
-    def of(cls, old_logprobs: torch.Tensor | None, advantages: torch.Tensor, loss_mask: torch.Tensor, *,
-           loss_agg: str, token_count: float, seq_count: float, scale: float = 1.0,
-           rollout_logprobs: torch.Tensor | None = None, ref_logprobs: torch.Tensor | None = None,
-           clip_low: float, clip_high: float, tis_cap: float | None = None, kl_coef: float = 0.0,
-           clip_ratio_c: float = 0.0) -> "TokenLoss":
+    def of(cls, old_logprobs: torch.Tensor | None, advantages: torch.Tensor, loss_mask: torch.Tensor,
+           opts: LossOptions, *, token_count: float, seq_count: float, scale: float = 1.0,
+           rollout_logprobs: torch.Tensor | None = None, ref_logprobs: torch.Tensor | None = None) -> "TokenLoss":
         """From policy_loss's (b, T) arguments (advantages (b,) or (b, T)) and its global counts; `scale`
         multiplies the loss (the trainer's world size)."""
         maskf = loss_mask.to(torch.float32)  # (b, T)
         adv = advantages.to(torch.float32)
         adv = adv[:, None].expand_as(maskf) if adv.dim() == 1 else adv  # (b, T)
-        weight = token_weights(maskf, loss_agg, token_count, seq_count) * scale  # (b, T)
+        weight = token_weights(maskf, opts.loss_agg, token_count, seq_count) * scale  # (b, T)
         return cls(weight, loss_mask.to(torch.bool), adv, old_logprobs, rollout_logprobs,
-                   ref_logprobs if kl_coef > 0.0 else None,
-                   dict(clip_low=clip_low, clip_high=clip_high, tis_cap=tis_cap, kl_coef=kl_coef,
-                        clip_ratio_c=clip_ratio_c))
+                   ref_logprobs if opts.kl_coef > 0.0 else None, opts)
 
     def map(self, fn) -> "TokenLoss":
         """The same loss with `fn` applied to each per-token tensor (a layout change)."""
@@ -204,13 +218,10 @@ class TokenLoss:
 
     def __call__(self, logprobs: torch.Tensor, s: int, e: int) -> torch.Tensor:
         """(e - s,) weighted losses of tokens s..e (flat layout) at `logprobs`, their float32 log-probs."""
-        o = self.options
         t = _token_terms(logprobs, logprobs if self.old is None else self.old[s:e], self.advantages[s:e],
-                         self.mask[s:e], clip_low=o["clip_low"], clip_high=o["clip_high"],
-                         rollout_logprobs=None if self.rollout is None else self.rollout[s:e], tis_cap=o["tis_cap"],
-                         ref_logprobs=None if self.ref is None else self.ref[s:e], kl_coef=o["kl_coef"],
-                         clip_ratio_c=o["clip_ratio_c"])
-        loss = t["pg"] if t["kl"] is None else t["pg"] + o["kl_coef"] * t["kl"]
+                         self.mask[s:e], self.opts, None if self.rollout is None else self.rollout[s:e],
+                         None if self.ref is None else self.ref[s:e])
+        loss = t["pg"] if t["kl"] is None else t["pg"] + self.opts.kl_coef * t["kl"]
         return loss * self.weight[s:e]
 
 

@@ -31,7 +31,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from colo.algo.batch import NO_EXPERT  # "no engine id here": padding, the last token
+from colo.algo.batch import no_expert  # "no engine id here": padding, the last token
 from colo.models.archs import ARCHS
 
 # HF router class -> (renormalize: "config" (norm_topk_prob) | "always", cast to the logits' dtype), from the
@@ -84,7 +84,7 @@ class RouterTap:
                 self.used[m] = own.detach()
                 return None
             given = self.ids[:, :, m].reshape(own.shape).to(own.device)  # (N, K)
-            none = given == NO_EXPERT[given.dtype]
+            none = given == no_expert(given.dtype)
             ids = torch.where(none, own, given.long())  # the trainer's own routing where the engine gave none
             self.used[m] = ids.detach()
             return logits, replay_weights(router, logits, ids), ids
@@ -109,7 +109,7 @@ class RouterTap:
         counts = None
         for m, own in self.own.items():
             given = ids[:, :, m].reshape(own.shape).to(own.device)  # (N, K)
-            ok = valid.reshape(-1).to(own.device).bool() & (given != NO_EXPERT[given.dtype]).all(-1)
+            ok = valid.reshape(-1).to(own.device).bool() & (given != no_expert(given.dtype)).all(-1)
             same = (own.sort(-1).values == given.long().sort(-1).values).all(-1)  # (N,)
             here = torch.stack([(ok & ~same).sum(), ok.sum()]).double()
             counts = here if counts is None else counts + here

@@ -56,7 +56,7 @@ def simulate(mode: str, steps: int, k: int, n: int, max_tokens: int, prompt_len:
              table: Sequence[tuple[int, float]], prefill_s_per_token: float, train_s_per_token: float,
              fixed_s: float, oversample: float = 1.5, max_staleness: int = 1, warmup: int = 0,
              seed: int = 0) -> dict:
-    """Per-step figures of `steps` steps (after `warmup`) of mode "sync" or "async" (colo.loop.rollout_async's
+    """Per-step figures of `steps` steps (after `warmup`) of mode "sync" or "async" (colo.rollout.schedule.CarriedRollout's
     bookkeeping with RolloutBuffer), and their totals."""
     rng = random.Random(seed)
     buf = RolloutBuffer(n, max_tokens, max_staleness if mode == "async" else 0)

@@ -19,6 +19,7 @@ import torch
 from colo.bench.lengths import LengthModel
 from colo.bench.yardsticks import broadcast_weights_baseline, push_weights_baseline, push_weights_vllm_ipc
 from colo.rollout.engine import DETOKENIZE, Engine
+from colo.rollout.generation import Generation
 from colo.rollout.extension import WorkerExtension
 from colo.sync.verify import tensor_digest
 from colo.trainer.worker import Trainer
@@ -142,23 +143,21 @@ class LengthEngine(Engine):
         self.lengths = LengthModel(kind, rho)
         return self.lengths.describe()
 
-    def generate(self, prompt_ids: list[list[int]], n: int, max_tokens: int, *args: Any, **kwargs: Any) -> list[dict]:
-        self._prompts = prompt_ids  # _requests draws each sample's length from its prompt's ids (per-prompt model)
+    def generate(self, g: Generation) -> tuple[list[dict], dict]:
+        self._prompts = g.items  # _requests draws each sample's length from its prompt's ids (per-prompt model)
         try:
-            samples = super().generate(prompt_ids, n, max_tokens, *args, **kwargs)
+            outs, stats = super().generate(g)
         finally:
             self._prompts = None
-        for s in samples:
-            if len(s["response_ids"]) < max_tokens:
-                s["finish_reason"] = "stop"
-        return samples
-
-    def generate_partial(self, requests: list[dict], *args: Any, **kwargs: Any) -> list[dict]:
-        out = super().generate_partial(requests, *args, **kwargs)
-        for r, o in zip(requests, out):  # loop.mode=async: a sample that reached its imposed length "stopped"
-            if o["finish_reason"] is not None and len(r["response_ids"]) + len(o["tokens"]) < r["max_tokens"]:
-                o["finish_reason"] = "stop"
-        return out
+        if g.kind == "partial":  # loop.mode=async: a sample that reached its imposed length "stopped"
+            for r, o in zip(g.items, outs):
+                if o["finish_reason"] is not None and len(r["response_ids"]) + len(o["tokens"]) < r["max_tokens"]:
+                    o["finish_reason"] = "stop"
+        else:
+            for s in outs:
+                if len(s["response_ids"]) < g.max_tokens:
+                    s["finish_reason"] = "stop"
+        return outs, stats
 
     def _segment_params(self, request: dict, temperature: float, top_p: float) -> Any:
         """The sample's imposed length (drawn from its own seed and its prompt, as in _requests: a carried sample

@@ -145,7 +145,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     out = measure(args)
     print(json.dumps(out, sort_keys=True) if args.json else
-          f"FP8 probe error: weights only <= {out['max_weights']:.3f}, W8A8 <= {out.get('max_w8a8', float('nan')):.3f}; "
+          f"FP8 probe error: weights only <= {out['max_weights']:.3f}, "
+          f"W8A8 <= {out.get('max_w8a8', float('nan')):.3f}; "
           f"a stale engine >= {out['stale_min']:.3f}", flush=True)
     return 0
 

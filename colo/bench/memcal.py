@@ -15,14 +15,21 @@ from dataclasses import dataclass
 from typing import Callable
 
 from colo.config.checks import parse_gpu_memory
-from colo.plan.memory import GiB, OFFLOADED_REST, Settings, model_shape, plan_memory, trainer_terms
+from colo.plan.memory import GiB, OFFLOADED_REST, model_shape, plan_memory, trainer_terms
+from colo.plan.settings import Settings
 from colo.models.tiny import PRESETS
 
 L2 = PRESETS["qwen3-30b-a3b-L2"]
 L12 = PRESETS["qwen3-30b-a3b-L12"]
 # the L2 loop (docs/benchmarks.md "The RL loop ... 1xH200" / "1xH100"): vLLM 0.3, micro batch 4, responses
 # <= 32 tokens after a 17-token chat prompt, so the trainer's sequences are 49 tokens
-LOOP = Settings(num_gpus=1, vllm_fraction=0.3, micro_batch_size=4, max_model_len=49)
+LOOP = Settings.of({"placement.num_gpus": 1, "placement.vllm_gpu_fraction": 0.3, "trainer.micro_batch_size": 4,
+                    "rollout.max_model_len": 49, "trainer.packing": False})
+
+
+# colo.bench.rollout's L12 sync cycle: vLLM 0.4, micro batch 1, 256-token sequences
+L12_CYCLE = Settings.of({"placement.num_gpus": 1, "placement.vllm_gpu_fraction": 0.4, "trainer.micro_batch_size": 1,
+                         "rollout.max_model_len": 256, "trainer.packing": False})
 
 
 @dataclass(frozen=True)
@@ -46,8 +53,9 @@ def _after_sync(gpu: str) -> float:
 def _bench(layers: int, gc: bool, what: str) -> float:
     """colo.bench.trainmem on one rank, one micro-batch of 1 x 4096 tokens, no sync buffers."""
     cfg = dict(L2, num_hidden_layers=layers, max_window_layers=layers)
-    s = Settings(num_gpus=1, vllm_fraction=0.3, micro_batch_size=1, max_model_len=4096, gradient_checkpointing=gc,
-                 buffers=0)
+    s = Settings.of({"placement.num_gpus": 1, "placement.vllm_gpu_fraction": 0.3, "trainer.micro_batch_size": 1,
+                     "rollout.max_model_len": 4096, "trainer.packing": False, "trainer.gradient_checkpointing": gc,
+                     "sync.buffers": 0})
     t = trainer_terms(model_shape(cfg), s)
     rest = OFFLOADED_REST
     one_micro = max(t["backward"] - t["grads"], t["entropy"])  # one micro-batch: no grads yet at backward's start
@@ -76,16 +84,14 @@ def points() -> list[Point]:
         Point("wake: device used", "L2 loop, 1xH100", 28.6, lambda: _plan(L2, LOOP, "H100").total("rollout")),
         # measured before train_step released its cache: the cache stayed through rollout then
         Point("rollout with trainer.offload=false (train cache kept, as measured)", "L2 loop, 1xH200, offload off",
-              87.8, lambda: _plan(L2, Settings(**{**LOOP.__dict__, "offload": False}), "H200").total("rollout")
+              87.8, lambda: _plan(L2, LOOP.with_({"trainer.offload": False}), "H200").total("rollout")
               + (_plan(L2, LOOP, "H200").total("train") - _plan(L2, LOOP, "H200").total("asleep")
                  - trainer_terms(model_shape(L2), LOOP)["sync"] + trainer_terms(model_shape(L2), LOOP)["sync_gather"])),
         Point("L12 sync cycle: trainer's peak allocated (no optimizer state yet)", "bench.rollout L12, 1xH100", 33.9,
-              lambda: trainer_terms(model_shape(L12), Settings(num_gpus=1, vllm_fraction=0.4, micro_batch_size=1,
-                                                               max_model_len=256))["sync"]
-              - trainer_terms(model_shape(L12), Settings(num_gpus=1, vllm_fraction=0.4, micro_batch_size=1,
-                                                         max_model_len=256))["optim"]),
+              lambda: trainer_terms(model_shape(L12), L12_CYCLE)["sync"]
+              - trainer_terms(model_shape(L12), L12_CYCLE)["optim"]),
         Point("L12 rollout: device used after the cycle (vLLM 0.4, CUDA graphs on)", "bench.rollout L12, 1xH100", 33.0,
-              lambda: _plan(L12, Settings(num_gpus=1, vllm_fraction=0.4, micro_batch_size=1, max_model_len=384),
+              lambda: _plan(L12, L12_CYCLE.with_({"rollout.max_model_len": 384}),
                             "H100").total("rollout")),
     ]
     bench = "trainmem, 1xH200, 1x4096 tok"

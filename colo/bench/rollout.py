@@ -86,12 +86,14 @@ def timed_generate(engines: list, ids: list[list[int]], args: argparse.Namespace
     """One warm-up call, then --reps timed calls; prompts are spread over the engines as the loop does."""
     import ray
 
+    from colo.rollout.generation import Generation
+
     def call(seed: int) -> tuple[float, int]:
         w = len(engines)
         t0 = time.perf_counter()
-        outs = ray.get([e.generate.remote([ids[i] for i in range(r, len(ids), w)], args.n, args.max_tokens,
-                                          1.0, 1.0, seed + r) for r, e in enumerate(engines)])
-        return time.perf_counter() - t0, sum(len(s["response_ids"]) for out in outs for s in out)
+        outs = ray.get([e.generate.remote(Generation([ids[i] for i in range(r, len(ids), w)], args.n, args.max_tokens,
+                                                     1.0, 1.0, seed + r)) for r, e in enumerate(engines)])
+        return time.perf_counter() - t0, sum(len(s["response_ids"]) for out, _ in outs for s in out)
 
     call(0)
     runs = [call(1 + k) for k in range(args.reps)]

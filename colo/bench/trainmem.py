@@ -115,7 +115,7 @@ class Stepper:
 
     def step(self) -> dict:
         """Onload (after the first), old log-probs, one PPO micro-batch, optimizer step, offload."""
-        from colo.algo.loss import gather_logprobs, policy_loss, token_entropy
+        from colo.algo.loss import LossOptions, gather_logprobs, policy_loss, token_entropy
 
         d, model, opt = self.device, self.model, self.opt
         ids, am, mask = self.ids.to(d), self.am.to(d), self.mask.to(d)
@@ -132,8 +132,8 @@ class Stepper:
             # Trainer._ppo_micro
             logits = model(input_ids=ids, attention_mask=am, position_ids=pos, use_cache=False).logits
             lp = gather_logprobs(logits, ids)
-            loss, _ = policy_loss(lp, old, self.adv.to(d), mask, clip_low=0.2, clip_high=0.28,
-                                  token_count=float(mask.sum()))
+            loss, _ = policy_loss(lp, old, self.adv.to(d), mask,
+                                  LossOptions(clip_low=0.2, clip_high=0.28), token_count=float(mask.sum()))
             loss.backward()
             with torch.no_grad():
                 float((token_entropy(logits.detach()) * mask).sum())
@@ -151,16 +151,18 @@ class Stepper:
 
 def run(args: argparse.Namespace) -> dict:
     """One measurement (see the module docstring); `args.overrides` (optional) changes the preset's config."""
-    from colo.plan.memory import Settings, activation_bytes, model_shape, plan_memory
+    from colo.plan.memory import activation_bytes, model_shape, plan_memory
+    from colo.plan.settings import Settings
 
     device = torch.device(args.device, 0) if args.device == "cuda" else torch.device("cpu")
     init_world(device)
     st = Stepper(args, device)
     config_json, model = st.config_json, st.model
     steps = [st.step() for _ in range(args.steps)]
-    s = Settings(num_gpus=1, vllm_fraction=0.3, micro_batch_size=args.mb, max_model_len=args.seq,
-                 gradient_checkpointing=args.gc, optimizer_offload=args.optimizer_offload,
-                 optimizer_dtype=args.optimizer_dtype)
+    s = Settings.of({"placement.num_gpus": 1, "placement.vllm_gpu_fraction": 0.3, "trainer.micro_batch_size": args.mb,
+                     "rollout.max_model_len": args.seq, "trainer.packing": False,
+                     "trainer.gradient_checkpointing": args.gc, "trainer.optimizer_offload": args.optimizer_offload,
+                     "trainer.optimizer_dtype": args.optimizer_dtype})
     plan = plan_memory(config_json, s, None)
     rows = dict(plan.rows)
     no_buf = lambda phase: sum(v.get(phase, 0.0) for n, v in plan.rows  # noqa: E731

@@ -31,6 +31,7 @@ from colo.cluster.placement import PlacementPlan, create_disaggregated_placement
 
 if TYPE_CHECKING:  # the actor classes import torch / vLLM helpers: start_cluster imports them when called
     from colo.rollout.engine import Engine
+    from colo.rollout.generation import Generation
     from colo.trainer.worker import Trainer
 
 
@@ -46,7 +47,6 @@ class Cluster:
     mode: str = "colocated"
     ranks_by_node: dict = field(default_factory=dict)  # Ray node id -> (node IP, ["trainer rank 0", ...])
     lost: list = field(default_factory=list)  # names of the actors on nodes found lost (node_loss)
-    shape: tuple = ()  # colo.cluster.warm.shape of the config it started for (warm clusters only)
 
     @property
     def colocated(self) -> bool:
@@ -85,7 +85,7 @@ def start_cluster(cfg: ColoConfig, plan: PlacementPlan, trainer_cls: type[Traine
 
     `trainer_cls` / `engine_cls`: plain subclasses of Trainer / Engine (colo.bench.engines adds the
     yardsticks, tests add hooks); made into Ray actors here, like the product classes. `name_suffix` is added to
-    the actors' names, so several clusters can live in one namespace (colo.cluster.warm)."""
+    the actors' names, so several clusters can live in one namespace (the test suite's warm clusters)."""
     from colo.rollout.engine import Engine
     from colo.trainer.worker import Trainer
 
@@ -128,28 +128,37 @@ def start_cluster(cfg: ColoConfig, plan: PlacementPlan, trainer_cls: type[Traine
     setups = gather([t.setup.remote() for t in trainers], [f"trainer rank {r}" for r in range(world)])
     t_train = time.perf_counter() - t0
     readies = gather([e.ready.remote() for e in engines], [engine_name(e, colocated) for e in range(len(engines))])
-    if [s.get("rank") for s in setups] != list(range(world)) or \
-            [e.get("rank") for e in readies] != list(range(len(engines))):
-        raise RuntimeError(f"rank misalignment: trainers report {[s.get('rank') for s in setups]}, "
-                           f"engines {[e.get('rank') for e in readies]} (placement group order)")
+    check_alignment(setups, readies, colocated)
     setup = {"trainer_setup_s": t_train,
              "engine_start_s": max(float(e.get("start_s", 0.0)) for e in readies)}
     if colocated:
-        for r, (s, e) in enumerate(zip(setups, readies)):
-            if cuda and s.get("device_uuid") != e.get("device_uuid"):
-                raise RuntimeError(f"trainer rank {r} is on GPU {s.get('device_uuid')} but {engine_name(r, True)} is "
-                                   f"on {e.get('device_uuid')}: CUDA IPC needs them on the same GPU")
         pgs = trainer_pgs
     else:
-        shared = {s.get("device_uuid") for s in setups} & {e.get("device_uuid") for e in readies} - {None}
-        if shared:
-            raise RuntimeError(f"disaggregated mode, but a trainer and an engine share GPU {sorted(shared)}")
         t = time.perf_counter()
         connect_weight_group(trainers[0], engines, plan.tp_size)
         setup["weight_group_s"] = time.perf_counter() - t
         pgs = trainer_pgs + engine_pgs
     setup["cluster_s"] = time.perf_counter() - t0
     return Cluster(trainers, engines, pgs, setup, mode=plan.mode, ranks_by_node=ranks_by_node)
+
+
+def check_alignment(setups: list[dict], readies: list[dict], colocated: bool) -> None:
+    """What the actors report against what the weight path assumes (trainers' setup(), engines' ready(), in rank
+    order): ranks in placement group order; colocated, trainer rank r and engine r on one GPU (CUDA IPC between
+    them; None on CPU); disaggregated, no GPU shared. Raises RuntimeError naming the misfit."""
+    if [s.get("rank") for s in setups] != list(range(len(setups))) or \
+            [e.get("rank") for e in readies] != list(range(len(readies))):
+        raise RuntimeError(f"rank misalignment: trainers report {[s.get('rank') for s in setups]}, "
+                           f"engines {[e.get('rank') for e in readies]} (placement group order)")
+    if colocated:
+        for r, (s, e) in enumerate(zip(setups, readies)):
+            if s.get("device_uuid") != e.get("device_uuid"):
+                raise RuntimeError(f"trainer rank {r} is on GPU {s.get('device_uuid')} but {engine_name(r, True)} is "
+                                   f"on {e.get('device_uuid')}: CUDA IPC needs them on the same GPU")
+        return
+    shared = {s.get("device_uuid") for s in setups} & {e.get("device_uuid") for e in readies} - {None}
+    if shared:
+        raise RuntimeError(f"disaggregated mode, but a trainer and an engine share GPU {sorted(shared)}")
 
 
 def connect_weight_group(trainer0: Any, engines: list, tp_size: int) -> None:
@@ -258,7 +267,7 @@ class ActorDied(RuntimeError):
     """An actor process is gone (crash, OOM kill, node loss); `name` says which, e.g. "engine DP rank 1"."""
 
     def __init__(self, name: str) -> None:
-        super().__init__(f"{name} died")  # colo.loop.fail names its log file
+        super().__init__(f"{name} died")  # colo.runlife.fail names its log file
         self.name = name
 
 
@@ -319,29 +328,14 @@ class EngineGroup:
     def _gather(self, refs: list) -> list:
         return gather(refs, [engine_name(e, self.colocated) for e in range(len(refs))])
 
-    def submit_generate(self, prompt_ids: list[list[list[int]]], n: int, max_tokens: int, temperature: float,
-                        top_p: float, seeds: list[int], routing: bool = False) -> list:
-        """Engine e starts generating for prompt_ids[e] with seed seeds[e] (`routing`: samples carry the engine's
-        experts per token, colo.rollout.capture); one Ray reference per engine for collect(), so a caller can
-        work while they generate (loop.mode=async, disaggregated)."""
-        return [e.generate.remote(p, n, max_tokens, temperature, top_p, s, routing)
-                for e, p, s in zip(self.engines, prompt_ids, seeds)]
+    def submit(self, gens: list[Generation]) -> list:
+        """Engine e starts gens[e] (colo.rollout.generation: single-turn, multi-turn or partial); one Ray reference
+        per engine for collect(), so a caller can work while they generate (loop.mode=async, disaggregated)."""
+        return [e.generate.remote(g) for e, g in zip(self.engines, gens)]
 
-    def collect(self, refs: list) -> list[list[dict]]:
+    def collect(self, refs: list) -> list[tuple[list[dict], dict]]:
+        """Per engine, Engine.generate's (outputs, stats)."""
         return self._gather(refs)
-
-    def generate_partial(self, requests: list[list[dict]], need: list[int], temperature: float, top_p: float,
-                         routing: bool = False) -> list[list[dict]]:
-        """loop.mode=async: engine e runs requests[e] until need[e] of its groups finished (colo.rollout.partial)."""
-        return self._gather([e.generate_partial.remote(r, k, temperature, top_p, routing)
-                             for e, r, k in zip(self.engines, requests, need)])
-
-    def rollout(self, rows: list[list[dict]], n: int, max_tokens: int, temperature: float, top_p: float,
-                seeds: list[int], routing: bool = False) -> list[tuple[list[dict], dict]]:
-        """Multi-turn (algo.environment): engine e converses over rows[e] with seed seeds[e]; per engine
-        (samples, {"env_s"}) (colo.rollout.multiturn)."""
-        return self._gather([e.rollout.remote(r, n, max_tokens, temperature, top_p, s, routing)
-                             for e, r, s in zip(self.engines, rows, seeds)])
 
     def probe(self, seqs: list[list[int]], trace: bool = False, only: int | None = None) -> list[dict]:
         """Each engine's scores of `seqs` (colo.sync.probe; `trace`: with sublayer traces); `only`: that engine."""

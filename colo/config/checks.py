@@ -97,9 +97,10 @@ def _check_values(cfg: ColoConfig) -> None:
         "rollout.temperature",
         "algo.clip_low", "algo.clip_high", "algo.kl_coef", "algo.tis_cap", "algo.overlong_penalty",
         "loop.eval_every", "loop.eval_samples",
-        "loop.checkpoint_every", "loop.sft_warmup_steps", "loop.max_staleness", "sync.probe_every")}
+        "loop.checkpoint_every", "loop.sft_warmup_steps", "loop.max_staleness", "sync.probe_every",
+        "run.keep_checkpoints")}
     for key, low in at_least.items():
-        if get(key) < low:
+        if get(key) != "auto" and get(key) < low:
             raise ConfigError(f"{key}={get(key)} must be >= {low}; fix: e.g. {key}={default_value(key)}")
     if cfg.rollout.n < 2:  # the group is the baseline: one sample is its own mean, so every advantage is 0
         raise ConfigError(f"rollout.n={cfg.rollout.n}: group-relative advantages need at least 2 samples per prompt "

@@ -51,9 +51,22 @@ def load_config(config_path: str | None, overrides: list[str],
     for source, layer, key in layers:
         merged = _merge(merged, layer, source, key)
     try:
-        return OmegaConf.to_object(merged)  # type: ignore[return-value]
+        cfg = OmegaConf.to_object(merged)
     except OmegaConfBaseException as e:  # e.g. a bad ${interpolation}
         raise ConfigError(f"{_first_line(e)}; fix: check ${{...}} references in the config") from e
+    _check_auto_words(cfg, {key: source for source, _, key in layers if key})  # type: ignore[arg-type]
+    return cfg  # type: ignore[return-value]
+
+
+def _check_auto_words(cfg: ColoConfig, sources: dict[str, str]) -> None:
+    """A key typed "a value or auto" (Union[bool, str], Union[int, str]) takes no other word: OmegaConf lets any
+    string through the str half."""
+    for key in all_keys():
+        section, _, leaf = key.partition(".")
+        value = getattr(getattr(cfg, section), leaf)
+        if leaf_type(key).endswith(" or auto") and isinstance(value, str) and value != "auto":
+            where = f" in {sources[key]}" if key in sources else ""
+            raise ConfigError(f"wrong type for {key}{where}: {value!r} is not {leaf_type(key)}; fix: {key}=auto")
 
 
 def env_overrides(env: Mapping[str, str]) -> list[tuple[str, str, str]]:

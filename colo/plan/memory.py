@@ -32,18 +32,15 @@ Where the figures come from (docs/benchmarks.md, "Memory plan: calibration", hol
 """
 from __future__ import annotations
 
-import dataclasses
 import functools
 import json
 import math
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Optional
+from typing import Any, Optional
 
 from colo.models.archs import num_experts
+from colo.plan.settings import Settings
 from colo.plan.vllm_weights import engine_weights
-
-if TYPE_CHECKING:
-    from colo.config import ColoConfig
 
 GiB = 2**30
 GPUS_PER_NODE = 8  # host memory is reported per node of this many GPUs (the plan does not ask the cluster)
@@ -85,7 +82,7 @@ class ParamSpec:
         return -(-self.shape[0] // world)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)  # hashed by identity: model_shape() keeps one per config, the caches below key on it
 class ModelShape:
     """What the plan needs from config.json."""
     architecture: str
@@ -181,74 +178,6 @@ def _build_shape(c: dict[str, Any]) -> ModelShape:
     return ModelShape(arch, tuple(out), L, H, nh, nkv, hd, V, E, k, I_moe, shared or I_dense, moe_layers, qk_norm)
 
 
-# --------------------------------------------------------------------------------------------- settings
-
-
-@dataclass(frozen=True)
-class Settings:
-    """The settings the plan depends on (a ColoConfig reduced to numbers; Settings.from_config)."""
-    num_gpus: int
-    vllm_fraction: float
-    micro_batch_size: int
-    max_model_len: int
-    mode: str = "colocated"
-    trainer_gpus: int = 0
-    tp_size: int = 1
-    gradient_checkpointing: bool = False
-    offload: bool = True
-    optimizer_offload: bool = False
-    optimizer_dtype: str = "float32"
-    param_bytes: int = 2  # the compute dtype's bytes (bf16)
-    ref_model: bool = False  # algo.kl_coef > 0: a frozen fp32 copy of the policy
-    bucket_bytes: int = GiB
-    buffers: int = 2
-    packing: bool = False  # trainer.packing: micro-batches of max_tokens_per_micro_batch tokens, not rows
-    max_tokens_per_micro_batch: int = 16384
-    logprob_chunk: int = 1024  # tokens per lm_head chunk (colo.algo.logprobs)
-    batch_seqs: int = 128  # sequences one engine generates per step (prompts x n / engines)
-    sleep_level: int = 2
-    gather_once: bool = False  # trainer.gather_once: the whole model gathered and its gradient unsharded
-    quantization: str = "none"  # rollout.quantization: fp8 engine weights (engine_weights)
-    fp8_attention: bool = True  # rollout.fp8_attention
-    fp8_in: str = "sender"  # sync.fp8_in: receiver keeps a bf16 staging copy of every quantized weight
-    kv_cache_dtype: str = "auto"  # rollout.kv_cache_dtype: fp8 halves the KV cache's bytes per token
-
-    @classmethod
-    def from_config(cls, cfg: ColoConfig) -> Settings:
-        p, t, r = cfg.placement, cfg.trainer, cfg.rollout
-        engines = p.num_gpus if p.mode == "colocated" else max(1, (p.num_gpus - p.trainer_gpus) // r.tp_size)
-        return cls(num_gpus=p.num_gpus, vllm_fraction=p.vllm_gpu_fraction, micro_batch_size=t.micro_batch_size,
-                   max_model_len=r.max_model_len, mode=p.mode, trainer_gpus=p.trainer_gpus, tp_size=r.tp_size,
-                   gradient_checkpointing=bool(t.gradient_checkpointing), offload=bool(t.offload),
-                   optimizer_offload=bool(getattr(t, "optimizer_offload", False)),
-                   optimizer_dtype=str(getattr(t, "optimizer_dtype", "float32")),
-                   param_bytes=4 if cfg.model.dtype == "float32" else 2, ref_model=cfg.algo.kl_coef > 0,
-                   bucket_bytes=cfg.sync.bucket_mb * 2**20, buffers=cfg.sync.buffers,
-                   packing=bool(t.packing), max_tokens_per_micro_batch=int(t.max_tokens_per_micro_batch),
-                   logprob_chunk=int(t.logprob_chunk),
-                   batch_seqs=-(-cfg.data.prompts_per_step * r.n // engines),
-                   sleep_level=1 if r.sleep_level == 1 else 2, gather_once=bool(getattr(t, "gather_once", False)),
-                   quantization=r.quantization, fp8_attention=bool(r.fp8_attention), fp8_in=cfg.sync.fp8_in,
-                   kv_cache_dtype=r.kv_cache_dtype)
-
-    @property
-    def micro_tokens(self) -> int:
-        """Token slots of the largest micro-batch: packed, the budget (or one sample of max_model_len when that
-        is longer: it gets a micro-batch of its own); padded, micro_batch_size rows of max_model_len."""
-        if self.packing:
-            return max(self.max_tokens_per_micro_batch, self.max_model_len)
-        return self.micro_batch_size * self.max_model_len
-
-    @property
-    def micro_label(self) -> str:
-        return (f"{self.micro_tokens} tok packed" if self.packing
-                else f"{self.micro_batch_size}x{self.max_model_len} tok")
-
-    @property
-    def trainer_world(self) -> int:
-        return self.num_gpus if self.mode == "colocated" else self.trainer_gpus
-
-
 # ------------------------------------------------------------------------------------------ activations
 
 
@@ -270,6 +199,7 @@ def layer_activation_bytes(m: ModelShape, tokens: int, moe: bool) -> int:
     return tokens * (norms + attn + mlp)
 
 
+@functools.lru_cache(maxsize=256)  # colo.plan.auto and ways_to_fit plan one model many times
 def _has_shared(m: ModelShape) -> bool:
     return any(".shared_expert." in p.name for p in m.params)
 
@@ -290,13 +220,13 @@ def activation_bytes(m: ModelShape, s: Settings) -> dict[str, int]:
     """Peak activation memory of one micro-batch (Settings.micro_tokens), and of the lm_head chunk in backward."""
     tokens = s.micro_tokens
     per_layer = [layer_activation_bytes(m, tokens, moe=i < m.moe_layers) for i in range(m.layers)]
-    if s.gradient_checkpointing:
+    if s.trainer.gradient_checkpointing:
         # non-reentrant checkpoint per decoder layer: each layer keeps its input, and backward recomputes
         # one layer at a time
         layers = m.layers * tokens * m.hidden * s.param_bytes + max(per_layer)
     else:
         layers = sum(per_layer)
-    chunk = min(s.logprob_chunk, tokens)
+    chunk = min(s.trainer.logprob_chunk, tokens)
     # the chunk's temporaries and, summed over chunks, the unsharded lm_head gradient and the last hidden states'
     # gradient in the compute dtype (colo.algo.logprobs: both are made in forward and wait there for backward)
     return {"layers": layers, "logits": LOGITS_BYTES * chunk * m.vocab + s.param_bytes * (m.vocab + tokens) * m.hidden}
@@ -333,7 +263,7 @@ class MemoryPlan:
     @property
     def kv_ok(self) -> bool:
         """vLLM refuses to start when its KV cache cannot hold one max_model_len sequence."""
-        return self.kv_tokens >= self.settings.max_model_len
+        return self.kv_tokens >= self.settings.rollout.max_model_len
 
     @property
     def fits(self) -> bool:
@@ -350,7 +280,7 @@ class MemoryPlan:
                     f"(largest: {top[0]} {top[1][phase] / GiB:.1f} GiB)")
         if not self.kv_ok:
             return (f"vLLM's KV cache holds {max(self.kv_tokens, 0):.0f} tokens, less than one "
-                    f"rollout.max_model_len={self.settings.max_model_len} sequence")
+                    f"rollout.max_model_len={self.settings.rollout.max_model_len} sequence")
         return ""
 
     def table(self) -> str:
@@ -358,8 +288,8 @@ class MemoryPlan:
         gpu = "GPU size unknown" if self.gpu_bytes is None else \
             f"{self.gpu_bytes / GiB:.1f} GiB per GPU ({self.gpu_source})"
         moe = f", {m.experts} experts ({m.top_k} active)" if m.experts else ""
-        head = (f"memory plan: {m.architecture} {m.numel / 1e9:.2f}B params{moe}, {s.num_gpus} GPUs "
-                f"{s.mode}, {gpu}; GiB per GPU on the largest rank")
+        head = (f"memory plan: {m.architecture} {m.numel / 1e9:.2f}B params{moe}, {s.placement.num_gpus} GPUs "
+                f"{s.placement.mode}, {gpu}; GiB per GPU on the largest rank")
         cols = ("component",) + self.phases
         body = [(name,) + tuple("-" if p not in v else f"{v[p] / GiB:.2f}" for p in self.phases)
                 for name, v in self.rows]
@@ -370,13 +300,14 @@ class MemoryPlan:
         fmt = lambda r: "  ".join(x.ljust(w) if i == 0 else x.rjust(w)  # noqa: E731
                                   for i, (x, w) in enumerate(zip(r, widths)))
         lines = [head, fmt(cols)] + [fmt(r) for r in body]
-        kv_need = s.batch_seqs * s.max_model_len
+        kv_need = s.batch_seqs * s.rollout.max_model_len
         lines.append(f"KV cache: {max(self.kv_tokens, 0):,.0f} tokens per engine = "
-                     f"{max(self.kv_tokens, 0) / s.max_model_len:.1f} sequences of max_model_len {s.max_model_len}"
+                     f"{max(self.kv_tokens, 0) / s.rollout.max_model_len:.1f} sequences of max_model_len "
+                     f"{s.rollout.max_model_len}"
                      f" (the step's {s.batch_seqs} sequences per engine at full length: {kv_need:,}"
                      f"{'' if self.kv_tokens >= kv_need else '; vLLM runs them in waves'})")
         host = sum(self.host_per_gpu.values())
-        per_node = min(s.num_gpus, GPUS_PER_NODE)
+        per_node = min(s.placement.num_gpus, GPUS_PER_NODE)
         parts = ", ".join(f"{k} {v / GiB:.1f}" for k, v in self.host_per_gpu.items() if v)
         lines.append(f"host memory: {host / GiB:.1f} GiB per GPU ({parts or 'none'}), {host * per_node / GiB:.1f} GiB "
                      f"per node of {per_node} GPUs")
@@ -389,8 +320,9 @@ class MemoryPlan:
         return "\n".join(lines)
 
 
-def _shard_bytes(params: tuple[ParamSpec, ...], world: int, nbytes: int, experts: Optional[bool] = None) -> int:
-    return sum(p.rows_on(world) * (p.numel // p.shape[0]) * nbytes for p in params
+@functools.lru_cache(maxsize=256)  # colo.plan.auto and ways_to_fit plan one model many times
+def _shard_bytes(m: ModelShape, world: int, nbytes: int, experts: Optional[bool] = None) -> int:
+    return sum(p.rows_on(world) * (p.numel // p.shape[0]) * nbytes for p in m.params
                if experts is None or p.expert == experts)
 
 
@@ -408,23 +340,22 @@ def trainer_terms(m: ModelShape, s: Settings) -> dict[str, float]:
     - step: grads and the optimizer step's temporaries
     """
     W = s.trainer_world
-    params = _shard_bytes(m.params, W, 4)
-    state_bytes = 2 if s.optimizer_dtype == "bfloat16" else 4
-    optim_full = 2 * _shard_bytes(m.params, W, state_bytes)
-    optim = 0 if s.optimizer_offload else optim_full
+    params = _shard_bytes(m, W, 4)
+    optim_full = 2 * _shard_bytes(m, W, s.state_bytes)
+    optim = 0 if s.trainer.optimizer_offload else optim_full
     biggest = max(p.rows_on(W) * (p.numel // p.shape[0]) for p in m.params)
-    if s.optimizer_offload:
+    if s.trainer.optimizer_offload:
         # one param's states streamed in, fp32 math on them, the next one's states already coming in and the
         # last one's still going out (colo.trainer.optim overlaps the copies)
-        step_tmp = biggest * (4 * state_bytes + 3 * 4 + 2 * state_bytes)
-    elif s.optimizer_dtype == "bfloat16":
+        step_tmp = biggest * (4 * s.state_bytes + 3 * 4 + 2 * s.state_bytes)
+    elif s.trainer.optimizer_dtype == "bfloat16":
         step_tmp = biggest * 4 * 4  # StreamedAdamW on the GPU: fp32 m, v and two temporaries of one param
     else:
         step_tmp = params  # foreach AdamW: sqrt(exp_avg_sq) of every param at once (torch/optim/adam.py)
     ref = params if s.ref_model else 0
     resident = s.bucket_bytes * s.buffers + OFFLOADED_REST
     act = activation_bytes(m, s)
-    chunk_v = min(s.logprob_chunk, s.micro_tokens) * m.vocab
+    chunk_v = min(s.trainer.logprob_chunk, s.micro_tokens) * m.vocab
     # FSDP2 units in bf16 (world 1 too: it still copies into bf16 buffers): the root (embeddings, lm_head)
     # stays gathered through forward and backward, a layer's unit is gathered and the next prefetched;
     # backward also holds a unit's unsharded bf16 grads and their fp32 copy for the reduce-scatter.
@@ -440,7 +371,7 @@ def trainer_terms(m: ModelShape, s: Settings) -> dict[str, float]:
            "sync_gather": s.param_bytes * sum(dense_units[-2:])}
     out["no_grad"] = state + LOGITS_NO_GRAD_BYTES * chunk_v + s.param_bytes * (root + last)
     out["backward"] = state + params + act["layers"] + act["logits"] + out["gathered"] + out["reduce"]
-    if s.gather_once:
+    if s.trainer.gather_once:
         # every unit stays gathered through the pass; the gradient accumulates unsharded in fp32 (FSDP2 upcasts
         # it to the reduce dtype) and replaces the sharded one, which is None until the last micro-batch's
         # reduce-scatter fills it unit by unit
@@ -462,41 +393,43 @@ def plan_memory(config_json: dict[str, Any], s: Settings, gpu_bytes: Optional[fl
     notes: list[str] = []
     # ---- vLLM, per GPU: dense weights replicated, experts split over EP (colocated) or TP (disaggregated)
     vocab_pad = (-m.vocab) % 64 * m.hidden * (1 if config_json.get("tie_word_embeddings") else 2)
-    v_weights, staging = engine_weights(m, s, vocab_pad)
-    kv_per_token = m.kv_bytes_per_token // (2 if s.kv_cache_dtype == "fp8" else 1)
+    v_weights, staging = engine_weights(m, s, vocab_pad)  # bf16, or FP8 rollout's e4m3 + scales (vllm_weights.py)
+    kv_per_token = m.kv_bytes_per_token // (2 if s.rollout.kv_cache_dtype == "fp8" else 1)
     reserve = VLLM_RESERVE_BASE + VLLM_RESERVE_PER_WIDTH * m.width
-    budget = s.vllm_fraction * gpu_bytes if gpu_bytes is not None else v_weights + reserve + \
-        s.max_model_len * kv_per_token
+    budget = s.placement.vllm_gpu_fraction * gpu_bytes if gpu_bytes is not None else v_weights + reserve + \
+        s.rollout.max_model_len * kv_per_token
     kv = budget - v_weights - reserve
     kv_tokens = kv / kv_per_token
     t = trainer_terms(m, s)
-    if s.mode == "disaggregated":
+    if s.placement.mode == "disaggregated":
         return _plan_disaggregated(m, s, gpu_bytes, gpu_source, v_weights, reserve, kv, kv_tokens, t, notes, staging)
     params, grads, optim, ref, resident = t["params"], t["grads"], t["optim"], t["ref"], t["resident"]
     train_peak = max(t["backward"], t["entropy"], t["step"])
     slack = ALLOC_SLACK * (train_peak - resident)
     phases = ("start", "rollout", "asleep", "train", "step", "sync")
     # trainer.offload=false: the state stays through rollout (train_step released the allocator's cache)
-    kept = resident if s.offload else params + optim + ref + resident
+    kept = resident if s.trainer.offload else params + optim + ref + resident
     rows: list[tuple[str, dict[str, float]]] = [
         ("overhead (CUDA contexts, NCCL; calibrated)", {p: OVERHEAD for p in phases}),
         ("vLLM reserve (activations; calibrated)", {p: reserve for p in phases}),
-        ("vLLM weights (" + ("FP8 e4m3 + scales, router/embeddings/norms bf16" if s.quantization == "fp8" else "bf16")
-         + ", experts / EP)", {"start": v_weights, "rollout": v_weights, "sync": v_weights}),
+        ("vLLM weights (" + ("FP8 e4m3 + scales, router/embeddings/norms bf16" if s.rollout.quantization == "fp8"
+                            else "bf16") + ", experts / EP)",
+         {"start": v_weights, "rollout": v_weights, "sync": v_weights}),
         ("vLLM's bf16 staging of its FP8 weights during the sync (sync.fp8_in=receiver)", {"sync": staging}),
         ("vLLM KV cache", {"start": max(kv, 0.0), "rollout": max(kv, 0.0)}),
-        ("trainer while vLLM runs" + (" (offloaded: sync buffers)" if s.offload else " (offload=false)"),
+        ("trainer while vLLM runs" + (" (offloaded: sync buffers)" if s.trainer.offload else " (offload=false)"),
          {"rollout": kept, "asleep": kept}),
         ("trainer params fp32", {"start": params, "train": params, "step": params, "sync": params}),
-        ("trainer grads fp32", {"train": 0 if s.gather_once else grads, "step": grads}),  # gather_once: below
-        (f"AdamW state {s.optimizer_dtype}" + (" (on host)" if s.optimizer_offload else ""),
+        ("trainer grads fp32", {"train": 0 if s.trainer.gather_once else grads, "step": grads}),  # gather_once: below
+        (f"AdamW state {s.trainer.optimizer_dtype}" + (" (on host)" if s.trainer.optimizer_offload else ""),
          {"train": optim, "step": optim, "sync": optim}),
         ("reference model fp32 (kl_coef > 0)", {"start": ref, "train": ref, "step": ref, "sync": ref}),
         ("sync buffers + rest", {"train": resident, "step": resident, "sync": resident}),
         (f"activations {s.micro_label}, checkpointing "
-         f"{'on' if s.gradient_checkpointing else 'off'}", {"train": t["activations"]}),
-        (f"lm_head chunk {min(s.logprob_chunk, s.micro_tokens)}x{m.vocab} + weight, hidden grads", {"train": t["logits"]}),
-        ("whole model gathered bf16 + its fp32 gradient unsharded (trainer.gather_once)" if s.gather_once else
+         f"{'on' if s.trainer.gradient_checkpointing else 'off'}", {"train": t["activations"]}),
+        (f"lm_head chunk {min(s.trainer.logprob_chunk, s.micro_tokens)}x{m.vocab} + weight, hidden grads",
+         {"train": t["logits"]}),
+        ("whole model gathered bf16 + its fp32 gradient unsharded (trainer.gather_once)" if s.trainer.gather_once else
          "gathered FSDP units bf16 + reduce-scatter", {"train": t["gathered"] + t["reduce"]}),
         # with few layers the entropy after backward (all grads + 14 B per logit) can top backward's start
         ("peak at the entropy after backward instead", {"train": max(0.0, t["entropy"] - t["backward"])}),
@@ -506,14 +439,15 @@ def plan_memory(config_json: dict[str, Any], s: Settings, gpu_bytes: Optional[fl
     ]
     rows = [(n, {p: b for p, b in v.items() if b}) for n, v in rows]
     rows = [(n, v) for n, v in rows if v]
-    on_host = params + t["optim_full"] + ref if s.offload else (t["optim_full"] if s.optimizer_offload else 0)
-    host = {"trainer state offloaded": on_host,
+    on_host = (params + t["optim_full"] + ref if s.trainer.offload
+               else t["optim_full"] if s.trainer.optimizer_offload else 0)
+    host = {"trainer state offloaded" if s.trainer.offload else "AdamW state": on_host,
             "vLLM weights asleep (level 1)": v_weights if s.sleep_level == 1 else 0}
     plan = MemoryPlan(m, s, gpu_bytes, gpu_source, phases, rows, kv_tokens, host, notes)
-    if s.quantization == "fp8" or s.kv_cache_dtype == "fp8":
-        bf16 = engine_weights(m, dataclasses.replace(s, quantization="none"), vocab_pad)[0]
+    if s.rollout.quantization == "fp8" or s.rollout.kv_cache_dtype == "fp8":
+        bf16 = engine_weights(m, s.with_({"rollout.quantization": "none"}), vocab_pad)[0]
         notes.append(f"FP8 rollout: vLLM's weights {v_weights / GiB:.2f} GiB per GPU against {bf16 / GiB:.2f} in bf16"
-                     + (f", KV cache {kv_per_token} bytes per token (fp8)" if s.kv_cache_dtype == "fp8" else "")
+                     + (f", KV cache {kv_per_token} bytes per token (fp8)" if s.rollout.kv_cache_dtype == "fp8" else "")
                      + "; the room freed goes to the KV cache")
     notes.append(f"loading: each rank reads its own {params / GiB:.1f} GiB fp32 shard from the safetensors "
                  f"files; the end-of-run export gathers the model in bf16 on rank 0's host "
@@ -521,7 +455,8 @@ def plan_memory(config_json: dict[str, Any], s: Settings, gpu_bytes: Optional[fl
     return plan
 
 
-def _units(m: ModelShape, experts: Optional[bool] = None) -> list[int]:
+@functools.lru_cache(maxsize=64)
+def _units(m: ModelShape, experts: Optional[bool] = None) -> tuple[int, ...]:
     """Elements of each FSDP unit, root first (colo.trainer.fsdp: per expert block, per layer, root)."""
     root = sum(p.numel for p in m.params if not p.name.startswith("model.layers."))
     layers: dict[str, int] = {}
@@ -530,27 +465,27 @@ def _units(m: ModelShape, experts: Optional[bool] = None) -> list[int]:
             key = ".".join(p.name.split(".")[:3]) + (".experts" if p.expert else "")
             layers[key] = layers.get(key, 0) + p.numel
     units = [v for k, v in layers.items() if experts is None or k.endswith(".experts") == experts]
-    return ([root] if experts in (None, False) else []) + units
+    return tuple(([root] if experts in (None, False) else []) + units)
 
 
 def _plan_disaggregated(m: ModelShape, s: Settings, gpu_bytes: Optional[float], gpu_source: str,
                         v_weights: float, reserve: float, kv: float, kv_tokens: float, t: dict[str, float],
                         notes: list[str], staging: float = 0.0) -> MemoryPlan:
     """Trainer GPUs hold the trainer all the time (nothing sleeps); engine GPUs hold vLLM at its fraction (and, with
-    sync.fp8_in=receiver, the bf16 staging of its FP8 weights beside it)."""
+    sync.fp8_in=receiver, the bf16 staging of its FP8 weights beside it during a sync)."""
     phases = ("trainer GPU", "engine GPU")
     state = t["params"] + t["grads"] + t["optim"] + t["ref"]
     peak = max(t["backward"], t["entropy"], t["step"])
     rows = [("overhead (CUDA contexts, NCCL; calibrated)", {p: OVERHEAD for p in phases}),
-            ("vLLM weights (" + ("FP8 + scales" if s.quantization == "fp8" else "bf16") + ", / TP)",
+            ("vLLM weights (" + ("FP8 + scales" if s.rollout.quantization == "fp8" else "bf16") + ", / TP)",
              {"engine GPU": v_weights}),
-            *([("vLLM's bf16 staging of its FP8 weights during the sync (sync.fp8_in=receiver)", {"engine GPU": staging})]
-              if staging else []),
+            *([("vLLM's bf16 staging of its FP8 weights during the sync (sync.fp8_in=receiver)",
+                {"engine GPU": staging})] if staging else []),
             ("vLLM KV cache", {"engine GPU": max(kv, 0.0)}),
             ("vLLM reserve (activations)", {"engine GPU": reserve}),
             ("trainer state (params, grads, AdamW, ref)", {"trainer GPU": state}),
             ("sync buffers + rest", {"trainer GPU": t["resident"]}),
             ("activations, logits, gathered units (or step temporaries)", {"trainer GPU": peak - state - t["resident"]}),
             ("allocator cache (calibrated)", {"trainer GPU": ALLOC_SLACK * (peak - t["resident"])})]
-    host = {"AdamW state (trainer.optimizer_offload)": t["optim_full"] if s.optimizer_offload else 0}
+    host = {"AdamW state (trainer.optimizer_offload)": t["optim_full"] if s.trainer.optimizer_offload else 0}
     return MemoryPlan(m, s, gpu_bytes, gpu_source, phases, rows, kv_tokens, host, notes)

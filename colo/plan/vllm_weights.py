@@ -15,7 +15,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from colo.plan.memory import ModelShape, ParamSpec, Settings
+    from colo.plan.memory import ModelShape, ParamSpec
+    from colo.plan.settings import Settings
 
 FP8_BLOCK = 128  # colo.sync.fp8.BLOCK: one float32 scale per 128 x 128 block (torch-free here)
 
@@ -32,22 +33,26 @@ def fp8_quantized(p: ParamSpec, attention: bool) -> bool:
 
 def engine_weights(m: ModelShape, s: Settings, vocab_pad: int) -> tuple[float, float]:
     """(bytes of vLLM's weights on one engine GPU, bytes of the bf16 staging copy a receiver-quantizing FP8 engine
-    holds during a sync). Experts are split over EP (colocated) or TP (disaggregated), the rest replicated (or split over TP).
+    holds during a sync). Experts are split over EP (colocated) or TP (disaggregated), the rest replicated (or split
+    over TP).
     FP8: one byte per quantized element and a float32 scale per 128 x 128 block of each matrix."""
+    r, mode = s.rollout, s.placement.mode
+    fp8, attention = r.quantization == "fp8", bool(r.fp8_attention)
+
     def nbytes(p: ParamSpec) -> float:
-        if s.quantization != "fp8" or not fp8_quantized(p, s.fp8_attention):
+        if not fp8 or not fp8_quantized(p, attention):
             return 2.0 * p.numel
         rows, cols = p.shape[-2:]
         lead = p.numel // (rows * cols)
         return p.numel + 4.0 * lead * (-(-rows // FP8_BLOCK)) * (-(-cols // FP8_BLOCK))
 
     def share(p: ParamSpec) -> float:
-        if s.mode != "colocated":
-            return 1.0 / s.tp_size
-        return 1.0 / s.num_gpus if p.expert else 1.0
+        if mode != "colocated":
+            return 1.0 / r.tp_size
+        return 1.0 / s.placement.num_gpus if p.expert else 1.0
 
-    weights = sum(nbytes(p) * share(p) for p in m.params) + 2.0 * vocab_pad / (1 if s.mode == "colocated" else s.tp_size)
+    weights = sum(nbytes(p) * share(p) for p in m.params) + 2.0 * vocab_pad / (1 if mode == "colocated" else r.tp_size)
     staging = 0.0
-    if s.quantization == "fp8" and s.fp8_in == "receiver":
-        staging = sum(2.0 * p.numel * share(p) for p in m.params if fp8_quantized(p, s.fp8_attention))
+    if fp8 and s.cfg.sync.fp8_in == "receiver":
+        staging = sum(2.0 * p.numel * share(p) for p in m.params if fp8_quantized(p, attention))
     return weights, staging

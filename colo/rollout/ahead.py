@@ -14,7 +14,7 @@ behaviour-to-pi_old weight as TIS does (docs/loss.md, "Tokens from older weights
 async step's, with every token of a batch one version behind. Versions are the RolloutBuffer's (colo.rollout.
 buffer): a token sampled at step s has version s.
 
-Plain bookkeeping: no Ray, no vLLM; the loop submits and collects (colo.loop.rollout_ahead). A checkpoint holds
+Plain bookkeeping: no Ray, no vLLM; colo.rollout.schedule.AheadRollout submits and collects. A checkpoint holds
 the batch generated ahead (`state_dict`), so `--resume` trains on it instead of generating it again.
 """
 from __future__ import annotations
@@ -24,13 +24,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from colo.rollout.buffer import _decode, _encode
+from colo.rollout.buffer import decode_array, encode_array
 
 
 @dataclass
 class Ahead:
     prompts: list[dict]  # data rows, as train_data.next_batch gave them
-    samples: list[dict]  # colo.loop.generate's: prompt order, prompt_index into `prompts`
+    samples: list[dict]  # colo.rollout.generation's: prompt order, prompt_index into `prompts`
     version: int  # the step during which the engines sampled it (their weights came from that many updates)
 
 
@@ -66,7 +66,7 @@ class GenerateAhead:
         if self.next is None:
             return {"kind": "ahead", "batch": None}
         samples = [{**copy.deepcopy({k: v for k, v in s.items() if k != "routing"}),
-                    **({"routing": _encode(np.asarray(s["routing"]))} if "routing" in s else {})}
+                    **({"routing": encode_array(np.asarray(s["routing"]))} if "routing" in s else {})}
                    for s in self.next.samples]
         return {"kind": "ahead", "batch": {"prompts": copy.deepcopy(self.next.prompts), "samples": samples,
                                            "version": self.next.version}}
@@ -74,5 +74,5 @@ class GenerateAhead:
     def load_state_dict(self, state: dict) -> None:
         b = state.get("batch")
         self.next = None if b is None else Ahead(
-            b["prompts"], [{**s, **({"routing": _decode(s["routing"])} if "routing" in s else {})}
+            b["prompts"], [{**s, **({"routing": decode_array(s["routing"])} if "routing" in s else {})}
                            for s in b["samples"]], int(b["version"]))

@@ -15,7 +15,7 @@ groups are trained (the group is the GRPO baseline). Before anything resumes at 
 token of version < s - max_staleness is dropped: it could only get older. So no trained token is staler than
 max_staleness (`take` checks it).
 
-Plain bookkeeping: no Ray, no vLLM; the loop drives the engines (colo.loop.rollout_async).
+Plain bookkeeping: no Ray, no vLLM; colo.rollout.schedule.CarriedRollout drives the engines.
 """
 from __future__ import annotations
 
@@ -77,7 +77,7 @@ class RolloutBuffer:
         return max(0, batch_groups - sum(g.complete() for g in self.groups.values()))
 
     def requests(self) -> list[dict]:
-        """One engine request per unfinished sample (colo.rollout.engine.Engine.generate_partial), oldest group first."""
+        """One engine request per unfinished sample (a "partial" colo.rollout.generation.Generation), oldest group first."""
         return [{"group": gid, "sample": j, "prompt_ids": list(g.prompt["prompt_ids"]),
                  "response_ids": list(s["response_ids"]), "max_tokens": self.max_tokens, "seed": s["seed"],
                  "segment": s["segments"]}
@@ -109,7 +109,7 @@ class RolloutBuffer:
         self.counts["carried"] = sum(s["finish_reason"] is None for g in self.groups.values() for s in g.samples)
 
     def take(self, k: int, version: int) -> tuple[list[dict], list[dict]]:
-        """k whole groups, oldest first, out of the buffer: (prompts, samples) in colo.loop.generate's form
+        """k whole groups, oldest first, out of the buffer: (prompts, samples) in colo.rollout.generation's form
         (prompt order then sample order, prompt_index into prompts) plus per-token "versions"."""
         done = [gid for gid, g in self.groups.items() if g.complete()][:k]
         if len(done) < k:
@@ -137,13 +137,13 @@ class RolloutBuffer:
         groups = []
         for gid, g in self.groups.items():
             samples = [{**copy.deepcopy({k: v for k, v in s.items() if k != "routing"}),
-                        "routing": [_encode(a) for a in s["routing"]]} for s in g.samples]
+                        "routing": [encode_array(a) for a in s["routing"]]} for s in g.samples]
             groups.append([gid, copy.deepcopy(g.prompt), samples])
         return {"next_id": self.next_id, "groups": groups}
 
     def load_state_dict(self, state: dict) -> None:
         self.next_id = int(state["next_id"])
-        self.groups = {int(gid): Group(prompt, [{**s, "routing": [_decode(a) for a in s["routing"]]} for s in samples])
+        self.groups = {int(gid): Group(prompt, [{**s, "routing": [decode_array(a) for a in s["routing"]]} for s in samples])
                        for gid, prompt, samples in state["groups"]}
 
     def metrics(self, samples: Sequence[dict], version: int) -> dict:
@@ -157,10 +157,11 @@ class RolloutBuffer:
         return out
 
 
-def _encode(a: np.ndarray) -> dict:
+def encode_array(a: np.ndarray) -> dict:
+    """A numpy array as JSON (a checkpoint's extra.json: the routing rows carried; colo.rollout.ahead too)."""
     a = np.ascontiguousarray(a)
     return {"dtype": a.dtype.str, "shape": list(a.shape), "b64": base64.b64encode(a.tobytes()).decode()}
 
 
-def _decode(d: dict) -> np.ndarray:
+def decode_array(d: dict) -> np.ndarray:
     return np.frombuffer(base64.b64decode(d["b64"]), dtype=np.dtype(d["dtype"])).reshape(d["shape"]).copy()

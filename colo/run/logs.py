@@ -2,8 +2,12 @@
 
     <run.dir>/logs/trainer-<r>.log    trainer rank r's stdout and stderr (FSDP, transformers, torch)
     <run.dir>/logs/engine-<e>.log     engine e's, vLLM's included (and its worker processes' on CPU)
-    <run.dir>/logs/ray-session_*      Ray's own logs, one link into Ray's temp dir per session (run, resume)
-    <run.dir>/error.log               the traceback of a failure that ended the run (colo.loop.fail)
+    <run.dir>/logs/ray-session_*/     Ray's own logs of the run, copied at its end from Ray's temp dir (which goes
+                                      with the machine's /tmp), one per session (run, resume)
+    <run.dir>/error.log               the traceback of a failure that ended the run (colo.runlife.fail)
+
+A log file that stayed empty (a trainer rank with nothing to say) is removed at the end: an empty file only
+makes a reader open it.
 
 Why file descriptors and not Python logging: vLLM, Ray, torch and their C++ parts write to fds 1 and 2
 directly, and child processes (vLLM's engine core and workers) inherit them, so redirecting the fds at
@@ -15,6 +19,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import sys
 from pathlib import Path
 
@@ -54,17 +59,55 @@ def redirect_output(path: Path) -> None:
     os.close(fd)
 
 
-def link_ray_logs(run_dir: str | os.PathLike) -> Path | None:
-    """<run_dir>/logs/ray-<session> -> this Ray session's log dir on the driver's node (None when Ray does not
-    say where)."""
+RAY_LOG_MAX = 64 << 20  # a Ray log file larger than this is not copied (a long-lived cluster's raylet.out)
+_RAY_LOGS: dict[str, Path] = {}  # run dir -> Ray's session log dir on the driver's node (note_ray_logs)
+
+
+def note_ray_logs(run_dir: str | os.PathLike) -> Path | None:
+    """Remember where this Ray session writes its logs on the driver's node, for keep_logs() at the run's end
+    (None when Ray does not say)."""
     try:
         from ray._private import worker  # Ray keeps the session's node object here (no public API)
 
         target = Path(worker._global_node.get_logs_dir_path())
     except Exception:  # noqa: BLE001 (a Ray without that attribute: the logs stay where Ray puts them)
         return None
-    link = Path(run_dir) / "logs" / f"ray-{target.parent.name}"  # one per Ray session: a resume adds one
-    link.parent.mkdir(parents=True, exist_ok=True)
-    if not (link.is_symlink() or link.exists()):
-        link.symlink_to(target)
-    return link
+    _RAY_LOGS[str(Path(run_dir))] = target
+    return target
+
+
+def keep_logs(run_dir: str | os.PathLike, ray_logs: bool = True) -> Path | None:
+    """At the run's end (Ray shut down): with `ray_logs`, copy what Ray's session logged during this process's life
+    into <run_dir>/logs/ray-<session>/ (files written since the driver started, but none empty or larger than
+    RAY_LOG_MAX); then remove the empty log files of <run_dir>/logs. Returns the copy's folder. Never raises:
+    the run's outcome stands whatever its logs do."""
+    logs, copied = Path(run_dir) / "logs", None
+    source = _RAY_LOGS.pop(str(Path(run_dir)), None)
+    if ray_logs and source is not None and source.is_dir():
+        try:
+            import psutil
+
+            since = psutil.Process().create_time()
+        except Exception:  # noqa: BLE001
+            since = 0.0
+        copied = logs / f"ray-{source.parent.name}"
+        try:
+            files = sorted(source.rglob("*"))
+        except OSError:  # Ray's temporary folder went meanwhile
+            files = []
+        for f in files:
+            try:
+                st = f.lstat()
+                if f.is_symlink() or not f.is_file() or not 0 < st.st_size <= RAY_LOG_MAX or st.st_mtime < since:
+                    continue
+                (copied / f.relative_to(source)).parent.mkdir(parents=True, exist_ok=True)
+                shutil.copy2(f, copied / f.relative_to(source))
+            except OSError:
+                continue
+    for f in logs.glob("*.log") if logs.is_dir() else ():
+        try:
+            if f.is_file() and f.stat().st_size == 0:
+                f.unlink()
+        except OSError:
+            pass
+    return copied if copied is not None and copied.is_dir() else None

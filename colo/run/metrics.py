@@ -3,7 +3,7 @@
     run_dir/metrics.jsonl   one JSON object per step: {"step": 3, "reward/mean": 0.4, ...}  (always)
     run_dir/tb/             TensorBoard event files (tensorboard --logdir run_dir/tb)       (run.loggers)
     run_dir/wandb/          Weights & Biases run files; online runs upload as they go          (run.loggers)
-    run_dir/metrics.png     reward (and eval reward) per step; stacked per-phase timings timing/*_s
+    run_dir/metrics.png     reward (and eval reward) per step; per-phase timings timing/*_s, stacked
 
 W&B plots against colo's own `step` (define_metric), not its internal counter: W&B's step must be a
 non-negative, increasing integer, while colo logs the warm-up as step -1 and a resumed run logs the
@@ -29,8 +29,13 @@ from typing import Any
 
 TIMING_PREFIX = "timing/"
 TOTAL_TIMING = "timing/step_s"
-# the step's timeline, bottom to top in the stacked plot; phases not listed go on top
-PHASE_ORDER = ("rollout", "reward", "sleep", "onload", "logprobs", "train", "offload", "sync", "wake")
+# the step's timeline, bottom to top in the stacked plot; phases not listed go on top, so a new phase key
+# (timing/<phase>_s) is drawn without a change here
+PHASE_ORDER = ("rollout", "reward", "sleep", "train", "wait", "sync", "offload", "wake", "probe")
+# spans timed inside a phase (colo.loop.Timer part=True), listed once: part -> the phase that contains it. A part
+# is drawn inside its phase's bar, never stacked on it (stacked, the bars overshot the step's total)
+PARTS = {"batch": "train"}
+CPU_MARKER = "_cpu_s"  # timing/<span>_cpu_s: a span's CPU time on the driver's thread, beside its wall time
 
 
 def _plain(v: Any) -> Any:
@@ -156,6 +161,14 @@ class WandbLogger:
         self.run.finish()
 
 
+MEAN_OF = 10  # steps in the plot's running mean of the training reward (and the summary's first and last means)
+
+
+def running_mean(ys: list[float], n: int) -> list[float]:
+    """Means of each n consecutive values (len(ys) - n + 1 of them)."""
+    return [sum(ys[i - n:i]) / n for i in range(n, len(ys) + 1)]
+
+
 def _series(rows: list[dict], key: str) -> tuple[list[int], list[float]]:
     pts = [(r["step"], r[key]) for r in rows if isinstance(r.get(key), (int, float))]
     return [p[0] for p in pts], [float(p[1]) for p in pts]
@@ -174,21 +187,27 @@ def plot_metrics(rows: list[dict], path: str | Path) -> None:
     for key in ["reward/mean"] + [k for k in keys if k.startswith("eval/") and "reward" in k]:
         xs, ys = _series(rows, key)
         if xs:
-            ax_r.plot(xs, ys, marker="o" if key.startswith("eval/") else None, ms=4, label=key)
+            ax_r.plot(xs, ys, marker="o" if key.startswith("eval/") else None, ms=4, label=key,
+                      alpha=0.4 if key == "reward/mean" and len(xs) > MEAN_OF else 1.0)
+        if key == "reward/mean" and len(xs) > MEAN_OF:  # one step's reward is noisy: its trend, over MEAN_OF steps
+            ax_r.plot(xs[MEAN_OF - 1:], running_mean(ys, MEAN_OF), color=ax_r.lines[-1].get_color(), lw=2,
+                      label=f"reward/mean, mean of {MEAN_OF} steps")
     ax_r.set_ylabel("reward")
     ax_r.grid(alpha=0.3)
     if ax_r.lines:
         ax_r.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8)
 
-    phases = [k for k in keys if k.startswith(TIMING_PREFIX) and k.endswith("_s") and k != TOTAL_TIMING]
-    rank = {f"{TIMING_PREFIX}{p}_s": i for i, p in enumerate(PHASE_ORDER)}
-    phases.sort(key=lambda k: (rank.get(k, len(rank)), k))
+    phases, parts = timing_layout(keys)
     steps = [r["step"] for r in rows]
-    bottom = [0.0] * len(rows)
+    bottom, base = [0.0] * len(rows), {}
     for k in phases:
-        vals = [float(r[k]) if isinstance(r.get(k), (int, float)) else 0.0 for r in rows]
+        vals = _values(rows, k)
+        base[k] = bottom
         ax_t.bar(steps, vals, bottom=bottom, width=0.8, label=k[len(TIMING_PREFIX):-2])
         bottom = [b + v for b, v in zip(bottom, vals)]
+    for k, phase in parts.items():  # inside its phase's bar, from the phase's base: a share of it, not more
+        ax_t.bar(steps, _values(rows, k), bottom=base[phase], width=0.4, fill=False, hatch="///", lw=0.5,
+                 label=f"{k[len(TIMING_PREFIX):-2]} (part of {phase[len(TIMING_PREFIX):-2]})")
     xs, ys = _series(rows, TOTAL_TIMING)
     if xs:
         ax_t.plot(xs, ys, color="black", lw=1, label="step (total)")
@@ -205,10 +224,29 @@ def plot_metrics(rows: list[dict], path: str | Path) -> None:
     plt.close(fig)
 
 
+def timing_layout(keys: list[str] | set[str]) -> tuple[list[str], dict[str, str]]:
+    """The phase panel's bars from the timing keys present: (phases, stacked bottom to top; {part: its phase}).
+    The step's total, CPU times (CPU_MARKER) and parts (PARTS) are not stacked; a part whose phase is absent is
+    left out. Any other timing/<name>_s is a phase, so a new one needs no change here."""
+    timing = [k for k in keys if k.startswith(TIMING_PREFIX) and k.endswith("_s") and k != TOTAL_TIMING
+              and not k.endswith(CPU_MARKER)]
+    part_keys = {f"{TIMING_PREFIX}{p}_s": f"{TIMING_PREFIX}{ph}_s" for p, ph in PARTS.items()}
+    phases = [k for k in timing if k not in part_keys]
+    rank = {f"{TIMING_PREFIX}{p}_s": i for i, p in enumerate(PHASE_ORDER)}
+    phases.sort(key=lambda k: (rank.get(k, len(rank)), k))
+    parts = {k: part_keys[k] for k in sorted(timing) if k in part_keys and part_keys[k] in phases}
+    return phases, parts
+
+
+def _values(rows: list[dict], key: str) -> list[float]:
+    return [float(r[key]) if isinstance(r.get(key), (int, float)) else 0.0 for r in rows]
+
+
 def format_progress(m: dict[str, Any]) -> dict[str, str]:
     """Headline numbers of a step record, for the progress bar's postfix."""
     out = {}
-    for label, key, fmt in (("reward", "reward/mean", "{:.3f}"), ("eval", None, "{:.3f}"),
+    for label, key, fmt in (("sft_loss", "sft_loss", "{:.3f}"), ("reward", "reward/mean", "{:.3f}"),
+                            ("eval", None, "{:.3f}"),
                             ("step_s", TOTAL_TIMING, "{:.1f}"), ("sync_s", "timing/sync_s", "{:.2f}")):
         if key is None:  # the most specific eval reward present
             key = next((k for k in ("eval/reward/mean", "eval/reward") if k in m), None)
@@ -219,12 +257,13 @@ def format_progress(m: dict[str, Any]) -> dict[str, str]:
 
 
 class ProgressLine:
-    """tqdm bar over RL steps showing reward, last eval, step and sync time."""
+    """tqdm bar over RL steps showing reward, last eval, step and sync time (desc="warm-up": over the supervised
+    warm-up's steps, showing its loss)."""
 
-    def __init__(self, total_steps: int, initial_step: int = 0, disable: bool = False) -> None:
+    def __init__(self, total_steps: int, initial_step: int = 0, disable: bool = False, desc: str = "RL") -> None:
         from tqdm import tqdm
 
-        self._bar = tqdm(total=total_steps, initial=initial_step, desc="step", unit="step",
+        self._bar = tqdm(total=total_steps, initial=initial_step, desc=desc, unit="step",
                          dynamic_ncols=True, disable=disable)
         self._last_eval: str | None = None
 

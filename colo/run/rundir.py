@@ -3,11 +3,17 @@ checkpoints whole or not there.
 
     check_writable("runs/tiny-cpu/20261125-101500")   # OSError-free, or RunDirError naming the fix
     lock("runs/.../20261125-101500")                  # held until this process exits; RunDirError when taken
+    unlock("runs/.../20261125-101500")                # given up and <run.dir>/.lock removed (a clean exit)
     usable_checkpoint(run_dir) -> (path, skipped)     # the newest checkpoint whose files are all there
+    prune_checkpoints(run_dir, keep=3)                # the newest 3 and those marked with a `keep` file stay
 
 The lock is an advisory flock on <run.dir>/.lock, which the driver holds until it exits (the kernel drops it
-when the process dies, kill -9 included, so a stale lock cannot outlive its run). Two launches into one run
+when the process dies, kill -9 included, so a stale lock cannot outlive its run); a run that ends normally
+removes the file too, so a finished run dir holds no lock file naming a dead pid. Two launches into one run
 dir used to run side by side, every step logged twice.
+
+Checkpoints: a run keeps the newest run.keep_checkpoints (at 30B scale each is ~370 GB of params and AdamW state)
+and every one a user marks by creating a file named `keep` in it (`touch <run.dir>/checkpoints/step_000099/keep`).
 """
 from __future__ import annotations
 
@@ -16,6 +22,7 @@ import fcntl
 import json
 import os
 import re
+import shutil
 import socket
 import time
 from pathlib import Path
@@ -62,15 +69,22 @@ def lock(run_dir: str | Path) -> None:
     path = Path(run_dir) / LOCK_NAME
     if str(path) in _held:
         return
-    f = open(path, "a+")
-    try:
-        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        f.seek(0)
-        who = f.read().strip()
+    while True:
+        f = open(path, "a+")
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            f.seek(0)
+            who = f.read().strip()
+            f.close()
+            raise RunDirError(f"run.dir={run_dir} is in use by another colo run ({who or 'its lock is held'}); "
+                              "fix: wait for it to end (or stop it), or give this one another run.dir") from None
+        try:  # the file we locked is still the one at `path`: unlock() of the run before us may have removed it
+            if os.stat(path).st_ino == os.fstat(f.fileno()).st_ino:
+                break
+        except FileNotFoundError:
+            pass
         f.close()
-        raise RunDirError(f"run.dir={run_dir} is in use by another colo run ({who or 'its lock is held'}); "
-                          "fix: wait for it to end (or stop it), or give this one another run.dir") from None
     f.seek(0)
     f.truncate()
     f.write(f"pid {os.getpid()} on {socket.gethostname()} since {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
@@ -80,9 +94,15 @@ def lock(run_dir: str | Path) -> None:
 
 def unlock(run_dir: str | Path) -> None:
     """Give up this process's lock on run_dir (taken by lock()); a no-op when it holds none. For a process that
-    runs several jobs in turn (colo.cluster.warm); a process that exits gives its locks up anyway."""
-    f = _held.pop(str(Path(run_dir) / LOCK_NAME), None)
+    runs several jobs in turn (colo.launch.main's `clusters`: the test suite's warm clusters); a process that exits
+    gives its locks up anyway."""
+    path = Path(run_dir) / LOCK_NAME
+    f = _held.pop(str(path), None)
     if f is not None:
+        try:
+            path.unlink()  # while still held: a launch waiting on this file sees it gone and takes a new one (lock)
+        except OSError:
+            pass
         fcntl.flock(f, fcntl.LOCK_UN)
         f.close()
 
@@ -149,3 +169,18 @@ def usable_checkpoint(run_dir: str | Path) -> tuple[Path | None, list[tuple[Path
             return path, skipped
         skipped.append((path, problem))
     return None, skipped
+
+
+KEEP_MARK = "keep"  # a file of this name in a checkpoint dir keeps it from prune_checkpoints
+
+
+def prune_checkpoints(run_dir: str | Path, keep: int) -> list[Path]:
+    """Remove complete checkpoints beyond the newest `keep` (0: keep all), except those holding a KEEP_MARK file;
+    returns the removed ones. Set-aside ones (step_N.damaged) and unfinished saves (step_N.tmp) are left alone."""
+    if keep <= 0:
+        return []
+    older = complete_checkpoints(run_dir)[:-keep]
+    gone = [p for p in older if not (p / KEEP_MARK).exists()]
+    for p in gone:
+        shutil.rmtree(p, ignore_errors=True)
+    return gone

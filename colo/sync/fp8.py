@@ -108,7 +108,7 @@ class Fp8Plan:
     """Which trainer tensors the sender quantizes, and the shapes of their scale companions (module docstring)."""
 
     quantized: dict[str, tuple[int, ...]]  # trainer name -> its shape (the tensors quantized)
-    shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)  # trainer shapes with each companion after its base
+    shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)  # trainer shapes, each companion after its base
     dtype: str = "bfloat16"  # the engine's unquantized dtype: what a weight is rounded to before it is quantized
 
     @classmethod
@@ -131,7 +131,8 @@ class Fp8Plan:
                    if len(s) not in (2, 3)]
         errors += _misaligned_parts(arch, quantized)
         if errors:
-            raise Fp8PlanError("the engine's FP8 weights do not match colo's block quantization:\n  " + "\n  ".join(errors))
+            raise Fp8PlanError("the engine's FP8 weights do not match colo's block quantization:\n  "
+                               + "\n  ".join(errors))
         shapes: dict[str, tuple[int, ...]] = {}
         for name, shape in trainer_shapes.items():
             shapes[name] = tuple(shape)

@@ -5,8 +5,9 @@
 
 The HF -> vLLM name rules live here and nowhere else: the family's table (colo.models.archs) is data, and
 `direct_mapping` applies it against what the engine declares (fused q/k/v and gate/up, fused experts by
-module prefix, renames, vocabulary padding). The sender asks the plan, never the table, where a trainer
-tensor goes (`SyncPlan.expert_modules` for the expert fast path).
+module prefix, renames, vocabulary padding). The sender looks the family's table up (arch_for) only to hand
+it to the plan, and asks the plan, never the table, where a trainer tensor goes and which are fused experts
+(`SyncPlan.expert_modules`, for the expert fast path; expert_shard_range is FSDP's shard rule, not a name rule).
 
 Vocabulary padding: vLLM pads the rows of the embedding and lm_head to a multiple of 64 and fills the
 pad rows with zeros when it loads from disk. The engine declares them (`describe()["params"][name]
@@ -164,15 +165,6 @@ def direct_mapping(arch: Arch, trainer_shapes: dict[str, tuple[int, ...]], descr
         elif got[n] != numel(params[n]["shape"]) and not names_only:
             errors.append(f"{n}: {got[n]} of {numel(params[n]['shape'])} elements written")
     return segs, errors
-
-
-def direct_segments(arch: Arch, trainer_shapes: dict[str, tuple[int, ...]], describe: dict) -> list[Segment]:
-    """Every element the engine needs, as segments in trainer-parameter order; raises MappingError naming
-    every unmapped trainer tensor and every uncovered vLLM param."""
-    segs, errors = direct_mapping(arch, trainer_shapes, describe)
-    if errors:
-        raise MappingError("weight-sync mapping failed:\n  " + "\n  ".join(errors))
-    return segs
 
 
 @dataclass

@@ -43,7 +43,7 @@ from torch.distributed.tensor import DTensor
 
 from colo.config import SyncConfig
 from colo.models.dtypes import torch_dtype
-from colo.models.archs import Arch, arch_for, architecture, expert_param, expert_shard_range
+from colo.models.archs import Arch, arch_for, architecture, expert_shard_range
 from colo.sync.fp8 import FP8_DTYPE, Fp8Plan, Fp8PlanError
 from colo.sync.plan import MappingError, build_plan, build_reference_plan, direct_mapping
 from colo.sync.transport import SenderBuffers, WeightGroup, align_up
@@ -127,8 +127,7 @@ class ParamSource:
         for u in (u for u in self.units if u.is_experts):
             for name in u.names:
                 p = self._tensor(name)
-                ex = expert_param(self.arch, name)
-                if ex is None:
+                if name not in expert_modules:  # the plan says where each tensor goes (colo.sync.plan)
                     ok, why = False, f"{name}: not a fused expert param"
                     break
                 if not isinstance(p, DTensor) or p.device_mesh.ndim != 1 or not p.placements[0].is_shard(0):

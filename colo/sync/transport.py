@@ -186,14 +186,6 @@ def _rebuild_cuda_ipc(args: list, device_index: int) -> torch.Tensor:
     return rebuild_cuda_tensor(*a)
 
 
-def open_buffer(handle: dict, device: torch.device | str) -> torch.Tensor:
-    """Open a sender's buffer in this process; returns a (nbytes,) uint8 tensor aliasing it."""
-    t, seg = _open(handle, torch.device(device))
-    if seg is not None:
-        _KEEP_ALIVE.append(seg)  # the mapping must outlive the returned tensor
-    return t
-
-
 def _open(handle: dict, device: torch.device) -> tuple[torch.Tensor, mmap.mmap | None]:
     if handle["kind"] == "broadcast":  # our own buffer, filled by a broadcast before each unpack
         return torch.empty(int(handle["nbytes"]), dtype=torch.uint8, device=device), None

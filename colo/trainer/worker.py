@@ -22,7 +22,6 @@ gradient checkpointing, which only acts while training).
 from __future__ import annotations
 
 import contextlib
-import gc
 import math
 import os
 import time
@@ -33,12 +32,13 @@ import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 
 from colo.algo.batch import from_wire
-from colo.algo.loss import TokenLoss, policy_loss
+from colo.algo.loss import LossOptions, TokenLoss, policy_loss
 from colo.algo.packing import Packed, pack_bins
 from colo.algo.parity import gap_metrics, logprob_gap
 from colo.algo.replay import RouterTap
 from colo.config import ColoConfig, from_dict
 from colo.models.dtypes import torch_dtype
+from colo.plan.settings import fill_plain
 from colo.run.logs import actor_output
 from colo.host.shm import sweep
 from colo.sync.sender import Sender
@@ -65,7 +65,8 @@ class Trainer:
     """The plain class; `TrainWorker` below is its Ray actor. Tests and benchmarks use either."""
 
     def __init__(self, cfg: dict, rank: int, world_size: int, master_addr: str, master_port: int):
-        self.cfg: ColoConfig = from_dict(cfg)  # plain data over Ray, the typed tree from here on
+        # plain data over Ray, the typed tree from here on; `auto` keys nobody resolved run as before auto
+        self.cfg: ColoConfig = fill_plain(from_dict(cfg))
         self.log = actor_output(str(self.cfg.run.dir), bool(self.cfg.run.verbose), "trainer", rank)
         sweep()  # shared memory that dead processes of an earlier run left on this node (colo.host.shm)
         self.rank, self.world_size = rank, world_size
@@ -139,32 +140,6 @@ class Trainer:
                 "params": sum(p.numel() for p in self.model.parameters()),
                 **state_bytes([self.model], None),
                 "experts": expert_shard_range(experts, self.world_size, self.rank) if experts else None}
-
-    def reconfigure(self, cfg: dict) -> dict:
-        """The next job of a warm cluster (colo.cluster.warm): the same process, rank, world and process group,
-        another config. The model, reference and optimizer are built again for it and the output goes to the new
-        run's log; what a fresh actor would cost on top (the process, its imports, the process group: most of a
-        tiny job's trainer start-up) is skipped. The placement (device, world size) cannot change here:
-        colo.cluster.warm only hands a cluster to a job of the same shape."""
-        new = from_dict(cfg)
-        if (new.placement.device, new.placement.mode) != (self.cfg.placement.device, self.cfg.placement.mode):
-            raise ValueError(f"reconfigure: placement {new.placement.device}/{new.placement.mode} but this trainer "
-                             f"runs {self.cfg.placement.device}/{self.cfg.placement.mode}; start a new cluster")
-        t0 = time.perf_counter()
-        self.release_sync_buffers()
-        if self._weight_group is not None:  # disaggregated rank 0: the engines' new workers join a new group
-            self._weight_group.close()
-            self._weight_group = self._group_host = None
-        self.model = self.ref_model = self.optimizer = None
-        gc.collect()
-        if self.device.type == "cuda":
-            torch.cuda.empty_cache()
-        self.cfg = new
-        self.log = actor_output(str(new.run.dir), bool(new.run.verbose), "trainer", self.rank)
-        sweep()
-        self.offloaded, self.consecutive_skipped = False, 0
-        self._slots, self._packed = [0.0, 0.0], None
-        return {**self._build(), "seconds": time.perf_counter() - t0}
 
     # ---- forward pieces ----------------------------------------------------------------------
     def _check_ready(self) -> None:
@@ -356,13 +331,10 @@ class Trainer:
         adv = self._up(mb["advantages"])
         rollout = None if mb.get("rollout_logprobs") is None else self._up(mb["rollout_logprobs"])
         ref = None if ref is None else self._up(ref)
-        terms = dict(clip_low=float(a.clip_low), clip_high=float(a.clip_high),
-                     tis_cap=None if a.tis_cap is None else float(a.tis_cap), kl_coef=float(a.kl_coef),
-                     clip_ratio_c=float(getattr(a, "clip_ratio_c", 0.0)))
-        counts = dict(loss_agg=str(a.loss_agg), token_count=token_count, seq_count=seq_count)
+        opts, counts = LossOptions.of(a), dict(token_count=token_count, seq_count=seq_count)
         # trainer.loss_in_lm_head: the same loss, its gradient taken token by token inside the lm_head's chunk loop
-        token_loss = TokenLoss.of(old, adv, mask, scale=float(self.world_size),
-                                  rollout_logprobs=rollout, ref_logprobs=ref, **counts, **terms) \
+        token_loss = TokenLoss.of(old, adv, mask, opts, scale=float(self.world_size),
+                                  rollout_logprobs=rollout, ref_logprobs=ref, **counts) \
             if self.cfg.trainer.loss_in_lm_head else None
         lp, ent, anchor = self._score(self.model, mb, self._policy_temperature, dummy, token_loss)  # (b, T) each
         if old is None:
@@ -370,8 +342,7 @@ class Trainer:
             if not dummy:
                 self._count_routing(mb)  # before backward, whose recompute would run the router again
         with torch.no_grad() if anchor is not None else contextlib.nullcontext():  # the value and the metrics
-            loss, met = policy_loss(lp, old, adv, mask, rollout_logprobs=rollout, ref_logprobs=ref,
-                                    **counts, **terms)
+            loss, met = policy_loss(lp, old, adv, mask, opts, rollout_logprobs=rollout, ref_logprobs=ref, **counts)
         (anchor if anchor is not None else loss * self.world_size).backward()
         n = mask.float().sum()
         with torch.no_grad():

@@ -1,5 +1,5 @@
 """python -m colo.bench.step on CPU with the tiny preset: real RL steps at imposed long-tail lengths, packed and
-padded in one run (--compare); the JSON line carries the figures the benchmark promises, and packing measurably
+padded in one run (bare --compare: trainer.packing=true,false); the JSON line carries the figures the benchmark promises, and packing measurably
 removes the padding the padded path computes on."""
 from __future__ import annotations
 
@@ -19,15 +19,17 @@ def test_bench_step_compare_on_cpu(tmp_path) -> None:
     # --profile: the warm-up step's train phase as an operator table, once per layout (rank 0's matmuls in it)
     assert res.stderr.count("profile of step 0's train phase") == 2 and "aten::mm" in res.stderr
     out = json.loads([x for x in res.stdout.splitlines() if x.startswith("{")][-1])
-    for layout in (out, out["no_packing"]):
+    assert out["compare"] == {"key": "trainer.packing", "values": [True, False]}
+    for layout in (out, out["versus"]):
         for key in KEYS:
             assert key in layout, key
         assert layout["train_mfu"] is None and layout["logprob_peak_gb"] is None  # CPU: no peak FLOP/s, no allocator
         assert layout["alloc_retries"] == 0 and layout["update_reserved_gb"] is None
         assert layout["tokens_per_s_per_gpu"] > 0 and layout["generated_tokens_per_s"] > 0
         phases = layout["phases"]
-        assert set(phases) >= {"rollout", "reward", "sleep", "train", "sync", "wake", "step", "onload", "logprob",
-                               "update", "optim", "train_call", "entry_wait", "batch", "batch_cpu", "driver_gc"}
+        assert set(phases) >= {"rollout", "reward", "sleep", "train", "wait", "sync", "offload", "wake", "step",
+                               "onload", "logprob", "update", "optim", "train_call", "entry_wait", "batch", "batch_cpu",
+                               "driver_gc"}
         assert 0 < phases["logprob"] + phases["update"] + phases["optim"] <= phases["train_call"]
         assert 0 <= phases["entry_wait"] <= phases["train_call"] - phases["update"]
         assert 0 <= phases["driver_gc"] < phases["step"]
@@ -35,26 +37,32 @@ def test_bench_step_compare_on_cpu(tmp_path) -> None:
         assert 0 < phases["batch_cpu"] <= phases["batch"] + 0.01
         # the long tail: lengths drawn per sample, median a quarter of max_tokens; most stop before the limit
         assert 4 < layout["response_len_mean"] < 40 and layout["truncated_frac"] < 0.5
-    assert out["packing"] is True and out["tokens_per_step"] == out["no_packing"]["tokens_per_step"]  # same workload
+    padded = out["versus"]
+    assert out["packing"] is True and out["tokens_per_step"] == padded["tokens_per_step"]  # same workload
     assert out["padding_fraction"] <= 0.05
-    assert out["no_packing"]["padding_fraction"] > 0.2  # rows padded to the longest of a long tail
-    assert out["speedup"]["tokens_per_s_per_gpu"] > 0
+    assert padded["padding_fraction"] > 0.2  # rows padded to the longest of a long tail
+    # the ratios are those of the two variants' own figures, each way round as documented (packed over padded)
+    sp = out["speedup"]
+    assert sp["tokens_per_s_per_gpu"] == out["tokens_per_s_per_gpu"] / padded["tokens_per_s_per_gpu"]
+    assert sp["train"] == padded["phases"]["train"] / out["phases"]["train"]
+    assert sp["step"] == padded["phases"]["step"] / out["phases"]["step"]
 
 
 def test_bench_step_compare_async(tmp_path) -> None:
-    """`python -m colo.bench.step --compare-async`: the async step at imposed long-tail lengths with its figures,
+    """`python -m colo.bench.step --compare loop.mode=async,sync`: the async step at imposed long-tail lengths with its figures,
     then sync mode on the same cluster, with the ratio. With per-prompt lengths (the iid ones are the other test's),
-    so the per-prompt draw runs on resumed requests too (colo.bench.engines.LengthEngine.generate_partial)."""
+    so the per-prompt draw runs on resumed requests too (colo.bench.engines.LengthEngine.generate, "partial")."""
     res = run_cli("--preset", "tiny", "--device", "cpu", "--steps", "2", "--warmup", "1", "--prompts", "2", "--n", "4",
-                  "--prompt-len", "8", "--max-tokens", "48", "--json", "--workdir", str(tmp_path), "--compare-async",
+                  "--prompt-len", "8", "--max-tokens", "48", "--json", "--workdir", str(tmp_path), "--compare", "loop.mode=async,sync",
                   "--lengths", "per-prompt", "rollout.oversample=2", timeout=900, module="colo.bench.step")
     assert res.returncode == 0, res.stderr[-3000:]
     out = json.loads([x for x in res.stdout.splitlines() if x.startswith("{")][-1])
     print(out)
     assert out["tokens_per_s_per_gpu"] > 0 and out["overrides"] == ["rollout.oversample=2"]
     assert out["lengths"]["model"] == "per-prompt" and out["lengths"]["rho"] > 0
-    assert out["mode"] == "async" and "async" not in out["sync"] and out["sync"]["tokens_per_s_per_gpu"] > 0
-    assert out["speedup"]["tokens_per_s_per_gpu"] == out["tokens_per_s_per_gpu"] / out["sync"]["tokens_per_s_per_gpu"]
+    sync = out["versus"]
+    assert out["mode"] == "async" and "async" not in sync and sync["tokens_per_s_per_gpu"] > 0
+    assert out["speedup"]["tokens_per_s_per_gpu"] == out["tokens_per_s_per_gpu"] / sync["tokens_per_s_per_gpu"]
     a = out["async"]
     assert a["staleness_max"] <= 1 and 0 <= a["offpolicy_frac"] <= 1 and a["completed"] > 0
     assert a["carried"] > 0, "a long tail with twice the prompts in flight must leave samples unfinished"

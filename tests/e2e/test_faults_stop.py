@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -89,7 +90,7 @@ def test_ctrl_c_second_launch_damaged_checkpoint_sigterm(tmp_path: Path) -> None
     line = stop_line(err, "SIGINT")
     last = max(steps(run_dir))
     assert f"saved step {last} in {run_dir / 'checkpoints' / f'step_{last:06d}'}" in line, (line, steps(run_dir))
-    assert line.endswith(f"continue with: python -m colo.launch --resume run.dir={run_dir}")
+    assert line.endswith(f"continue with: .venv/bin/python -m colo.launch --resume run.dir={run_dir}")
     assert_nothing_left(pids)
     saved = complete_checkpoints(run_dir)
     assert saved[-1].name == f"step_{last:06d}" and not any(checkpoint_problem(c) for c in saved)
@@ -111,23 +112,28 @@ def test_ctrl_c_second_launch_damaged_checkpoint_sigterm(tmp_path: Path) -> None
                                                        "truncated") and \
         f"resuming from step_{last - 1:06d} instead" in damaged[0], out[-2000:]
     line = stop_line(err, "SIGTERM")
-    assert "continue with: python -m colo.launch --resume" in line
+    assert "continue with: .venv/bin/python -m colo.launch --resume" in line
     assert_nothing_left(pids)
     assert not any(checkpoint_problem(c) for c in complete_checkpoints(run_dir))
 
 
 def test_disk_full_mid_run(tmp_path: Path) -> None:
-    """run.dir on a 40 MiB filesystem: the model, the data and four ~9 MB checkpoints fit, the fifth does not.
-    The run ends with one line naming the full disk, keeps no half-written checkpoint, and leaves nothing behind."""
+    """run.dir on a 64 MiB filesystem, room for the run's three kept checkpoints (run.keep_checkpoints, checked at
+    start: colo.plan.disk), which something else fills once step 0 is saved, leaving 4 MiB: less than one ~9 MB
+    checkpoint. The run ends with one line naming the full disk, keeps no half-written checkpoint, and leaves nothing
+    behind."""
     disk = tmp_path / "disk"
     disk.mkdir()
-    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=40m", "tmpfs", str(disk)],
+    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64m", "tmpfs", str(disk)],
                                            capture_output=True).returncode:
         pytest.skip("needs root to mount a small filesystem")
     try:
         run_dir = disk / "run"
         p = launch(run_dir)
         wait_for(p, (run_dir / "checkpoints" / "step_000000" / "extra.json").exists, "step 0 saved")
+        with contextlib.suppress(OSError), open(disk / "filler", "wb") as f:  # the run writes meanwhile: ENOSPC
+            for _ in range(max(0, shutil.disk_usage(disk).free - (4 << 20)) >> 20):
+                f.write(b"\0" * (1 << 20))
         pids = process_tree(p.pid)
         out, err = p.communicate(timeout=600)
         assert p.returncode == 1, err[-3000:]

@@ -91,6 +91,24 @@ def test_dry_run_prints_resolved_config_and_plan(tmp_path: Path) -> None:
     assert list(tmp_path.iterdir()) == []  # a dry run writes nothing
 
 
+def test_checkpoints_the_disk_cannot_hold_are_refused(tmp_path: Path) -> None:
+    """--dry-run says how much disk the run's checkpoints take (run.keep_checkpoints of them, one more while one is
+    written) and refuses, as the run does, when run.dir's filesystem cannot hold them: here every one of ten million
+    steps' checkpoints kept, 8.3 MiB each (the default job keeps 3: tests/unit/test_disk_plan.py)."""
+    big = ["run.keep_checkpoints=0", "loop.checkpoint_every=1", "loop.steps=10000000",
+           f"run.dir={tmp_path}/runs/{{time}}"]
+    r = run_cli("--dry-run", *big, cwd=tmp_path)
+    assert "\ndisk: 10000000 of 10000000 checkpoints kept (run.keep_checkpoints), each 8.3 MiB" in r.stdout, r.stdout
+    assert_config_error(r, "colo: error: run.dir: its filesystem cannot hold the run's checkpoints: ",
+                        f"free in {tmp_path}; fix: run.keep_checkpoints=")
+    r = run_cli(*big, cwd=tmp_path, imports=True)
+    assert_config_error(r, "its filesystem cannot hold the run's checkpoints")
+    assert not r.imported & {"ray", "vllm"} and list(tmp_path.iterdir()) == []  # refused before anything starts
+    r = run_cli("--dry-run", f"run.dir={tmp_path}/runs/{{time}}", cwd=tmp_path)  # the default job: 3 kept
+    assert r.returncode == 0 and "\ndisk: 3 of 14 checkpoints kept (run.keep_checkpoints), 4 while one is written" \
+        in r.stdout, r.stdout[-2000:]
+
+
 def test_dry_run_disaggregated(tmp_path: Path) -> None:
     r = run_cli("--dry-run", "placement.mode=disaggregated", "placement.num_gpus=2",
                 "placement.trainer_gpus=1", "placement.device=cpu", f"run.dir={tmp_path}/runs/{{time}}",
@@ -151,6 +169,10 @@ def test_prepare_run_generates_model_data_and_config(tmp_path: Path) -> None:
     saved = load_config(str(run / "config.yaml"), ["run.resume=true"], {})
     validate(saved)
     assert saved.model.path == r.model.path and saved.placement.device == "cpu"
+    # the `auto` trainer settings as the run ran them (colo.plan.auto: CPU's), so a resume runs the same
+    from colo.plan.settings import PLAIN, get
+
+    assert {k: get(saved, k) for k in PLAIN} == PLAIN  # true, false, 16384 in config.yaml: no `auto` left
 
 
 def test_resume_starts_from_the_runs_saved_config(tmp_path: Path) -> None:

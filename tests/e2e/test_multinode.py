@@ -148,7 +148,7 @@ def test_node_loss_then_resume_matches_one_node(cluster: TwoNodes, single: Path,
     assert error.startswith(want), error
     newest = sorted(p for p in (run_dir / "checkpoints").glob("step_*") if (p / "extra.json").exists())[-1]
     assert newest.name == "step_000001", newest  # the node died in step 2 (the held reward)
-    assert (f"colo: newest checkpoint {newest}; continue with: python -m colo.launch --resume "
+    assert (f"colo: newest checkpoint {newest}; continue with: .venv/bin/python -m colo.launch --resume "
             f"run.dir={run_dir}") in err, err[-2000:]
 
     cluster.stop_worker()  # what is left of the dead node's processes

@@ -19,10 +19,14 @@ The test reads the README itself and sorts each command into one of:
 - cluster node: `bash launch/ray-cluster.sh head|worker ...`: tests/e2e/test_multinode.py starts both nodes of
   its two-node cluster with this script (tests/e2e/twonodes.py);
 - cluster run: a colo.launch command with RAY_ADDRESS: tests/e2e/test_multinode.py runs it against its two-node
-  cluster (the address swapped for the cluster's); `ray job submit ... -- <colo.launch command>` and
+  cluster (the address swapped for the cluster's); `.venv/bin/ray job submit ... -- <colo.launch command>` and
   `sbatch ... launch/slurm.sbatch <colo.launch arguments>` need a GPU cluster: their colo.launch command is
-  a GPU command here (checked as far as `--dry-run`), and the scripts are checked by `bash -n`.
-A command that fits none fails test_every_command_is_classified: teach this file how to run it.
+  a GPU command here (checked as far as `--dry-run`), and the scripts are checked by `bash -n`;
+- tensorboard, chat: `.venv/bin/tensorboard ...` and the `curl` chat request against a served export:
+  tests/e2e/test_printed_commands.py runs them, from a checkout's root, on the session's default job.
+A command that fits none fails test_every_command_is_classified: teach this file how to run it. Every command
+names its interpreter or tool as `.venv/bin/...` (a bare `python`, `tensorboard` or `ray` is on a newcomer's PATH
+only with the venv activated): test_commands_run_without_activating_the_venv.
 
 The CPU jobs double as the tests of large rollout batches: the first short job of each placement mode takes a step of
 40 prompts x 8 samples (both run one engine: 5,440 prompt tokens on it, 80 prompts until 2026-11-26),
@@ -58,7 +62,7 @@ SETUP = {  # exact command -> why the suite does not run it
     "python3 -m venv .venv": "GPU set-up: the venv for the gpu extra below",
     '.venv/bin/pip install -e ".[gpu,test]"': "GPU set-up: vllm 0.32 CUDA wheels, no GPU here",
 }
-LAUNCH = ("python", ".venv/bin/python")
+LAUNCH = (".venv/bin/python",)
 
 
 @dataclass
@@ -66,7 +70,7 @@ class Command:
     text: str  # as in the README, continuation lines joined, comment dropped
     env: dict[str, str] = field(default_factory=dict)
     args: list[str] = field(default_factory=list)  # after `python -m colo.launch`
-    kind: str = "unknown"  # cpu-run | dry-run | gpu | setup | cluster-node | cluster-run | unknown
+    kind: str = "unknown"  # cpu-run | dry-run | gpu | setup | cluster-node | cluster-run | tensorboard | chat | unknown
     via: str = ""  # the wrapper a GPU command goes through: "ray job submit", "sbatch"
 
 
@@ -94,7 +98,10 @@ def _classify(words: list[str]) -> Command:
     if words[:2] == ["bash", "launch/ray-cluster.sh"] and words[2:3] in (["head"], ["worker"]):
         cmd.kind = "cluster-node"
         return cmd
-    if words[:3] == ["ray", "job", "submit"] and "--" in words:
+    if words[:1] in ([".venv/bin/tensorboard"], ["curl"]):
+        cmd.kind, cmd.args = ("tensorboard" if words[0].endswith("tensorboard") else "chat"), words[1:]
+        return cmd
+    if words[:3] == [".venv/bin/ray", "job", "submit"] and "--" in words:
         cmd.via, words = "ray job submit", words[words.index("--") + 1:]
     elif words[:1] == ["sbatch"] and "launch/slurm.sbatch" in words:
         cmd.via, words = "sbatch", [".venv/bin/python", "-m", "colo.launch",
@@ -134,10 +141,29 @@ def test_every_command_is_classified() -> None:
     assert not unknown, f"README commands tests/e2e/test_readme.py does not know how to run: {unknown}"
     kinds = [c.kind for c in commands]
     # the README as of this test: 5 CPU jobs, 1 CPU dry run, 3 GPU commands, 5 set-up commands
-    want = ("cpu-run", "dry-run", "gpu", "setup", "cluster-node", "cluster-run")
+    want = ("cpu-run", "dry-run", "gpu", "setup", "cluster-node", "cluster-run", "tensorboard", "chat")
     assert all(kinds.count(k) >= 1 for k in want), kinds
     assert any(c.args == ["placement.mode=disaggregated", "placement.trainer_gpus=1"] for c in _of("cpu-run"))
     assert {c.via for c in _of("gpu")} >= {"ray job submit", "sbatch"}
+
+
+BARE = {"python", "python3", "tensorboard", "ray", "vllm", "pip", "pytest", "wandb"}  # on PATH only when activated
+
+
+def _programs(text: str) -> list[str]:
+    """The programs a command runs: its first word after any VAR=value, and the one after `--` (`ray job submit
+    -- <command>`)."""
+    words = shlex.split(text)
+    while words and re.fullmatch(r"[A-Z_][A-Z0-9_]*=.*", words[0]):
+        words.pop(0)
+    return words[:1] + (words[words.index("--") + 1:][:1] if "--" in words else [])
+
+
+def test_commands_run_without_activating_the_venv() -> None:
+    """From a fresh clone's root, `python`, `tensorboard`, `ray` or `vllm` alone are not on the PATH (or are another
+    install's): every README command names .venv's (`python3 -m venv .venv`, the GPU set-up's first step, aside)."""
+    bare = [c.text for c in readme_commands() if set(_programs(c.text)) & BARE and c.text != "python3 -m venv .venv"]
+    assert not bare, f"README commands that need an activated venv: {bare}"
 
 
 def test_cluster_scripts_parse() -> None:

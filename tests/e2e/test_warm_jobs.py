@@ -1,4 +1,4 @@
-"""Jobs in turn on one process's warm clusters (colo.cluster.warm), as the suite's short CPU jobs run (conftest
+"""Jobs in turn on one process's warm clusters (tests/warm_clusters.py), as the suite's short CPU jobs run (conftest
 run_job): the next job of the same shape gets the same trainer and engine processes, reconfigured for its config
 (another model, another run dir), and trains with every sync verified; a process found dead is replaced by a new
 cluster; what warm clusters do not run is refused before anything starts.

@@ -67,8 +67,12 @@ def start_trainers(cfg: Any, pgs: list) -> tuple[list, list[dict]]:
     return trainers, ray.get([t.setup.remote() for t in trainers])
 
 
-def start_engines(cfg: Any, pgs: list) -> tuple[list, list[dict]]:
-    """One DP group over `pgs`; the engine actor takes 0 GPUs (its vLLM worker holds the fraction)."""
+def start_engines(cfg: Any, pgs: list, setups: list[dict]) -> tuple[list, list[dict]]:
+    """One DP group over `pgs`, beside the trainers already started there (`setups`: their setup() reports); the
+    engine actor takes 0 GPUs (its vLLM worker holds the fraction). Started after the trainers, not with them as
+    colo.cluster.actors.start_cluster does, so a test can measure what the engine alone takes; then the product's
+    own rank and device checks (check_alignment), which start_cluster runs."""
+    from colo.cluster.actors import check_alignment
     from colo.config import to_dict
     from colo.cluster.placement import scheduling
     from colo.rollout.engine import RolloutEngine
@@ -76,14 +80,18 @@ def start_engines(cfg: Any, pgs: list) -> tuple[list, list[dict]]:
     d, port = to_dict(cfg), free_port()
     engines = [RolloutEngine.options(num_gpus=0, num_cpus=0, scheduling_strategy=scheduling(pg))
                .remote(d, r, len(pgs), port) for r, pg in enumerate(pgs)]
-    return engines, ray.get([e.ready.remote() for e in engines])
+    readies = ray.get([e.ready.remote() for e in engines])
+    check_alignment(setups, readies, colocated=True)
+    return engines, readies
 
 
 def greedy(engines: list) -> list[list[tuple[list[int], list[float]]]]:
     """Per engine, per prompt: (greedy tokens, their log-probs); all engines at once (a DP group steps
     together)."""
-    outs = ray.get([e.generate.remote(PROMPTS, 1, MAX_TOKENS, 0.0, 1.0, 0) for e in engines])
-    return [[(s["response_ids"], s["logprobs"]) for s in out] for out in outs]
+    from colo.rollout.generation import Generation
+
+    outs = ray.get([e.generate.remote(Generation(PROMPTS, 1, MAX_TOKENS, 0.0, 1.0, 0)) for e in engines])
+    return [[(s["response_ids"], s["logprobs"]) for s in out] for out, _ in outs]
 
 
 def stop_engines(engines: list) -> None:

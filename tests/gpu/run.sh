@@ -18,15 +18,16 @@
 # qwen3-30b-a3b-L2); rollout = colo.bench.rollout, the colocated engine's output tokens/s against a standalone one (only when
 # named in STEPS: it takes ~8 minutes on an H100); step = colo.bench.step, whole RL steps of qwen3-30b-a3b-L4 at
 # 4k-token long-tail responses, packed vs padded (only when named: `STEPS=step bash tests/gpu/run.sh 600`;
-# STEP_ARGS adds config overrides, e.g. trainer.gradient_checkpointing=true); async = colo.bench.step --compare-async,
-# loop.mode=async against sync on the same workload (only when named; ASYNC_ARGS adds overrides). Both: BENCH_STEPS
-# measured steps (2), BENCH_MAX_TOKENS (4096), BENCH_PROMPTS (16 per step), BENCH_FLAGS more bench flags
+# STEP_ARGS adds config overrides, e.g. trainer.gradient_checkpointing=true); async = colo.bench.step
+# --compare=loop.mode=async,sync, loop.mode=async against sync on the same workload (only when named; ASYNC_ARGS
+# adds overrides). Both: BENCH_STEPS measured steps (2), BENCH_MAX_TOKENS (4096), BENCH_PROMPTS (16 per step), BENCH_FLAGS more bench flags
 # (--profile: the warm-up's kernel table).
-# gather = colo.bench.step --compare-gather-once (trainer.gather_once on, then off; GATHER_ARGS adds overrides).
+# gather = colo.bench.step --compare=trainer.gather_once=true,false (trainer.gather_once on, then off; GATHER_ARGS adds
+# overrides).
 # decode = colo.bench.decode: vLLM's decode step time against batch size, sampling variants DECODE_VARIANTS
 # (default colo,detok,bare), DECODE_ARGS adds arguments; the JSON line lands in $OUT/decode.json (only when named).
-# compile = colo.bench.step --compare-compile (trainer.compile on, then off; COMPILE_ARGS adds overrides, e.g.
-# trainer.gather_once=true; BENCH_WARMUP warm-up steps, 1 by default: the compile runs in them).
+# compile = colo.bench.step --compare=trainer.compile=true,false (trainer.compile on, then off; COMPILE_ARGS adds
+# overrides, e.g. trainer.gather_once=true; BENCH_WARMUP warm-up steps, 1 by default: the compile runs in them).
 # optim = colo.bench.optimizer: StreamedAdamW's host-state step (by pieces, copies overlapped) against the serial loop
 # and against each parameter stepped whole,
 # bit-identical first (OPTIM_ARGS replaces the arguments; default the L12 slice's parameters, bf16 state), then
@@ -34,11 +35,14 @@
 # one = colo.bench.step with no comparison: one variant alone, ONE_ARGS its overrides (only when named), for a slice
 # whose two variants do not fit one call. BENCH_PRESET picks the slice of step/async/gather/compile/one (default
 # qwen3-30b-a3b-L4; qwen3-30b-a3b-L12 fits one H200 with trainer.optimizer_offload=true, and with gather_once too
-# when trainer.offload=false: docs/benchmarks.md, twelfth session, call N2).
+# when trainer.offload=false: docs/benchmarks.md, twelfth session, call N2). Every bench_step run starts from
+# BENCH_BASE (default `trainer.optimizer_dtype=bfloat16 trainer.max_tokens_per_micro_batch=8192`, the figures' base
+# since 2026-11-25); BENCH_BASE=trainer.optimizer_dtype=bfloat16 leaves the micro-batch, like the other trainer
+# settings that take auto, to colo.plan.auto (the L12 slice on one H200 then runs the hand-tuned fast path).
 # fp8 = tests/gpu/test_fp8_gpu.py and test_fp8_loop_gpu.py: FP8 rollout (quantization against vLLM's on CUDA, a real
 # FP8 engine synced both ways, the loop with R3/TIS, async, multi-turn, and disaggregated on 2 GPUs) (only when named).
-# fp8step = colo.bench.step --compare-fp8: rollout.quantization=fp8 against bf16, one cluster each, on BENCH_PRESET
-# (FP8STEP_ARGS adds overrides; the L12 slice needs trainer.optimizer_offload=true on one H200) (only when named).
+# fp8step = colo.bench.step --compare=rollout.quantization=fp8,none: FP8 rollout against bf16, one cluster each, on
+# BENCH_PRESET (FP8STEP_ARGS adds overrides) (only when named).
 # CUDA_VISIBLE_DEVICES limits the GPUs it counts and uses; SHARED_HOST=1 leaves Ray running after a failed step
 # (tests/gpu/streams.sh runs two of these at once, one per GPU).
 # Everything this script leaves in $OUT is at most 8 files, one level deep: what a device call brings back.
@@ -94,7 +98,8 @@ step() {  # step NAME MAX_SECONDS CMD...
 ngpu=$(nvidia-smi -L | wc -l)
 if [ -n "${CUDA_VISIBLE_DEVICES:-}" ]; then ngpu=$(echo "$CUDA_VISIBLE_DEVICES" | tr ',' '\n' | grep -c .); fi
 
-STEPS=${STEPS:-colocated ipc dpep routing bench loop}  # and: attention, rollout, decode, step, async, gather, compile, one, optim, fp8, fp8step
+STEPS=${STEPS:-colocated ipc dpep routing bench loop}  # and: attention, rollout, decode, step, async, gather, compile,
+# one, optim, fp8, fp8step
 want() { case " $STEPS " in *" $1 "*) return 0;; *) return 1;; esac; }
 
 # attention = the packed-row attention kernels against per-sample SDPA (test + colo.bench.packed_attention; no vLLM)
@@ -163,8 +168,8 @@ bench_step() {  # bench_step NAME WARMUP COMPARE_FLAG [OVERRIDES...]
   timeout -k 15 "$t" "$PY" -m colo.bench.step --preset "${BENCH_PRESET:-qwen3-30b-a3b-L4}" --device cuda --gpus 1 \
       --max-tokens "${BENCH_MAX_TOKENS:-4096}" --prompt-len 256 --prompts "${BENCH_PROMPTS:-16}" --n 8 --warmup "$warmup" \
       --steps "${BENCH_STEPS:-2}" ${flag:+"$flag"} ${BENCH_FLAGS:-} --json \
-      --workdir "${RUN_ROOT:-/tmp}/colo-$name" trainer.optimizer_dtype=bfloat16 trainer.max_tokens_per_micro_batch=8192 \
-      "$@" >"$OUT/$name.json" 2>"$OUT/$name.log"
+      --workdir "${RUN_ROOT:-/tmp}/colo-$name" \
+      ${BENCH_BASE-trainer.optimizer_dtype=bfloat16 trainer.max_tokens_per_micro_batch=8192} "$@" >"$OUT/$name.json" 2>"$OUT/$name.log"
   local rc=$?
   echo "[run.sh] $name: rc=$rc in $((SECONDS - t0))s"
   tail -n 15 "$OUT/$name.log"
@@ -177,13 +182,13 @@ bench_step() {  # bench_step NAME WARMUP COMPARE_FLAG [OVERRIDES...]
 # after one warm-up step recompiled, packed update 7.7 s against 1.7 s)
 want step && bench_step step "${BENCH_WARMUP:-1}" --compare ${STEP_ARGS:-}           # packed against padded
 # shellcheck disable=SC2086
-want async && bench_step async "${BENCH_WARMUP:-2}" --compare-async ${ASYNC_ARGS:-}  # loop.mode=async against sync
+want async && bench_step async "${BENCH_WARMUP:-2}" --compare=loop.mode=async,sync ${ASYNC_ARGS:-}  # loop.mode=async against sync
 # shellcheck disable=SC2086
-want gather && bench_step gather 1 --compare-gather-once ${GATHER_ARGS:-}  # trainer.gather_once against per micro-batch
+want gather && bench_step gather 1 --compare=trainer.gather_once=true,false ${GATHER_ARGS:-}  # trainer.gather_once against per micro-batch
 # shellcheck disable=SC2086
-want compile && bench_step compile "${BENCH_WARMUP:-1}" --compare-compile ${COMPILE_ARGS:-}  # compiled layers against eager
+want compile && bench_step compile "${BENCH_WARMUP:-1}" --compare=trainer.compile=true,false ${COMPILE_ARGS:-}  # compiled layers against eager
 # shellcheck disable=SC2086
-want fp8step && bench_step fp8step "${BENCH_WARMUP:-1}" --compare-fp8 ${FP8STEP_ARGS:-}  # FP8 rollout against bf16
+want fp8step && bench_step fp8step "${BENCH_WARMUP:-1}" --compare=rollout.quantization=fp8,none ${FP8STEP_ARGS:-}
 # shellcheck disable=SC2086
 want one && bench_step one "${BENCH_WARMUP:-1}" "" ${ONE_ARGS:-}  # one variant alone (ONE_ARGS), e.g. the L12 slice compiled
 echo "[run.sh] done in $((SECONDS - start))s, status $status"

@@ -41,7 +41,7 @@ def pair(tmp_path_factory: pytest.TempPathFactory):
     try:
         trainers, setups = start_trainers(cfg, pgs)
         free_before = ray.get(trainers[0].gpu_free.remote())  # trainer up, engine not yet
-        engines, readies = start_engines(cfg, pgs)
+        engines, readies = start_engines(cfg, pgs, setups)
         free_awake = ray.get(trainers[0].gpu_free.remote())
         state = {"cfg": cfg, "pgs": pgs, "trainer": trainers[0], "engine": engines[0], "setup": setups[0],
                  "ready": readies[0], "engine_bytes": free_before - free_awake, "root": root}

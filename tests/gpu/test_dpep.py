@@ -37,7 +37,7 @@ def group(tmp_path_factory: pytest.TempPathFactory):
     engines: list = []
     try:
         trainers, setups = start_trainers(cfg, pgs)
-        engines, readies = start_engines(cfg, pgs)
+        engines, readies = start_engines(cfg, pgs, setups)
         yield {"cfg": cfg, "trainers": trainers, "engines": engines, "setups": setups, "readies": readies}
     finally:
         stop_engines(engines)

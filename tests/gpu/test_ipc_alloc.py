@@ -40,11 +40,13 @@ while not os.path.exists(sys.argv[2]) and time.time() < deadline:
 
 RECEIVER = """
 import json, pickle, sys, torch
-from colo.sync.transport import open_buffer
+from colo.sync.transport import ReceiverBuffers
 torch.cuda.set_device(0)
-ok = []
-for h in pickle.load(open(sys.argv[1], "rb")):
-    got = open_buffer(h, "cuda:0").cpu()
+ok, handles = [], pickle.load(open(sys.argv[1], "rb"))
+buffers = ReceiverBuffers("cuda:0")  # the receiver's own way in: each handle opened once
+buffers.set_active(handles)
+for h in handles:
+    got = buffers.get(h["buffer_id"]).cpu()
     want = (torch.arange(h["nbytes"]) * (h["buffer_id"] + 3) % 251).to(torch.uint8)
     ok.append(bool(torch.equal(got, want)))
 print(json.dumps({"ok": ok}))

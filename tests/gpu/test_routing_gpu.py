@@ -47,8 +47,8 @@ def pair(tmp_path_factory: pytest.TempPathFactory):
         trainer = ray.remote(RoutingTrainer).options(
             num_gpus=cfg.placement.train_gpu_fraction, num_cpus=1, scheduling_strategy=scheduling(pgs[0])).remote(
             to_dict(cfg), 0, 1, "127.0.0.1", __import__("gpu_helpers").free_port())
-        ray.get(trainer.setup.remote())
-        engines, _ = start_engines(cfg, pgs)
+        setup = ray.get(trainer.setup.remote())
+        engines, _ = start_engines(cfg, pgs, [setup])
         ray.get(trainer.prepare_sync.remote([engines[0]]))
         assert ray.get(trainer.sync_weights.remote(engines[0]))["verified"]
         yield {"trainer": trainer, "engine": engines[0]}
@@ -64,7 +64,9 @@ def test_routing_mismatch_and_gap_with_and_without_r3(pair) -> None:
 
     rng = np.random.default_rng(0)
     prompts = rng.integers(3, 500, (16, 64)).tolist()
-    samples = ray.get(pair["engine"].generate.remote(prompts, 4, 32, 1.0, 1.0, 0, True))
+    from colo.rollout.generation import Generation
+
+    samples, _ = ray.get(pair["engine"].generate.remote(Generation(prompts, 4, 32, 1.0, 1.0, 0, True)))
     for s in samples:
         ids = s["routing"]
         assert ids.dtype == np.uint8 and ids.shape == (64 + len(s["response_ids"]) - 1, 2, 8), ids.shape

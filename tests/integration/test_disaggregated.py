@@ -19,11 +19,11 @@ from pathlib import Path
 import pytest
 import ray
 from conftest import removed_after
+from warm_clusters import WarmEngine, stop_cluster
 
 from colo.bench.engines import BenchTrainer
 from colo.bench.sync import LOGPROB_ATOL, PERTURB_SCALE, compare, greedy
 from colo.cluster.actors import start_cluster
-from colo.cluster.warm import stop_cluster
 from colo.config import load_config, to_dict
 from colo.cluster.placement import init_ray, plan_placement
 
@@ -32,13 +32,6 @@ pytestmark = pytest.mark.slow
 BASE = ["placement.device=cpu", "placement.mode=disaggregated", "placement.cpus_per_bundle=1",
         "rollout.kv_cache_mb=128", "rollout.enforce_eager=true", "rollout.max_model_len=128",
         "sync.digest=true", "sync.bucket_mb=1", "trainer.offload=false"]
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory) -> Path:
-    from colo.models.tiny import make_tiny_model
-
-    return Path(make_tiny_model(tmp_path_factory.mktemp("tiny"), "tiny", 0))
 
 
 @pytest.fixture(scope="module")
@@ -55,7 +48,7 @@ def sync_and_compare(model: Path, workdir: Path, overrides: list[str]) -> dict:
     plan = plan_placement(cfg)
     init_ray(plan, log_to_driver=False)  # a no-op in the suite: the shared instance (ray_cluster) is up
     with removed_after():  # this test's groups and actors: the next test needs the logical GPUs
-        c = start_cluster(cfg, plan, trainer_cls=BenchTrainer)
+        c = start_cluster(cfg, plan, trainer_cls=BenchTrainer, engine_cls=WarmEngine)
         try:
             return _sync_and_compare(c, plan, cfg, workdir)
         finally:  # as a run ends: each actor's shutdown first (vLLM's TP workers stopped, their semaphores and
@@ -73,7 +66,7 @@ def _sync_and_compare(c, plan, cfg, workdir: Path) -> dict:
     ray.get([t.export_hf.remote(str(export)) for t in c.trainers])
     fresh_cfg = to_dict(cfg)
     fresh_cfg["model"]["path"] = str(export)
-    # engine 0 in place, as a warm cluster's next job gets it (Engine.reconfigure): its vLLM engine, TP workers
+    # engine 0 in place, as a warm cluster's next job gets it (tests/warm_clusters.py WarmEngine.reconfigure): its vLLM engine, TP workers
     # included, gone, a new one (same TP size) loading the export from disk; the process and its vLLM import
     # stay (a fresh actor: ~9 CPU-s more)
     ray.get(c.engines[0].reconfigure.remote(fresh_cfg))
@@ -91,8 +84,8 @@ def _assert_equivalent(r: dict) -> None:
         assert cmp["max_logprob_diff"] <= LOGPROB_ATOL, (e, cmp)
 
 
-def test_two_trainer_ranks_broadcast_to_two_engines(tiny: Path, tmp_path: Path, ray_cluster) -> None:
-    r = sync_and_compare(tiny, tmp_path, ["placement.num_gpus=4", "placement.trainer_gpus=2"])
+def test_two_trainer_ranks_broadcast_to_two_engines(tiny_model: Path, tmp_path: Path, ray_cluster) -> None:
+    r = sync_and_compare(tiny_model, tmp_path, ["placement.num_gpus=4", "placement.trainer_gpus=2"])
     plan = r["plan"]
     assert (plan.trainer_world, plan.num_engines, plan.tp_size) == (2, 2, 1)
     lead, helper = r["first"]

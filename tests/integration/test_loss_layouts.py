@@ -20,22 +20,19 @@ import pytest
 import ray
 import torch
 
+from conftest import cpu_trainer_config
+
 from colo.algo.batch import build_batch, shard_batch
-from colo.config import ColoConfig
 from colo.host.net import free_port
-from colo.models.tiny import make_tiny_model
 from colo.trainer.worker import TrainWorker
 
 T_SAMPLE, KL_COEF, TIS_CAP = 0.7, 0.05, 2.0
 
 
-def _cfg(model_dir: Path, micro_batch_size: int) -> dict:
-    c = ColoConfig()
-    c.model.path, c.model.dtype = str(model_dir), "float32"
-    c.placement.device = "cpu"
-    t = c.trainer
-    t.lr, t.sft_lr, t.micro_batch_size, t.mini_batches, t.epochs = 0.0, 5e-4, micro_batch_size, 1, 2
-    t.max_tokens_per_micro_batch = 1 if micro_batch_size == 1 else 10**6  # packed: one row, or all, per micro-batch
+def _cfg(tiny_model: Path, micro_batch_size: int) -> dict:
+    # packed: one row, or all, per micro-batch
+    c = cpu_trainer_config(tiny_model, lr=0.0, sft_lr=5e-4, micro_batch_size=micro_batch_size, mini_batches=1, epochs=2,
+                           max_tokens_per_micro_batch=1 if micro_batch_size == 1 else 10**6)
     c.rollout.temperature = T_SAMPLE
     c.algo.kl_coef, c.algo.tis_cap, c.algo.clip_ratio_c = KL_COEF, TIS_CAP, 3.0
     return dataclasses.asdict(c)
@@ -61,17 +58,12 @@ def _run(layout: dict, method: str, batch: dict) -> dict:
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_tiny_model(tmp_path_factory.mktemp("tiny") / "m", "tiny", seed=0)
-
-
-@pytest.fixture(scope="module")
-def layouts(model_dir: Path, ray_cluster):
+def layouts(tiny_model: Path, ray_cluster):
     # the helpers handed to actors through __ray_call__ travel by value (tests/ is no package there)
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
     # 8 rows: one rank, micro-batch 8 -> 1 micro-batch; two ranks of 4 rows, micro-batch 1 -> 4 each
-    yield {"1x1": {"workers": _start(_cfg(model_dir, 8), 1), "micro": 1},
-           "2x4": {"workers": _start(_cfg(model_dir, 1), 2), "micro": 4}}
+    yield {"1x1": {"workers": _start(_cfg(tiny_model, 8), 1), "micro": 1},
+           "2x4": {"workers": _start(_cfg(tiny_model, 1), 2), "micro": 4}}
 
 
 def _samples(seed: int) -> list[dict]:
@@ -86,14 +78,14 @@ def _samples(seed: int) -> list[dict]:
 
 
 @pytest.fixture(scope="module")
-def rl_batch(model_dir: Path) -> dict:
+def rl_batch(tiny_model: Path) -> dict:
     """8 samples, one truncated and filtered out (algo.overlong=filter), advantages of both signs,
     rollout log-probs = the disk model's at T_SAMPLE plus noise (TIS weights on both sides of 1)."""
     from transformers import AutoModelForCausalLM
 
     samples = _samples(1)
     adv = torch.tensor([1.5, -0.7, 0.3, -1.2, 0.0, 0.9, -0.4, 2.0])
-    disk = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    disk = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()
     lp = _whole_batch(disk, build_batch(samples, adv))["lp"]
     noisy = lp + 0.3 * torch.randn(lp.shape, generator=torch.Generator().manual_seed(2))
     for b, s in enumerate(samples):
@@ -159,10 +151,10 @@ def _check(got: dict, want: dict, keys) -> None:
 
 
 @pytest.fixture(scope="module")
-def story(layouts, model_dir, rl_batch, sft_batch, tmp_path_factory) -> dict:
+def story(layouts, tiny_model, rl_batch, sft_batch, tmp_path_factory) -> dict:
     from transformers import AutoModelForCausalLM
 
-    out: dict = {"disk": AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()}
+    out: dict = {"disk": AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()}
     tmp = tmp_path_factory.mktemp("exports")
     for name, lay in layouts.items():
         for _ in range(2):  # the warm-up: the policy leaves model.path (twice as far as the later step)

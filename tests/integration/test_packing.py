@@ -15,10 +15,10 @@ import pytest
 import ray
 import torch
 
+from conftest import cpu_trainer_config
+
 from colo.algo.batch import build_batch, shard_batch
-from colo.config import ColoConfig
 from colo.host.net import free_port
-from colo.models.tiny import make_tiny_model
 from colo.trainer.worker import TrainWorker
 
 METRICS = ("loss", "pg_loss", "kl_loss", "entropy", "tis_mean", "approx_kl", "clip_frac", "grad_norm",
@@ -26,10 +26,8 @@ METRICS = ("loss", "pg_loss", "kl_loss", "entropy", "tis_mean", "approx_kl", "cl
 
 
 @pytest.fixture(scope="module")
-def workers(tmp_path_factory: pytest.TempPathFactory, ray_cluster):
-    model_dir = make_tiny_model(tmp_path_factory.mktemp("tiny") / "m", "tiny", seed=0)
-    c = ColoConfig()
-    c.model.path, c.model.dtype, c.placement.device = str(model_dir), "float32", "cpu"
+def workers(tiny_model: Path, ray_cluster):
+    c = cpu_trainer_config(tiny_model)
     t = c.trainer
     # lr 0: every step sees the same weights, so the layouts can be compared step against step
     t.lr, t.micro_batch_size, t.max_tokens_per_micro_batch, t.epochs, t.logprob_chunk = 0.0, 2, 40, 1, 16

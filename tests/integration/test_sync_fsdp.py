@@ -16,7 +16,7 @@ from colo.config import SyncConfig
 from colo.host.net import free_port
 from colo.models.dtypes import torch_dtype
 from colo.models.archs import QWEN3_MOE
-from colo.sync.plan import direct_segments
+from colo.sync.plan import direct_mapping
 from colo.sync.sender import Sender
 from colo.sync.transport import ReceiverBuffers
 
@@ -72,7 +72,9 @@ def _reference(ref_model, describe) -> dict[str, torch.Tensor]:
     shapes = {n: tuple(p.shape) for n, p in ref_model.named_parameters()}
     full = {n: p.detach().to(torch.bfloat16).reshape(-1) for n, p in ref_model.named_parameters()}
     out = {n: torch.zeros(torch.Size(v["shape"]).numel(), dtype=torch.bfloat16) for n, v in describe["params"].items()}
-    for s in direct_segments(QWEN3_MOE, shapes, describe):
+    segs, errors = direct_mapping(QWEN3_MOE, shapes, describe)
+    assert not errors, errors
+    for s in segs:
         out[s.dst][s.dst_offset: s.dst_offset + s.numel] = full[s.src][s.src_offset: s.src_offset + s.numel]
     return out
 
@@ -108,10 +110,8 @@ def _worker(rank: int, world: int, port: int, path: str, results) -> None:
 
 
 @pytest.fixture(scope="module")
-def results(tmp_path_factory):
-    from colo.models.tiny import make_tiny_model
-
-    path = str(make_tiny_model(tmp_path_factory.mktemp("tiny"), "tiny", 0))
+def results(tiny_model):
+    path = str(tiny_model)
     mgr = tmp.get_context("spawn").Manager()
     shared = mgr.dict()
     tmp.start_processes(_worker, args=(2, free_port(), path, shared), nprocs=2, join=True, start_method="spawn")

@@ -17,11 +17,11 @@ import pytest
 import ray
 import torch
 
+from conftest import cpu_trainer_config
+
 from colo.algo.batch import build_batch
 from colo.algo.loss import gather_logprobs
-from colo.config import ColoConfig
 from colo.host.net import free_port
-from colo.models.tiny import make_tiny_model
 from colo.models.archs import expert_shard_range
 from colo.trainer.worker import Trainer
 
@@ -36,12 +36,9 @@ class ShardTrainer(Trainer):
         return (p.to_local() if hasattr(p, "to_local") else p).detach().cpu().clone()
 
 
-def _cfg(model_dir: Path, dummy: bool = False) -> dict:
-    c = ColoConfig()
-    c.model.path, c.model.dtype, c.model.dummy_weights = str(model_dir), "float32", dummy
-    c.placement.device = "cpu"
-    t = c.trainer
-    t.lr, t.micro_batch_size, t.mini_batches, t.epochs = 5e-3, 2, 1, 2
+def _cfg(tiny_model: Path, dummy: bool = False) -> dict:
+    c = cpu_trainer_config(tiny_model, lr=5e-3, micro_batch_size=2, mini_batches=1, epochs=2)
+    c.model.dummy_weights = dummy
     return dataclasses.asdict(c)
 
 
@@ -68,15 +65,10 @@ def _same(x: dict, y: dict, keys: tuple[str, ...], rel: float = 1e-4) -> None:
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_tiny_model(tmp_path_factory.mktemp("tiny") / "m", "tiny", seed=0)
-
-
-@pytest.fixture(scope="module")
-def hf(model_dir: Path):
+def hf(tiny_model: Path):
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    return AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()
 
 
 @pytest.fixture(scope="module")
@@ -98,16 +90,16 @@ def batches(hf) -> list[tuple[dict, list[dict]]]:
         for b, s in enumerate(samples):
             P = len(s["prompt_ids"])
             s["logprobs"] = noisy[b, P:P + len(s["response_ids"])].tolist()
-        # uneven on purpose (colo.algo.batch.build_shards would balance them)
+        # uneven on purpose (colo.algo.batch.shard_batch would balance them)
         out.append((build_batch(samples, adv),
                     [build_batch(samples[:3], adv[:3]), build_batch(samples[3:], adv[3:])]))
     return out
 
 
 @pytest.fixture(scope="module")
-def cluster(model_dir: Path, ray_cluster):  # workers import ShardTrainer from this module (tests/integration)
-    pair = _start(_cfg(model_dir), 2)
-    single = _start(_cfg(model_dir), 1)
+def cluster(tiny_model: Path, ray_cluster):  # workers import ShardTrainer from this module (tests/integration)
+    pair = _start(_cfg(tiny_model), 2)
+    single = _start(_cfg(tiny_model), 1)
     yield {"A": pair, "S": single}
 
 
@@ -170,7 +162,7 @@ def test_offload_onload_keeps_training_identical(cluster, batches) -> None:
     _same(m_pair[0], m_single, ("loss", "grad_norm", "entropy", "clip_frac"))
 
 
-def test_checkpoint_resume_and_hf_export(cluster, model_dir, batches, tmp_path) -> None:
+def test_checkpoint_resume_and_hf_export(cluster, tiny_model, batches, tmp_path) -> None:
     from transformers import AutoModelForCausalLM
 
     ckpt = str(tmp_path / "ckpt")
@@ -178,7 +170,7 @@ def test_checkpoint_resume_and_hf_export(cluster, model_dir, batches, tmp_path) 
     for w in cluster.pop("S"):
         ray.kill(w)
     # the resumed pair starts from meta-device random weights: everything must come from the ckpt
-    fresh = _start(_cfg(model_dir, dummy=True), 2)
+    fresh = _start(_cfg(tiny_model, dummy=True), 2)
     whole, shards = batches[2]
     lp_dummy = _all(fresh, "compute_logprobs", (whole,), (whole,))[0]
     lp_before = _all(cluster["A"], "compute_logprobs", (whole,), (whole,))[0]

@@ -15,8 +15,8 @@ import pytest
 import ray
 import torch
 
-from colo.config import ColoConfig
-from colo.models.tiny import make_tiny_model
+from conftest import cpu_trainer_config
+
 from colo.trainer.optim import StreamedAdamW, make_optimizer, round_to_bf16
 
 
@@ -94,24 +94,18 @@ def test_stochastic_rounding_keeps_small_decays() -> None:
 
 
 def _cfg(model_dir: Path, **trainer) -> dict:
-    c = ColoConfig()
-    c.model.path, c.model.dtype, c.placement.device = str(model_dir), "float32", "cpu"
-    c.trainer.lr, c.trainer.sft_lr, c.trainer.micro_batch_size = 5e-3, 5e-3, 2
-    for k, v in trainer.items():
-        setattr(c.trainer, k, v)
-    return dataclasses.asdict(c)
+    return dataclasses.asdict(cpu_trainer_config(model_dir, lr=5e-3, sft_lr=5e-3, micro_batch_size=2, **trainer))
 
 
 @pytest.fixture(scope="module")
-def setup(tmp_path_factory: pytest.TempPathFactory, ray_cluster):
+def setup(tiny_model: Path, ray_cluster):
     from colo.host.net import free_port
     from colo.trainer.worker import TrainWorker
 
-    model_dir = make_tiny_model(tmp_path_factory.mktemp("tiny") / "m", "tiny", seed=0)
     port, opts = free_port(), dict(optimizer_offload=True, optimizer_dtype="bfloat16", gradient_checkpointing=True)
-    ws = [TrainWorker.options(num_cpus=0).remote(_cfg(model_dir, **opts), r, 2, "127.0.0.1", port) for r in range(2)]
+    ws = [TrainWorker.options(num_cpus=0).remote(_cfg(tiny_model, **opts), r, 2, "127.0.0.1", port) for r in range(2)]
     ray.get([w.setup.remote() for w in ws])
-    yield model_dir, ws
+    yield tiny_model, ws
 
 
 def _reference_losses(model_dir: Path, batches: list[dict], steps: int) -> list[float]:

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from colo.algo.batch import balance, build_batch, build_shards, shard_batch
+from colo.algo.batch import balance, build_batch, shard_batch
 
 
 def _sample(i, p, r, lp=None):
@@ -60,7 +60,7 @@ def test_balance_counts_and_tokens():
 def test_shards_cover_every_sample_once_and_keep_advantages():
     samples = [_sample(i // 2, [1] * (1 + i % 3), [2] * (1 + i)) for i in range(7)]
     adv = torch.arange(7, dtype=torch.float32) + 1
-    shards = build_shards(samples, adv, world_size=2)
+    shards = shard_batch(build_batch(samples, adv), 2)  # as colo.loop.rl_step shards a step's batch
     seen = torch.cat([s["sample_index"] for s in shards]).tolist()
     assert sorted(seen) == [-1] + list(range(7)) and [len(s["sample_index"]) for s in shards] == [4, 4]
     for s in shards:
@@ -76,7 +76,7 @@ def test_shards_cover_every_sample_once_and_keep_advantages():
 
 def test_shards_pad_ranks_without_samples():
     samples = [_sample(0, [1, 2], [3, 4], [-0.3, -0.4])]
-    shards = build_shards(samples, [1.5], world_size=3)
+    shards = shard_batch(build_batch(samples, [1.5]), 3)
     assert len(shards) == 3
     assert shards[0]["sample_index"].tolist() == [0] and shards[0]["loss_mask"].sum() == 2
     for pad in shards[1:]:

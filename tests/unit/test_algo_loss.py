@@ -3,7 +3,7 @@ import math
 import pytest
 import torch
 
-from colo.algo.loss import gather_logprobs, policy_loss, scale_logits, token_entropy
+from colo.algo.loss import LossOptions, gather_logprobs, policy_loss, scale_logits, token_entropy
 
 
 def _ref_loss(logp, old, adv, mask, clip_low, clip_high, agg, tis=None, kl=None, dual_c=0.0):
@@ -48,7 +48,7 @@ def test_hand_computed_clipped_and_unclipped_with_gradient():
     logp = torch.log(torch.tensor([[1.0, 1.5, 0.9, 0.5, 0.5]])).requires_grad_()
     adv = torch.tensor([[0.0, 1.0, 1.0, -1.0, 1.0]])
     mask = torch.tensor([[0, 1, 1, 1, 1]])
-    loss, m = policy_loss(logp, old, adv, mask, clip_low=0.2, clip_high=0.2, loss_agg="token-mean")
+    loss, m = policy_loss(logp, old, adv, mask, LossOptions(clip_low=0.2, clip_high=0.2, loss_agg="token-mean"))
     assert loss.item() == pytest.approx((-1.2 - 0.9 + 0.8 - 0.5) / 4)
     loss.backward()
     torch.testing.assert_close(logp.grad, torch.tensor([[0.0, 0.0, -0.9, 0.0, -0.5]]) / 4)
@@ -66,14 +66,14 @@ def test_asymmetric_clip():
     logp = torch.log(torch.tensor([[1.0, 1.25]]))
     mask = torch.tensor([[0, 1]])
     adv = torch.tensor([1.0])
-    hi, m_hi = policy_loss(logp, old, adv, mask, clip_low=0.2, clip_high=0.28)
-    lo, m_lo = policy_loss(logp, old, adv, mask, clip_low=0.2, clip_high=0.2)
+    hi, m_hi = policy_loss(logp, old, adv, mask, LossOptions(clip_low=0.2, clip_high=0.28))
+    lo, m_lo = policy_loss(logp, old, adv, mask, LossOptions(clip_low=0.2, clip_high=0.2))
     assert hi.item() == pytest.approx(-1.25) and m_hi["clip_frac"].item() == 0.0
     assert lo.item() == pytest.approx(-1.2) and m_lo["clip_frac"].item() == 1.0
     # ratio 0.75 with A<0: clip_low 0.2 clips at 0.8, clip_low 0.3 does not
     logp = torch.log(torch.tensor([[1.0, 0.75]]))
-    a, _ = policy_loss(logp, old, -adv, mask, clip_low=0.2, clip_high=0.28)
-    b, _ = policy_loss(logp, old, -adv, mask, clip_low=0.3, clip_high=0.28)
+    a, _ = policy_loss(logp, old, -adv, mask, LossOptions(clip_low=0.2, clip_high=0.28))
+    b, _ = policy_loss(logp, old, -adv, mask, LossOptions(clip_low=0.3, clip_high=0.28))
     assert a.item() == pytest.approx(0.8) and b.item() == pytest.approx(0.75)
 
 
@@ -96,9 +96,9 @@ def test_matches_reference_loss_and_grad(agg, adv_dim):
         adv[1] = -abs(adv[1])
     else:
         adv[1, 2] = -abs(adv[1, 2])
-    loss, m = policy_loss(logp, old, adv, mask, clip_low=0.1, clip_high=0.15, loss_agg=agg,
-                          rollout_logprobs=rollout, tis_cap=1.5, ref_logprobs=ref, kl_coef=0.1,
-                          clip_ratio_c=3.0)
+    loss, m = policy_loss(logp, old, adv, mask,
+                          LossOptions(clip_low=0.1, clip_high=0.15, loss_agg=agg, tis_cap=1.5,
+                                      kl_coef=0.1, clip_ratio_c=3.0), rollout_logprobs=rollout, ref_logprobs=ref)
     loss.backward()
     logp_r = logp0.clone().requires_grad_()
     want = _ref_loss(logp_r, old, adv, mask, 0.1, 0.15, agg, tis=tis, kl=(0.1, ref), dual_c=3.0)
@@ -116,21 +116,22 @@ def test_tis_weight_is_capped_and_has_no_grad():
     logp = old.clone().requires_grad_()
     mask = torch.tensor([[0, 1, 1]])
     adv = torch.tensor([1.0])
-    loss, m = policy_loss(logp, old, adv, mask, clip_low=0.2, clip_high=0.2,
-                          rollout_logprobs=rollout, tis_cap=2.0)
+    loss, m = policy_loss(logp, old, adv, mask,
+                          LossOptions(clip_low=0.2, clip_high=0.2, tis_cap=2.0), rollout_logprobs=rollout)
     assert loss.item() == pytest.approx((-2.0 - 0.5) / 2)  # ratio 1, weights min(3, 2) and 0.5
     assert m["tis_mean"].item() == pytest.approx(1.25)
     loss.backward()
     torch.testing.assert_close(logp.grad, torch.tensor([[0.0, -1.0, -0.25]]))
-    uncapped, m2 = policy_loss(old, old, adv, mask, clip_low=0.2, clip_high=0.2,
-                               rollout_logprobs=rollout, tis_cap=None)
+    uncapped, m2 = policy_loss(old, old, adv, mask,
+                               LossOptions(clip_low=0.2, clip_high=0.2, tis_cap=None), rollout_logprobs=rollout)
     assert uncapped.item() == pytest.approx((-3.0 - 0.5) / 2)
-    off, m3 = policy_loss(old, old, adv, mask, clip_low=0.2, clip_high=0.2,
-                          rollout_logprobs=rollout, tis_cap=0)  # config: 0 disables the correction
+    off, m3 = policy_loss(old, old, adv, mask,
+                          LossOptions(clip_low=0.2, clip_high=0.2, tis_cap=0),
+                          rollout_logprobs=rollout)  # config: 0 disables the correction
     assert off.item() == pytest.approx(-1.0) and m3["tis_mean"].item() == 1.0
     with pytest.raises(ValueError, match="tis_cap"):
-        policy_loss(old, old, adv, mask, clip_low=0.2, clip_high=0.2, rollout_logprobs=rollout,
-                    tis_cap=-1.0)
+        policy_loss(old, old, adv, mask,
+                    LossOptions(clip_low=0.2, clip_high=0.2, tis_cap=-1.0), rollout_logprobs=rollout)
 
 
 def test_kl_off_costs_nothing_and_kl_on_matches_k3():
@@ -138,20 +139,20 @@ def test_kl_off_costs_nothing_and_kl_on_matches_k3():
     mask = torch.tensor([[0, 1, 1]])
     adv = torch.tensor([0.0])  # isolate the KL term
     poison = torch.full_like(old, float("nan"))  # any read of ref with kl off would show as nan
-    base, m = policy_loss(old, old, adv, mask, clip_low=0.2, clip_high=0.2)
-    off, m_off = policy_loss(old, old, adv, mask, clip_low=0.2, clip_high=0.2,
-                             ref_logprobs=poison, kl_coef=0.0)
+    base, m = policy_loss(old, old, adv, mask, LossOptions(clip_low=0.2, clip_high=0.2))
+    off, m_off = policy_loss(old, old, adv, mask,
+                             LossOptions(clip_low=0.2, clip_high=0.2, kl_coef=0.0), ref_logprobs=poison)
     assert torch.equal(base, off) and "kl_ref" not in m_off
     ref = torch.tensor([[0.0, -1.5, -1.0]])
     logp = old.clone().requires_grad_()
-    on, m_on = policy_loss(logp, old, adv, mask, clip_low=0.2, clip_high=0.2,
-                           ref_logprobs=ref, kl_coef=0.5)
+    on, m_on = policy_loss(logp, old, adv, mask,
+                           LossOptions(clip_low=0.2, clip_high=0.2, kl_coef=0.5), ref_logprobs=ref)
     d = torch.tensor([-0.5, 1.0])
     assert on.item() == pytest.approx(0.5 * (torch.exp(d) - d - 1).mean().item())
     on.backward()  # d/dlogp of exp(d) - d - 1 with d = ref - logp is 1 - exp(d)
     torch.testing.assert_close(logp.grad[0, 1:], 0.5 * (1 - torch.exp(d)) / 2)
     with pytest.raises(ValueError, match="ref_logprobs"):
-        policy_loss(old, old, adv, mask, clip_low=0.2, clip_high=0.2, kl_coef=0.1)
+        policy_loss(old, old, adv, mask, LossOptions(clip_low=0.2, clip_high=0.2, kl_coef=0.1))
 
 
 def test_masked_positions_never_produce_nan():
@@ -160,8 +161,9 @@ def test_masked_positions_never_produce_nan():
     old = torch.tensor([[500.0, -1.0, 0.0]])
     rollout = torch.tensor([[-900.0, -1.0, 0.0]])
     mask = torch.tensor([[0, 1, 0]])
-    loss, m = policy_loss(logp, old, torch.tensor([1.0]), mask, clip_low=0.2, clip_high=0.2,
-                          rollout_logprobs=rollout, tis_cap=2.0, ref_logprobs=rollout, kl_coef=0.1)
+    loss, m = policy_loss(logp, old, torch.tensor([1.0]), mask,
+                          LossOptions(clip_low=0.2, clip_high=0.2, tis_cap=2.0, kl_coef=0.1),
+                          rollout_logprobs=rollout, ref_logprobs=rollout)
     loss.backward()
     assert torch.isfinite(loss) and torch.isfinite(logp.grad).all()
     assert all(torch.isfinite(v) for v in m.values())
@@ -176,21 +178,21 @@ def test_global_counts_make_split_gradients_equal_one_process(agg):
     logp0 = old + torch.randn(B, T, generator=g) * 0.3
     adv = torch.randn(B, generator=g)
     mask = torch.tensor([[0, 1, 1, 1, 1], [0, 0, 1, 0, 0], [0, 1, 1, 0, 0], [0, 0, 0, 0, 0]])
-    kw = dict(clip_low=0.2, clip_high=0.2, loss_agg=agg)
+    opts = LossOptions(clip_low=0.2, clip_high=0.2, loss_agg=agg)
     full = logp0.clone().requires_grad_()
-    policy_loss(full, old, adv, mask, **kw)[0].backward()
+    policy_loss(full, old, adv, mask, opts)[0].backward()
     tokens, seqs = mask.sum(), (mask.sum(1) > 0).sum()
     parts = logp0.clone().requires_grad_()
     for rows in (slice(0, 1), slice(1, 4)):
-        policy_loss(parts[rows], old[rows], adv[rows], mask[rows], token_count=tokens,
-                    seq_count=seqs, **kw)[0].backward()
+        policy_loss(parts[rows], old[rows], adv[rows], mask[rows], opts, token_count=tokens,
+                    seq_count=seqs)[0].backward()
     torch.testing.assert_close(parts.grad, full.grad)
 
 
 def test_all_masked_rows_keep_graph():
     logp = torch.zeros(1, 3, requires_grad=True)
     loss, _ = policy_loss(logp, torch.zeros(1, 3), torch.tensor([0.0]), torch.zeros(1, 3),
-                          clip_low=0.2, clip_high=0.2, loss_agg="seq-mean-token-mean")
+                          LossOptions(clip_low=0.2, clip_high=0.2, loss_agg="seq-mean-token-mean"))
     loss.backward()  # a padding-only rank must still be able to backprop
     assert loss.item() == 0.0 and torch.equal(logp.grad, torch.zeros(1, 3))
 
@@ -198,7 +200,7 @@ def test_all_masked_rows_keep_graph():
 def test_rejects_unknown_agg():
     x = torch.zeros(1, 2)
     with pytest.raises(ValueError, match="loss_agg"):
-        policy_loss(x, x, torch.zeros(1), x, clip_low=0.2, clip_high=0.2, loss_agg="mean")
+        policy_loss(x, x, torch.zeros(1), x, LossOptions(clip_low=0.2, clip_high=0.2, loss_agg="mean"))
 
 
 def test_token_entropy_and_gather_logprobs():
@@ -266,8 +268,8 @@ def test_dual_clip_bounds_negative_advantages_only():
     adv = torch.tensor([-1.0, -1.0, -1.0, 1.0, -2.0, -0.5])
     logp = torch.log(ratios).requires_grad_()
     mask = torch.ones(1, 6)
-    loss, m = policy_loss(logp.view(1, 6), old.view(1, 6), adv.view(1, 6), mask, clip_low=0.2,
-                          clip_high=0.28, clip_ratio_c=3.0)
+    loss, m = policy_loss(logp.view(1, 6), old.view(1, 6), adv.view(1, 6), mask,
+                          LossOptions(clip_low=0.2, clip_high=0.28, clip_ratio_c=3.0))
     want = _dual_ref(logp.detach(), old, adv, 0.2, 0.28, 3.0)
     assert loss.item() == pytest.approx(sum(want) / 6)
     # token 0 (A<0, ratio 5 > c) and token 5 (ratio 4 > 3) are bounded: no gradient; token 3 has A>0
@@ -276,12 +278,12 @@ def test_dual_clip_bounds_negative_advantages_only():
     loss.backward()
     assert logp.grad[0] == 0 and logp.grad[5] == 0 and logp.grad[1] != 0
     off, m_off = policy_loss(logp.detach().view(1, 6), old.view(1, 6), adv.view(1, 6), mask,
-                             clip_low=0.2, clip_high=0.28)
+                             LossOptions(clip_low=0.2, clip_high=0.28))
     assert off.item() == pytest.approx((5 + 2 + 1.1 - 1.28 + 1.6 + 2.0) / 6)  # by hand, PPO-clip only
     assert m_off["clip_frac/dual"].item() == 0.0
     with pytest.raises(ValueError, match="clip_ratio_c"):
-        policy_loss(logp.view(1, 6), old.view(1, 6), adv.view(1, 6), mask, clip_low=0.2,
-                    clip_high=0.2, clip_ratio_c=0.5)
+        policy_loss(logp.view(1, 6), old.view(1, 6), adv.view(1, 6), mask,
+                    LossOptions(clip_low=0.2, clip_high=0.2, clip_ratio_c=0.5))
 
 
 def test_k3_is_clamped():
@@ -290,8 +292,8 @@ def test_k3_is_clamped():
     logp = torch.tensor([[0.0, -30.0, 0.0, -1.0]], requires_grad=True)
     ref = torch.tensor([[0.0, 0.0, -30.0, -1.2]])
     mask = torch.tensor([[0, 1, 1, 1]])
-    loss, m = policy_loss(logp, logp.detach(), torch.tensor([0.0]), mask, clip_low=0.2,
-                          clip_high=0.2, ref_logprobs=ref, kl_coef=1.0)
+    loss, m = policy_loss(logp, logp.detach(), torch.tensor([0.0]), mask,
+                          LossOptions(clip_low=0.2, clip_high=0.2, kl_coef=1.0), ref_logprobs=ref)
     small = math.exp(-0.2) + 0.2 - 1
     assert m["kl_ref"].item() == pytest.approx((10 + 10 + small) / 3, rel=1e-5)
     assert m["kl_loss"].item() == pytest.approx(loss.item())

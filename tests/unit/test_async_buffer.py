@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from colo.algo.batch import build_batch
-from colo.algo.loss import policy_loss
+from colo.algo.loss import LossOptions, policy_loss
 from colo.config import ConfigError, load_config, validate
 from colo.rollout.buffer import RolloutBuffer
 
@@ -150,8 +150,8 @@ def test_decoupled_loss_on_tokens_of_two_versions_matches_a_plain_loop() -> None
     adv = torch.tensor([1.0, -0.5, 0.3])
     mask = torch.ones(B, T)
     mask[2, 4:] = 0
-    loss, m = policy_loss(logp, old, adv, mask, clip_low=0.2, clip_high=0.28, rollout_logprobs=behaviour,
-                          tis_cap=2.0)
+    loss, m = policy_loss(logp, old, adv, mask,
+                          LossOptions(clip_low=0.2, clip_high=0.28, tis_cap=2.0), rollout_logprobs=behaviour)
     total, count, ws = 0.0, 0, []
     for b in range(B):
         for t in range(T):
@@ -168,7 +168,7 @@ def test_decoupled_loss_on_tokens_of_two_versions_matches_a_plain_loop() -> None
     assert m["tis_mean"].item() == pytest.approx(sum(ws) / len(ws), rel=1e-5)
     assert any(w == 2.0 for w in ws) and any(w < 1.0 for w in ws)  # some stale tokens truncated, some down-weighted
     # the naive loss (ratio against the behaviour log-probs, no pi_old) is a different objective
-    naive, _ = policy_loss(logp, behaviour, adv, mask, clip_low=0.2, clip_high=0.28)
+    naive, _ = policy_loss(logp, behaviour, adv, mask, LossOptions(clip_low=0.2, clip_high=0.28))
     assert abs(naive.item() - loss.item()) > 1e-3
 
 
@@ -222,3 +222,20 @@ def test_generate_ahead_hands_over_one_batch_a_step_and_checkpoints_it() -> None
     with pytest.raises(RuntimeError, match="loop.max_staleness"):
         GenerateAhead.metrics(batch, step=5, max_staleness=1)
     assert GenerateAhead().state_dict() == {"kind": "ahead", "batch": None}
+
+
+def test_share_gives_each_engine_its_groups_and_a_quota_it_can_meet() -> None:
+    """colo.rollout.schedule.share: groups round robin over the engines, oldest first, each sample with its group;
+    the groups still needed shared the same way, so no engine is asked to finish more groups than it holds."""
+    from colo.rollout.schedule import share
+
+    reqs = [{"group": g, "sample": j} for g in (7, 3, 9, 4, 5) for j in range(2)]  # insertion order: oldest first
+    per_engine, quota = share(reqs, need=4, engines=2)
+    assert [[r["group"] for r in rs] for rs in per_engine] == [[7, 7, 9, 9, 5, 5], [3, 3, 4, 4]]
+    assert quota == [2, 2]
+    for need in range(8):
+        for engines in (1, 2, 3, 4, 6):
+            per_engine, quota = share(reqs, need, engines)
+            held = [len({r["group"] for r in rs}) for rs in per_engine]
+            assert sum(quota) == min(need, 5) and all(q <= h for q, h in zip(quota, held)), (need, engines)
+            assert sorted(r["group"] for rs in per_engine for r in rs) == sorted(r["group"] for r in reqs)

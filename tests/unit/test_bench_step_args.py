@@ -1,52 +1,47 @@
-"""colo.bench.step's arguments: the comparisons are one run each, and a comparison owns the setting it varies."""
+"""colo.bench.step's arguments: one --compare KEY=A,B per run, which owns the setting it varies."""
 from __future__ import annotations
 
 import pytest
 
-from colo.bench.step import parse_args
+from colo.bench.step import COMPARABLE, parse_args
 
 
-@pytest.mark.parametrize("flags", [["--compare", "--compare-async"], ["--compare", "--compare-gather-once"],
-                                   ["--compare-async", "--compare-gather-once"], ["--compare", "--compare-compile"],
-                                   ["--compare-gather-once", "--compare-compile"],
-                                   ["--compare-compile", "--compare-old-logprobs"],
-                                   ["--compare-old-logprobs", "--compare-loss-in-lm-head"]])
-def test_one_comparison_per_run(flags: list[str], capsys) -> None:
+def test_compare_takes_one_setting_and_two_of_its_values() -> None:
+    assert parse_args(["--compare"]).compare == ("trainer.packing", (True, False))  # bare: packed, then padded
+    assert parse_args(["--compare", "loop.mode=async,sync"]).compare == ("loop.mode", ("async", "sync"))
+    assert parse_args(["--compare", "trainer.old_logprobs=auto,pass"]).compare == ("trainer.old_logprobs",
+                                                                                  ("auto", "pass"))
+    assert parse_args(["--compare", "trainer.gather_once=false,true", "--json"]).compare == (
+        "trainer.gather_once", (False, True))
+    assert parse_args([]).compare is None
+
+
+@pytest.mark.parametrize("value, says", [("trainer.lr=1e-3,1e-4", "KEY is one of"),
+                                         ("loop.mode=async", "two different values"),
+                                         ("loop.mode=async,async", "two different values"),
+                                         ("trainer.compile=yes,no", "true/false")])
+def test_compare_refuses_what_it_cannot_vary(value: str, says: str, capsys) -> None:
     with pytest.raises(SystemExit):
-        parse_args(flags)
-    assert "give one" in capsys.readouterr().err
+        parse_args(["--compare", value])
+    assert says in capsys.readouterr().err
 
 
-def test_compare_gather_once_owns_the_setting(capsys) -> None:
-    assert parse_args(["--compare-gather-once"]).compare_gather_once
+@pytest.mark.parametrize("key", sorted(COMPARABLE))
+def test_compare_owns_its_setting(key: str, capsys) -> None:
+    a, b = COMPARABLE[key]
     with pytest.raises(SystemExit):
-        parse_args(["--compare-gather-once", "trainer.gather_once=true"])
+        parse_args(["--compare", f"{key}={a},{b}", f"{key}={a}"])
     assert "drop the override" in capsys.readouterr().err
 
 
-def test_compare_old_logprobs_owns_the_setting(capsys) -> None:
-    assert parse_args(["--compare-old-logprobs"]).compare_old_logprobs
+def test_compare_compile_warms_up_and_packing_measures_the_padded_path_itself(capsys) -> None:
+    """A compile falls in unmeasured warm-up steps; --no-packing next to the packed/padded comparison is redundant."""
     with pytest.raises(SystemExit):
-        parse_args(["--compare-old-logprobs", "trainer.old_logprobs=pass"])
-    assert "drop the override" in capsys.readouterr().err
-
-
-def test_compare_loss_in_lm_head_owns_the_setting(capsys) -> None:
-    assert parse_args(["--compare-loss-in-lm-head"]).compare_loss_in_lm_head
-    with pytest.raises(SystemExit):
-        parse_args(["--compare-loss-in-lm-head", "trainer.loss_in_lm_head=false"])
-    assert "drop the override" in capsys.readouterr().err
-
-
-def test_compare_compile_owns_the_setting_and_warms_up(capsys) -> None:
-    """--compare-compile varies trainer.compile itself, and its compile must fall in unmeasured warm-up steps."""
-    assert parse_args(["--compare-compile"]).compare_compile
-    with pytest.raises(SystemExit):
-        parse_args(["--compare-compile", "trainer.compile=true"])
-    assert "drop the override" in capsys.readouterr().err
-    with pytest.raises(SystemExit):
-        parse_args(["--compare-compile", "--warmup", "0"])
+        parse_args(["--compare", "trainer.compile=true,false", "--warmup", "0"])
     assert "--warmup 1 or more" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        parse_args(["--compare", "--no-packing"])
+    assert "drop --no-packing" in capsys.readouterr().err
 
 
 def test_length_model_flags(capsys) -> None:

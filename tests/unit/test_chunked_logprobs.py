@@ -106,11 +106,14 @@ def test_memory_plan_counts_one_chunk_of_logits():
     """colo.plan.memory: the lm_head term is one chunk's, whatever the micro-batch's tokens; the full-logits
     path it replaces grew with them (14 B x tokens x vocab)."""
     from colo.models.tiny import PRESETS
-    from colo.plan.memory import Settings, model_shape, trainer_terms
+    from colo.plan.memory import model_shape, trainer_terms
+    from colo.plan.settings import Settings
 
     m = model_shape(dict(PRESETS["qwen3-30b-a3b-L2"]))
-    terms = [trainer_terms(m, Settings(num_gpus=1, vllm_fraction=0.4, micro_batch_size=1, max_model_len=4096,
-                                       packing=True, max_tokens_per_micro_batch=budget, logprob_chunk=1024))
+    terms = [trainer_terms(m, Settings.of({"placement.num_gpus": 1, "placement.vllm_gpu_fraction": 0.4,
+                                           "trainer.micro_batch_size": 1, "rollout.max_model_len": 4096,
+                                           "trainer.packing": True, "trainer.max_tokens_per_micro_batch": budget,
+                                           "trainer.logprob_chunk": 1024}))
              for budget in (4096, 32768)]
     # 20 B x 1024 x 151936 + the bf16 weight grad + the bf16 hidden states' grad: only the last grows with tokens
     assert terms[0]["logits"] < 4 * 2**30
@@ -156,7 +159,7 @@ def test_loss_gradient_in_the_chunk_loop_equals_autograd(loss_agg, own_old, pack
     hidden states and the lm_head weight that autograd takes through policy_loss, for every aggregation, with the
     old log-probs the forward's own (the step's one update) or given (PPO clip and dual-clip then bind), TIS, the
     KL term, a global token count, a loss scale, a packed row (position ids restarting) and the compiled chunk math."""
-    from colo.algo.loss import TokenLoss, policy_loss
+    from colo.algo.loss import LossOptions, TokenLoss, policy_loss
 
     g = torch.Generator().manual_seed(7)
     b, T, H, V, chunk, temp, scale = 3, 10, 16, 97, 4, 0.7, 2.0
@@ -171,22 +174,21 @@ def test_loss_gradient_in_the_chunk_loop_equals_autograd(loss_agg, own_old, pack
         lp0, _ = shifted_logprobs(hidden, weight, ids, pos, temp, chunk)
     old = None if own_old else lp0 + 0.4 * torch.randn(b, T, generator=g)
     rollout, ref = lp0 + 0.3 * torch.randn(b, T, generator=g), lp0 + 0.2 * torch.randn(b, T, generator=g)
-    opts = dict(clip_low=0.2, clip_high=0.28, tis_cap=2.0, kl_coef=0.05, clip_ratio_c=3.0)
+    opts = LossOptions(clip_low=0.2, clip_high=0.28, loss_agg=loss_agg, tis_cap=2.0, kl_coef=0.05, clip_ratio_c=3.0)
     counts = dict(token_count=float(mask.sum()) + 5.0, seq_count=4.0)  # global: more than this micro-batch holds
 
     got = []
     for fused in (False, True):
         h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
         if fused:
-            tl = TokenLoss.of(old, adv, mask, loss_agg=loss_agg, scale=scale, rollout_logprobs=rollout,
-                              ref_logprobs=ref, **counts, **opts)
+            tl = TokenLoss.of(old, adv, mask, opts, scale=scale, rollout_logprobs=rollout, ref_logprobs=ref, **counts)
             lp, ent, anchor = shifted_logprobs(h, w, ids, pos, temp, chunk, backend, token_loss=tl)
             assert not lp.requires_grad and float(anchor.detach()) == 0.0
             anchor.backward()
         else:
             lp, ent = shifted_logprobs(h, w, ids, pos, temp, chunk, backend)
-            loss, _ = policy_loss(lp, lp.detach() if own_old else old, adv, mask, loss_agg=loss_agg,
-                                  rollout_logprobs=rollout, ref_logprobs=ref, **counts, **opts)
+            loss, _ = policy_loss(lp, lp.detach() if own_old else old, adv, mask, opts,
+                                  rollout_logprobs=rollout, ref_logprobs=ref, **counts)
             (loss * scale).backward()
         got.append((lp.detach(), ent.detach(), h.grad, w.grad))
     (lp_a, ent_a, gh_a, gw_a), (lp_b, ent_b, gh_b, gw_b) = got

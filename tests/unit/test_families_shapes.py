@@ -12,10 +12,10 @@ def test_deepseek_v3_has_real_mla_head_dims() -> None:
 def test_expert_parallel_only_for_models_with_experts(tmp_path) -> None:
     """GPU engines ask vLLM for expert parallelism only where there are experts: vLLM 0.32 refuses it on a
     dense model (Qwen3's family check on an H200 died on it, 2026-11-25)."""
-    from colo.rollout.engine import _has_experts
+    from colo.rollout.engine import has_experts, read_model_json
 
     for name in FAMILIES:
         d = tmp_path / name
         d.mkdir()
         family_config(name).to_json_file(d / "config.json")
-        assert _has_experts(str(d)) == (name not in ("qwen3", "llama")), name
+        assert has_experts(read_model_json(str(d))) == (name not in ("qwen3", "llama")), name

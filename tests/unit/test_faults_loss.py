@@ -3,14 +3,14 @@ from __future__ import annotations
 
 import torch
 
-from colo.algo.loss import policy_loss
+from colo.algo.loss import LossOptions, policy_loss
 
 
-def loss_and_grad(log_ratio: float, adv: float, **kw) -> tuple[torch.Tensor, torch.Tensor]:
+def loss_and_grad(log_ratio: float, adv: float) -> tuple[torch.Tensor, torch.Tensor]:
     old = torch.full((1, 4), -3.0)  # (B, T)
     logp = (old + torch.tensor([[0.0, log_ratio, 0.0, 0.0]])).requires_grad_()  # token 1 runs away
     mask = torch.tensor([[0, 1, 1, 1]])
-    loss, _ = policy_loss(logp, old, torch.tensor([adv]), mask, clip_low=0.2, clip_high=0.28, **kw)
+    loss, _ = policy_loss(logp, old, torch.tensor([adv]), mask, LossOptions(clip_low=0.2, clip_high=0.28))
     loss.backward()
     return loss.detach(), logp.grad
 
@@ -36,7 +36,7 @@ def test_tis_weight_clamped_when_uncapped() -> None:
     rollout = old.clone()
     rollout[0, 1] = -98.0
     logp = old.clone().requires_grad_()
-    loss, m = policy_loss(logp, old, torch.tensor([-1.0]), torch.ones(1, 3), clip_low=0.2, clip_high=0.28,
-                          rollout_logprobs=rollout, tis_cap=None)
+    loss, m = policy_loss(logp, old, torch.tensor([-1.0]), torch.ones(1, 3),
+                          LossOptions(clip_low=0.2, clip_high=0.28, tis_cap=None), rollout_logprobs=rollout)
     loss.backward()
     assert torch.isfinite(loss) and torch.isfinite(m["tis_mean"]) and torch.isfinite(logp.grad).all()

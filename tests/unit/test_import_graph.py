@@ -99,7 +99,7 @@ FLOORS: list[tuple[str, ...]] = [
     ("colo.plan", "colo.sync"),  # whether it fits; the weight path
     ("colo.trainer", "colo.rollout"),  # the two actors
     ("colo.cluster",),  # where they run: placement, nodes, the actors started and their group handles
-    ("colo.loop", "colo.launch", "colo.__main__", "colo.bench"),  # the driver, the CLI, the benchmarks
+    ("colo.loop", "colo.runlife", "colo.launch", "colo.__main__", "colo.bench"),  # the driver, the CLI, the benchmarks
 ]
 
 

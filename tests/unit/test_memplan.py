@@ -9,7 +9,9 @@ import torch
 
 from colo import config as C
 from colo.config.checks import parse_gpu_memory
-from colo.plan.memory import GiB, Settings, model_shape, plan_memory
+from colo.plan.job import tune
+from colo.plan.memory import GiB, model_shape, plan_memory
+from colo.plan.settings import Settings
 from colo.models.tiny import PRESETS
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -66,6 +68,7 @@ def test_shipped_config_fits_its_plan(path: Path) -> None:
     cfg = C.load_config(str(path), [], {})
     assert cfg.placement.gpu_memory != "auto", "a shipped GPU config names its GPU"
     model = C.model_config_json(cfg)  # offline here: colo's copy of the Hub config.json
+    cfg = tune(cfg, model).cfg  # its `auto` keys as a run resolves them (colo.plan.auto)
     plan = plan_memory(model, Settings.from_config(cfg), parse_gpu_memory(cfg.placement.gpu_memory))
     assert plan.fits, plan.table()
     assert plan.kv_tokens >= Settings.from_config(cfg).batch_seqs * cfg.rollout.max_model_len / 4
@@ -76,7 +79,7 @@ def test_shipped_config_fits_its_plan(path: Path) -> None:
 
 
 def test_plan_without_gpu_size_says_how_to_check() -> None:
-    cfg = C.load_config(str(ROOT / "configs/qwen3-30b-a3b-8xh100.yaml"), ["placement.gpu_memory=auto"], {})
+    cfg = tune(C.load_config(str(ROOT / "configs/qwen3-30b-a3b-8xh100.yaml"), ["placement.gpu_memory=auto"], {})).cfg
     plan = plan_memory(C.model_config_json(cfg), Settings.from_config(cfg), None)
     assert plan.gpu_bytes is None and not plan.fits and "placement.gpu_memory=H100" in plan.table()
 
@@ -87,10 +90,11 @@ def test_gather_once_holds_the_whole_model_and_its_gradient(world: int) -> None:
     rank, in place of one layer's units and the sharded gradient (colo.trainer.fsdp.hold_gathered)."""
     config = dict(PRESETS["qwen3-30b-a3b"])
     n = model_shape(config).numel
-    base = dict(num_gpus=world, vllm_fraction=0.5, micro_batch_size=1, max_model_len=4352, packing=True,
-                max_tokens_per_micro_batch=8192)
-    per_micro = plan_memory(config, Settings(**base), 2000 * GiB)
-    once = plan_memory(config, Settings(**base, gather_once=True), 2000 * GiB)
+    base = Settings.of({"placement.num_gpus": world, "placement.vllm_gpu_fraction": 0.5, "trainer.micro_batch_size": 1,
+                        "rollout.max_model_len": 4352, "trainer.packing": True,
+                        "trainer.max_tokens_per_micro_batch": 8192})
+    per_micro = plan_memory(config, base, 2000 * GiB)
+    once = plan_memory(config, base.with_({"trainer.gather_once": True}), 2000 * GiB)
     def held(plan) -> float:  # the train phase's bytes before the allocator's calibrated share of them
         return sum(v.get("train", 0) for name, v in plan.rows if not name.startswith("allocator"))
 

@@ -3,7 +3,7 @@ import math
 
 import torch
 
-from colo.run.metrics import MetricsWriter, ProgressLine, format_progress, read_metrics
+from colo.run.metrics import MetricsWriter, ProgressLine, format_progress, plot_metrics, read_metrics, timing_layout
 
 
 def _step(i):
@@ -73,6 +73,44 @@ def test_progress_line(capsys):
     p.close()
     assert line == "reward=0.500, eval=0.700"
     assert "reward=0.500" in capsys.readouterr().err
+
+
+def test_phase_panel_draws_parts_inside_their_phase_and_new_phases_without_a_change(tmp_path, monkeypatch):
+    """timing/batch_s is a part of timing/train_s and timing/batch_cpu_s a CPU time: stacked on the phases, their
+    bars overshot the step's total. A phase key the plot has never seen (timing/shiny_s) is stacked as it is."""
+    keys = {"timing/rollout_s", "timing/train_s", "timing/batch_s", "timing/batch_cpu_s", "timing/sync_s",
+            "timing/offload_s", "timing/wake_s", "timing/step_s", "timing/shiny_s", "reward/mean"}
+    phases, parts = timing_layout(keys)
+    assert phases == ["timing/rollout_s", "timing/train_s", "timing/sync_s", "timing/offload_s", "timing/wake_s",
+                      "timing/shiny_s"]  # colo.loop.rl_step's order, then what the plot has never seen
+    assert parts == {"timing/batch_s": "timing/train_s"}
+    assert timing_layout({"timing/batch_s", "timing/rollout_s"}) == (["timing/rollout_s"], {})  # no phase: no part
+
+    import matplotlib.axes
+
+    drawn = []  # every bar call of the phase panel: (label, tops)
+    bar = matplotlib.axes.Axes.bar
+
+    def spy(ax, x, height, *args, bottom=0.0, label=None, **kw):
+        base = bottom if isinstance(bottom, list) else [bottom] * len(x)
+        drawn.append((label, [b + h for b, h in zip(base, height)]))
+        return bar(ax, x, height, *args, bottom=bottom, label=label, **kw)
+
+    monkeypatch.setattr(matplotlib.axes.Axes, "bar", spy)
+    rows = [{"step": s, "timing/rollout_s": 1.0, "timing/train_s": 2.0, "timing/batch_s": 1.5,
+             "timing/batch_cpu_s": 1.4, "timing/sync_s": 0.5, "timing/offload_s": 0.2, "timing/step_s": 3.8,
+             "reward/mean": 0.1 * s} for s in range(12)]
+    plot_metrics(rows, tmp_path / "m.png")
+    assert [label for label, _ in drawn] == ["rollout", "train", "sync", "offload", "batch (part of train)"]
+    assert max(max(tops) for _, tops in drawn) <= 3.8, drawn  # nothing above the step's total
+    assert drawn[-1][1] == [2.5] * 12  # the part: from the train bar's base (1.0) up 1.5, inside train (1.0-3.0)
+
+
+def test_warm_up_bar_shows_its_loss(capsys):
+    p = ProgressLine(total_steps=3, desc="warm-up")
+    assert p.update({"sft_loss": 1.23456}) == "sft_loss=1.235"
+    p.close()
+    assert "warm-up:" in capsys.readouterr().err
 
 
 def _wandb_records(path):

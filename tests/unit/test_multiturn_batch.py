@@ -6,7 +6,7 @@ import numpy as np
 import torch
 
 from colo.algo.batch import NO_EXPERT, build_batch
-from colo.algo.loss import policy_loss
+from colo.algo.loss import LossOptions, policy_loss
 from colo.algo.parity import logprob_gap
 
 #             model  model  env  env  env  model  model(eos)
@@ -41,10 +41,10 @@ def test_routing_of_environment_tokens_is_not_replayed() -> None:
     r = b["routed_experts"]  # (B, T, M, K)
     env_rows = [3 + j for j, m in enumerate(MASK) if m == 0]
     model_rows = [t for t in range(L - 1) if t not in env_rows]
-    assert (r[0, env_rows] == NO_EXPERT[torch.uint8]).all()
+    assert (r[0, env_rows] == NO_EXPERT["uint8"]).all()
     assert torch.equal(r[0, model_rows], torch.from_numpy(routing[model_rows]))  # prompt and model tokens kept
-    assert (r[0, L - 1] == NO_EXPERT[torch.uint8]).all()  # never forwarded
-    assert (r[1] == NO_EXPERT[torch.uint8]).all()  # a sample without routing (its reset failed)
+    assert (r[0, L - 1] == NO_EXPERT["uint8"]).all()  # never forwarded
+    assert (r[1] == NO_EXPERT["uint8"]).all()  # a sample without routing (its reset failed)
 
 
 def test_tis_kl_and_gap_see_model_tokens_only() -> None:
@@ -58,8 +58,9 @@ def test_tis_kl_and_gap_see_model_tokens_only() -> None:
     wild = lambda x: torch.where(env, x + 30.0, x)  # noqa: E731
 
     def run(o, r, f):
-        loss, m = policy_loss(new, o, torch.tensor([1.0]), mask, clip_low=0.2, clip_high=0.28,
-                              rollout_logprobs=r, tis_cap=2.0, ref_logprobs=f, kl_coef=0.1)
+        loss, m = policy_loss(new, o, torch.tensor([1.0]), mask,
+                              LossOptions(clip_low=0.2, clip_high=0.28, tis_cap=2.0, kl_coef=0.1),
+                              rollout_logprobs=r, ref_logprobs=f)
         return loss, m, logprob_gap(o, r, mask)
 
     loss_a, m_a, gap_a = run(old, rollout, ref)

@@ -12,7 +12,8 @@ from colo import launch
 from colo.config import ConfigError, load_config, validate
 from colo.config.quantization import check_quantization
 from colo.models.tiny import PRESETS
-from colo.plan.memory import GiB, Settings, model_shape, plan_memory
+from colo.plan.memory import GiB, model_shape, plan_memory
+from colo.plan.settings import Settings
 from colo.rollout.quant import engine_quantization
 
 QWEN = PRESETS["qwen3-30b-a3b"]
@@ -81,8 +82,9 @@ def test_receiver_engine_is_vllms_online_fp8_minus_the_router_and_attention() ->
 
 
 def _plan(config_json: dict, *overrides: str):
-    cfg = load_config(None, ["placement.device=cuda", "placement.num_gpus=4", *overrides], {})
-    return plan_memory(config_json, Settings.from_config(cfg), 139.8 * GiB)
+    changes = dict(o.split("=", 1) for o in ("placement.device=cuda", "placement.num_gpus=4", *overrides))
+    typed = {k: (v == "true" if v in ("true", "false") else int(v) if v.isdigit() else v) for k, v in changes.items()}
+    return plan_memory(config_json, Settings.of(typed), 139.8 * GiB)
 
 
 def _row(plan, start: str) -> dict:
@@ -128,13 +130,15 @@ def test_memory_plan_counts_the_receivers_staging_copy() -> None:
 
 
 def test_bench_step_compares_fp8_on_gpus_only(capsys: pytest.CaptureFixture) -> None:
-    from colo.bench.step import parse_args
+    """colo.bench.step --compare rollout.quantization=fp8,none: an engine setting, so a cluster per value, GPU only."""
+    from colo.bench.step import ENGINE_KEYS, parse_args
 
-    args = parse_args(["--device", "cuda", "--compare-fp8", "trainer.optimizer_offload=true"])
-    assert args.compare_fp8 and args.overrides == ["trainer.optimizer_offload=true"]
-    for bad, why in ((["--compare-fp8"], "needs --device cuda"),
-                     (["--device", "cuda", "--compare-fp8", "rollout.quantization=fp8"], "sets rollout.quantization"),
-                     (["--device", "cuda", "--compare-fp8", "--compare"], "two runs each")):
+    args = parse_args(["--device", "cuda", "--compare", "rollout.quantization=fp8,none",
+                       "trainer.optimizer_offload=true"])
+    assert args.compare == ("rollout.quantization", ("fp8", "none")) and args.compare[0] in ENGINE_KEYS
+    for bad, why in ((["--compare", "rollout.quantization=fp8,none"], "needs --device cuda"),
+                     (["--device", "cuda", "--compare", "rollout.quantization=fp8,none", "rollout.quantization=fp8"],
+                      "drop the override")):
         with pytest.raises(SystemExit):
             parse_args(bad)
         assert why in capsys.readouterr().err

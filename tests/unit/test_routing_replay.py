@@ -51,7 +51,7 @@ def test_replay_uses_given_ids_with_the_familys_weights(family: str) -> None:
     tap.set(own.to(torch.uint8), replay=True)  # the model's own routing replayed: bit-identical logits
     assert torch.equal(model(input_ids=ids).logits, plain)
     other = (own + 3) % 8  # (b, T, M, K): a different set of experts at every pair
-    other[0, 0, 0] = NO_EXPERT[torch.uint8]  # one pair with no engine id: the trainer keeps its own there
+    other[0, 0, 0] = NO_EXPERT["uint8"]  # one pair with no engine id: the trainer keeps its own there
     weights: dict[int, torch.Tensor] = {}
     for m, (_, r) in enumerate(routers(model)):
         r.register_forward_hook(lambda mod, a, out, m=m: weights.__setitem__(m, out[1].detach()))
@@ -103,7 +103,7 @@ def test_batch_carries_routing_through_shards_and_padding() -> None:
                 continue
             n = len(s["prompt_ids"]) + len(s["response_ids"]) - 1
             assert torch.equal(got[:n], torch.from_numpy(s["routing"]))
-            assert (got[n:] == NO_EXPERT[torch.uint8]).all()  # the last token and the padding: no engine id
+            assert (got[n:] == NO_EXPERT["uint8"]).all()  # the last token and the padding: no engine id
     bad = dict(samples[0], routing=samples[0]["routing"][:-1])
     with pytest.raises(ValueError, match="routing"):
         build_batch([bad], [0.0])

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from colo.models.archs import ARCHS, GPT_OSS, MIXTRAL, QWEN3_MOE, reference_segments
-from colo.sync.plan import MappingError, Segment, build_plan, direct_mapping, direct_segments, pack_segments
+from colo.sync.plan import MappingError, Segment, build_plan, direct_mapping, pack_segments
 from colo.sync.sender import pack_piece
 from colo.sync.verify import Coverage
 
@@ -27,6 +27,13 @@ def _dense(vocab_rows: int | None = V) -> tuple[dict, dict]:
     return trainer, {"params": params, "experts": {}}
 
 
+def _segments(arch, shapes: dict, describe: dict) -> list[Segment]:
+    """direct_mapping's segments of a model that maps (its errors would fail the test)."""
+    segs, errors = direct_mapping(arch, shapes, describe)
+    assert not errors, errors
+    return segs
+
+
 def _cover(segs: list[Segment], params: dict, drop: int | None = None) -> list[str]:
     """Coverage of the segments as the receiver records it (fill segments count as written zeros)."""
     cov = Coverage({n: int(torch.Size(p["shape"]).numel()) for n, p in params.items()})
@@ -38,7 +45,7 @@ def _cover(segs: list[Segment], params: dict, drop: int | None = None) -> list[s
 
 def test_padded_vocab_rows_are_written_then_zero_filled_exactly() -> None:
     trainer, d = _dense()
-    segs = direct_segments(QWEN3_MOE, trainer, d)
+    segs = _segments(QWEN3_MOE, trainer, d)
     emb = [s for s in segs if s.dst == "model.embed_tokens.weight"]
     assert [(s.dst_offset, s.numel, s.fill) for s in emb] == [(0, V * H, False), (V * H, (VP - V) * H, True)]
     assert _cover(segs, d["params"]) == []
@@ -105,7 +112,7 @@ def test_transposed_experts_pack_as_vllm_holds_them() -> None:
     # an engine holding experts 2-3 only, fed from an FSDP shard holding rows [2, 4) (the expert fast path)
     d["experts"] = {"model.layers.0.mlp.experts.routed_experts": [2, 3]}
     d["params"]["model.layers.0.mlp.experts.routed_experts.w13_weight"]["shape"] = [2, i2, h]
-    (seg,) = direct_segments(GPT_OSS, {name: (e_, h, i2)}, d)
+    (seg,) = _segments(GPT_OSS, {name: (e_, h, i2)}, d)
     piece = pack_segments([seg], {seg.dst: "float32"}, 4096)[0][0][0]
     local = pack_piece(buf, piece, (w[2:], 2), (e_, h, i2))
     assert torch.equal(local.view(2, i2, h), w[2:].transpose(1, 2))
