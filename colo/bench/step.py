@@ -383,7 +383,8 @@ def measure(args: argparse.Namespace, report: Callable[[dict], None] | None = No
             ray.get([t.set_gather_once.remote(layout["trainer.gather_once"]) for t in cluster.trainers])
             ray.get([t.set_compile.remote(comp) for t in cluster.trainers])
             warmup_train_s = 0.0
-            inputs = RunInputs(Path(cfg.run.dir), tok, RandomPrompts(args.prompts, args.prompt_len), [])
+            inputs = RunInputs(Path(cfg.run.dir), tok, RandomPrompts(args.prompts, args.prompt_len), [],
+                               probe_vocab=min(len(tok), int(config_json.get("vocab_size") or len(tok))))
             job, records = Job.of(cluster, cfg, inputs, rewards), []  # a fresh schedule per variant
             for step in range(args.warmup + args.steps):  # same step numbers, same lengths, in both layouts
                 if args.profile and step == args.warmup - 1:  # a warm-up step (not measured): timings stay unprofiled
