@@ -31,8 +31,9 @@ scale, experts by module to `w13_weight_scale_inv` / `w2_weight_scale_inv`. The 
 bytes and the scales as written (coverage and digests), and the functional check compares the engine with the
 bf16 trainer within FP8's own tolerance (colo.sync.probe.TOLERANCE["fp8"]).
 
-LoRA (sync.lora=merged, another branch): the source hands out W + s B A; this quantizes what the source hands out,
-so the merge comes first and the quantization second, never the reverse.
+LoRA (trainer.lora_rank > 0, sync.lora=merged): the source hands out W + s B A (colo.sync.merge, in
+ParamSource.iter_units); this quantizes what the source hands out, so the merge comes first, in bf16, and the
+quantization second, never the reverse.
 """
 from __future__ import annotations
 

@@ -4,8 +4,8 @@
     PYTHONPATH=. python -m pytest tests/gpu/test_fp8_loop_gpu.py -x -q -s     (~4-6 min on one H100/H200)
 
 Each job (the tiny-fp8 preset: the tiny model in whole 128x128 blocks) runs the SFT warm-up and 3 RL steps with
-every sync probed (sync.probe_every=1): colocated with R3 and TIS, loop.mode=async, a multi-turn environment, and on
-2 GPUs disaggregated (the broadcast carries the e4m3 bytes and scales). Each must exit 0 with every sync verified;
+every sync probed (sync.probe_every=1): colocated with R3 and TIS, loop.mode=async, a multi-turn environment, LoRA
+(merged in bf16 on the trainer, then quantized by the sender), and on 2 GPUs disaggregated (the broadcast carries the e4m3 bytes and scales). Each must exit 0 with every sync verified;
 the `[gpu]` lines carry the functional check's errors and the trainer-engine log-prob gap per step.
 """
 from __future__ import annotations
@@ -45,8 +45,9 @@ def _job(tmp: Path, *overrides: str, gpus: int = 1) -> subprocess.CompletedProce
 
 
 @pytest.mark.parametrize("overrides", [["algo.routing_replay=r3"], ["loop.mode=async"],
-                                       ["algo.environment=calculator", "rollout.max_turns=2"]],
-                         ids=["r3-tis", "async", "multiturn"])
+                                       ["algo.environment=calculator", "rollout.max_turns=2"],
+                                       ["trainer.lora_rank=8"]],
+                         ids=["r3-tis", "async", "multiturn", "lora-merged"])
 def test_loop_runs_verified_with_fp8(tmp_path: Path, overrides: list[str]) -> None:
     """A few RL steps with FP8 rollout: every sync verified and probed (sync.probe_every=1), the run ends cleanly."""
     _cuda()
