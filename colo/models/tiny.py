@@ -90,6 +90,23 @@ PRESETS: dict[str, dict] = {
     ),
     # the tiny model with the tool tokenizer (<tool_call> tokens, calc conversations in its BPE corpus)
     "tiny-tools": dict(),
+    # the tiny model in whole 128x128 blocks, for FP8 rollout (tests/gpu/test_fp8_gpu.py, colo.bench.fp8probe):
+    # hidden 256, the experts' intermediate 128, q 2 x 128, k and v 1 x 128
+    "tiny-fp8": dict(
+        _QWEN3_30B_A3B,
+        vocab_size=512,
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=2,
+        max_window_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=128,
+        moe_intermediate_size=128,
+        num_experts=8,
+        num_experts_per_tok=2,
+        max_position_embeddings=1024,
+    ),
     "qwen3-30b-a3b": dict(_QWEN3_30B_A3B),
     "qwen3-30b-a3b-L12": dict(_QWEN3_30B_A3B, num_hidden_layers=12, max_window_layers=12),
     # 3.1B parameters (0.5B active): the step benchmark's one-GPU slice at 4k tokens (colo.bench.step)
@@ -109,7 +126,7 @@ PRESETS["tiny-tools"] = dict(PRESETS["tiny"])
 # colo.data.warmstart (training needs the task, a floor above this module), never by make_tiny_model
 PRESETS["tiny-arith"] = dict(PRESETS["tiny"])
 WARM = {"tiny-arith"}
-WITH_WEIGHTS = {"tiny", "tiny-tools", "tiny-arith"}
+WITH_WEIGHTS = {"tiny", "tiny-tools", "tiny-arith", "tiny-fp8"}
 TOOL_PRESETS = {"tiny-tools"}  # built with build_tokenizer(tools=True)
 TOKENIZER_VOCAB = 512
 

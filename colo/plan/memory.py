@@ -41,6 +41,7 @@ from typing import Any, Optional
 from colo.models.archs import num_experts
 from colo.models.lora import EXPERT_PARAMS, target_of
 from colo.plan.settings import Settings
+from colo.plan.vllm_weights import engine_weights
 
 GiB = 2**30
 GPUS_PER_NODE = 8  # host memory is reported per node of this many GPUs (the plan does not ask the cluster)
@@ -399,20 +400,17 @@ def plan_memory(config_json: dict[str, Any], s: Settings, gpu_bytes: Optional[fl
     W = s.trainer_world
     notes: list[str] = []
     # ---- vLLM, per GPU: dense weights replicated, experts split over EP (colocated) or TP (disaggregated)
-    dense = sum(p.numel for p in m.params if not p.expert)
     vocab_pad = (-m.vocab) % 64 * m.hidden * (1 if config_json.get("tie_word_embeddings") else 2)
-    if s.placement.mode == "colocated":
-        v_weights = 2 * (dense + vocab_pad) + 2 * m.expert_numel / s.placement.num_gpus
-    else:
-        v_weights = 2 * (dense + vocab_pad + m.expert_numel) / s.rollout.tp_size
+    v_weights, staging = engine_weights(m, s, vocab_pad)  # bf16, or FP8 rollout's e4m3 + scales (vllm_weights.py)
+    kv_per_token = m.kv_bytes_per_token // (2 if s.rollout.kv_cache_dtype == "fp8" else 1)
     reserve = VLLM_RESERVE_BASE + VLLM_RESERVE_PER_WIDTH * m.width
     budget = s.placement.vllm_gpu_fraction * gpu_bytes if gpu_bytes is not None else v_weights + reserve + \
-        s.rollout.max_model_len * m.kv_bytes_per_token
+        s.rollout.max_model_len * kv_per_token
     kv = budget - v_weights - reserve
-    kv_tokens = kv / m.kv_bytes_per_token
+    kv_tokens = kv / kv_per_token
     t = trainer_terms(m, s)
     if s.placement.mode == "disaggregated":
-        return _plan_disaggregated(m, s, gpu_bytes, gpu_source, v_weights, reserve, kv, kv_tokens, t, notes)
+        return _plan_disaggregated(m, s, gpu_bytes, gpu_source, v_weights, reserve, kv, kv_tokens, t, notes, staging)
     params, grads, optim, ref, resident = t["params"], t["grads"], t["optim"], t["ref"], t["resident"]
     rank = int(s.trainer.lora_rank)
     train_peak = max(t["backward"], t["entropy"], t["step"])
@@ -423,7 +421,10 @@ def plan_memory(config_json: dict[str, Any], s: Settings, gpu_bytes: Optional[fl
     rows: list[tuple[str, dict[str, float]]] = [
         ("overhead (CUDA contexts, NCCL; calibrated)", {p: OVERHEAD for p in phases}),
         ("vLLM reserve (activations; calibrated)", {p: reserve for p in phases}),
-        ("vLLM weights (bf16, experts / EP)", {"start": v_weights, "rollout": v_weights, "sync": v_weights}),
+        ("vLLM weights (" + ("FP8 e4m3 + scales, router/embeddings/norms bf16" if s.rollout.quantization == "fp8"
+                            else "bf16") + ", experts / EP)",
+         {"start": v_weights, "rollout": v_weights, "sync": v_weights}),
+        ("vLLM's bf16 staging of its FP8 weights during the sync (sync.fp8_in=receiver)", {"sync": staging}),
         ("vLLM KV cache", {"start": max(kv, 0.0), "rollout": max(kv, 0.0)}),
         ("trainer while vLLM runs" + (" (offloaded: sync buffers)" if s.trainer.offload else " (offload=false)"),
          {"rollout": kept, "asleep": kept}),
@@ -456,6 +457,11 @@ def plan_memory(config_json: dict[str, Any], s: Settings, gpu_bytes: Optional[fl
     host = {"trainer state offloaded" if s.trainer.offload else "AdamW state": on_host,
             "vLLM weights asleep (level 1)": v_weights if s.sleep_level == 1 else 0}
     plan = MemoryPlan(m, s, gpu_bytes, gpu_source, phases, rows, kv_tokens, host, notes)
+    if s.rollout.quantization == "fp8" or s.rollout.kv_cache_dtype == "fp8":
+        bf16 = engine_weights(m, s.with_({"rollout.quantization": "none"}), vocab_pad)[0]
+        notes.append(f"FP8 rollout: vLLM's weights {v_weights / GiB:.2f} GiB per GPU against {bf16 / GiB:.2f} in bf16"
+                     + (f", KV cache {kv_per_token} bytes per token (fp8)" if s.rollout.kv_cache_dtype == "fp8" else "")
+                     + "; the room freed goes to the KV cache")
     notes.append(f"loading: each rank reads its own {params / GiB:.1f} GiB {'fp32 ' if not rank else ''}shard "
                  f"from the safetensors files; the end-of-run export gathers the model in bf16 on rank 0's host "
                  f"({2 * m.numel / GiB:.0f} GiB)" + ("; with LoRA only the adapters unless trainer.lora_export_merged"
@@ -503,13 +509,17 @@ def _units(m: ModelShape, experts: Optional[bool] = None) -> tuple[int, ...]:
 
 def _plan_disaggregated(m: ModelShape, s: Settings, gpu_bytes: Optional[float], gpu_source: str,
                         v_weights: float, reserve: float, kv: float, kv_tokens: float, t: dict[str, float],
-                        notes: list[str]) -> MemoryPlan:
-    """Trainer GPUs hold the trainer all the time (nothing sleeps); engine GPUs hold vLLM at its fraction."""
+                        notes: list[str], staging: float = 0.0) -> MemoryPlan:
+    """Trainer GPUs hold the trainer all the time (nothing sleeps); engine GPUs hold vLLM at its fraction (and, with
+    sync.fp8_in=receiver, the bf16 staging of its FP8 weights beside it during a sync)."""
     phases = ("trainer GPU", "engine GPU")
     state = t["params"] + t["grads"] + t["optim"] + t["ref"]
     peak = max(t["backward"], t["entropy"], t["step"])
     rows = [("overhead (CUDA contexts, NCCL; calibrated)", {p: OVERHEAD for p in phases}),
-            ("vLLM weights (bf16, / TP)", {"engine GPU": v_weights}),
+            ("vLLM weights (" + ("FP8 + scales" if s.rollout.quantization == "fp8" else "bf16") + ", / TP)",
+             {"engine GPU": v_weights}),
+            *([("vLLM's bf16 staging of its FP8 weights during the sync (sync.fp8_in=receiver)",
+                {"engine GPU": staging})] if staging else []),
             ("vLLM KV cache", {"engine GPU": max(kv, 0.0)}),
             ("vLLM reserve (activations)", {"engine GPU": reserve}),
             ("trainer state (params, grads, AdamW, ref)", {"trainer GPU": state}),

@@ -48,6 +48,7 @@ from colo.algo.batch import no_expert
 from colo.rollout.capture import capture_by_prefill, from_vllm_output, ids_dtype
 from colo.rollout.extension import WorkerExtension, qualname
 from colo.rollout.generation import Generation
+from colo.rollout.quant import engine_quantization
 from colo.host.shm import register_mapped, sweep
 
 DETOKENIZE = False
@@ -161,9 +162,11 @@ class Engine:
             # /dev/shm that a killed engine leaves behind: colo takes them on, so the next sweep removes them
             register_mapped()
         sched = self.llm.llm_engine.vllm_config.scheduler_config
+        cache = self.llm.llm_engine.vllm_config.cache_config
         self.scheduler = {"chunked_prefill": bool(sched.enable_chunked_prefill),
                           "max_num_batched_tokens": int(sched.max_num_batched_tokens),
-                          "max_num_seqs": int(sched.max_num_seqs)}
+                          "max_num_seqs": int(sched.max_num_seqs),
+                          "kv_cache_tokens": int(cache.num_gpu_blocks or 0) * int(cache.block_size)}
 
     def _llm_kwargs(self) -> dict[str, Any]:
         """vllm.LLM's arguments for self.cfg (colo.bench.sync's engine adds vLLM's own weight transfer)."""
@@ -176,6 +179,11 @@ class Engine:
             enable_sleep_mode=self.info.sleep_mode_available)
         if m.dummy_weights:
             kwargs["load_format"] = "dummy"
+        # FP8 rollout and the KV cache dtype (colo.rollout.quant); the environment before vLLM starts (its Ray
+        # workers get VLLM_* copied)
+        quant, env = engine_quantization(self.cfg, json.loads((Path(m.path) / "config.json").read_text()))
+        os.environ.update(env)
+        kwargs.update(quant)
         if self.routing == "vllm":  # vLLM records each token's experts (colo.rollout.capture)
             kwargs["enable_return_routed_experts"] = True
         if self.tp_size > 1:

@@ -19,6 +19,7 @@
 Data beside them: plan.py (the SyncPlan: the HF -> vLLM name rules applied to the family's table from
 colo.models.archs, and which element runs go into which bucket at which offset, built once), verify.py (coverage and digest checks, pure:
 the sender and the receiver both use them), refresh.py (what vLLM derives from the weights, made again from the
-new bytes), probe.py (whether the engine computes what the trainer computes). The yardsticks the benchmark
+new bytes), probe.py (whether the engine computes what the trainer computes), fp8.py (FP8 rollout: the sender's
+block quantization and the scales the plan carries beside each quantized tensor). The yardsticks the benchmark
 compares with live in colo.bench.yardsticks, not here.
 """

@@ -14,6 +14,10 @@ pad rows with zeros when it loads from disk. The engine declares them (`describe
 ["rows"]` = rows holding vocabulary); the plan then writes the trainer's V rows and a zero-fill segment
 over exactly the declared pad rows, so coverage stays exact: a missing vocabulary row is still a gap.
 
+FP8 engines (colo.sync.fp8): a trainer tensor vLLM holds in e4m3 comes with a companion `<name>_scale_inv` of its
+block-scale shape, which maps as its base does (stacked parts to row offsets of the fused scale; experts by module to
+`<expert param>_scale_inv`).
+
 The plan depends only on (trainer param names/shapes, the engine's describe()), both fixed for a run,
 so the sender caches it and every sync replays it: no per-sync name matching or shape arithmetic.
 
@@ -26,7 +30,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from colo.models.dtypes import torch_dtype
-from colo.models.archs import Arch, expert_param, numel, reference_segments, rename
+from colo.models.archs import Arch, Experts, expert_param, numel, reference_segments, rename
+from colo.sync.fp8 import SCALE
 from colo.sync.transport import align_up
 
 WIRE_KEYS = ("dst", "dst_offset", "numel", "dtype", "buf_offset")  # direct: element runs of vLLM params
@@ -74,6 +79,17 @@ def _runs(ids: list[int]) -> list[tuple[int, int, int]]:
     return out
 
 
+def _expert_entry(arch: Arch, name: str) -> Experts | None:
+    """The expert table entry of trainer tensor `name`, also for an FP8 scale companion `<expert param>_scale_inv`
+    (colo.sync.fp8), which maps expert by expert onto `<vLLM expert param>_scale_inv` as its base maps."""
+    ex = expert_param(arch, name)
+    if ex is None and name.endswith(SCALE):
+        base = expert_param(arch, name[: -len(SCALE)])
+        if base is not None and not base.transpose:
+            return Experts(base.hf + SCALE, base.vllm + SCALE)
+    return ex
+
+
 def _stacked_dst(arch: Arch, name: str, trainer_shapes: dict, params: dict) -> tuple[str, int] | None:
     """(vLLM param, element offset) when `name` is one part of a param vLLM stacks along dim 0."""
     module, _, leaf = name.rpartition(".")
@@ -104,7 +120,7 @@ def direct_mapping(arch: Arch, trainer_shapes: dict[str, tuple[int, ...]], descr
         if stacked is not None:
             segs.append(Segment(name, 0, stacked[0], stacked[1], numel(shape)))
             continue
-        ex = expert_param(arch, name)
+        ex = _expert_entry(arch, name)
         if ex is not None:
             module = rename(name.rpartition(".")[0], arch.renames)
             dst = find_expert_param(params, module, ex.vllm)

@@ -120,6 +120,7 @@ class SyncReceiver:
     def colo_begin_sync(self, handles: list[dict], expect: dict[str, int] | None, digest: bool = False) -> None:
         st = self._colo_get_state()
         st.buffers.set_active(handles)
+        st.refresher.stage()  # transient staging (vLLM's online FP8) gets its storage for this sync
         st.coverage = Coverage(expect)
         st.touched = set()
         st.reference, st.digest, st.ref_digest = False, bool(digest), {}

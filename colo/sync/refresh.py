@@ -12,7 +12,9 @@ vLLM does not compute with the tensors it loads. After loading a checkpoint it r
 - MLA attention: W_UK_T / W_UV cut from kv_b_proj; on AMX, VNNI-packed copies of both and an emptied kv_b_proj
   weight (the attention layer then holds no parameter at all);
 - causal-conv1d weights (Qwen3-Next) packed on AVX512-BF16, with a plain copy beside them;
-- later: quantized weights and their scales (FP8 rollout).
+- quantized weights and their scales (FP8 rollout, colo.sync.fp8): kernel layouts of the e4m3 weights and scales
+  colo writes (sender placement), or, with vLLM's online FP8 (receiver placement), the quantization itself: the
+  post-load step quantizes the bf16 staging tensors into the live e4m3 weights and scales.
 Bytes written correctly into the loaded tensors can therefore leave the engine computing with stale derived ones:
 a "verified" sync with wrong tokens (DeepSeek-V3 on an Intel AMX CPU, where the MLA layer has no parameter to
 mark it as touched). No list of these cases is kept here: every sync ends by re-running that one step.
@@ -26,6 +28,10 @@ mark it as touched). No list of these cases is kept here: every sync ends by re-
     close:    per module, vLLM's order (attention layers last): its post-load step; what it produced is copied
               into the live tensors where shape and dtype still match (captured CUDA graphs keep their
               addresses), and replaces them where the layout changed (CPU packing)
+
+Staging that vLLM's online quantization consumes (FP8's receiver placement: a bf16 copy of every quantized weight) is
+transient: its storage is freed when close() is done and given back by stage() at the next sync's start, so it is
+held only while a sync runs (colocated: while the KV cache sleeps), not through rollout and training.
 
 A parameter that vLLM's post-load step creates (absent from its record of the init shapes: MLA's W_UK_T) is
 derived: nothing writes it, the step recomputes it. vLLM 0.32 has its own in-place reload
@@ -52,6 +58,7 @@ class Target:
     staged: bool  # the live param holds another layout (or nothing): written here, produced by close()
     pad_from: int | None = None  # first element of the vocabulary padding rows (None: no padding)
     shared: tuple[str, ...] = ()  # other modules holding this very parameter (tied lm_head)
+    transient: bool = False  # staging for vLLM's online quantization: storage held only during a sync (stage())
 
 
 @dataclass
@@ -90,6 +97,15 @@ def is_attention(module: torch.nn.Module) -> bool:
     return _vllm()[3](module)
 
 
+def _quantizes_online(module: torch.nn.Module) -> bool:
+    """vLLM's online quantization (rollout.quantization=fp8, sync.fp8_in=receiver) makes this module's weights from
+    the checkpoint-layout ones in its post-load step: the staging tensors are its input only."""
+    from vllm.model_executor.layers.quantization.online.fp8 import OnlineLinearBase
+    from vllm.model_executor.layers.quantization.online.moe_base import OnlineMoEMethodBase
+
+    return isinstance(getattr(module, "quant_method", None), (OnlineLinearBase, OnlineMoEMethodBase))
+
+
 def _vocab_rows(module: torch.nn.Module) -> int | None:
     """Rows of a vocab-parallel embedding / lm_head shard that hold vocabulary; the rest is padding."""
     from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
@@ -124,17 +140,21 @@ def build_targets(model: torch.nn.Module) -> tuple[dict[str, Target], dict[str, 
         dtype = meta.dtype if meta is not None else param.dtype
         numel = int(torch.Size(shape).numel())
         same = param.numel() == numel and param.dtype == dtype and param.data.is_contiguous()
+        transient = False
         if same:
             flat = param.data.view(-1)  # written in place; the post-load step (if any) reads it from there
         elif has_post_load(module):
             flat = torch.empty(numel, dtype=dtype, device=param.device)  # the live param holds another layout
+            transient = _quantizes_online(module)
+            if transient:
+                flat.untyped_storage().resize_(0)  # held from stage() to close() only
         else:
             raise RuntimeError(f"{name}: live param {tuple(param.shape)} {param.dtype} is not writable as {shape} "
                                f"{dtype}, and no post-load step of vLLM's produces it")
         rows = _vocab_rows(module) if pname in ("weight", "bias") else None
         pad_from = rows * int(torch.Size(shape[1:]).numel()) if rows is not None and rows < shape[0] else None
         shared = tuple(m for m in dict.fromkeys(holders[id(param)]) if m != mpath)
-        targets[name] = Target(flat, shape, mpath, pname, not same, pad_from, shared)
+        targets[name] = Target(flat, shape, mpath, pname, not same, pad_from, shared, transient)
     return targets, derived
 
 
@@ -149,6 +169,21 @@ class Refresher:
             for m in (t.module, *t.shared):
                 self.by_module.setdefault(m, []).append(t)
         self.swapped: dict[str, _Swap] = {}
+
+    def stage(self) -> None:
+        """Give transient staging its storage back (a sync is starting: it writes there)."""
+        for t in self.targets.values():
+            if t.transient and t.tensor.untyped_storage().nbytes() == 0:
+                t.tensor.untyped_storage().resize_(t.tensor.numel() * t.tensor.element_size())
+
+    def _release(self) -> None:
+        """Free transient staging once the post-load step has consumed it (CUDA: back to the driver, so vLLM's
+        KV cache can wake into it)."""
+        freed = [t for t in self.targets.values() if t.transient and t.tensor.untyped_storage().nbytes()]
+        for t in freed:
+            t.tensor.untyped_storage().resize_(0)
+        if freed and freed[0].tensor.device.type == "cuda":
+            torch.cuda.empty_cache()
 
     def post_load_modules(self) -> list[str]:
         return [m for m in self.modules if has_post_load(self.modules[m])]
@@ -180,6 +215,7 @@ class Refresher:
         """Run the post-load step of every opened module (attention layers last, as vLLM's loader does) and every
         attention layer (MLA derives from another module's weight), then write back. Returns modules refreshed."""
         if not self.swapped:
+            self._release()
             return 0
         order = [m for m in self.modules if m in self.swapped and not is_attention(self.modules[m])]
         order += [m for m in self.modules if is_attention(self.modules[m])]
@@ -195,6 +231,7 @@ class Refresher:
         self.swapped = {}
         if next(iter(self.targets.values())).tensor.device.type == "cuda":
             torch.cuda.synchronize()
+        self._release()
         return len(order)
 
     def refresh(self, modules: set[str], write: Callable[[], None] | None = None) -> int:
@@ -209,8 +246,12 @@ def _post_load(module: torch.nn.Module) -> None:
     """One module's post-load step as vLLM's loader runs it at load (model_loader/utils.py)."""
     if hasattr(module, "_already_called_process_weights_after_loading"):
         delattr(module, "_already_called_process_weights_after_loading")  # online quantization runs once otherwise
+    from vllm.model_executor.layers.fused_moe import UnquantizedFusedMoEMethod
+
     qm = module.quant_method
-    update = getattr(qm, "moe_kernel", None) is not None
+    # only the unquantized method has the gap below; vLLM's FP8 MoE methods build their kernel anew at every
+    # post-load step and never run the experts' own step (a FlashInfer CUTLASS one would transform twice)
+    update = isinstance(qm, UnquantizedFusedMoEMethod) and getattr(qm, "moe_kernel", None) is not None
     qm.process_weights_after_loading(module)
     if update:
         # vLLM 0.32's UnquantizedFusedMoEMethod._setup_kernel runs the experts' own post-load step (on CPU: the

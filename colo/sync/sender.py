@@ -10,7 +10,8 @@ for its describe(), builds the SyncPlan (plan.py, from the family's table in col
 expert fast path (an all-reduce) and allocates its buffers once. Every push() then replays the plan:
 
     FSDP unit ──unshard() (1 all-gather/unit; expert units ──to_local(), no all-gather, when the
-      shard is exactly the engine's experts)──▶ tensors ──pack_piece: copy+cast into buffer k % B──▶
+      shard is exactly the engine's experts)──▶ tensors ──[FP8 engine: fp8.py quantizes: e4m3 + scales]
+      ──pack_piece: copy+cast into buffer k % B──▶
     link.send(k): colocated, engine.load_bucket reads our buffer in place (transport: shm / CUDA IPC);
       disaggregated, every engine posts load_bucket and we broadcast the bucket (transport.WeightGroup)
     ──▶ end_sync on every engine: coverage (+ digests) ──▶ report
@@ -43,6 +44,7 @@ from torch.distributed.tensor import DTensor
 from colo.config import SyncConfig
 from colo.models.dtypes import torch_dtype
 from colo.models.archs import Arch, arch_for, architecture, expert_shard_range
+from colo.sync.fp8 import FP8_DTYPE, Fp8Plan, Fp8PlanError
 from colo.sync.merge import merged
 from colo.sync.plan import MappingError, build_plan, build_reference_plan, direct_mapping
 from colo.sync.transport import SenderBuffers, WeightGroup, align_up
@@ -268,7 +270,13 @@ class Sender:
         arch = model_arch(model)
         self.cfg, self.describe = cfg, describe
         self.source = ParamSource(model, arch)
+        self.shapes = self.source.shapes  # what the plan reads: with FP8, each quantized tensor's scale too
+        self.fp8: Fp8Plan | None = None
         reference = int(describe.get("tp_size", 1)) > 1 or cfg.mode == "load_weights"
+        fp8_engine = any(p["dtype"] == FP8_DTYPE for p in describe["params"].values())
+        if reference and fp8_engine:
+            raise MappingError("an engine holding FP8 weights takes the direct plan only (colo quantizes into vLLM's "
+                               "own params); fix: sync.mode=direct and rollout.tp_size=1")
         if reference:
             # the names must still correspond (a TP worker's params are slices, so their sizes cannot)
             _, errors = direct_mapping(arch, self.source.shapes, describe, names_only=True)
@@ -281,7 +289,13 @@ class Sender:
             # the ranks agree without the all-reduce)
             self.expert_fast, self.expert_fast_reason = False, "reference plan: whole tensors"
         else:
-            self.plan = build_plan(arch, self.source.shapes, describe, bucket_bytes(cfg))
+            if fp8_engine:
+                try:  # an FP8 engine: the sender quantizes (colo.sync.fp8), the plan carries bytes and scales
+                    self.fp8 = Fp8Plan.of(arch, self.shapes, describe, direct_mapping(arch, self.shapes, describe)[0])
+                except Fp8PlanError as e:
+                    raise MappingError(str(e)) from e
+                self.shapes = self.fp8.shapes
+            self.plan = build_plan(arch, self.shapes, describe, bucket_bytes(cfg))
             self.expert_fast, self.expert_fast_reason = self.source.expert_fast_path(describe, self.plan.expert_modules)  # collective
         self.buffers: SenderBuffers | None = None
         self.link: IpcLink | BroadcastLink | None = None
@@ -308,6 +322,7 @@ class Sender:
         plan = self.plan
         return {"plan": plan.mode, "buckets": len(plan.buckets), "bytes": plan.total_bytes,
                 "pieces": sum(len(b) for b in plan.buckets), "vllm_params": len(plan.expect),
+                "fp8_tensors": 0 if self.fp8 is None else len(self.fp8.quantized),
                 "expert_fast_path": self.expert_fast, "expert_fast_reason": self.expert_fast_reason}
 
     def close(self) -> None:
@@ -362,6 +377,7 @@ class Sender:
                 errors += [where + x for x in compare_digests(sent_digest, res.get("digest") or {})]
         verify_s = time.perf_counter() - t
         report = {"seconds": time.perf_counter() - t_start, "gather_s": timings["gather"], "pack_s": timings["pack"],
+                  "quantize_s": timings.get("quantize", 0.0),
                   "load_s": timings["load"], "verify_s": verify_s, "tensors": sum(r["tensors"] for r in results),
                   "bytes": sum(r["bytes"] for r in results), "engines": len(results),
                   "loaded_tensors": loaded["tensors"], "loaded_bytes": loaded["bytes"], "buckets": len(plan.buckets),
@@ -386,6 +402,8 @@ class Sender:
         flat = [(k, i) for k, b in enumerate(plan.buckets) for i in range(len(b))]
         pos = 0
         for tensors in self.source.iter_units(self.expert_fast, timings):
+            if self.fp8 is not None:  # after the source (and LoRA's merge, in it): merge, then quantize
+                tensors = self.fp8.quantize(tensors, timings)
             t = time.perf_counter()
             while pos < len(flat) and plan.buckets[flat[pos][0]][flat[pos][1]]["src"] in tensors:
                 k, i = flat[pos]
@@ -399,7 +417,7 @@ class Sender:
                     if sent_digest is not None:
                         sent_digest.setdefault(piece["dst"], 0.0)
                 else:
-                    out = pack_piece(bufs.tensors[slot], piece, tensors[piece["src"]], self.source.shapes[piece["src"]])
+                    out = pack_piece(bufs.tensors[slot], piece, tensors[piece["src"]], self.shapes[piece["src"]])
                     if sent_digest is not None:
                         part = piece_digest(out, piece["dst_offset"])
                         sent_digest[piece["dst"]] = sent_digest.get(piece["dst"], 0.0) + part

@@ -39,6 +39,10 @@
 # BENCH_BASE (default `trainer.optimizer_dtype=bfloat16 trainer.max_tokens_per_micro_batch=8192`, the figures' base
 # since 2026-11-25); BENCH_BASE=trainer.optimizer_dtype=bfloat16 leaves the micro-batch, like the other trainer
 # settings that take auto, to colo.plan.auto (the L12 slice on one H200 then runs the hand-tuned fast path).
+# fp8 = tests/gpu/test_fp8_gpu.py and test_fp8_loop_gpu.py: FP8 rollout (quantization against vLLM's on CUDA, a real
+# FP8 engine synced both ways, the loop with R3/TIS, async, multi-turn, and disaggregated on 2 GPUs) (only when named).
+# fp8step = colo.bench.step --compare=rollout.quantization=fp8,none: FP8 rollout against bf16, one cluster each, on
+# BENCH_PRESET (FP8STEP_ARGS adds overrides) (only when named).
 # CUDA_VISIBLE_DEVICES limits the GPUs it counts and uses; SHARED_HOST=1 leaves Ray running after a failed step
 # (tests/gpu/streams.sh runs two of these at once, one per GPU).
 # Everything this script leaves in $OUT is at most 8 files, one level deep: what a device call brings back.
@@ -94,7 +98,8 @@ step() {  # step NAME MAX_SECONDS CMD...
 ngpu=$(nvidia-smi -L | wc -l)
 if [ -n "${CUDA_VISIBLE_DEVICES:-}" ]; then ngpu=$(echo "$CUDA_VISIBLE_DEVICES" | tr ',' '\n' | grep -c .); fi
 
-STEPS=${STEPS:-colocated ipc dpep routing bench loop}  # and: attention, rollout, decode, step, async, gather, compile, one, optim
+STEPS=${STEPS:-colocated ipc dpep routing bench loop}  # and: attention, rollout, decode, step, async, gather, compile,
+# one, optim, fp8, fp8step
 want() { case " $STEPS " in *" $1 "*) return 0;; *) return 1;; esac; }
 
 # attention = the packed-row attention kernels against per-sample SDPA (test + colo.bench.packed_attention; no vLLM)
@@ -107,6 +112,8 @@ want colocated && step pytest-colocated 420 "$PY" -m pytest tests/gpu/test_coloc
 want ipc && step pytest-ipc 90 "$PY" -m pytest tests/gpu/test_ipc_alloc.py -x -q -s -p no:cacheprovider
 want dpep && step pytest-dpep 240 "$PY" -m pytest tests/gpu/test_dpep.py -x -q -s -p no:cacheprovider
 want routing && step pytest-routing 300 "$PY" -m pytest tests/gpu/test_routing_gpu.py -x -q -s -p no:cacheprovider
+want fp8 && step pytest-fp8 540 "$PY" -m pytest tests/gpu/test_fp8_gpu.py tests/gpu/test_fp8_loop_gpu.py -x -q -s \
+    -p no:cacheprovider
 
 if [ "$ngpu" -ge 4 ]; then default_bench="--preset qwen3-30b-a3b --ranks $ngpu"  # the goal: <= 1.0 s per sync
 else default_bench="--preset qwen3-30b-a3b-L12 --ranks $((ngpu < 2 ? ngpu : 2))"; fi
@@ -180,6 +187,8 @@ want async && bench_step async "${BENCH_WARMUP:-2}" --compare=loop.mode=async,sy
 want gather && bench_step gather 1 --compare=trainer.gather_once=true,false ${GATHER_ARGS:-}  # trainer.gather_once against per micro-batch
 # shellcheck disable=SC2086
 want compile && bench_step compile "${BENCH_WARMUP:-1}" --compare=trainer.compile=true,false ${COMPILE_ARGS:-}  # compiled layers against eager
+# shellcheck disable=SC2086
+want fp8step && bench_step fp8step "${BENCH_WARMUP:-1}" --compare=rollout.quantization=fp8,none ${FP8STEP_ARGS:-}
 # shellcheck disable=SC2086
 want one && bench_step one "${BENCH_WARMUP:-1}" "" ${ONE_ARGS:-}  # one variant alone (ONE_ARGS), e.g. the L12 slice compiled
 echo "[run.sh] done in $((SECONDS - start))s, status $status"
