@@ -346,9 +346,16 @@ class Engine:
                         g.need_groups, routing=vllm_rows)
         for r, o, start in zip(reqs, out, starts) if vllm_rows else ():
             raw = o.pop("routed_raw", None)
-            if o["tokens"]:  # rows start..P+R-2: the segment's forwarded tokens
-                rows = len(resume_prompt(r)) + len(o["tokens"]) - 1 - start
-                o["routing"] = from_vllm_output(raw, self._moe_layers(), rows, self._ids_dtype)
+            rows = len(resume_prompt(r)) + len(o["tokens"]) - 1 - start  # the segment's forwarded tokens
+            if not o["tokens"]:
+                continue
+            if raw is None or len(raw) < rows:  # replay needs them; the routing/mismatch metric alone does not
+                if self.cfg.algo.routing_replay == "r3":
+                    from_vllm_output(raw, self._moe_layers(), rows, self._ids_dtype)  # raises, naming what is missing
+                print(f"colo: engine {self.rank}: a partial segment came back with {0 if raw is None else len(raw)} "
+                      f"routing rows of {rows}; its sample carries no routing", flush=True)
+                continue
+            o["routing"] = from_vllm_output(raw, self._moe_layers(), rows, self._ids_dtype)
         seqs = [(i, (resume_prompt(r) + o["tokens"])[:-1], start)
                 for i, (r, o, start) in enumerate(zip(reqs, out, starts)) if o["tokens"]]  # for the CPU capture
         return out, {}, seqs
