@@ -71,7 +71,8 @@ COMPARABLE:
                                         adds "compile_figures", per compiled variant the trainer's dynamo figures
                                         (frames, graphs, graph breaks, compile seconds) after its warm-up and its last
                                         measured block (a recompile in measured steps shows there and in the block's
-                                        "compile"; so for any compiled comparison, e.g. loop.mode). The compile runs in the
+                                        "compile"; so for any compiled comparison, e.g. loop.mode). The compile runs
+                                        in the
                                         warm-up steps: give --warmup 1 or more (warmup_train_s holds each variant's
                                         warm-up train seconds). With trainer.lr=0 both variants score the same weights
                                         on the same samples: their train_metrics check inductor against eager.
@@ -213,7 +214,7 @@ def make_config(args: argparse.Namespace, model_dir: str, dummy: bool) -> tuple[
     cfg.data.prompts_per_step = args.prompts
     cfg.loop.sft_warmup_steps = 0
     if not any(o.startswith("algo.rewards=") for o in args.overrides):
-        cfg.algo.rewards = [BENCH_REWARD]  # a reward random weights earn unevenly: every step trains (colo.bench.stepreward)
+        cfg.algo.rewards = [BENCH_REWARD]  # random weights earn it unevenly: every step trains (colo.bench.stepreward)
     cfg.run.dir = str(Path(args.workdir) / "step-run")
     validate(cfg, check_resources=False)
     # a comparison that varies a key resolves the others for its variant that needs more memory (the plan must fit
@@ -420,7 +421,7 @@ def measure(args: argparse.Namespace, report: Callable[[dict], None] | None = No
             results = [summarize(r, cfg, config_json, args.gpus, device_name) | {"warmup_train_s": w}
                        for r, w in zip(records, warmup_train_s)]
             out = _output(args, cfg, layouts, results, compile_figures, name, device_name, lengths, mem_plan)
-            out |= {"auto": tuned.resolved, "blocks": blocks, "repeats_done": repeat + 1}  # auto: colo.plan.auto's picks
+            out |= {"auto": tuned.resolved, "blocks": blocks, "repeats_done": repeat + 1}  # auto: colo.plan.auto's
             if key:
                 out["stats"] = compare(blocks, *values)
             if report is not None and (repeat + 1 == args.repeats or args.json):

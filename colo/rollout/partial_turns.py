@@ -102,7 +102,8 @@ def _replay(c: _Conv, framing: ChatFraming) -> None:
     resp = list(req["response_ids"])
     starts = [s for s, _ in st["turn_spans"][1:]] + [len(resp) - int(st["turn_tokens"])]
     for k, ((s, e), reason, nxt) in enumerate(zip(st["turn_spans"], st["turn_reasons"], starts)):
-        step, obs = c.runner.step(_turn(framing, resp[s:e], k, reason), bool(resp[s:e]) and resp[e - 1] == framing.eos_id)
+        ended = bool(resp[s:e]) and resp[e - 1] == framing.eos_id
+        step, obs = c.runner.step(_turn(framing, resp[s:e], k, reason), ended)
         if step.done or obs != resp[e:nxt]:
             raise EnvError(f"on resume, the environment's answer to turn {k} differs from the one recorded; "
                            "loop.mode=async replays a carried conversation's environment, which must answer the same "
@@ -159,7 +160,8 @@ def converse_until(engine: Any, requests: list[dict], need: int, budget: Budget,
     for c in carried:
         c.ids, c.prompt_len = list(c.req["prompt_ids"]) + list(c.req["response_ids"]), len(c.req["prompt_ids"])
         c.continued = int(c.state["turn_tokens"]) > 0
-    replays = timed([lambda c=c: _replay(c, framing) for c in carried], [1 + len(c.state["turn_spans"]) for c in carried])
+    replays = timed([lambda c=c: _replay(c, framing) for c in carried],
+                    [1 + len(c.state["turn_spans"]) for c in carried])  # a deadline per call replayed
     for c, got in zip(carried, replays):
         if isinstance(got, EnvError):
             failed(c, got, "replay")

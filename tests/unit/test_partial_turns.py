@@ -87,5 +87,6 @@ def test_stop_cut_finds_a_stop_string_split_by_the_stop(framing) -> None:
         if "cd" in tok.decode(before):
             assert k is None  # already there before: the turn would have ended then
         else:
-            assert k is not None and "cd" in tok.decode(before + new[:k]) and "cd" not in tok.decode(before + new[:k - 1])
+            assert k is not None and "cd" in tok.decode(before + new[:k])
+            assert "cd" not in tok.decode(before + new[:k - 1])
     assert stop_cut(tok, ids[:2], [], ["cd"]) is None and stop_cut(tok, ids[:2], ids[2:], []) is None
