@@ -86,7 +86,7 @@ def _run(args: argparse.Namespace, clusters: Clusters | None = None) -> int:
     if cfg.run.resume:  # the run's own saved config, this command's env and overrides on top
         from colo.config.resume import load_resumed
 
-        resumed = load_resumed(cfg.run.dir, overrides)
+        resumed = load_resumed(cfg.run.dir, overrides, config_file=args.config)  # an explicit --config only
         cfg, path = resumed.cfg, str(resumed.base)
     config.validate(cfg, check_gpus=not args.dry_run)
     from colo.rollout.vllm_compat import check_installed  # package metadata only: no vLLM import
@@ -140,10 +140,12 @@ def _run(args: argparse.Namespace, clusters: Clusters | None = None) -> int:
         raise config.ConfigError(disk_refusal(disk))
     if clusters is not None:
         clusters.check(config.resolve(cfg, download=False))  # the concrete device: "auto" is resolved
+    from colo.host.procs import sweep as sweep_processes
     from colo.run.terminal import Phases
 
+    sweep_processes()  # what a run killed with SIGKILL left running on this host, by pid (colo.host.procs)
     phases = Phases()  # the start-up phase begins here: the run dir, then Ray, the actors and their imports
-    cfg = prepare_run(cfg)  # its config.yaml holds the concrete values: a resume runs them as they were
+    cfg = prepare_run(cfg, config_file=path)  # config.yaml holds the concrete values: a resume runs them as they were
     changed = {k: v for k, v in tuned.resolved.items() if v != PLAIN[k]}
     if changed:
         print("colo: auto: " + " ".join(f"{k}={show(v)}" for k, v in changed.items()) + " (--dry-run says why)",
@@ -189,26 +191,32 @@ def _disk_plan(cfg: ColoConfig, resolved: ColoConfig):
         return None
 
 
-def prepare_run(cfg: ColoConfig) -> ColoConfig:
+def prepare_run(cfg: ColoConfig, config_file: str | None = None) -> ColoConfig:
     """Resolve the config, create run.dir, generate auto: model/data into it, save the config: config.yaml
+    and origin.json (what the run started from: colo.run.origin; `config_file`, the --config it started with)
     at the start of a run, config.resume-<n>.yaml at its n-th resume (config.yaml is never rewritten).
 
     Returns the resolved config (concrete device, absolute paths, the `auto` trainer settings colo.plan.auto chose)
-    that the loop and actors get;
-    `--resume run.dir=<run.dir>` continues from it. Generation is idempotent, so a resumed run reuses the
-    model and data it started with."""
+    that the loop and actors get; `--resume run.dir=<run.dir>` continues from it. A resume generates nothing: the
+    run's model and data are the ones it started with, and must still be there."""
     from colo import config
     from colo.plan.job import tune
     from colo.run import rundir
 
     cfg = tune(cfg).cfg  # config.yaml holds concrete values: a resume runs the settings this run ran (_run did it)
     resolved = config.resolve(cfg)  # may download a Hub model: still before anything is written
+    run_dir = Path(resolved.run.dir)
+    if cfg.run.resume:
+        for key, value in (("model.path", resolved.model.path), ("data.path", resolved.data.path),
+                           ("data.eval_path", resolved.data.eval_path)):
+            if value and Path(value).is_relative_to(run_dir) and not Path(value).exists():
+                raise config.ConfigError(f"--resume: the run's {key} {value} is gone (it was generated at the run's "
+                                         "start and is not generated again); fix: restore it from a copy of the run")
     check_user_data(cfg, resolved)
     if not cfg.model.path.startswith(config.AUTO):  # presets are written by colo itself
-        from colo.config.checks import check_model_readable
+        from colo.config.weights import check_model_readable
 
-        check_model_readable(resolved.model.path)
-    run_dir = Path(resolved.run.dir)
+        check_model_readable(resolved.model.path, weights=not cfg.model.dummy_weights)
     try:
         rundir.check_writable(run_dir)
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -217,27 +225,43 @@ def prepare_run(cfg: ColoConfig) -> ColoConfig:
         raise config.ConfigError(str(e) if isinstance(e, rundir.RunDirError) else
                                  f"run.dir={run_dir}: {e}; fix: a writable run.dir") from e
     if cfg.run.resume:
+        from colo.config.resume import next_resume_config
+
         set_aside_damaged(run_dir)
+        config.save_resolved(resolved, run_dir, next_resume_config(run_dir).name)
+        return resolved
     if cfg.model.path.startswith(config.AUTO):
         from transformers.utils import logging as hf_logging
 
-        from colo.models.tiny import make_tiny_model
+        from colo.models.tiny import WARM, make_tiny_model
 
         if not cfg.run.verbose:  # save_pretrained's progress bar is not the run's
             hf_logging.disable_progress_bar()
-        make_tiny_model(resolved.model.path, cfg.model.path[len(config.AUTO):], seed=cfg.run.seed)
+        preset = cfg.model.path[len(config.AUTO):]
+        if preset in WARM:  # a trained base (LoRA's tiny job): trained once, from the task, by colo.data.warmstart
+            from colo.data.warmstart import make_warm_model
+
+            make_warm_model(resolved.model.path, preset, seed=cfg.run.seed)
+        else:
+            make_tiny_model(resolved.model.path, preset, seed=cfg.run.seed)
     for value in {cfg.data.path, cfg.data.eval_path} - {None}:
         if value.startswith(config.AUTO):
             from colo.data.tasks import make_task
 
             make_task(value[len(config.AUTO):], run_dir / "data", seed=cfg.run.seed)
-    if cfg.run.resume:
-        from colo.config.resume import next_resume_config
-
-        config.save_resolved(resolved, run_dir, next_resume_config(run_dir).name)
-    else:
-        config.save_resolved(resolved, run_dir)
+    config.save_resolved(resolved, run_dir)
+    _write_origin(cfg, resolved, config_file)
     return resolved
+
+
+def _write_origin(cfg: ColoConfig, resolved: ColoConfig, config_file: str | None) -> None:
+    from colo.config.resume import file_values
+    from colo.run.origin import write_origin
+
+    values = file_values(config_file) if config_file else {}
+    specs = {"model.path": cfg.model.path, "data.path": cfg.data.path, "data.eval_path": cfg.data.eval_path}
+    write_origin(resolved.run.dir, specs, config_file, values, resolved.model.path,
+                 {"data.path": resolved.data.path, "data.eval_path": resolved.data.eval_path})
 
 
 def set_aside_damaged(run_dir: Path) -> None:
@@ -276,27 +300,47 @@ def _prompt_preview(cfg: ColoConfig) -> str:
 def check_user_data(cfg: ColoConfig, resolved: ColoConfig) -> None:
     """Read every row of the user's data files (or datasets) before the run dir exists: validate() only looks
     at the first row, and a bad row found after config.yaml is written would force --resume on the rerun.
-    A system prompt needs a chat template: checked here too, with the checkpoint's tokenizer."""
+    Every first turn must leave rollout.max_tokens of rollout.max_model_len: the prompt as the chat template
+    renders it, or with algo.environment what its reset() sends (synthetic auto: tasks included: a system
+    message may not fit). A system prompt needs a chat template: checked here too, with the checkpoint's tokenizer."""
     from colo import config
-    from colo.data.inputs import uses_chat_template
+    from colo.data.inputs import check_first_turns, uses_chat_template
     from colo.data.prompts import check_prompt_lengths, read_rows
+    from colo.data.tasks import task_rows
+    from colo.envs.base import EnvError
 
     tok = chat = None
+    checks: list[tuple[str, list[dict]]] = []  # (name, rows {"prompt", "answer"})
     for key in ("path", "eval_path"):
         value = getattr(cfg.data, key)
-        if value and not value.startswith(config.AUTO):
-            path = getattr(resolved.data, key)
-            try:
-                rows = read_rows(path, [cfg.data.prompt_key, cfg.data.answer_key])
-                if tok is None:
-                    tok = driver_tokenizer(cfg, resolved)
-                    chat = uses_chat_template(cfg, tok)
-                if key == "eval_path":  # only the first data.eval_size rows are used
-                    rows = rows[:cfg.data.eval_size]
-                check_prompt_lengths([str(r[cfg.data.prompt_key]) for r in rows], tok, chat, cfg.data.system_prompt,
+        if not value or value.startswith(config.AUTO) and not cfg.algo.environment:
+            continue  # a synthetic task's own prompts fit the presets it is made for
+        path = value if value.startswith(config.AUTO) else getattr(resolved.data, key)
+        try:
+            if value.startswith(config.AUTO):
+                rows = task_rows(value[len(config.AUTO):], "eval" if key == "eval_path" else "train", cfg.run.seed)
+            else:
+                keys = [cfg.data.prompt_key, cfg.data.answer_key]
+                rows = [{"prompt": str(r[keys[0]]), "answer": str(r[keys[1]])}
+                        for r in read_rows(path, keys, text=keys[:1])]
+            if tok is None:
+                tok = driver_tokenizer(cfg, resolved)
+                chat = uses_chat_template(cfg, tok)
+            if key == "eval_path":  # only the first data.eval_size rows are used
+                rows = rows[:cfg.data.eval_size]
+            if not cfg.algo.environment:
+                check_prompt_lengths([r["prompt"] for r in rows], tok, chat, cfg.data.system_prompt,
                                      cfg.rollout.max_model_len, cfg.rollout.max_tokens, path)
-            except (OSError, ValueError) as e:  # read_rows names the file, the row and the field
-                raise config.ConfigError(f"data: {e}") from e
+        except (OSError, ValueError) as e:  # read_rows names the file, the row and the field
+            raise config.ConfigError(f"data: {e}") from e
+        checks.append((path, rows))
+    if cfg.algo.environment and checks:
+        try:
+            check_first_turns(cfg, tok, chat, checks)
+        except ValueError as e:
+            raise config.ConfigError(f"data: {e}") from e
+        except EnvError as e:
+            raise config.ConfigError(f"{e}; fix: the environment's reset() (docs/environments.md)") from e
     if cfg.data.system_prompt and not cfg.model.path.startswith(config.AUTO):  # presets have a template
         uses_chat_template(cfg, tok if tok is not None else driver_tokenizer(cfg, resolved))
 
@@ -306,10 +350,10 @@ def driver_tokenizer(cfg: ColoConfig, resolved: ColoConfig):
     from colo import config
 
     if cfg.model.path.startswith(config.AUTO):
-        from colo.models.tiny import TOKENIZER_VOCAB
+        from colo.models.tiny import TOKENIZER_VOCAB, TOOL_PRESETS
         from colo.models.tokenizer import build_tokenizer
 
-        return build_tokenizer(TOKENIZER_VOCAB)
+        return build_tokenizer(TOKENIZER_VOCAB, tools=cfg.model.path[len(config.AUTO):] in TOOL_PRESETS)
     from colo.data.prompts import load_tokenizer
 
     return load_tokenizer(resolved.model.path)

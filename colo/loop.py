@@ -60,10 +60,12 @@ from colo.algo.advantages import step_advantages
 from colo.algo.batch import build_batch, shard_batch, torch_threads
 from colo.algo.rewards import RewardError, RewardRunner
 from colo.cluster.actors import ActorDied, ActorError, Cluster, node_loss
+from colo.cluster.head import HeadLost
 from colo.cluster.placement import init_ray, plan_placement
 from colo.cluster.sides import Colocated, Disaggregated, side_for
 from colo.config import ColoConfig, to_dict
 from colo.data.inputs import RunInputs, open_inputs
+from colo.envs.base import EnvError
 from colo.host.shm import sweep
 from colo.rollout.generation import generate
 from colo.rollout.schedule import SyncRollout, schedule_for
@@ -369,7 +371,7 @@ def run(cfg: ColoConfig, clusters: Clusters | None = None, phases: Phases | None
     except KeyboardInterrupt:  # Ctrl-C or SIGTERM (colo.run.signals)
         healthy = False  # an actor may still be in the call the signal cut short: its cluster is not reused
         return stopped(cluster, inputs, at.position, stop, progress)
-    except (RewardError, TrainingDiverged, SyncMismatch) as e:  # the trainers hold a whole policy: save it
+    except (RewardError, TrainingDiverged, SyncMismatch, EnvError, HeadLost) as e:  # the trainers hold a whole policy
         return fail(cluster, inputs, at.position, e, keep_policy=True, progress=progress)
     except OSError as e:  # the driver's own writes (metrics, logs): a full or vanished disk
         return fail(cluster, inputs, at.position, e, keep_policy=True, progress=progress)

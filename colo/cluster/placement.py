@@ -166,14 +166,20 @@ def init_ray(plan: PlacementPlan, address: str = "", **kwargs: Any) -> None:
     (logical) GPUs and CPUs. CPU: a local instance with plan.num_gpus logical GPUs and enough logical
     CPUs for every bundle (one per GPU, in both modes) plus the driver's tasks. GPU: ray.init() as
     usual, as a new local instance even where `ray start` runs a cluster on this machine. No-op when Ray is
-    already initialized."""
+    already initialized (but for watching its head). A local instance's processes are recorded by id
+    (colo.host.procs), and its head is watched (colo.cluster.head)."""
     import ray
 
+    from colo.cluster.head import watch_head
+    from colo.host.procs import children, record
+
     if ray.is_initialized():
+        watch_head()
         return
     if address:  # Ray refuses resource counts and dashboard settings for a cluster it joins
         ray.init(address=address, runtime_env=job_env(),
                  **{k: v for k, v in kwargs.items() if k in ("log_to_driver", "logging_level")})
+        watch_head()
         return
     kwargs.setdefault("include_dashboard", False)
     # "local": a new instance of our own. Without an address ray.init() joins the newest cluster `ray start`
@@ -184,7 +190,10 @@ def init_ray(plan: PlacementPlan, address: str = "", **kwargs: Any) -> None:
         need = len(plan.rows) * plan.cpus_per_bundle + 2
         kwargs.setdefault("num_cpus", max(os.cpu_count() or 1, need))
         kwargs.setdefault("num_gpus", plan.num_gpus)
+    before = set(children())
     ray.init(**kwargs)
+    watch_head()  # a lost GCS or raylet ends the run with a checkpoint (colo.cluster.head)
+    record([p for p in children() if p not in before])  # Ray's head: stopped by id at the end (colo.host.procs)
 
 
 def create_placement(plan: PlacementPlan, timeout_s: float = 120.0) -> list[PlacementGroup]:

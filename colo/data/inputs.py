@@ -31,6 +31,9 @@ class RunInputs:
     system_prompt: str | None = None
     environment: str | None = None  # algo.environment
     probe_vocab: int = 0  # token ids valid for the model and the tokenizer alike (colo.sync.probe's sequences)
+    unsafe_tools: bool = False  # algo.unsafe_unsandboxed_tools
+    _worker: Any = field(default=None, repr=False)  # colo.envs.offdriver.EnvWorker, made at the first demonstration
+    _demos: dict = field(default_factory=dict, repr=False)  # (prompt, answer) -> demonstration
 
     def sft_batch(self, k: int, step: int) -> dict[str, torch.Tensor]:
         """k supervised examples (prompt → answer + EOS), loss on the answer tokens only. With an environment
@@ -40,8 +43,8 @@ class RunInputs:
         Drawn with a seed of (run seed, step) so a resumed warm-up sees the same examples."""
         rng = random.Random(f"sft:{self.seed}:{step}")
         tok, samples = self.tokenizer, []
-        for prompt, answer in (rng.choice(self.sft_pairs) for _ in range(k)):
-            conv = self._demonstration(prompt, answer)
+        pairs = [rng.choice(self.sft_pairs) for _ in range(k)]
+        for (prompt, answer), conv in zip(pairs, self._demonstrations(pairs)):
             if conv is not None:
                 samples.append(conv)
                 continue
@@ -51,30 +54,23 @@ class RunInputs:
         batch = build_batch(samples, torch.zeros(k), pad_id=tok.pad_token_id)  # right-padded, loss on r
         return {key: batch[key] for key in ("input_ids", "attention_mask", "loss_mask")}  # (B, T) each
 
-    def _demonstration(self, prompt: str, answer: str) -> dict | None:
-        """The environment's demonstration of one row as a sample (model_mask on the model's turns), or None
-        when there is no environment or it has no demonstration for the row."""
+    def _demonstrations(self, pairs: list[tuple[str, str]]) -> list[dict | None]:
+        """The environment's demonstration of each (prompt, answer) row as a sample (model_mask on the model's
+        turns), or None where there is no environment or it has no demonstration for the row. Built in the
+        environment's own process (colo.envs.offdriver: the driver never runs environment or tool code), once per
+        row."""
         if not self.environment:
-            return None
-        from colo.envs.base import Turn, load_environment
-        from colo.envs.framing import ChatFraming, Conversation
-        from colo.envs.runner import EnvRunner
+            return [None] * len(pairs)
+        todo = list(dict.fromkeys(p for p in pairs if p not in self._demos))
+        if todo:
+            if self._worker is None:
+                from colo.envs.offdriver import EnvWorker
 
-        framing = ChatFraming(self.tokenizer, self.system_prompt if self.chat_template else None, self.chat_template)
-        runner, row = EnvRunner(load_environment(self.environment), framing), {"prompt": prompt, "answer": answer}
-        conv = Conversation(runner.reset(row))
-        turns = runner.env.solution(row) if hasattr(runner.env, "solution") else None
-        if not turns:
-            return None
-        for t, text in enumerate(turns):
-            ids = framing.encode(text) + [framing.eos_id]
-            conv.add_model(ids, [0.0] * len(ids))
-            step, obs = runner.step(Turn(text, tuple(ids), t, "stop"), after_eos=True)
-            if step.done:
-                break
-            conv.add_env(obs)
-        return {"prompt_ids": conv.prompt_ids, "response_ids": conv.response_ids, "logprobs": conv.logprobs,
-                "model_mask": conv.model_mask}
+                self._worker = EnvWorker(self.environment, self.tokenizer, self.system_prompt, self.chat_template,
+                                         self.unsafe_tools)
+            rows = [{"prompt": p, "answer": a} for p, a in todo]
+            self._demos.update(zip(todo, self._worker.demonstrations(rows)))
+        return [self._demos[p] for p in pairs]
 
 
 def open_inputs(cfg: ColoConfig) -> RunInputs:
@@ -94,7 +90,24 @@ def open_inputs(cfg: ColoConfig) -> RunInputs:
         raise ConfigError(f"data: {e}") from e
     vocab = min(len(tok), int(model_config_json(cfg).get("vocab_size") or len(tok)))
     return RunInputs(Path(cfg.run.dir), tok, train, evals, pairs, chat, cfg.run.seed, system, cfg.algo.environment,
-                     vocab)
+                     vocab, cfg.algo.unsafe_unsandboxed_tools)
+
+
+def check_first_turns(cfg: ColoConfig, tokenizer: Any, chat: bool, sources: list[tuple[str, list[dict]]]) -> None:
+    """With algo.environment the first turn vLLM gets is what the environment's reset() returns, framed (a system
+    message, a tool list), not the row's prompt: count its tokens for every row of every source (name, rows), in
+    the environment's own process (colo.envs.offdriver). Raises ValueError naming the first row that leaves less
+    than rollout.max_tokens of rollout.max_model_len; a row whose reset() raises is left to the run (its sample
+    ends with the error), EnvError when the environment's process dies."""
+    from colo.data.prompts import check_lengths
+    from colo.envs.offdriver import EnvWorker
+
+    with EnvWorker(cfg.algo.environment, tokenizer, cfg.data.system_prompt, chat,
+                   cfg.algo.unsafe_unsandboxed_tools) as worker:
+        for name, rows in sources:
+            firsts = worker.first_prompts(rows)
+            check_lengths([0 if isinstance(f, str) else len(f) for f in firsts], cfg.rollout.max_model_len,
+                          cfg.rollout.max_tokens, name, what="its first turn (the environment's reset() messages)")
 
 
 def uses_chat_template(cfg: ColoConfig, tokenizer: Any) -> bool:

@@ -94,7 +94,7 @@ def _open_dataset(source: DataSource, cache_only: bool = False) -> Any:
     try:
         ds = datasets.load_from_disk(source.path)
     except FileNotFoundError as e:
-        raise ValueError(f"{source.path}: not a dataset written by save_to_disk ({e})") from e
+        raise ValueError(not_a_dataset(Path(source.path))) from e
     if isinstance(ds, datasets.DatasetDict):
         if source.split is None or source.split not in ds:
             what = "needs a split" if source.split is None else f"has no split {source.split!r}"
@@ -105,6 +105,18 @@ def _open_dataset(source: DataSource, cache_only: bool = False) -> Any:
         raise ValueError(f"{source.path} is a single dataset (no splits), but data.path names split "
                          f"{source.split!r}; fix: drop ':{source.split}'")
     return ds
+
+
+def not_a_dataset(folder: Path) -> str:
+    """What to say about a data.path folder that datasets' load_from_disk does not take, with the fix."""
+    files = sorted(p.name for p in folder.iterdir() if p.is_file() and not p.name.startswith("."))
+    data = [f for f in files if Path(f).suffix in FILE_SUFFIXES]
+    held = f"it holds {', '.join(files[:4])}{', ...' if len(files) > 4 else ''}" if files else "it is empty"
+    one = (f"point data.path at one file (e.g. data.path={folder / data[0]})" + (
+        ", or join them into one JSONL or Parquet file" if len(data) > 1 else "")) if data else \
+        "point data.path at a JSONL or Parquet file"
+    return (f"{folder}: a folder, but not a dataset written by datasets' save_to_disk (no dataset_info.json or "
+            f"dataset_dict.json); {held}; fix: {one}, or save the dataset with save_to_disk into a folder of its own")
 
 
 def _load_from_cache(source: DataSource) -> Any:
@@ -121,9 +133,11 @@ def _load_from_cache(source: DataSource) -> Any:
         datasets.config.HF_HUB_OFFLINE, hub.HF_HUB_OFFLINE = saved
 
 
-def read_rows(path: str | os.PathLike, required: Sequence[str], cache_only: bool = False) -> list[dict[str, Any]]:
+def read_rows(path: str | os.PathLike, required: Sequence[str], cache_only: bool = False,
+              text: Sequence[str] = ()) -> list[dict[str, Any]]:
     """All rows of a .jsonl/.json-lines or .parquet file, or of a Hugging Face dataset (DataSource);
-    every row must have every `required` field. cache_only: a Hub dataset only from the local cache."""
+    every row must have every `required` field, and the `text` fields (the prompt) must be strings.
+    cache_only: a Hub dataset only from the local cache."""
     source = DataSource.parse(str(path))
     if source.kind != "file":
         ds = _open_dataset(source, cache_only)
@@ -132,7 +146,7 @@ def read_rows(path: str | os.PathLike, required: Sequence[str], cache_only: bool
             raise ValueError(f"{source.spec()}: no column {missing[0]!r} (columns: {sorted(ds.column_names)}); "
                              "fix: data.prompt_key=/data.answer_key= to name them")
         rows = ds.select_columns(list(required)).to_list()  # only the two columns: datasets can be wide
-        return _check_rows(rows, [f"row {i}" for i in range(len(rows))], required, source.spec())
+        return _check_rows(rows, [f"row {i}" for i in range(len(rows))], required, source.spec(), text)
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"data file not found: {path}")
@@ -164,16 +178,22 @@ def read_rows(path: str | os.PathLike, required: Sequence[str], cache_only: bool
                 where.append(f"row {len(rows) - 1} (line {lineno})")
     else:
         raise ValueError(f"{path}: unsupported data format {path.suffix!r}; use .jsonl or .parquet")
-    return _check_rows(rows, where, required, str(path))
+    return _check_rows(rows, where, required, str(path), text)
 
 
-def _check_rows(rows: list[dict], where: list[str], required: Sequence[str], name: str) -> list[dict]:
+def _check_rows(rows: list[dict], where: list[str], required: Sequence[str], name: str,
+                text: Sequence[str] = ()) -> list[dict]:
     for row, at in zip(rows, where):
         for key in required:
             if row.get(key) is None:  # Parquet and datasets fill absent values with None: missing too
                 raise ValueError(f"{name}: {at}: missing field {key!r} (row has fields {sorted(row)})")
+        for key in text:
+            if not isinstance(row[key], str):
+                raise ValueError(f"{name}: {at}: field {key!r} is {type(row[key]).__name__} {str(row[key])[:40]}, "
+                                 f"not text; fix: data.prompt_key= the field that holds the prompts, or write them "
+                                 "as strings")
     if not rows:
-        raise ValueError(f"{name}: no rows")
+        raise ValueError(f"{name}: no rows (the file is empty); fix: a file with one row per prompt")
     return rows
 
 
@@ -183,17 +203,23 @@ def check_prompt_lengths(prompts: Sequence[str], tokenizer: Any, chat_template: 
     response: vLLM refuses a longer prompt only at the first rollout (after the warm-up), and a prompt that
     leaves less room gets its responses cut short of max_tokens. Raises ValueError naming the first such row,
     how many there are, and the fix."""
-    budget = max_model_len - max_tokens
     lengths = [len(encode_prompt(tokenizer, p, chat_template, system_prompt)[1]) for p in prompts]
+    check_lengths(lengths, max_model_len, max_tokens, name)
+
+
+def check_lengths(lengths: Sequence[int], max_model_len: int, max_tokens: int, name: str,
+                  what: str = "its prompt") -> None:
+    """check_prompt_lengths on token counts already known (`what` names them: an environment's first turn)."""
+    budget = max_model_len - max_tokens
     over = [i for i, n in enumerate(lengths) if n > budget]
     if not over:
         return
     first, longest = over[0], max(lengths)
-    what = (f"longer than rollout.max_model_len={max_model_len}" if lengths[first] > max_model_len else
+    room = (f"longer than rollout.max_model_len={max_model_len}" if lengths[first] > max_model_len else
             f"leaves {max_model_len - lengths[first]} tokens of rollout.max_model_len={max_model_len} for a "
             f"response of rollout.max_tokens={max_tokens}")
-    raise ValueError(f"{name}: row {first}: its prompt is {lengths[first]} tokens, {what}; {len(over)} of "
-                     f"{len(prompts)} rows are too long (the longest: {longest} tokens); fix: "
+    raise ValueError(f"{name}: row {first}: {what} is {lengths[first]} tokens, {room}; {len(over)} of "
+                     f"{len(lengths)} rows are too long (the longest: {longest} tokens); fix: "
                      f"rollout.max_model_len={longest + max_tokens}, or drop or shorten those rows")
 
 
@@ -251,7 +277,7 @@ class PromptDataset:
         if chat_template and not getattr(tokenizer, "chat_template", None):
             raise ValueError(f"chat_template=True but tokenizer {tokenizer.name_or_path!r} has no chat template")
         self.path = str(path)  # a file, or a dataset source spec (DataSource)
-        rows = read_rows(self.path, [prompt_key, answer_key])
+        rows = read_rows(self.path, [prompt_key, answer_key], text=[prompt_key])
         self.prompts = [str(r[prompt_key]) for r in rows]
         self.answers = [str(r[answer_key]) for r in rows]
         self.tokenizer = tokenizer

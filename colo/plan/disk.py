@@ -52,7 +52,7 @@ class DiskPlan:
             f", {self.at_once} while one is written" if self.at_once > self.kept else "")
         free = "free space unknown" if self.free is None else f"{size(self.free)} free in {self.where}"
         verdict = "" if self.fits else "; does NOT fit"
-        return (f"disk: {keep}, each {size(self.per_checkpoint)} (fp32 params + AdamW state), export "
+        return (f"disk: {keep}, each {size(self.per_checkpoint)} (fp32 trained params + AdamW state), export "
                 f"{size(self.export)}: {size(self.need)} at the peak; {free}{verdict}")
 
 
@@ -60,11 +60,17 @@ def size(n: float) -> str:
     return f"{n / GiB:.1f} GiB" if n >= GiB else f"{n / MiB:.1f} MiB"
 
 
-def checkpoint_bytes(config_json: dict[str, Any], optimizer_dtype: str, ref_model: bool) -> int:
+def checkpoint_bytes(config_json: dict[str, Any], optimizer_dtype: str, ref_model: bool,
+                     lora: tuple[int, tuple[str, ...]] = (0, ())) -> int:
     """Bytes of one checkpoint: fp32 params, AdamW's two states (trainer.optimizer_dtype), the fp32 KL reference
-    when there is one (algo.kl_coef > 0)."""
+    when there is one (algo.kl_coef > 0). With LoRA (`lora`: rank, targets; rank 0 is off) the checkpoint holds the
+    adapters and their AdamW state only (colo.trainer.checkpoint): the frozen base is the model's own files."""
+    from colo.plan.memory import lora_params
+
     state = 2 if optimizer_dtype == "bfloat16" else 4
-    return model_shape(config_json).numel * (4 + 2 * state + (4 if ref_model else 0))
+    m = model_shape(config_json)
+    numel = sum(p.numel for p in lora_params(m, lora[0], lora[1])) if lora[0] else m.numel
+    return numel * (4 + 2 * state + (4 if ref_model else 0))
 
 
 def saves(steps: int, every: int, first: int = 0) -> int:
@@ -79,12 +85,16 @@ def saves(steps: int, every: int, first: int = 0) -> int:
 def disk_plan(cfg: ColoConfig, config_json: dict[str, Any], existing: int = 0, first: int = 0) -> DiskPlan:
     """The plan of `cfg`'s run; `existing` checkpoints already in the run dir and RL steps from `first` (a resume:
     colo.run.rundir.complete_checkpoints and the newest one's step + 1)."""
-    per = checkpoint_bytes(config_json, cfg.trainer.optimizer_dtype, cfg.algo.kl_coef > 0)
+    lora = (int(cfg.trainer.lora_rank), tuple(cfg.trainer.lora_targets))
+    per = checkpoint_bytes(config_json, cfg.trainer.optimizer_dtype, cfg.algo.kl_coef > 0, lora)
     n, keep = saves(cfg.loop.steps, cfg.loop.checkpoint_every, first), cfg.run.keep_checkpoints
     total = existing + n
     kept = min(total, keep) if keep else total
     at_once = max(existing, min(total, keep + 1)) if keep else total
     export = model_shape(config_json).numel * (4 if cfg.model.dtype == "float32" else 2)
+    if lora[0]:  # the PEFT adapter folder (fp32 adapters), and the merged model only on request
+        export = per // (4 + 2 * (2 if cfg.trainer.optimizer_dtype == "bfloat16" else 4)) * 4 + (
+            export if cfg.trainer.lora_export_merged else 0)
     where = Path(cfg.run.dir.replace("{time}", "")).absolute()
     while not where.exists() and where != where.parent:
         where = where.parent

@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from colo.models.archs import num_experts
+from colo.models.lora import EXPERT_PARAMS, target_of
 from colo.plan.settings import Settings
 
 GiB = 2**30
@@ -339,10 +340,14 @@ def trainer_terms(m: ModelShape, s: Settings) -> dict[str, float]:
     - step: grads and the optimizer step's temporaries
     """
     W = s.trainer_world
-    params = _shard_bytes(m, W, 4)
-    optim_full = 2 * _shard_bytes(m, W, s.state_bytes)
+    # LoRA: the frozen base in the compute dtype beside fp32 adapters; grads and AdamW state for the adapters only
+    rank, targets = int(s.trainer.lora_rank), tuple(s.trainer.lora_targets)
+    trained = lora_params(m, rank, targets) if rank else m.params
+    grads = _spec_bytes(trained, W, 4) if rank else _shard_bytes(m, W, 4)
+    params = grads + (_shard_bytes(m, W, s.param_bytes) if rank else 0)
+    optim_full = 2 * (_spec_bytes(trained, W, s.state_bytes) if rank else _shard_bytes(m, W, s.state_bytes))
     optim = 0 if s.trainer.optimizer_offload else optim_full
-    biggest = max(p.rows_on(W) * (p.numel // p.shape[0]) for p in m.params)
+    biggest = max(p.rows_on(W) * (p.numel // p.shape[0]) for p in trained)
     if s.trainer.optimizer_offload:
         # one param's states streamed in, fp32 math on them, the next one's states already coming in and the
         # last one's still going out (colo.trainer.optim overlaps the copies)
@@ -350,7 +355,7 @@ def trainer_terms(m: ModelShape, s: Settings) -> dict[str, float]:
     elif s.trainer.optimizer_dtype == "bfloat16":
         step_tmp = biggest * 4 * 4  # StreamedAdamW on the GPU: fp32 m, v and two temporaries of one param
     else:
-        step_tmp = params  # foreach AdamW: sqrt(exp_avg_sq) of every param at once (torch/optim/adam.py)
+        step_tmp = grads  # foreach AdamW: sqrt(exp_avg_sq) of every param at once (torch/optim/adam.py)
     ref = params if s.ref_model else 0
     resident = s.bucket_bytes * s.buffers + OFFLOADED_REST
     act = activation_bytes(m, s)
@@ -363,23 +368,26 @@ def trainer_terms(m: ModelShape, s: Settings) -> dict[str, float]:
     last = sum(u for u in units[1:][-2:])  # the last layer and its expert unit stay gathered after forward
     dense_units = sorted(_units(m, experts=False))
     state = params + optim + ref + resident
-    out = {"params": params, "grads": params, "optim": optim, "optim_full": optim_full, "ref": ref,
+    out = {"params": params, "grads": grads, "optim": optim, "optim_full": optim_full, "ref": ref,
            "resident": resident, "step_tmp": step_tmp, "activations": act["layers"], "logits": act["logits"],
            "gathered": s.param_bytes * (root + 2 * unit), "reduce": (s.param_bytes + 4) * unit,
            # sync: dense units gathered in bf16 (one packed, the next prefetched); expert shards read locally
            "sync_gather": s.param_bytes * sum(dense_units[-2:])}
+    if rank:  # the merge of the largest local tensor: its fp32 delta and the merged copy (colo.sync.merge)
+        out["sync_gather"] += (4 + s.param_bytes) * max(p.rows_on(W) * (p.numel // p.shape[0]) for p in m.params)
     out["no_grad"] = state + LOGITS_NO_GRAD_BYTES * chunk_v + s.param_bytes * (root + last)
-    out["backward"] = state + params + act["layers"] + act["logits"] + out["gathered"] + out["reduce"]
+    out["backward"] = state + grads + act["layers"] + act["logits"] + out["gathered"] + out["reduce"]
     if s.trainer.gather_once:
         # every unit stays gathered through the pass; the gradient accumulates unsharded in fp32 (FSDP2 upcasts
         # it to the reduce dtype) and replaces the sharded one, which is None until the last micro-batch's
         # reduce-scatter fills it unit by unit
         full = m.numel
-        out["gathered"], out["reduce"] = s.param_bytes * full, 4 * full + (s.param_bytes + 4) * unit
+        out["gathered"] = s.param_bytes * full
+        out["reduce"] = 4 * sum(p.numel for p in trained) + (s.param_bytes + 4) * unit
         out["no_grad"] = state + LOGITS_NO_GRAD_BYTES * chunk_v + s.param_bytes * full
         out["backward"] = state + act["layers"] + act["logits"] + out["gathered"] + out["reduce"]
-    out["entropy"] = state + params
-    out["step"] = state + params + step_tmp
+    out["entropy"] = state + grads
+    out["step"] = state + grads + step_tmp
     out["sync"] = params + optim + ref + resident + out["sync_gather"]
     return out
 
@@ -406,6 +414,7 @@ def plan_memory(config_json: dict[str, Any], s: Settings, gpu_bytes: Optional[fl
     if s.placement.mode == "disaggregated":
         return _plan_disaggregated(m, s, gpu_bytes, gpu_source, v_weights, reserve, kv, kv_tokens, t, notes)
     params, grads, optim, ref, resident = t["params"], t["grads"], t["optim"], t["ref"], t["resident"]
+    rank = int(s.trainer.lora_rank)
     train_peak = max(t["backward"], t["entropy"], t["step"])
     slack = ALLOC_SLACK * (train_peak - resident)
     phases = ("start", "rollout", "asleep", "train", "step", "sync")
@@ -418,9 +427,13 @@ def plan_memory(config_json: dict[str, Any], s: Settings, gpu_bytes: Optional[fl
         ("vLLM KV cache", {"start": max(kv, 0.0), "rollout": max(kv, 0.0)}),
         ("trainer while vLLM runs" + (" (offloaded: sync buffers)" if s.trainer.offload else " (offload=false)"),
          {"rollout": kept, "asleep": kept}),
-        ("trainer params fp32", {"start": params, "train": params, "step": params, "sync": params}),
-        ("trainer grads fp32", {"train": 0 if s.trainer.gather_once else grads, "step": grads}),  # gather_once: below
-        (f"AdamW state {s.trainer.optimizer_dtype}" + (" (on host)" if s.trainer.optimizer_offload else ""),
+        ("trainer params fp32" if not rank else f"trainer base {'fp32' if s.param_bytes == 4 else 'bf16'} "
+         f"(frozen) + LoRA adapters fp32 (rank {rank})",
+         {"start": params, "train": params, "step": params, "sync": params}),
+        ("trainer grads fp32" + (" (adapters)" if rank else ""),
+         {"train": 0 if s.trainer.gather_once else grads, "step": grads}),  # gather_once: below
+        (f"AdamW state {s.trainer.optimizer_dtype}" + (" (adapters)" if rank else "")
+         + (" (on host)" if s.trainer.optimizer_offload else ""),
          {"train": optim, "step": optim, "sync": optim}),
         ("reference model fp32 (kl_coef > 0)", {"start": ref, "train": ref, "step": ref, "sync": ref}),
         ("sync buffers + rest", {"train": resident, "step": resident, "sync": resident}),
@@ -433,7 +446,7 @@ def plan_memory(config_json: dict[str, Any], s: Settings, gpu_bytes: Optional[fl
         # with few layers the entropy after backward (all grads + 14 B per logit) can top backward's start
         ("peak at the entropy after backward instead", {"train": max(0.0, t["entropy"] - t["backward"])}),
         ("optimizer step temporaries", {"step": t["step_tmp"]}),
-        ("sync gather (dense units bf16)", {"sync": t["sync_gather"]}),
+        ("sync gather (dense units bf16)" + (" + LoRA merge" if rank else ""), {"sync": t["sync_gather"]}),
         ("allocator cache (calibrated)", {"train": slack, "step": slack}),
     ]
     rows = [(n, {p: b for p, b in v.items() if b}) for n, v in rows]
@@ -443,10 +456,36 @@ def plan_memory(config_json: dict[str, Any], s: Settings, gpu_bytes: Optional[fl
     host = {"trainer state offloaded" if s.trainer.offload else "AdamW state": on_host,
             "vLLM weights asleep (level 1)": v_weights if s.sleep_level == 1 else 0}
     plan = MemoryPlan(m, s, gpu_bytes, gpu_source, phases, rows, kv_tokens, host, notes)
-    notes.append(f"loading: each rank reads its own {params / GiB:.1f} GiB fp32 shard from the safetensors "
-                 f"files; the end-of-run export gathers the model in bf16 on rank 0's host "
-                 f"({2 * m.numel / GiB:.0f} GiB)")
+    notes.append(f"loading: each rank reads its own {params / GiB:.1f} GiB {'fp32 ' if not rank else ''}shard "
+                 f"from the safetensors files; the end-of-run export gathers the model in bf16 on rank 0's host "
+                 f"({2 * m.numel / GiB:.0f} GiB)" + ("; with LoRA only the adapters unless trainer.lora_export_merged"
+                                                    if rank else ""))
+    if rank:
+        n = sum(p.numel for p in lora_params(m, rank, tuple(s.trainer.lora_targets)))
+        notes.append(f"LoRA: rank {rank} on {', '.join(s.trainer.lora_targets)}: {n / 1e6:.1f}M trained parameters "
+                     f"({100 * n / m.numel:.2f}% of {m.numel / 1e9:.2f}B); the base stays frozen")
     return plan
+
+
+def _spec_bytes(params: tuple[ParamSpec, ...], world: int, nbytes: int) -> int:
+    return sum(p.rows_on(world) * (p.numel // p.shape[0]) * nbytes for p in params)
+
+
+@functools.lru_cache(maxsize=64)
+def lora_params(m: ModelShape, rank: int, targets: tuple[str, ...]) -> tuple[ParamSpec, ...]:
+    """The adapters colo.trainer.adapters adds (colo.models.lora): A (r, in) and B (out, r) per targeted Linear; per
+    fused expert tensor A (E, r, in) and B (E, out, r), sharded on dim 0 (the expert) like the weight."""
+    out = []
+    for p in m.params:
+        module, _, leaf = p.name.rpartition(".")
+        if p.expert and "experts" in targets and leaf in EXPERT_PARAMS:
+            E, rows, cols = p.shape
+            out += [ParamSpec(f"{p.name}_lora_A", (E, rank, cols), True),
+                    ParamSpec(f"{p.name}_lora_B", (E, rows, rank), True)]
+        elif leaf == "weight" and len(p.shape) == 2 and target_of(module) in targets:
+            out += [ParamSpec(f"{module}.lora_A", (rank, p.shape[1]), False),
+                    ParamSpec(f"{module}.lora_B", (p.shape[0], rank), False)]
+    return tuple(out)
 
 
 @functools.lru_cache(maxsize=64)

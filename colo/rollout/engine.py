@@ -397,7 +397,9 @@ class Engine:
             from colo.data.prompts import load_tokenizer
             from colo.envs.base import load_environment
             from colo.envs.framing import ChatFraming
+            from colo.envs.sandbox import permit_unsandboxed
 
+            permit_unsandboxed(self.cfg.algo.unsafe_unsandboxed_tools)  # colo.envs.sandbox: where bwrap is missing
             tok = load_tokenizer(self.cfg.model.path)
             chat = bool(self.cfg.data.chat_template and getattr(tok, "chat_template", None))
             self._env = (load_environment(self.cfg.algo.environment),

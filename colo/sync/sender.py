@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import ray
@@ -43,6 +43,7 @@ from torch.distributed.tensor import DTensor
 from colo.config import SyncConfig
 from colo.models.dtypes import torch_dtype
 from colo.models.archs import Arch, arch_for, architecture, expert_shard_range
+from colo.sync.merge import merged
 from colo.sync.plan import MappingError, build_plan, build_reference_plan, direct_mapping
 from colo.sync.transport import SenderBuffers, WeightGroup, align_up
 from colo.sync.verify import compare_digests, piece_digest
@@ -70,12 +71,15 @@ class Unit:
     module: nn.Module
     names: list[str]  # full param (and persistent buffer) names owned by this unit (not by a nested unit)
     is_experts: bool
+    adapters: list[str] = field(default_factory=list)  # LoRA: its weights' adapters, merged in, never sent
 
 
 def sync_tensors(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
     """What a sync sends: every parameter, then every persistent buffer (in the state dict, so in the
-    checkpoint: vLLM holds them as parameters). Non-persistent buffers (RoPE tables) are derived."""
-    out = list(model.named_parameters())
+    checkpoint: vLLM holds them as parameters). Non-persistent buffers (RoPE tables) are derived. LoRA's
+    adapters (`model.colo_lora`, colo.trainer.adapters) are not sent: they are merged into their weights."""
+    adapters = {n for pair in getattr(model, "colo_lora", {}).values() for n in pair}
+    out = [(n, p) for n, p in model.named_parameters() if n not in adapters]
     mods = dict(model.named_modules())
     for name, buf in model.named_buffers():
         mpath, _, leaf = name.rpartition(".")
@@ -105,6 +109,11 @@ class ParamSource:
             owned[owner].append(name)
         suffix = "." + arch.experts_module
         self.units = [Unit(p, mods[p], owned[p], p.endswith(suffix)) for p in unit_paths if owned[p]]
+        # LoRA (sync.lora=merged): each adapted weight leaves its unit as W + s B A (colo.sync.merge)
+        self.lora: dict[str, tuple[str, str]] = dict(getattr(model, "colo_lora", {}))
+        self.lora_scale = float(getattr(model, "colo_lora_scale", 0.0))
+        for u in self.units:
+            u.adapters = [n for w in u.names if w in self.lora for n in self.lora[w]]
         self.shapes: dict[str, tuple[int, ...]] = {}
         for u in self.units:
             for n in u.names:
@@ -169,7 +178,7 @@ class ParamSource:
             pending = self._start_gather(nxt, expert_fast) if nxt is not None else (None, False)
             local = expert_fast and u.is_experts
             out: dict[str, tuple[torch.Tensor, int]] = {}
-            for n in u.names:
+            for n in u.names + u.adapters:
                 p = self._tensor(n)
                 moved = gathered  # bytes of this tensor came out of an all-gather
                 if isinstance(p, DTensor):
@@ -188,6 +197,9 @@ class ParamSource:
                 nb = out[n][0].numel() * out[n][0].element_size()
                 key = ("expert_" if u.is_experts else "") + ("gathered_bytes" if moved else "local_bytes")
                 timings[key] = timings.get(key, 0) + nb
+            for w in (w for w in u.names if w in self.lora):  # LoRA: the same rows of W, A and B (dim 0)
+                a, b = (out.pop(n)[0] for n in self.lora[w])
+                out[w] = (merged(out[w][0], a, b, self.lora_scale), out[w][1])
             timings["gather"] = timings.get("gather", 0.0) + time.perf_counter() - t0
             yield out
             if gathered:

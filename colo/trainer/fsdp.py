@@ -28,9 +28,10 @@ from colo.algo.logprobs import shifted_logprobs
 from colo.trainer.attention import Bounds, attention_for, supports_sdpa
 
 def meta_model(model_path: str, attn_implementation: str | None = None,
-               experts_implementation: str | None = None) -> nn.Module:
-    """The unsharded HF causal LM on the meta device (no memory), fp32, from the checkpoint's config.json;
-    parallelize() shards it, then to_empty() + load_sharded() or materialize() fill each rank's shards."""
+               experts_implementation: str | None = None, dtype: torch.dtype = torch.float32) -> nn.Module:
+    """The unsharded HF causal LM on the meta device (no memory), fp32 (LoRA: the frozen base in the compute
+    dtype), from the checkpoint's config.json; parallelize() shards it, then to_empty() + load_sharded() or
+    materialize() fill each rank's shards."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.from_pretrained(model_path)
@@ -38,7 +39,7 @@ def meta_model(model_path: str, attn_implementation: str | None = None,
         attn_implementation = "eager"  # GPT-OSS: sinks live in eager/flash only (colo.trainer.attention.attention_for)
     with torch.device("meta"):
         extra = {} if experts_implementation is None else {"experts_implementation": experts_implementation}
-        return AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation=attn_implementation,
+        return AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn_implementation,
                                                 **extra)
 
 
@@ -218,20 +219,28 @@ def build_sharded(
     gradient_checkpointing: bool = False,
     experts_implementation: str | None = None,
     compile_backend: str | None = None,
+    lora=None,  # colo.trainer.adapters.LoraSpec | None
 ) -> nn.Module:
     """The whole build: meta model on every rank, sharded, then each rank's rows of the checkpoint, or random.
-    The result also has `colo_logprobs` (enable_logprob_forward)."""
-    model = meta_model(model_path, attention_for(device), experts_implementation)
+    The result also has `colo_logprobs` (enable_logprob_forward). `lora`: the base frozen in param_dtype, adapters
+    beside it (colo.trainer.adapters), B = 0."""
+    from colo.trainer.adapters import add_adapters, adapter_names, init_adapters
+
+    model = meta_model(model_path, attention_for(device), experts_implementation,
+                       dtype=torch.float32 if lora is None else param_dtype)
+    if lora is not None:
+        add_adapters(model, lora)
     parallelize(model, mesh, param_dtype=param_dtype, gradient_checkpointing=gradient_checkpointing,
                 compile_backend=compile_backend)
     enable_logprob_forward(model)
     if dummy:
         materialize(model, device, seed=seed)
-        return model
-    model.to_empty(device=device)
-    from colo.trainer.load import load_sharded
+    else:
+        model.to_empty(device=device)
+        from colo.trainer.load import load_sharded
 
-    load_sharded(model, model_path)
-    rebuild_buffers(model)
+        load_sharded(model, model_path, skip=adapter_names(model))
+        rebuild_buffers(model)
+    init_adapters(model, seed)
     return model
 

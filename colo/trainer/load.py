@@ -95,9 +95,11 @@ def _rows(p: torch.Tensor) -> tuple[int, int]:
 
 
 @torch.no_grad()
-def load_sharded(model: nn.Module, model_dir: str | os.PathLike) -> dict[str, int]:
+def load_sharded(model: nn.Module, model_dir: str | os.PathLike, skip: set[str] | frozenset[str] = frozenset()
+                 ) -> dict[str, int]:
     """Fill every parameter's local shard, and every persistent buffer, from the checkpoint; returns
-    {"tensors", "bytes_read"}. Where each trainer tensor lives on disk comes from the family's table
+    {"tensors", "bytes_read"}; `skip`: parameters left as they are (LoRA's adapters). Where each trainer tensor lives
+    on disk comes from the family's table
     (colo.models.archs.reference_segments, the names vLLM's own loader reads): the tensor itself under
     its Hub name, or per expert and part for experts the Hub keeps un-fused."""
     import re
@@ -114,6 +116,8 @@ def load_sharded(model: nn.Module, model_dir: str | os.PathLike) -> dict[str, in
     read = 0
     persistent = [(n, b) for n, b in model.named_buffers() if _persistent(model, n)]
     for name, p in [*model.named_parameters(), *persistent]:
+        if name in skip:  # LoRA's adapters: no checkpoint holds them (colo.trainer.adapters inits them)
+            continue
         local = p.to_local() if isinstance(p, DTensor) else p.data  # (rows, ...) this rank's shard
         start, stop = _rows(p)
         segs = reference_segments(arch, name, tuple(p.shape))

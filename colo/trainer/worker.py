@@ -44,11 +44,11 @@ from colo.host.shm import sweep
 from colo.sync.sender import Sender
 from colo.sync.transport import WeightGroup, WeightGroupHost, device_uuid
 from colo.trainer import checkpoint
+from colo.trainer.adapters import LoraSpec, merged_items, trainable
 from colo.models.archs import expert_shard_range, num_experts
 from colo.trainer.fsdp import build_sharded, hold_gathered, persistent_buffers, reduce_next_backward
 from colo.trainer.offload import Offloader, state_bytes
 from colo.trainer.optim import clip_and_step, make_optimizer
-
 
 ADDITIVE = ("pg_loss", "kl_loss")  # policy_loss metrics already divided by global counts: summed, not weighted
 
@@ -119,8 +119,9 @@ class Trainer:
         build = dict(dummy=bool(c.model.dummy_weights), mesh=self.mesh, device=self.device,
                      param_dtype=self.param_dtype, seed=seed, experts_implementation=experts,
                      compile_backend="inductor" if c.trainer.compile else None)
-        self.model = build_sharded(
-            c.model.path, gradient_checkpointing=c.trainer.gradient_checkpointing, **build)
+        self.lora = LoraSpec.of(c.trainer)  # LoRA: a frozen base, adapters beside it (colo.trainer.adapters)
+        self.model = build_sharded(c.model.path, gradient_checkpointing=c.trainer.gradient_checkpointing,
+                                   lora=self.lora, **build)
         self.ref_model, self.ref_frozen = None, False
         if float(c.algo.kl_coef) > 0:
             # the same sharding as the policy, so the first train_step copies shards locally; random until
@@ -130,7 +131,7 @@ class Trainer:
         self._offloader = Offloader(self.device)
         self.routing = RouterTap(self.model)  # R3 and the routing-mismatch metric (colo.algo.replay)
         self._routing_counts = self._no_routing()  # (pairs differing, pairs compared) of the last policy pass
-        self.optimizer = make_optimizer(self.model.parameters(), lr=float(c.trainer.lr),
+        self.optimizer = make_optimizer(trainable(self.model), lr=float(c.trainer.lr),
                                         weight_decay=float(c.trainer.weight_decay),
                                         state_dtype=c.trainer.optimizer_dtype, on_host=c.trainer.optimizer_offload,
                                         device=self.device)
@@ -138,6 +139,7 @@ class Trainer:
         return {"rank": self.rank, "world_size": self.world_size, "device": str(self.device),
                 "device_uuid": device_uuid(self.device),  # the id the colocated engine reports
                 "params": sum(p.numel() for p in self.model.parameters()),
+                "trainable_params": sum(p.numel() for p in trainable(self.model)),
                 **state_bytes([self.model], None),
                 "experts": expert_shard_range(experts, self.world_size, self.rank) if experts else None}
 
@@ -294,7 +296,7 @@ class Trainer:
         """Clip and step; `lr` overrides trainer.lr for this step only (the warm-up uses its own)."""
         for g in self.optimizer.param_groups:
             g["lr"] = float(self.cfg.trainer.lr) if lr is None else lr
-        norm = clip_and_step(self.model.parameters(), self.optimizer, float(self.cfg.trainer.grad_clip))
+        norm = clip_and_step(trainable(self.model), self.optimizer, float(self.cfg.trainer.grad_clip))
         # skipped (non-finite norm) in a row, over RL and warm-up steps; every rank counts alike (global norm)
         self.consecutive_skipped = 0 if math.isfinite(norm) else self.consecutive_skipped + 1
         return norm
@@ -567,9 +569,17 @@ class Trainer:
         was_offloaded = self.offloaded
         if was_offloaded:  # the gather is a device collective (NCCL cannot all-gather host memory)
             self.onload()
-        checkpoint.export_hf(path, self.model, self.cfg.model.path, torch_dtype(self.cfg.model.dtype))
+        if self.lora is None:
+            checkpoint.export_hf(path, self.model, self.cfg.model.path, torch_dtype(self.cfg.model.dtype))
+        else:  # the adapter as a PEFT folder; the merged weights beside it on request (trainer.lora_export_merged)
+            checkpoint.export_adapter(path, self.model, self.lora, self.cfg.model.path, torch.float32)
+        if self.lora is not None and self.cfg.trainer.lora_export_merged:
+            self.export_merged(path.rstrip("/") + "-merged")
         if was_offloaded:
             self.offload()
+
+    def export_merged(self, path: str) -> None:  # LoRA: an HF checkpoint of W + s B A (colo.sync.merge)
+        checkpoint.export_hf(path, self.model, self.cfg.model.path, self.param_dtype, merged_items(self.model))
 
     def release_sync_buffers(self) -> None:
         """Unlink the sync's shared-memory segments now: they are named files in /dev/shm, and

@@ -231,7 +231,85 @@ def test_bad_checkpoints_refused_before_ray(tmp_path: Path) -> None:
     assert_config_error(run_cli(f"model.path={ckpt}", runs, cwd=tmp_path), "no weight files",
                         "model.dummy_weights=true")
     (ckpt / "model.safetensors").write_bytes((2).to_bytes(8, "little") + b"{}")  # no tensors
+    assert_config_error(run_cli(f"model.path={ckpt}", runs, cwd=tmp_path), "has no tokenizer")
+    (ckpt / "tokenizer.json").write_text("{}")
     (ckpt / "config.json").write_text(json.dumps({**qwen, "model_type": "qwen3_moe_nonesuch"}))
     assert_config_error(run_cli(f"model.path={ckpt}", runs, cwd=tmp_path), "transformers cannot read")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]  # no run dir, no Ray session dir
     assert "Started a local Ray instance" not in r.stderr + r.stdout
+
+
+def test_resume_keeps_what_the_checkpoints_mean(tmp_path: Path) -> None:
+    """A resume that would change what the run's checkpoints mean is refused, one line naming each key: the model
+    (`model.path=auto:tiny-tools` regenerated the run's model/ in place, tokenizer and all, unlisted), another
+    --config file (it was ignored silently), a tokenizer or data file changed on disk since the start. The run's own
+    --config changes nothing; safe changes (loop.steps, the eval cadence, logging, an edited file's loop.steps) are
+    listed and applied; and a resume generates nothing."""
+    import shutil
+
+    from colo.config import ConfigError, load_config, resolve
+    from colo.config.resume import load_resumed
+    from colo.launch import prepare_run
+
+    tiny = str(ROOT / "configs" / "tiny-cpu.yaml")
+    data = tmp_path / "train.jsonl"
+    data.write_text("".join(f'{{"prompt": "Question: {i}+1=? Answer:", "answer": "{i + 1}"}}\n' for i in range(9)))
+    cfg = load_config(tiny, [f"run.dir={tmp_path}/run", "trainer.lr=1e-3"], {})
+    run = Path(prepare_run(cfg, config_file=tiny).run.dir)
+    model = run / "model"
+    before = {p.name: p.stat().st_mtime_ns for p in model.iterdir()}
+
+    def refused(overrides: list[str], config_file: str | None = None, env: dict | None = None) -> str:
+        with pytest.raises(ConfigError) as e:
+            load_resumed(str(run), ["run.resume=true", *overrides], env or {}, config_file=config_file)
+        assert "\n" not in str(e.value) and "fix:" in str(e.value)
+        return str(e.value)
+
+    msg = refused(["model.path=auto:tiny-tools"])
+    assert msg.startswith(f"--resume would change what the run's checkpoints mean: model.path {model} -> "
+                          "auto:tiny-tools (command line); fix: "), msg
+    msg = refused([], config_file=str(ROOT / "configs" / "tiny-cpu-tools.yaml"))
+    for key in ("model.path", "data.path", "algo.environment"):
+        assert f"{key} " in msg and "(config file " in msg, msg
+    assert "run.seed" not in msg and "loop.steps" not in msg  # the same there, and safe
+    assert "data.prompt_key" in refused([], env={"COLO_DATA__PROMPT_KEY": "question"})
+    # the run's own file: nothing changes (its lr came from the command line at the start and stays)
+    r = load_resumed(str(run), ["run.resume=true"], {}, config_file=tiny)
+    assert r.cfg.trainer.lr == 1e-3 and r.describe(resolve(r.cfg)) == f"colo: resume: {run / 'config.yaml'}, unchanged"
+    # safe changes: listed with their source, applied; the run's model named as it was given is the same model
+    edited = tmp_path / "edited.yaml"
+    edited.write_text(Path(tiny).read_text().replace(f"  steps: {cfg.loop.steps} ", "  steps: 7 ", 1))
+    r = load_resumed(str(run), ["run.resume=true", "loop.eval_every=3", "run.loggers=[jsonl]", "model.path=auto:tiny"],
+                     {}, config_file=str(edited))
+    changes = r.changes(resolve(r.cfg))
+    assert f"loop.steps {cfg.loop.steps} -> 7 (config file {edited})" in changes, changes
+    assert "loop.eval_every 10 -> 3 (command line)" in changes and "run.loggers" in " ".join(changes), changes
+    resumed = prepare_run(r.cfg)
+    assert resumed.loop.steps == 7 and {p.name: p.stat().st_mtime_ns for p in model.iterdir()} == before
+    # what changed on disk since the start: the tokenizer, a data file
+    shutil.copy(model / "tokenizer.json", tmp_path / "tokenizer.json")
+    (model / "tokenizer.json").write_text((model / "tokenizer.json").read_text().replace('"<|im_end|>"', '"<|end|>"'))
+    assert f"the tokenizer of model.path ({model}) changed since the run started (tokenizer.json)" in refused([])
+    shutil.copy(tmp_path / "tokenizer.json", model / "tokenizer.json")
+    load_resumed(str(run), ["run.resume=true"], {})
+    (run / "data" / "arith_train.jsonl").write_text(data.read_text())
+    assert f"data.path ({run}/data/arith_train.jsonl) changed since the run started" in refused([])
+    (run / "data" / "arith_train.jsonl").unlink()
+    with pytest.raises(ConfigError, match="the run's data.path .* is gone"):
+        prepare_run(load_resumed(str(run), ["run.resume=true"], {}).cfg)
+
+
+def test_resume_into_another_model_through_the_cli(tmp_path: Path) -> None:
+    """The symptom as a user met it: `--resume model.path=auto:tiny-tools run.dir=X` on an auto:tiny run."""
+    from colo.config import load_config
+    from colo.launch import prepare_run
+
+    from colo.run.rundir import unlock
+
+    cfg = load_config(str(ROOT / "configs" / "tiny-cpu.yaml"), [f"run.dir={tmp_path}/run"], {})
+    run = Path(prepare_run(cfg).run.dir)
+    unlock(run)  # as the launch does when its run ends
+    marker = (run / "model" / "colo_preset.json").read_text()
+    r = run_cli("--resume", "model.path=auto:tiny-tools", f"run.dir={run}", cwd=tmp_path)
+    assert_config_error(r, "--resume would change what the run's checkpoints mean: model.path", "auto:tiny-tools")
+    assert (run / "model" / "colo_preset.json").read_text() == marker and not list(run.glob("config.resume-*"))

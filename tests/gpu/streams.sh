@@ -3,7 +3,10 @@
 #
 #   source /tmp/site/env.sh
 #   bash tests/gpu/streams.sh NAME "STEPS for GPU 0" "STEPS for GPU 1" [SECONDS=560]
+#   bash tests/gpu/streams.sh NAME "STEPS=one BENCH_PRESET=qwen3-30b-a3b-L12 ..." "STEPS=one ONE_ARGS='...'"
 #
+# A stream given as shell assignments (it holds '=') sets run.sh's variables for that stream alone (STEPS among
+# them; quoting as in a shell); otherwise it is the STEPS words, and both streams share the caller's variables.
 # Each stream is `tests/gpu/run.sh` with CUDA_VISIBLE_DEVICES set to its GPU, SHARED_HOST=1 (a failed step
 # leaves the other stream's Ray alone), its own RUN_ROOT and log folder. A STEPS word `fam:F1,F2` runs
 # tests/gpu/families.sh for those families after run.sh's steps. Both streams' logs come back as one archive,
@@ -16,8 +19,9 @@ name=$1; total=${4:-560}
 OUT=${OUT:-/tmp/colo-gpu-out}
 work=/tmp/streams-$name
 mkdir -p "$work" "$OUT"
-stream() {  # stream GPU STEPS
+stream() {  # stream GPU STEPS|ASSIGNMENTS
   local gpu=$1 steps=$2 fams="" run_steps="" w
+  if [[ $steps == *=* ]]; then eval "export $steps"; steps=$STEPS; fi  # this stream's own variables
   for w in $steps; do case $w in fam:*) fams="$fams ${w#fam:}";; *) run_steps="$run_steps $w";; esac; done
   local dir=$work/gpu$gpu start=$SECONDS
   mkdir -p "$dir"

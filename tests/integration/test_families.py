@@ -99,6 +99,24 @@ class FamilyTrainer(Recorder, WarmTrainer):
     def forget_sync(self) -> None:
         self.release_sync_buffers()
 
+    def perturb_lora(self, seed: int) -> int:
+        """LoRA: random adapters (B != 0) on this rank's shards, so the merged weights differ from the base."""
+        import torch
+
+        g, n = torch.Generator().manual_seed(seed + self.rank), 0
+        with torch.no_grad():
+            for name, p in self.model.named_parameters():
+                if p.requires_grad:
+                    local = p.to_local()
+                    local.copy_(torch.randn(local.shape, generator=g) * (0.05 if name.endswith("lora_B") else 0.3))
+                    n += 1
+        return n
+
+    def param_sums(self) -> dict[str, float]:
+        """Each parameter's local shard summed (float64), requires_grad first: what an optimizer step changed."""
+        return {f"{int(p.requires_grad)} {n}": float(p.to_local().double().sum())
+                for n, p in self.model.named_parameters()}
+
     def sync_tampered(self, engine, fault: str) -> dict:
         """A colocated sync whose plan is broken on purpose around the padded embedding (both ranks call it)."""
         import copy
@@ -208,10 +226,10 @@ class Rig:
             to_dict(apart), 0, 1, 0)
         ray.get(self.remote.ready.remote())
 
-    def cfg(self, family: str):
+    def cfg(self, family: str, *extra: str):
         path = make_family_model(self.root / family, family)
         return load_config(None, BASE + [f"model.path={path}", f"data.path={self.data}",
-                                         f"run.dir={self.root / 'runs' / family}"], {})
+                                         f"run.dir={self.root / 'runs' / family}", *extra], {})
 
     @staticmethod
     def apart_cfg(cfg):
@@ -451,3 +469,59 @@ def test_vocab_padding_is_checked_not_waved_through(rig: Rig, fault: str) -> Non
     disk = greedy([rig.remote])[0]
     for e, got in enumerate(greedy(c.engines)):
         _same(got, disk, f"reference path, engine {e}")
+
+
+LORA = ["trainer.lora_rank=4", "trainer.lora_alpha=8"]  # every target: attention, experts, shared experts, dense MLPs
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe"])
+def test_lora_merged_sync_equals_the_merged_checkpoint_on_disk(rig: Rig, family: str, tmp_path: Path) -> None:
+    """LoRA over 2 FSDP2 ranks (colo.trainer.adapters), Qwen3-MoE and Qwen2-MoE (shared experts, dense layer 0):
+    - B = 0: the LoRA trainers score a batch exactly as the full trainers do (the same log-probs, bit for bit);
+    - a warm-up step changes the adapters and nothing else;
+    - with random adapters, the merged sync (W + s B A formed per unit as it leaves the sender) is verified with
+      digests, and the colocated engines then give the greedy tokens and log-probs of an engine that loads colo's
+      merged export from disk; so does the broadcast to engine 3. (CPU engines hold every expert, so experts are
+      gathered here; tests/integration/test_sync_fsdp.py merges them on the expert fast path, shard by shard.)"""
+    from colo.algo.batch import build_batch
+    from colo.data.inputs import open_inputs
+    from colo.loop import warm_up
+
+    c = rig.cluster
+    d = rig.load(family)
+    base_tokens = greedy([rig.remote])[0]  # engine 3: the base checkpoint from disk
+    samples = [{"prompt_ids": list(range(5 + i, 12 + 2 * i)), "response_ids": [7, 9, 11 + i], "logprobs": [0.0] * 3}
+               for i in range(3)]
+    batch = build_batch(samples, [1.0, -1.0, 0.5])
+    full = ray.get([t.compute_logprobs.remote(batch) for t in c.trainers])
+    cfg = rig.cfg(family, *LORA)
+    ray.get([t.reload.remote(to_dict(cfg)) for t in c.trainers])
+    lora = ray.get([t.compute_logprobs.remote(batch) for t in c.trainers])
+    assert all(a.equal(b) for a, b in zip(full, lora)), "B = 0: the LoRA model is the base model"
+
+    before = ray.get(c.trainers[0].param_sums.remote())
+    warm_up(c, cfg, open_inputs(cfg))  # one SFT step (loop.sft_warmup_steps=1)
+    after = ray.get(c.trainers[0].param_sums.remote())
+    changed = {n for n in before if before[n] != after[n]}
+    assert changed and all(n.startswith("1 ") for n in changed), f"frozen weights changed: {changed}"
+    assert all("lora_" in n for n in before if n.startswith("1 ")), "only the adapters train"
+
+    assert all(n > 0 for n in ray.get([t.perturb_lora.remote(3) for t in c.trainers]))
+    for r in c.trainer_group.sync_weights():  # CPU engines hold every expert: gathered (test_sync_fsdp.py: local)
+        assert r["verified"] and r["digest_checked"], r["errors"]
+    merged_dir = tmp_path / "merged"
+    ray.get([t.export_merged.remote(str(merged_dir)) for t in c.trainers])
+    disk_cfg = rig.apart_cfg(rig.cfg(family, f"model.path={merged_dir}"))
+    ray.get(rig.remote.restart.remote(to_dict(disk_cfg), False))
+    rig.loaded = None
+    want = greedy([rig.remote])[0]  # vLLM's own loader on the merged checkpoint
+    assert any(w[0] != b[0] for w, b in zip(want, base_tokens)), "the adapters changed nothing the tokens show"
+    for e, got in enumerate(greedy(c.engines)):
+        _same(got, want, f"{family} LoRA merged sync, engine {e}")
+
+    assert ray.get(rig.remote.scramble.remote(2)) > 0
+    connect_weight_group(c.trainers[0], [rig.remote], 1)
+    lead, _ = ray.get([t.broadcast_apart.remote([rig.remote]) for t in c.trainers])
+    assert lead["verified"] and lead["digest_checked"], lead["errors"]
+    _same(greedy([rig.remote])[0], want, f"{family} LoRA merged broadcast")
+

@@ -42,7 +42,7 @@ def _describe(model, held: list[int]) -> dict:
     return {"params": params, "experts": experts}
 
 
-def _assemble(model, describe: dict) -> tuple[dict[str, torch.Tensor], Sender]:
+def _assemble(model, describe: dict, timings: dict | None = None) -> tuple[dict[str, torch.Tensor], Sender]:
     """One sync's packing by the product Sender (collective), each bucket read back from the shared buffer
     as soon as it is packed, and unpacked into flat vLLM-named tensors like the receiver's direct copy."""
     sender = Sender(model, SyncConfig(bucket_mb=1 / 16, buffers=2), describe, [None], placement="colocated")
@@ -58,7 +58,7 @@ def _assemble(model, describe: dict) -> tuple[dict[str, torch.Tensor], Sender]:
                 v = buf[p["buf_offset"]: p["buf_offset"] + p["numel"] * dt.itemsize].view(dt)
                 out[p["dst"]][p["dst_offset"]: p["dst_offset"] + p["numel"]] = v
 
-    timings: dict[str, float] = {}
+    timings = {} if timings is None else timings
     try:
         sender.pack(timings, reuse=lambda slot: None, send=unpack)
     finally:
@@ -68,9 +68,11 @@ def _assemble(model, describe: dict) -> tuple[dict[str, torch.Tensor], Sender]:
     return out, sender
 
 
-def _reference(ref_model, describe) -> dict[str, torch.Tensor]:
+def _reference(ref_model, describe, full: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+    """The unsharded model's bytes in vLLM's layout; `full`: these tensors instead of ref_model's (LoRA: merged)."""
     shapes = {n: tuple(p.shape) for n, p in ref_model.named_parameters()}
-    full = {n: p.detach().to(torch.bfloat16).reshape(-1) for n, p in ref_model.named_parameters()}
+    tensors = full or dict(ref_model.named_parameters())
+    full = {n: p.detach().to(torch.bfloat16).reshape(-1) for n, p in tensors.items()}
     out = {n: torch.zeros(torch.Size(v["shape"]).numel(), dtype=torch.bfloat16) for n, v in describe["params"].items()}
     segs, errors = direct_mapping(QWEN3_MOE, shapes, describe)
     assert not errors, errors
@@ -104,6 +106,27 @@ def _worker(rank: int, world: int, port: int, path: str, results) -> None:
             bad = sorted(n for n in want if not torch.equal(got[n], want[n]))
             res[case] = {"fast": sender.expert_fast, "why": sender.expert_fast_reason, "bad": bad, "n": len(want),
                          "buckets": len(sender.plan.buckets)}
+        # LoRA (sync.lora=merged): random adapters; each unit leaves as W + s B A, the expert shards merged locally on
+        # the fast path; the bytes equal colo's merged export (colo.trainer.adapters.merged_items), bit for bit
+        from colo.models.lora import TARGETS
+        from colo.trainer.adapters import LoraSpec, merged_items
+
+        lora = build_sharded(path, dummy=False, mesh=mesh, device=torch.device("cpu"),
+                             lora=LoraSpec(3, 6.0, 0.0, TARGETS))
+        g = torch.Generator().manual_seed(rank)
+        with torch.no_grad():
+            for p in (p for p in lora.parameters() if p.requires_grad):
+                p.to_local().copy_(torch.randn(p.to_local().shape, generator=g) * 0.1)
+        merged = dict(merged_items(lora))  # collective
+        for case in ("replica", "ep"):
+            d, timings = _describe(model, cases[case]), {}
+            got, sender = _assemble(lora, d, timings)
+            want = _reference(ref, d, merged)
+            base = _reference(ref, d)
+            res["lora_" + case] = {"fast": sender.expert_fast,
+                                   "expert_gathered_bytes": timings.get("expert_gathered_bytes", 0),
+                                   "bad": sorted(n for n in want if not torch.equal(got[n], want[n])),
+                                   "changed": sorted(n for n in want if not torch.equal(got[n], base[n]))}
         results[rank] = res
     finally:
         dist.destroy_process_group()
@@ -141,3 +164,16 @@ def test_fast_path_decision_is_collective(results) -> None:
         assert not r["fast"], r
         assert r["bad"] == [], r
     assert "another rank" in results[0]["ep_one_rank_off"]["why"]
+
+
+def test_lora_merged_sync_merges_expert_shards_where_they_lie(results) -> None:
+    """sync.lora=merged: with the engine holding every expert (CPU) and with EP (the fast path: no expert byte
+    all-gathered, each rank merging its own experts), the packed bytes are the merged export's; the adapters
+    changed the experts, the attention and the dense layers' bytes."""
+    for rank in (0, 1):
+        for case, fast in (("lora_replica", False), ("lora_ep", True)):
+            r = results[rank][case]
+            assert r["fast"] is fast and r["bad"] == [], (rank, case, r)
+            assert any("w13_weight" in n for n in r["changed"]) and any("qkv_proj" in n for n in r["changed"]), r
+        assert results[rank]["lora_ep"]["expert_gathered_bytes"] == 0, results[rank]["lora_ep"]
+

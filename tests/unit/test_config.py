@@ -243,6 +243,7 @@ def test_local_checkpoint_accepted_and_experts_checked(tmp_path: Path) -> None:
     ckpt = tmp_path / "ckpt"
     write(ckpt / "config.json", json.dumps(QWEN3_MOE_JSON))
     (ckpt / "model.safetensors").write_bytes(NO_TENSORS)  # its header is checked before anything starts
+    write(ckpt / "tokenizer.json", "{}")  # and that it has a tokenizer
     validate(load_config(None, cpu(f"model.path={ckpt}", f"run.dir={tmp_path}/r"), {}))  # CPU: EP 1
     msg = error_of([f"model.path={ckpt}", "placement.device=cuda", "placement.num_gpus=4"])
     assert "6 experts" in msg and "expert-parallel size 4" in msg and "[1, 2, 3, 6]" in msg
@@ -288,6 +289,8 @@ def test_model_family_and_weights_refused_before_anything(tmp_path: Path) -> Non
     assert "no weight files" in msg and "model.dummy_weights=true" in msg
     validate(load_config(None, cpu(f"model.path={ckpt}", "model.dummy_weights=true", run), {}))
     (ckpt / "model-00001-of-00002.safetensors").write_bytes(NO_TENSORS)
+    assert "has no tokenizer" in error_of(cpu(f"model.path={ckpt}", run))
+    write(ckpt / "tokenizer.json", "{}")
     validate(load_config(None, cpu(f"model.path={ckpt}", run), {}))
 
 

@@ -26,7 +26,7 @@ def test_default_job_keeps_three_checkpoints_of_the_tiny_models_size(tmp_path: P
     assert plan.per_checkpoint == 723_840 * 12 and (plan.saves, plan.kept, plan.at_once) == (14, 3, 4)
     assert plan.need == 4 * plan.per_checkpoint + 723_840 * 4 and plan.fits and plan.where == str(tmp_path)
     assert plan.line().startswith("disk: 3 of 14 checkpoints kept (run.keep_checkpoints), 4 while one is written, "
-                                  "each 8.3 MiB (fp32 params + AdamW state), export 2.8 MiB: 35.9 MiB at the peak;")
+                                  "each 8.3 MiB (fp32 trained params + AdamW state), export 2.8 MiB: 35.9 MiB at the peak;")
     cfg.run.keep_checkpoints, cfg.algo.kl_coef, cfg.trainer.optimizer_dtype = 0, 0.1, "bfloat16"
     plan = disk_plan(cfg, dict(PRESETS["tiny"]))  # all 14 kept; the KL reference adds fp32 weights, bf16 states
     assert plan.per_checkpoint == 723_840 * (4 + 2 * 2 + 4) and plan.at_once == plan.kept == 14
@@ -45,3 +45,19 @@ def test_a_filesystem_too_small_is_refused_with_a_keep_that_fits(tmp_path: Path)
     line = refusal(small)
     assert line.startswith("run.dir: its filesystem cannot hold the run's checkpoints: ") and "\n" not in line
     assert "fix: run.keep_checkpoints=1, or a run.dir on a larger filesystem" in line
+
+
+def test_lora_checkpoints_hold_the_adapters_and_their_state_only(tmp_path: Path) -> None:
+    """The whole Qwen3-30B-A3B with rank-8 LoRA on one H200 (configs/qwen3-30b-a3b-lora-1xh200.yaml): a checkpoint
+    is the 321M adapters' fp32 weights and AdamW state (colo.trainer.checkpoint), not the 30.5B frozen base."""
+    from colo.config import load_config
+
+    cfg = load_config("configs/qwen3-30b-a3b-lora-1xh200.yaml", [f"run.dir={tmp_path / 'r'}"], {})
+    cj = dict(PRESETS["qwen3-30b-a3b"])
+    plan = disk_plan(cfg, cj)
+    state = 2 if cfg.trainer.optimizer_dtype == "bfloat16" else 4
+    adapters = plan.per_checkpoint // (4 + 2 * state)
+    assert 300e6 < adapters < 340e6 and plan.per_checkpoint < 5 * 2**30, plan
+    assert plan.export == adapters * 4  # the PEFT folder; the merged model only with trainer.lora_export_merged
+    cfg.trainer.lora_export_merged = True
+    assert disk_plan(cfg, cj).export > 50 * 2**30

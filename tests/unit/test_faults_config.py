@@ -61,6 +61,7 @@ def test_truncated_safetensors_refused_naming_the_file(tmp_path) -> None:
     from colo.models.tiny import PRESETS
 
     (tmp_path / "config.json").write_text(json.dumps(PRESETS["tiny"]))
+    (tmp_path / "tokenizer.json").write_text("{}")
     good, bad = tmp_path / "model-00001-of-00002.safetensors", tmp_path / "model-00002-of-00002.safetensors"
     save_file({"a": torch.zeros(64)}, good)
     save_file({"b": torch.zeros(64)}, bad)

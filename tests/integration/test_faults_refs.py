@@ -1,0 +1,49 @@
+"""A failure leaves no reference for Ray to report (issue 49, section 4): when one rank dies, colo.cluster.actors.gather
+raises at once, and the other rank's call fails a moment later (its collective lost its peer). Dropped unread, that
+reference made Ray print its "Unhandled error" dump (108 lines) on the terminal after colo's own line, once the
+garbage collector got to it. Real Ray, two plain actors, in a driver process of its own whose stderr is the
+terminal's."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+from conftest import clean_env
+
+DRIVER = '''
+import gc, logging, os, sys, time
+import ray
+from colo.cluster.actors import ActorDied, gather, shutdown_ray
+
+ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, logging_level=logging.ERROR)
+
+
+@ray.remote(num_cpus=0)
+class Rank:
+    def step(self, rank):
+        if rank == 1:
+            time.sleep(0.5)
+            os._exit(1)  # killed mid-step
+        time.sleep(2)
+        raise RuntimeError("Connection closed by peer [rank 1]: the collective lost its peer")
+
+
+ranks = [Rank.remote(), Rank.remote()]
+try:
+    gather([r.step.remote(i) for i, r in enumerate(ranks)], ["trainer rank 0", "trainer rank 1"])
+except ActorDied as e:
+    print(f"colo: error: {e}", file=sys.stderr, flush=True)
+gc.collect()
+time.sleep(6)  # rank 0's call has failed meanwhile, and Ray is up to report what nobody read
+gc.collect()
+time.sleep(2)
+shutdown_ray()
+print("done", file=sys.stderr)
+'''
+
+
+def test_the_other_ranks_failed_call_is_collected_not_dumped() -> None:
+    p = subprocess.run([sys.executable, "-c", DRIVER], capture_output=True, text=True, timeout=180, env=clean_env())
+    assert p.returncode == 0, p.stderr[-3000:]
+    lines = [ln for ln in p.stderr.splitlines() if ln.strip()]
+    assert lines == ["colo: error: trainer rank 1 died", "done"], p.stderr[-5000:]
