@@ -47,9 +47,10 @@ earlier step: tokens_per_s_per_gpu stays comparable over steps, generated_tokens
 tokens per rollout second, not the engine's own rate.
 --compare KEY=A,B measures the step with setting KEY at A, then the same steps at B on the same cluster, and adds
 "compare" ({"key", "values"}), "versus" (B's figures) and "speedup" (A over B, their totals over every measured step);
---repeats R runs them in turn R times (A B A B ...: each variant keeps its own schedule, async's carried samples
-included, and its own step numbers; --warmup steps before A's first block, --versus-warmup before B's), for a ratio
-with its spread: "blocks" (each variant's and repeat's totals, per-step throughputs and train seconds; with
+--repeats R runs them in turn R times, after every variant's warm-up (--warmup steps of A, then --versus-warmup of
+B), each repeat's pair in alternating order (A B, B A, A B, ...: a drift of the host over the call, or the first
+measured steps' extra cost, falls on both sides alike; each variant keeps its own schedule, async's carried samples
+included, and its own step numbers), for a ratio with its spread: "blocks" (each variant's and repeat's totals, per-step throughputs and train seconds; with
 trainer.compile the dynamo figures' change over the block: a recompile in measured steps) and "stats"
 (colo.bench.spread.compare: A over B per repeat, its median, quartiles, min, max and whether every pair lies on one
 side of 1; the train phase's seconds per token, B over A; every measured step's tokens/s per variant). With --json a
@@ -130,8 +131,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--steps", type=int, default=3, help="measured RL steps (per variant and repeat)")
     ap.add_argument("--warmup", type=int, default=1, help="RL steps run first and not measured")
     ap.add_argument("--repeats", type=int, default=1, help="with --compare: run the variants in turn this many times, "
-                    "A B A B ... (--steps measured steps each time, the warm-up once per variant), for the ratio "
-                    "per repeat and its spread (colo.bench.spread); with --json a JSON line after every repeat")
+                    "A B, B A, A B ... after both warm-ups (--steps measured steps each time), for the ratio per "
+                    "repeat and its spread (colo.bench.spread); with --json a JSON line after every repeat")
     ap.add_argument("--versus-warmup", type=int, help="with --compare: warm-up steps of variant B (default --warmup; "
                     "sync mode has no buffer to fill, and the compile ran in A's warm-up)")
     ap.add_argument("--prompts", type=int, help="prompts per step (cpu 4, cuda 16)")
@@ -399,21 +400,21 @@ def measure(args: argparse.Namespace, report: Callable[[dict], None] | None = No
         blocks: list[dict] = []
         warmup_train_s = [0.0] * len(layouts)
         figures = lambda: ray.get(cluster.trainers[0].compile_figures.remote())  # noqa: E731
-        for repeat in range(args.repeats):  # A B, A B, ...: a slow drift of the host hits both sides of a pair
-            for li, layout in enumerate(layouts):
-                set_config(cfg, layout)
-                comp = layout["trainer.compile"]
-                ray.get([t.set_layout.remote(layout) for t in cluster.trainers])
-                if li not in jobs:  # the variant's first block: its schedule, its prompts, its warm-up
-                    inputs = RunInputs(Path(cfg.run.dir), tok, RandomPrompts(args.prompts, args.prompt_len), [],
-                                       probe_vocab=min(len(tok), int(config_json.get("vocab_size") or len(tok))))
-                    jobs[li] = [Job.of(cluster, cfg, inputs, rewards), 0]
-                    warm = args.warmup if li == 0 or args.versus_warmup is None else args.versus_warmup
-                    for _ in range(warm):
-                        m = run_step(jobs[li], layout, gc_clock, args, cluster, last_warmup=_ == warm - 1)
-                        warmup_train_s[li] += float(m["timing/train_s"])
-                    if comp:
-                        compile_figures.setdefault(variant(layout), {})["after_warmup"] = figures()
+        for li, layout in enumerate(layouts):  # every variant's warm-up first: its schedule, its prompts, the compile
+            use(cfg, cluster, layout)
+            inputs = RunInputs(Path(cfg.run.dir), tok, RandomPrompts(args.prompts, args.prompt_len), [],
+                               probe_vocab=min(len(tok), int(config_json.get("vocab_size") or len(tok))))
+            jobs[li] = [Job.of(cluster, cfg, inputs, rewards), 0]
+            warm = args.warmup if li == 0 or args.versus_warmup is None else args.versus_warmup
+            for i in range(warm):
+                m = run_step(jobs[li], layout, gc_clock, args, cluster, last_warmup=i == warm - 1)
+                warmup_train_s[li] += float(m["timing/train_s"])
+            if layout["trainer.compile"]:
+                compile_figures.setdefault(variant(layout), {})["after_warmup"] = figures()
+        for repeat in range(args.repeats):  # A B, B A, A B, ...: a drift of the host falls on both sides alike
+            for li in (range(len(layouts)) if repeat % 2 == 0 else reversed(range(len(layouts)))):
+                layout = layouts[li]
+                comp = use(cfg, cluster, layout)
                 before = figures() if comp else None
                 got = [run_step(jobs[li], layout, gc_clock, args, cluster) for _ in range(args.steps)]
                 records[li] += got
@@ -438,6 +439,15 @@ def measure(args: argparse.Namespace, report: Callable[[dict], None] | None = No
             ray.wait(ends, num_returns=len(ends), timeout=60)
         ray.shutdown()
     return out
+
+
+def use(cfg: Any, cluster: Any, layout: dict) -> bool:
+    """A variant's settings on the driver's config and every trainer; whether it compiles."""
+    import ray
+
+    set_config(cfg, layout)
+    ray.get([t.set_layout.remote(layout) for t in cluster.trainers])
+    return bool(layout["trainer.compile"])
 
 
 def run_step(job: list, layout: dict, gc_clock: DriverGC, args: argparse.Namespace, cluster: Any,
