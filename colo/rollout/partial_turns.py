@@ -179,7 +179,7 @@ def converse_until(engine: Any, requests: list[dict], need: int, budget: Budget,
         """The conversation's next request (its turn in progress, or a new one), or its end by the budget."""
         st = c.state
         room = min(budget.max_tokens - c.response_len, budget.max_model_len - len(c.ids))
-        cap = (budget.max_turn_tokens or budget.max_tokens) - int(st["turn_tokens"])
+        cap = max(1, (budget.max_turn_tokens or budget.max_tokens) - int(st["turn_tokens"]))  # >= 1: a lowered cap
         if room <= 0 or len(st["turn_spans"]) >= budget.max_turns:
             end(c, "length" if room <= 0 else "stop")
             return

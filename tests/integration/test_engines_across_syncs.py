@@ -116,6 +116,27 @@ class PairEngine(BenchEngine):
         self.streams = {}
         return out
 
+    def running_request_state(self) -> dict:
+        """What colo.rollout.partial.stopped_rows reads of a request vLLM is running (vLLM 0.32's OutputProcessor
+        state under the id add_request returned): found, the type of its routed_experts_chunks, the rows read."""
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        from colo.rollout.partial import stopped_rows
+
+        eng = self.llm.llm_engine
+        internal = eng.add_request("colo-state-probe", TokensPrompt(prompt_token_ids=[5, 6, 7]),
+                                   SamplingParams(max_tokens=8, temperature=0.0, logprobs=0))
+        eng.step()
+        state = eng.output_processor.request_states.get(internal)
+        out = {"found": state is not None, "chunks": type(getattr(state, "routed_experts_chunks", None)).__name__,
+               "rows": stopped_rows(eng, internal)}
+        eng.abort_request(["colo-state-probe"])
+        while eng.has_unfinished_requests():
+            eng.step()
+        out["gone"] = internal not in eng.output_processor.request_states
+        return out
+
     def configure(self, section: str, **values) -> None:
         for key, value in values.items():
             setattr(getattr(self.cfg, section), key, value)
@@ -270,6 +291,15 @@ def test_stop_keep_and_resume_under_new_weights_without_old_kv(engines) -> None:
     assert np.allclose(got["logprobs"][:3], want["logprobs"][:3], atol=0.02)
     assert abs(old[0] - want["logprobs"][0]) > 0.1 or whole["response_ids"][k] != want["tokens"][0], \
         "the new weights must change the continuation, else the test could not tell old KV from new"
+
+
+def test_a_running_requests_routing_rows_are_where_stopped_rows_reads_them(engines) -> None:
+    """async R3 on GPU reads a stopped request's routing rows from vLLM's output processor before aborting it
+    (colo.rollout.partial.stopped_rows): the state is there under the id add_request returned, with its
+    routed_experts_chunks list, and the abort drops it (so it must be read first). CPU engines capture no rows
+    (None); tests/gpu/test_routing_gpu.py reads real ones."""
+    got = ray.get(engines["fresh"].running_request_state.remote())
+    assert got == {"found": True, "chunks": "list", "rows": None, "gone": True}
 
 
 @pytest.fixture
