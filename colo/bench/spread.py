@@ -10,7 +10,7 @@ bench runs the two variants in blocks on one cluster (--repeats), A B, B A, A B,
 ratio is taken per repeat: A's block against the B block next to it, each block's throughput its tokens over its
 seconds (a step that trains more tokens counts for more, as in a long run). Slow drifts of the machine (a compile
 still finishing, another process on the host) then hit both sides of a pair, and the alternating order cancels a
-steady one (on CPU the first block measured after the warm-ups ran 15-20% slower per trained token than the rest,
+steady one (on CPU the first block measured after the warm-ups ran 11-18% slower per trained token than the rest,
 whichever variant it was). The ratio is reported as the median over the pairs with its
 min, max and quartiles, and `separated` says whether the whole spread lies on one side of 1: a claim "A is faster
 than B" stands when the slowest pair still says so. colo.bench.combine pools the pairs of several calls (several
