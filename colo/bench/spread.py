@@ -107,5 +107,6 @@ def describe(stats: dict) -> str:
         return f"{a} over {b}: no complete pair of blocks"
     verdict = {True: "every pair on one side of 1", False: "the pairs straddle 1", None: ""}[stats["separated"]]
     return (f"{a} over {b}: median {r['median']:.3f}x over {r['n']} pairs (min {r['min']:.3f}, q1 {r['q1']:.3f}, "
-            f"q3 {r['q3']:.3f}, max {r['max']:.3f}; {verdict}); train phase per token "
-            + (f"{stats['train_speedup']['median']:.3f}x" if stats["train_speedup"]["n"] else "n/a"))
+            f"q3 {r['q3']:.3f}, max {r['max']:.3f}; {verdict}); train seconds per token, {b}'s over {a}'s: "
+            + (f"{stats['train_speedup']['median']:.3f}x (above 1: {a} trains a token faster)"
+               if stats["train_speedup"]["n"] else "n/a"))
