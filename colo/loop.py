@@ -120,8 +120,9 @@ def score(rewards: RewardRunner, prompts: list[dict], samples: list[dict], token
     answers = [prompts[s["prompt_index"]]["answer"] for s in samples]
     questions = [prompts[s["prompt_index"]]["prompt_text"] for s in samples]
     finish = [s["finish_reason"] for s in samples]  # lets `format` see truncated responses
+    ids = [s.get("final_ids", s["response_ids"]) for s in samples]  # for a reward that declares response_ids
     env = torch.tensor([float(s.get("env_reward", 0.0)) for s in samples])  # (N*G,)
-    return torch.tensor(rewards(texts, answers, questions, finish), dtype=torch.float32) + env  # (N*G,)
+    return torch.tensor(rewards(texts, answers, questions, finish, ids), dtype=torch.float32) + env  # (N*G,)
 
 
 def conversation_metrics(samples: list[dict], stats: dict, run_dir: Path, step: int) -> dict:

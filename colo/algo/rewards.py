@@ -4,8 +4,10 @@ Every reward function has one batched signature
 
     fn(responses: list[str], answers: list[str], prompts: list[str]) -> list[float]
 
-(same length as responses). A function may also declare a `finish_reasons: list[str]` keyword;
-it then receives vLLM's finish reasons ("stop" / "length"), which the text alone cannot show.
+(same length as responses). A function may also declare keywords the text alone cannot show, and then receives
+them: `finish_reasons: list[str]`, vLLM's finish reasons ("stop" / "length"); `response_ids: list[list[int]]`, the
+token ids vLLM sampled (a conversation's: its last model turn, as the text), e.g. a reward by a property of the
+tokens (colo.bench.stepreward).
 
 Built-ins (names usable in `algo.rewards`):
     exact_match  1.0 when the extracted answer equals the reference (whitespace-normalized)
@@ -166,23 +168,24 @@ class RewardRunner:
         self.weights = [1.0] * len(names) if weights is None else [float(w) for w in weights]
         self.fns = [resolve(n) for n in self.names]
         self.timeout_s = timeout_s  # per call of a user function; None: no limit
-        self._takes_finish = [_accepts(fn, "finish_reasons") for fn in self.fns]
+        self._takes = [[kw for kw in KEYWORDS if _accepts(fn, kw)] for fn in self.fns]
         self._pool = ThreadPoolExecutor(max_workers, "colo-reward") if max_workers > 0 else None
 
     def __call__(self, responses: list[str], answers: list[str], prompts: list[str],
-                 finish_reasons: list[str] | None = None) -> list[float]:
+                 finish_reasons: list[str] | None = None, response_ids: list[list[int]] | None = None) -> list[float]:
         """(N,) weighted reward per sample."""
-        return self.score(responses, answers, prompts, finish_reasons).total
+        return self.score(responses, answers, prompts, finish_reasons, response_ids).total
 
     def score(self, responses: list[str], answers: list[str], prompts: list[str],
-              finish_reasons: list[str] | None = None) -> Scores:
+              finish_reasons: list[str] | None = None, response_ids: list[list[int]] | None = None) -> Scores:
         n = len(responses)
         if len(answers) != n or len(prompts) != n:
             raise ValueError(f"{n} responses, {len(answers)} answers, {len(prompts)} prompts")
+        given = {"finish_reasons": finish_reasons, "response_ids": response_ids}
         by_name: dict[str, list[float]] = {}
         total = [0.0] * n
-        for name, fn, w, fin in zip(self.names, self.fns, self.weights, self._takes_finish):
-            kw = {"finish_reasons": finish_reasons} if fin and finish_reasons is not None else {}
+        for name, fn, w, takes in zip(self.names, self.fns, self.weights, self._takes):
+            kw = {k: given[k] for k in takes if given[k] is not None}
             limit = None if fn in BUILTINS.values() else self.timeout_s
             vals = _run_one(name, fn, responses, answers, prompts, kw, limit)
             by_name[name] = vals
@@ -190,22 +193,27 @@ class RewardRunner:
         return Scores(total, by_name)
 
     def submit(self, responses: list[str], answers: list[str], prompts: list[str],
-               finish_reasons: list[str] | None = None) -> Future:
+               finish_reasons: list[str] | None = None, response_ids: list[list[int]] | None = None) -> Future:
         """Score off the caller's thread; `.result()` gives Scores or raises RewardError."""
         if self._pool is None:
             fut: Future = Future()
             try:
-                fut.set_result(self.score(responses, answers, prompts, finish_reasons))
+                fut.set_result(self.score(responses, answers, prompts, finish_reasons, response_ids))
             except Exception as e:
                 fut.set_exception(e)
             return fut
         return self._pool.submit(self.score, list(responses), list(answers), list(prompts),
-                                 None if finish_reasons is None else list(finish_reasons))
+                                 None if finish_reasons is None else list(finish_reasons),
+                                 None if response_ids is None else list(response_ids))
 
     def close(self) -> None:
         if self._pool is not None:
             self._pool.shutdown(wait=True)
             self._pool = None
+
+
+KEYWORDS = ("finish_reasons", "response_ids")
+"""What a reward function receives besides the texts when it declares the keyword (module docstring)."""
 
 
 def _accepts(fn: RewardFn, kw: str) -> bool:

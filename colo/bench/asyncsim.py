@@ -16,6 +16,14 @@ to their longest sample.
 What it leaves out: vLLM's scheduler (chunked prefill mixed into decode steps, preemption), the growth of a step's
 attention cost with the context, and the rollout's spread between runs (15-21 s for the same samples on GPU).
 Use it to choose what a GPU call should measure (oversample, staleness, how many steps), not as a figure.
+
+    python -m colo.bench.asyncsim --shapes 32768 --max-tokens 2048 --oversample 3 --staleness 3 --steps 300
+
+--shapes BUDGET needs no decode curve: what each mode's steps hand the trainer (colo.algo.packing's micro-batches
+at that token budget): trained tokens per step, micro-batches per step, the attention work per token (sum of L^2
+over tokens). The train phase's cost follows these shapes and nothing else of a batch (a batch of stale tokens
+trains as fast as a fresh one of the same shapes, measured: issue 47), so they bound what the async step's batches
+can cost the train phase over sync's.
 """
 from __future__ import annotations
 
@@ -87,17 +95,38 @@ def simulate(mode: str, steps: int, k: int, n: int, max_tokens: int, prompt_len:
         step_s = rollout_s + trained * train_s_per_token + fixed_s
         if step >= warmup:
             rows.append({"step": step, "decode_steps": d, "rollout_s": rollout_s, "step_s": step_s,
-                         "trained_tokens": trained, "prefill_tokens": prefill, **buf.counts})
+                         "trained_tokens": trained, "prefill_tokens": prefill, **buf.counts,
+                         "lengths": [len(s["prompt_ids"]) + len(s["response_ids"]) for s in samples]})
     total_s = sum(r["step_s"] for r in rows)
-    return {"mode": mode, "steps": rows, "tokens_per_s": sum(r["trained_tokens"] for r in rows) / total_s,
+    return {"mode": mode, "steps": rows,
+            "tokens_per_s": sum(r["trained_tokens"] for r in rows) / total_s if total_s else float("nan"),
             "rollout_s_mean": sum(r["rollout_s"] for r in rows) / len(rows),
             "step_s_mean": total_s / len(rows),
             "dropped_tokens": sum(r["dropped_tokens"] for r in rows)}
 
 
+def train_shapes(rows: Sequence[dict], budget: int) -> dict:
+    """What the trainer gets over simulate()'s steps: trained tokens per step (mean, sd, min, max), micro-batches per
+    step at `budget` tokens (colo.algo.packing.pack_bins: mean and how many steps had each count), and the attention
+    work per trained token (sum of L^2 over the tokens)."""
+    from statistics import mean, pstdev
+
+    from colo.algo.packing import pack_bins
+
+    tokens = [sum(r["lengths"]) for r in rows]
+    bins = [len(pack_bins(r["lengths"], budget)) for r in rows]
+    return {"tokens_mean": mean(tokens), "tokens_sd": pstdev(tokens), "tokens_min": min(tokens),
+            "tokens_max": max(tokens), "micro_batches_mean": mean(bins),
+            "micro_batches": {str(k): bins.count(k) for k in sorted(set(bins))},
+            "attention_per_token": sum(x * x for r in rows for x in r["lengths"]) / sum(tokens)}
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="python -m colo.bench.asyncsim", description=__doc__.splitlines()[0])
-    ap.add_argument("--decode-json", required=True, help="a colo.bench.decode JSON line (its step_ms and prefill)")
+    ap.add_argument("--decode-json", help="a colo.bench.decode JSON line (its step_ms and prefill); not needed with "
+                    "--shapes")
+    ap.add_argument("--shapes", type=int, metavar="BUDGET", help="the trainer's shapes per mode instead, micro-batches "
+                    "at this token budget (trainer.max_tokens_per_micro_batch)")
     ap.add_argument("--prompts", type=int, default=16, help="data.prompts_per_step (k)")
     ap.add_argument("--n", type=int, default=8)
     ap.add_argument("--max-tokens", type=int, default=4096)
@@ -115,16 +144,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = ap.parse_args(argv)
     if args.oversample < 1 or args.staleness < 0 or min(args.steps, args.prompts, args.n, args.max_tokens) < 1:
         ap.error("--oversample >= 1, --staleness >= 0, and --steps, --prompts, --n, --max-tokens >= 1")
+    if args.decode_json is None and args.shapes is None:
+        ap.error("give --decode-json (the timing model), or --shapes BUDGET (the train shapes alone)")
     return args
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    model = LengthModel.of(args.lengths, args.length_rho)
+    if args.shapes is not None:
+        return show_shapes(args, model)
     with open(args.decode_json) as f:
         dec = json.loads([line for line in f if line.startswith("{")][-1])
     table = [(int(b), ms / 1e3) for b, ms in dec["step_ms"].items()]
     prefill = dec["prefill_us_per_token"] / 1e6
-    model = LengthModel.of(args.lengths, args.length_rho)
     common = dict(steps=args.steps, k=args.prompts, n=args.n, max_tokens=args.max_tokens, prompt_len=args.prompt_len,
                   model=model, table=table, prefill_s_per_token=prefill, train_s_per_token=args.train_s_per_token,
                   fixed_s=args.fixed_s, warmup=args.warmup)
@@ -140,6 +173,25 @@ def main(argv: list[str] | None = None) -> int:
     print(f"[bench.asyncsim] oversample {args.oversample}, staleness {args.staleness}: async / sync "
           f"{out['async_over_sync']:.2f}x (rollout {asy['rollout_s_mean']:.1f} s against {sync['rollout_s_mean']:.1f} s "
           f"per step; a model, not a measurement)", file=sys.stderr, flush=True)
+    print(json.dumps(out) if args.json else json.dumps(out, indent=1), flush=True)
+    return 0
+
+
+def show_shapes(args: argparse.Namespace, model: LengthModel) -> int:
+    """--shapes: each mode's train shapes (no timing: a flat decode curve)."""
+    common = dict(steps=args.steps, k=args.prompts, n=args.n, max_tokens=args.max_tokens, prompt_len=args.prompt_len,
+                  model=model, table=[(1, 0.0)], prefill_s_per_token=0.0, train_s_per_token=0.0, fixed_s=0.0,
+                  warmup=args.warmup)
+    out = {"bench": "asyncsim-shapes", "budget": args.shapes, "oversample": args.oversample,
+           "max_staleness": args.staleness, "lengths": model.describe(),
+           "sync": train_shapes(simulate("sync", **common)["steps"], args.shapes),
+           "async": train_shapes(simulate("async", oversample=args.oversample, max_staleness=args.staleness,
+                                          **common)["steps"], args.shapes)}
+    for mode in ("sync", "async"):
+        t = out[mode]
+        print(f"[bench.asyncsim] {mode}: {t['tokens_mean']:.0f} trained tokens per step (sd {t['tokens_sd']:.0f}), "
+              f"{t['micro_batches_mean']:.2f} micro-batches of at most {args.shapes} tokens {t['micro_batches']}, "
+              f"attention {t['attention_per_token']:.0f} per token", file=sys.stderr, flush=True)
     print(json.dumps(out) if args.json else json.dumps(out, indent=1), flush=True)
     return 0
 

@@ -193,6 +193,14 @@ class StepTrainer(Trainer):
     in the trainer (what the train phase spends outside it is the batch's building and its way here and back),
     and the step's token sums for the FLOPs."""
 
+    def set_layout(self, layout: dict) -> None:
+        """A colo.bench.step variant's trainer settings (its COMPARABLE keys), all at once."""
+        self.set_packing(layout["trainer.packing"])
+        self.set_old_logprobs(layout["trainer.old_logprobs"])
+        self.set_loss_in_lm_head(layout["trainer.loss_in_lm_head"])
+        self.set_gather_once(layout["trainer.gather_once"])
+        self.set_compile(layout["trainer.compile"])
+
     def set_packing(self, on: bool) -> None:
         self.cfg.trainer.packing = bool(on)
 
@@ -247,6 +255,14 @@ class StepTrainer(Trainer):
         out = super()._optim_step(lr)
         self._optim_s += self._sync() - t0
         return out
+
+    def _micro_plan(self, idx: torch.Tensor, batch: dict) -> list[tuple[torch.Tensor, bool]]:
+        """Trainer._micro_plan, its micro-batches' real token counts recorded (0: a dummy that keeps ranks in step):
+        the step's shapes, which a compiled trainer may recompile for (bench/micro_batches, bench/micro_tokens_max)."""
+        plan = super()._micro_plan(idx, batch)
+        mask = batch["attention_mask"]
+        self._plans.append([0 if dummy else int(mask[rows].sum()) for rows, dummy in plan])
+        return plan
 
     def _logprobs(self, model: torch.nn.Module, batch: dict) -> torch.Tensor:
         import time
@@ -321,9 +337,10 @@ class StepTrainer(Trainer):
 
         from colo.algo.batch import from_wire
 
-        entered = time.perf_counter()
+        entered, cpu = time.perf_counter(), time.process_time()
         batch = from_wire(batch)  # as Trainer.train_step takes it (timed: a part of the trainer's call)
         self._optim_s, self._lp_s, self._lp_mem = 0.0, 0.0, (None, None)  # no pass when trainer.old_logprobs skips it
+        self._plans: list[list[int]] = []  # every pass's micro-batches (_micro_plan)
         retries = self._alloc_retries()
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
@@ -353,6 +370,11 @@ class StepTrainer(Trainer):
                 "bench/onload_s": onload,  # this step's (the loop onloads right before train_step)
                 "bench/entry_wait_s": waited,
                 "bench/logprob_peak_gb": peak, "bench/logprob_pass_gb": own,
-                "bench/alloc_retries": self._alloc_retries() - retries, "bench/update_reserved_gb": reserved}
+                "bench/alloc_retries": self._alloc_retries() - retries, "bench/update_reserved_gb": reserved,
+                "bench/micro_batches": sum(len(p) for p in self._plans),  # over every pass: log-prob and updates
+                "bench/micro_tokens_max": max((t for p in self._plans for t in p), default=0)}
         out["bench/train_call_s"] = time.perf_counter() - entered  # this call, here; the rest is the driver's and Ray's
+        # the process's CPU time in it, every thread: the host's work for the same tokens (far below train_call on a
+        # GPU that sets the pace; on CPU, beside train_call, how much of the call it waited for a core)
+        out["bench/train_call_cpu_s"] = time.process_time() - cpu
         return out

@@ -12,7 +12,10 @@ at max_tokens, and ignore_eos (colo.bench.engines.LengthEngine; the draw is a fu
 so every run and both layouts see the same lengths at the same step). --lengths per-prompt keeps that marginal
 distribution but correlates the samples of one prompt (--length-rho, default 0.7: log L = log median + sigma x
 (sqrt(rho) z_prompt + sqrt(1 - rho) z_sample), z_prompt a function of the prompt's token ids; colo.bench.lengths);
-the JSON's "lengths" says which model a figure came from.
+the JSON's "lengths" says which model a figure came from. The reward is colo.bench.stepreward's even_share (the share
+of even token ids in a response) unless algo.rewards is given: random weights earn it unevenly, so GRPO's advantages,
+the loss and grad_norm are non-zero and every step moves the weights the sync then pushes (an answer-checking reward
+is 0 on every random sample: nothing trains).
 
 The JSON line (last stdout line with --json) holds, over the measured steps:
     tokens_per_s_per_gpu     trained tokens (prompt + response of every sample) / step time / GPUs (NeMo-RL's count)
@@ -28,7 +31,8 @@ The JSON line (last stdout line with --json) holds, over the measured steps:
                              log-prob pass), update (the updates' forward + backward), optim (optimizer steps),
                              batch (the driver building and sharding the batch; batch_cpu its thread's CPU
                              time: far below batch, the driver waited), train_call (rank 0's train_step
-                             call in the trainer), entry_wait (of it, the wait for GPU work queued before it);
+                             call in the trainer; train_call_cpu its process's CPU time, every thread),
+                             entry_wait (of it, the wait for GPU work queued before it);
                              driver_gc, the driver's garbage collections over the whole step (gc.callbacks)
     compute_mfu              train_mfu's FLOPs over logprob + update seconds only
     logprob_peak_gb          the trainer's allocated peak during its log-prob pass (GPU; null on CPU), and
@@ -42,7 +46,18 @@ so the buffer is in its steady state. Its token counts are those trained at each
 earlier step: tokens_per_s_per_gpu stays comparable over steps, generated_tokens_per_s is then trained response
 tokens per rollout second, not the engine's own rate.
 --compare KEY=A,B measures the step with setting KEY at A, then the same steps at B on the same cluster, and adds
-"compare" ({"key", "values"}), "versus" (B's figures) and "speedup" (A over B); KEY is one of COMPARABLE:
+"compare" ({"key", "values"}), "versus" (B's figures) and "speedup" (A over B, their totals over every measured step);
+--repeats R runs them in turn R times, after every variant's warm-up (--warmup steps of A, then --versus-warmup of
+B), each repeat's pair in alternating order (A B, B A, A B, ...: a drift of the host over the call, or the first
+measured steps' extra cost, falls on both sides alike; each variant keeps its own schedule, async's carried samples
+included, and its own step numbers), for a ratio with its spread: "blocks" (each variant's and repeat's totals, per-step throughputs and train seconds; with
+trainer.compile the dynamo figures' change over the block: a recompile in measured steps) and "stats"
+(colo.bench.spread.compare: A over B per repeat, its median, quartiles, min, max and whether every pair lies on one
+side of 1; the train phase's seconds per token, B over A; every measured step's tokens/s per variant). With --json a
+line is printed after every repeat ("repeats_done"), so a call cut short keeps what it measured;
+`python -m colo.bench.combine FILES` pools several calls' pairs. Both variants train the same weights in turn (the
+reward varies): a variant's steps after the other's block start from weights the other moved. KEY is one of
+COMPARABLE:
     trainer.packing=true,false          packed, then padded (the padded path runs trainer.micro_batch_size =
                                         max_tokens_per_micro_batch // max_model_len rows, at least 1, unless given: the
                                         activation memory of the packed path's budget); bare --compare means this
@@ -54,9 +69,11 @@ tokens per rollout second, not the engine's own rate.
     trainer.loss_in_lm_head=true,false  the loss's gradient formed in the lm_head's chunk loop, then autograd through
                                         the loss (the logits recomputed in backward)
     trainer.compile=true,false          each decoder layer compiled with inductor (colo.trainer.compile), then eager;
-                                        adds "compile_figures", the trainer's dynamo figures (frames, graphs, graph
-                                        breaks, compile seconds) after the compiled variant's warm-up and measured steps
-                                        (a recompile in the measured steps would show there). The compile runs in the
+                                        adds "compile_figures", per compiled variant the trainer's dynamo figures
+                                        (frames, graphs, graph breaks, compile seconds) after its warm-up and its last
+                                        measured block (a recompile in measured steps shows there and in the block's
+                                        "compile"; so for any compiled comparison, e.g. loop.mode). The compile runs
+                                        in the
                                         warm-up steps: give --warmup 1 or more (warmup_train_s holds each variant's
                                         warm-up train seconds). With trainer.lr=0 both variants score the same weights
                                         on the same samples: their train_metrics check inductor against eager.
@@ -88,6 +105,8 @@ from pathlib import Path
 from typing import Any
 
 from colo.bench.lengths import DEFAULT_RHO, LENGTH_MODELS
+from colo.bench.stepreward import BENCH_REWARD
+from colo.bench.spread import block, compare, describe
 
 PRESETS = ("tiny", "qwen3-30b-a3b-L2", "qwen3-30b-a3b-L4", "qwen3-30b-a3b-L12", "qwen3-30b-a3b")
 TOKEN_ID_LIMIT = 512  # the presets' tokenizer vocabulary: every id below it is a real token
@@ -119,8 +138,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--dummy-weights", action="store_true", help="with --model: random weights of its shape")
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     ap.add_argument("--gpus", type=int, default=1, help="GPUs (colocated: one trainer + engine on each)")
-    ap.add_argument("--steps", type=int, default=3, help="measured RL steps")
+    ap.add_argument("--steps", type=int, default=3, help="measured RL steps (per variant and repeat)")
     ap.add_argument("--warmup", type=int, default=1, help="RL steps run first and not measured")
+    ap.add_argument("--repeats", type=int, default=1, help="with --compare: run the variants in turn this many times, "
+                    "A B, B A, A B ... after both warm-ups (--steps measured steps each time), for the ratio per "
+                    "repeat and its spread (colo.bench.spread); with --json a JSON line after every repeat")
+    ap.add_argument("--versus-warmup", type=int, help="with --compare: warm-up steps of variant B (default --warmup; "
+                    "sync mode has no buffer to fill, and the compile ran in A's warm-up)")
     ap.add_argument("--prompts", type=int, help="prompts per step (cpu 4, cuda 16)")
     ap.add_argument("--n", type=int, help="samples per prompt (cpu 4, cuda 8)")
     ap.add_argument("--prompt-len", type=int, help="tokens per prompt (cpu 16, cuda 256)")
@@ -147,8 +171,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for k, v in DEFAULTS[args.device].items():
         if getattr(args, k) is None:
             setattr(args, k, v)
-    if min(args.gpus, args.steps, args.prompts, args.n, args.prompt_len, args.max_tokens) < 1 or args.warmup < 0:
-        ap.error("--gpus, --steps, --prompts, --n, --prompt-len and --max-tokens must be >= 1, --warmup >= 0")
+    if min(args.gpus, args.steps, args.prompts, args.n, args.prompt_len, args.max_tokens, args.repeats) < 1 or \
+            args.warmup < 0 or (args.versus_warmup or 0) < 0:
+        ap.error("--gpus, --steps, --repeats, --prompts, --n, --prompt-len and --max-tokens must be >= 1, --warmup and "
+                 "--versus-warmup >= 0")
+    if args.versus_warmup is not None and args.compare is None:
+        ap.error("--versus-warmup is the compared variant's warm-up: give --compare KEY=A,B")
     if args.length_rho is not None and args.lengths != "per-prompt":
         ap.error("--length-rho applies to --lengths per-prompt")
     if args.lengths == "per-prompt" and args.length_rho is None:
@@ -199,6 +227,8 @@ def make_config(args: argparse.Namespace, model_dir: str, dummy: bool) -> tuple[
     cfg.rollout.enforce_eager = cfg.rollout.enforce_eager or args.device == "cpu"
     cfg.data.prompts_per_step = args.prompts
     cfg.loop.sft_warmup_steps = 0
+    if not any(o.startswith("algo.rewards=") for o in args.overrides):
+        cfg.algo.rewards = [BENCH_REWARD]  # random weights earn it unevenly: every step trains (colo.bench.stepreward)
     cfg.run.dir = str(Path(args.workdir) / "step-run")
     validate(cfg, check_resources=False)
     # a comparison that varies a key resolves the others for its variant that needs more memory (the plan must fit
@@ -265,7 +295,7 @@ def summarize(steps: list[dict], cfg: Any, config_json: dict, gpus: int, device_
     own = [m["bench/logprob_pass_gb"] for m in steps if m["bench/logprob_pass_gb"] is not None]
     phases = {p: total(f"timing/{p}_s") / len(steps) for p in PHASES}
     phases |= {k: total(f"bench/{k}_s") / len(steps)
-               for k in ("onload", "logprob", "update", "optim", "train_call", "entry_wait")}
+               for k in ("onload", "logprob", "update", "optim", "train_call", "train_call_cpu", "entry_wait")}
     phases["batch"] = total("timing/batch_s") / len(steps)
     phases["batch_cpu"] = total("timing/batch_cpu_s") / len(steps)  # the driver thread's CPU time in it
     phases["driver_gc"] = total("bench/driver_gc_s") / len(steps)
@@ -328,7 +358,6 @@ def measure(args: argparse.Namespace, report: Callable[[dict], None] | None = No
     """The benchmark's result; `report` gets it as soon as every variant has run, before the actors are stopped
     (their shutdown can take a minute on a GPU host: a device call's time limit then still finds the result)."""
     import ray
-    import torch
 
     from colo.algo.rewards import RewardRunner
     from colo.bench.engines import LengthEngine, StepTrainer
@@ -337,7 +366,7 @@ def measure(args: argparse.Namespace, report: Callable[[dict], None] | None = No
     from colo.config import model_config_json, validate
     from colo.data.inputs import RunInputs
     from colo.cluster.sides import side_for
-    from colo.loop import Job, check_sync, rl_step, sync_all
+    from colo.loop import Job, check_sync, sync_all
     from colo.plan.job import check_fits
     from colo.models.tiny import WITH_WEIGHTS, make_tiny_model
 
@@ -368,6 +397,7 @@ def measure(args: argparse.Namespace, report: Callable[[dict], None] | None = No
     cluster = None
     gc_clock = DriverGC()
     gc.callbacks.append(gc_clock)
+    out: dict = {}
     try:
         from colo.data.prompts import load_tokenizer
 
@@ -379,56 +409,44 @@ def measure(args: argparse.Namespace, report: Callable[[dict], None] | None = No
         check_sync(cluster)
         sync_all(cluster)  # unchecked here: the bench times steps; its --check mode compares with vLLM itself
         side_for(cluster, cfg).offload()
-        for layout in layouts:
-            set_config(cfg, layout)
-            packing, comp = layout["trainer.packing"], layout["trainer.compile"]
-            ray.get([t.set_old_logprobs.remote(layout["trainer.old_logprobs"]) for t in cluster.trainers])
-            ray.get([t.set_loss_in_lm_head.remote(layout["trainer.loss_in_lm_head"]) for t in cluster.trainers])
-            ray.get([t.set_packing.remote(packing) for t in cluster.trainers])
-            ray.get([t.set_gather_once.remote(layout["trainer.gather_once"]) for t in cluster.trainers])
-            ray.get([t.set_compile.remote(comp) for t in cluster.trainers])
-            warmup_train_s = 0.0
+        jobs: dict[int, list] = {}  # variant index -> [its Job (a schedule of its own), its next step number]
+        records: list[list[dict]] = [[] for _ in layouts]
+        blocks: list[dict] = []
+        warmup_train_s = [0.0] * len(layouts)
+        figures = lambda: ray.get(cluster.trainers[0].compile_figures.remote())  # noqa: E731
+        for li, layout in enumerate(layouts):  # every variant's warm-up first: its schedule, its prompts, the compile
+            use(cfg, cluster, layout)
             inputs = RunInputs(Path(cfg.run.dir), tok, RandomPrompts(args.prompts, args.prompt_len), [],
-                               probe_vocab=min(len(tok), int(config_json.get("vocab_size") or len(tok))))  # sync.probe
-            job, records = Job.of(cluster, cfg, inputs, rewards), []  # a fresh schedule per variant
-            for step in range(args.warmup + args.steps):  # same step numbers, same lengths, in both layouts
-                if args.profile and step == args.warmup - 1:  # a warm-up step (not measured): timings stay unprofiled
-                    ray.get(cluster.trainers[0].profile_next_step.remote())
-                gc_clock.seconds = 0.0
-                m = rl_step(step, job)
-                m["bench/driver_gc_s"] = gc_clock.seconds  # this step's garbage collections in the driver
-                if step >= args.warmup:
-                    records.append(m)
-                else:
-                    warmup_train_s += float(m["timing/train_s"])
-                if comp and step == args.warmup - 1:
-                    compile_figures["after_warmup"] = ray.get(cluster.trainers[0].compile_figures.remote())
-                # progress on stderr, also with --json: a run stopped at its time limit still shows its steps
-                print(f"[bench.step] {variant(layout)} step {step}: "
-                      f"{m['timing/step_s']:.2f}s, rollout {m['timing/rollout_s']:.2f}s, "
-                      f"train {m['timing/train_s']:.2f}s (logprob "
-                      f"{m['bench/logprob_s']:.2f}, update {m['bench/update_s']:.2f}, optim {m['bench/optim_s']:.2f}, "
-                      f"onload {m['bench/onload_s']:.2f}, batch {m['timing/batch_s']:.2f} (cpu {m['timing/batch_cpu_s']:.2f}); driver GC in the step "
-                      f"{m['bench/driver_gc_s']:.2f}; the trainer's call "
-                      f"{m['bench/train_call_s']:.2f}, of it waiting for the GPU at entry "
-                      f"{m['bench/entry_wait_s']:.2f}), "
-                      f"trained tokens {m['bench/tokens']}, padding {m['train/padding_fraction']:.3f}, allocator "
-                      f"retries {m['bench/alloc_retries']}"
-                      + (f", functional check {m['sync/probe_err']:.4f} (verified {m['sync/verified']})"
-                         if m.get("sync/probe") else ""), file=sys.stderr, flush=True)
-                if args.profile and step == args.warmup - 1:
-                    print(f"[bench.step] profile of step {step}'s train phase, {variant(layout)}:\n"
-                          + ray.get(cluster.trainers[0].profile_table.remote()), file=sys.stderr, flush=True)
-            if comp:
-                compile_figures["after_measured"] = ray.get(cluster.trainers[0].compile_figures.remote())
-            results.append(summarize(records, cfg, config_json, args.gpus, device_name))
-            results[-1]["warmup_train_s"] = warmup_train_s
-        out = _output(args, cfg, layouts, results, compile_figures, name, device_name, lengths, mem_plan)
-        out["auto"] = tuned.resolved  # the trainer settings colo.plan.auto chose (the rest were overrides)
-        out.update(quantization=cfg.rollout.quantization, kv_cache_tokens=engine["scheduler"].get("kv_cache_tokens"),
-                   engine_start_s=engine["start_s"])
-        if report is not None:
-            report(out)
+                               probe_vocab=min(len(tok), int(config_json.get("vocab_size") or len(tok))))
+            jobs[li] = [Job.of(cluster, cfg, inputs, rewards), 0]
+            warm = args.warmup if li == 0 or args.versus_warmup is None else args.versus_warmup
+            for i in range(warm):
+                m = run_step(jobs[li], layout, gc_clock, args, cluster, last_warmup=i == warm - 1)
+                warmup_train_s[li] += float(m["timing/train_s"])
+            if layout["trainer.compile"]:
+                compile_figures.setdefault(variant(layout), {})["after_warmup"] = figures()
+        for repeat in range(args.repeats):  # A B, B A, A B, ...: a drift of the host falls on both sides alike
+            for li in (range(len(layouts)) if repeat % 2 == 0 else reversed(range(len(layouts)))):
+                layout = layouts[li]
+                comp = use(cfg, cluster, layout)
+                before = figures() if comp else None
+                got = [run_step(jobs[li], layout, gc_clock, args, cluster) for _ in range(args.steps)]
+                records[li] += got
+                blocks.append(block(got, layout[key] if key else None, repeat, args.gpus))
+                if comp:  # a recompile in measured steps shows here, against the variant's own block
+                    after = figures()
+                    blocks[-1]["compile"] = {k: after[k] - before[k] for k in after}
+                    compile_figures[variant(layout)]["after_measured"] = after
+            results = [summarize(r, cfg, config_json, args.gpus, device_name) | {"warmup_train_s": w}
+                       for r, w in zip(records, warmup_train_s)]
+            out = _output(args, cfg, layouts, results, compile_figures, name, device_name, lengths, mem_plan)
+            out |= {"auto": tuned.resolved, "blocks": blocks, "repeats_done": repeat + 1}  # auto: colo.plan.auto's
+            out.update(quantization=cfg.rollout.quantization, kv_cache_tokens=engine["scheduler"].get("kv_cache_tokens"),
+                       engine_start_s=engine["start_s"])
+            if key:
+                out["stats"] = compare(blocks, *values)
+            if report is not None and (repeat + 1 == args.repeats or args.json):
+                report(out)  # after every repeat with --json: a run stopped at its time limit keeps what it measured
     finally:
         gc.callbacks.remove(gc_clock)
         rewards.close()
@@ -437,6 +455,51 @@ def measure(args: argparse.Namespace, report: Callable[[dict], None] | None = No
             ray.wait(ends, num_returns=len(ends), timeout=60)
         ray.shutdown()
     return out
+
+
+def use(cfg: Any, cluster: Any, layout: dict) -> bool:
+    """A variant's settings on the driver's config and every trainer; whether it compiles."""
+    import ray
+
+    set_config(cfg, layout)
+    ray.get([t.set_layout.remote(layout) for t in cluster.trainers])
+    return bool(layout["trainer.compile"])
+
+
+def run_step(job: list, layout: dict, gc_clock: DriverGC, args: argparse.Namespace, cluster: Any,
+             last_warmup: bool = False) -> dict:
+    """One rl_step of a variant (job: [its Job, its next step number], advanced), its progress line on stderr (also
+    with --json: a run stopped at its time limit still shows its steps); `last_warmup` with --profile: this step's
+    train phase under torch.profiler, its table on stderr."""
+    import ray
+
+    from colo.loop import rl_step
+
+    step = job[1]
+    job[1] += 1
+    profile = args.profile and last_warmup
+    if profile:
+        ray.get(cluster.trainers[0].profile_next_step.remote())
+    gc_clock.seconds = 0.0
+    m = rl_step(step, job[0])
+    m["bench/driver_gc_s"] = gc_clock.seconds  # this step's garbage collections in the driver
+    print(f"[bench.step] {variant(layout)} step {step}: "
+          f"{m['timing/step_s']:.2f}s, rollout {m['timing/rollout_s']:.2f}s, "
+          f"train {m['timing/train_s']:.2f}s (logprob "
+          f"{m['bench/logprob_s']:.2f}, update {m['bench/update_s']:.2f}, optim {m['bench/optim_s']:.2f}, "
+          f"onload {m['bench/onload_s']:.2f}, batch {m['timing/batch_s']:.2f} (cpu {m['timing/batch_cpu_s']:.2f}); "
+          f"driver GC in the step {m['bench/driver_gc_s']:.2f}; the trainer's call {m['bench/train_call_s']:.2f} (CPU "
+          f"{m['bench/train_call_cpu_s']:.2f}), of "
+          f"it waiting for the GPU at entry {m['bench/entry_wait_s']:.2f}), trained tokens {m['bench/tokens']} in "
+          f"{m['bench/micro_batches']} micro-batches (largest {m['bench/micro_tokens_max']}), padding "
+          f"{m['train/padding_fraction']:.3f}, old log-prob pass {m['train/old_logprob_pass']:.0f}, grad_norm "
+          f"{m['grad_norm']:.3g}, allocator retries {m['bench/alloc_retries']}"
+          + (f", functional check {m['sync/probe_err']:.4f} (verified {m['sync/verified']})"
+             if m.get("sync/probe") else ""), file=sys.stderr, flush=True)
+    if profile:
+        print(f"[bench.step] profile of step {step}'s train phase, {variant(layout)}:\n"
+              + ray.get(cluster.trainers[0].profile_table.remote()), file=sys.stderr, flush=True)
+    return m
 
 
 def set_config(cfg: Any, layout: dict) -> None:
@@ -540,6 +603,9 @@ def show(args: argparse.Namespace, out: dict) -> None:
                      f"KV cache {out['kv_cache_tokens']} against {out['versus']['kv_cache_tokens']} tokens, engine start "
                      f"{out['engine_start_s']:.0f} s against {out['versus']['engine_start_s']:.0f} s"
                      if "sync" in sp else ""))
+            if "stats" in out:  # a comparison on one cluster: the blocks' ratio and spread (compare_engines: none)
+                print(describe(out["stats"]) + f" ({out['repeats_done']} repeats of {args.steps} measured steps each)")
+
 
 if __name__ == "__main__":
     sys.exit(main())

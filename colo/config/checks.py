@@ -55,9 +55,10 @@ def validate(cfg: ColoConfig, *, check_resources: bool = True, check_gpus: bool 
     check_quantization(cfg, device, model)  # FP8 rollout (colo.config.quantization)
     _check_routing_replay(cfg, model)
     _check_lora(cfg, architecture(model) or "")
-    if cfg.loop.mode == "async" and device == "cuda" and cfg.algo.routing_replay == "r3":
-        raise ConfigError("algo.routing_replay=r3 with loop.mode=async runs on CPU engines only (the GPU engines' "
-                          "routing of a stopped request is not read yet); fix: algo.routing_replay=off or loop.mode=sync")
+    if cfg.loop.mode == "async" and device == "cuda" and cfg.algo.routing_replay == "r3" and cfg.algo.environment:
+        raise ConfigError("algo.routing_replay=r3 with loop.mode=async and algo.environment runs on CPU engines only "
+                          "(a carried conversation's routing is not read from the GPU engines' capture); fix: "
+                          "algo.routing_replay=off, loop.mode=sync, or drop algo.environment")
     check_weights(cfg)
     for key in ("data.path", "data.eval_path"):
         _check_data(cfg, key)
@@ -159,10 +160,11 @@ def _check_async(cfg: ColoConfig) -> None:
         raise ConfigError("loop.mode=async with placement.mode=disaggregated trains every batch one weight version "
                           f"behind (it was generated during the step before), but loop.max_staleness="
                           f"{cfg.loop.max_staleness}; fix: loop.max_staleness=1, or loop.mode=sync")
-    if cfg.algo.environment:
-        raise ConfigError(f"loop.mode=async runs single-turn rollouts only (multi-turn conversations are not carried "
-                          f"across steps yet), but algo.environment={cfg.algo.environment}; fix: loop.mode=sync with "
-                          "algo.environment, or drop algo.environment")
+    if cfg.algo.environment and cfg.placement.mode == "disaggregated":
+        raise ConfigError(f"loop.mode=async with algo.environment={cfg.algo.environment} runs colocated (conversations "
+                          "carried across weight updates, colo.rollout.partial_turns); generating whole conversations "
+                          "ahead on disaggregated engines is not tested; fix: placement.mode=colocated, or "
+                          "loop.mode=sync")
     if cfg.algo.tis_cap == 0:
         raise ConfigError("loop.mode=async trains on tokens sampled by older weights, which needs the truncated "
                           "behaviour-to-trainer importance weight that algo.tis_cap=0 turns off; fix: algo.tis_cap=2.0")

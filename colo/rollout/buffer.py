@@ -15,6 +15,12 @@ groups are trained (the group is the GRPO baseline). Before anything resumes at 
 token of version < s - max_staleness is dropped: it could only get older. So no trained token is staler than
 max_staleness (`take` checks it).
 
+With algo.environment (`turns`) a sample is a conversation (colo.rollout.partial_turns): its prompt ids come from
+the environment's reset (None until its first segment), a model_mask marks the model's tokens, and the carried
+bookkeeping (turn spans, the turn in progress, the environment's counts) travels with every request and comes back
+updated. Versions are kept for every token, but only the model's count for staleness, dropping and metrics: the
+environment's tokens are never trained.
+
 Plain bookkeeping: no Ray, no vLLM; colo.rollout.schedule.CarriedRollout drives the engines.
 """
 from __future__ import annotations
@@ -36,8 +42,21 @@ class Group:
         return all(s["finish_reason"] is not None for s in self.samples)
 
     def oldest(self) -> int | None:
-        """The oldest version among its tokens (None: no token yet)."""
-        return min((min(s["versions"]) for s in self.samples if s["versions"]), default=None)
+        """The oldest version among its trained tokens, the model's (None: no such token yet)."""
+        return min((min(v) for v in map(model_versions, self.samples) if v), default=None)
+
+
+def model_versions(sample: dict) -> list[int]:
+    """The versions of the tokens the model sampled (a conversation's environment tokens left out)."""
+    mask = sample.get("model_mask")
+    return sample["versions"] if mask is None else [v for v, m in zip(sample["versions"], mask) if m]
+
+
+CONVERSATION = {"turn_spans": [], "turn_reasons": [], "turn_tokens": 0, "turns": 0, "env_reward": 0.0,
+                "tool_calls": 0, "tool_errors": 0, "env_error": None, "final_ids": []}
+"""A new conversation's carried bookkeeping (colo.rollout.partial_turns reads and updates it)."""
+TRAINED = ("env_reward", "turns", "tool_calls", "tool_errors", "env_error", "final_ids")
+"""A finished conversation's keys a train sample takes (colo.algo.batch, colo.loop.score)."""
 
 
 @dataclass
@@ -45,6 +64,7 @@ class RolloutBuffer:
     n: int
     max_tokens: int
     max_staleness: int
+    turns: bool = False  # algo.environment: every sample is a conversation
     groups: dict[int, Group] = field(default_factory=dict)  # insertion order: oldest first
     next_id: int = 0
     counts: dict[str, int] = field(default_factory=dict)  # this step's counters (metrics)
@@ -69,19 +89,34 @@ class RolloutBuffer:
         for i, p in enumerate(prompts):
             self.groups[self.next_id] = Group(dict(p), [
                 {"response_ids": [], "logprobs": [], "versions": [], "routing": [], "finish_reason": None,
-                 "seed": seed + i * self.n + j, "segments": 0} for j in range(self.n)])
+                 "seed": seed + i * self.n + j, "segments": 0, **(self._conversation() if self.turns else {})}
+                for j in range(self.n)])
             self.next_id += 1
+
+    @staticmethod
+    def _conversation() -> dict:
+        return {"prompt_ids": None, "model_mask": [], "conversation": copy.deepcopy(CONVERSATION)}
 
     def need(self, batch_groups: int) -> int:
         """Whole groups still to finish for a batch of `batch_groups`."""
         return max(0, batch_groups - sum(g.complete() for g in self.groups.values()))
 
     def requests(self) -> list[dict]:
-        """One engine request per unfinished sample (a "partial" colo.rollout.generation.Generation), oldest group first."""
-        return [{"group": gid, "sample": j, "prompt_ids": list(g.prompt["prompt_ids"]),
-                 "response_ids": list(s["response_ids"]), "max_tokens": self.max_tokens, "seed": s["seed"],
-                 "segment": s["segments"]}
-                for gid, g in self.groups.items() for j, s in enumerate(g.samples) if s["finish_reason"] is None]
+        """One engine request per unfinished sample (a "partial" colo.rollout.generation.Generation), oldest group
+        first; a conversation's also carries its row, its own prompt ids and its bookkeeping."""
+        out = []
+        for gid, g in self.groups.items():
+            for j, s in enumerate(g.samples):
+                if s["finish_reason"] is not None:
+                    continue
+                r = {"group": gid, "sample": j, "prompt_ids": list(g.prompt["prompt_ids"]),
+                     "response_ids": list(s["response_ids"]), "max_tokens": self.max_tokens, "seed": s["seed"],
+                     "segment": s["segments"]}
+                if self.turns:
+                    r |= {"row": g.prompt, "prompt_ids": s["prompt_ids"], "model_mask": list(s["model_mask"]),
+                          "conversation": copy.deepcopy(s["conversation"])}
+                out.append(r)
+        return out
 
     def absorb(self, requests: Sequence[dict], results: Sequence[dict], version: int) -> None:
         """Append each request's new segment (tokens, log-probs, routing rows), sampled by weights `version`."""
@@ -94,6 +129,13 @@ class RolloutBuffer:
             if len(out["tokens"]) != len(out["logprobs"]):
                 raise RuntimeError(f"group {r['group']} sample {r['sample']}: {len(out['tokens'])} tokens, "
                                    f"{len(out['logprobs'])} log-probs")
+            if self.turns:
+                if len(out["model_mask"]) != len(out["tokens"]):
+                    raise RuntimeError(f"group {r['group']} sample {r['sample']}: {len(out['tokens'])} tokens, "
+                                       f"{len(out['model_mask'])} model_mask entries")
+                s["model_mask"] += [int(m) for m in out["model_mask"]]
+                s["prompt_ids"] = out["prompt_ids"]
+                s["conversation"] = out["conversation"]
             self.counts["resumed"] += bool(s["response_ids"])
             s["response_ids"] += list(out["tokens"])
             s["logprobs"] += [float(x) for x in out["logprobs"]]
@@ -127,6 +169,10 @@ class RolloutBuffer:
                 out = {"prompt_index": i, "prompt_ids": list(g.prompt["prompt_ids"]),
                        "response_ids": s["response_ids"], "logprobs": s["logprobs"], "versions": s["versions"],
                        "finish_reason": s["finish_reason"]}
+                if self.turns:
+                    conv = s["conversation"]
+                    out |= {"prompt_ids": list(s["prompt_ids"]), "model_mask": s["model_mask"],
+                            **{k: conv[k] for k in TRAINED}}
                 if s["routing"] and not s.get("unrouted"):  # every segment that sampled was routed (CPU capture)
                     out["routing"] = np.concatenate(s["routing"], axis=0)
                 samples.append(out)
@@ -148,7 +194,7 @@ class RolloutBuffer:
 
     def metrics(self, samples: Sequence[dict], version: int) -> dict:
         """The step's async/* metrics: token staleness of the batch, and the buffer's counters."""
-        lag = np.array([version - v for s in samples for v in s["versions"]], dtype=np.float64)
+        lag = np.array([version - v for s in samples for v in model_versions(s)], dtype=np.float64)
         out = {f"async/{k}": v for k, v in self.counts.items()}
         out.update({"async/staleness_mean": float(lag.mean()) if lag.size else 0.0,
                     "async/staleness_max": int(lag.max()) if lag.size else 0,

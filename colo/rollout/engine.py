@@ -337,19 +337,53 @@ class Engine:
 
     def _partial(self, g: Generation) -> tuple[list[dict], dict, list]:
         """loop.mode=async: one segment of each sample request, stopping once `need_groups` whole groups finished;
-        a resumed sample prefills prompt + its tokens again (colo.rollout.partial). GPU ("vllm" capture): a stopped
-        request's routed_experts are not read yet, so async samples carry no routing there (no routing/mismatch
-        metric; algo.routing_replay=r3 with async on GPU is refused at load)."""
+        a resumed sample prefills prompt + its tokens again (colo.rollout.partial). Routing of this segment's rows:
+        GPU, vLLM's capture from the segment's first row on (routed_experts_prompt_start; a stopped request's rows
+        read before its abort: colo.rollout.partial.stopped_rows); CPU, the capture pass (generate)."""
         from colo.rollout.partial import resume_prompt, run_until
 
+        if self.cfg.algo.environment:  # conversations carried across weight updates
+            return self._partial_turns(g)
         reqs = g.items
+        starts = [0 if not r["response_ids"] else len(r["prompt_ids"]) + len(r["response_ids"]) - 1 for r in reqs]
         params = [self._segment_params(r, g.temperature, g.top_p) for r in reqs]
+        vllm_rows = g.routing and self.routing == "vllm"
+        for p, start in zip(params, starts) if vllm_rows else ():
+            p.routed_experts_prompt_start = start  # rows of the tokens these weights forward, no more
         out = run_until(self.llm.llm_engine, [resume_prompt(r) for r in reqs], params, [r["group"] for r in reqs],
-                        g.need_groups)
-        seqs = [(i, (resume_prompt(r) + o["tokens"])[:-1],
-                 0 if not r["response_ids"] else len(r["prompt_ids"]) + len(r["response_ids"]) - 1)
-                for i, (r, o) in enumerate(zip(reqs, out)) if o["tokens"]]  # rows of this segment, from these weights
+                        g.need_groups, routing=vllm_rows)
+        for r, o, start in zip(reqs, out, starts) if vllm_rows else ():
+            raw = o.pop("routed_raw", None)
+            rows = len(resume_prompt(r)) + len(o["tokens"]) - 1 - start  # the segment's forwarded tokens
+            if not o["tokens"]:
+                continue
+            if raw is None or len(raw) < rows:  # replay needs them; the routing/mismatch metric alone does not
+                if self.cfg.algo.routing_replay == "r3":
+                    from_vllm_output(raw, self._moe_layers(), rows, self._ids_dtype)  # raises, naming what is missing
+                print(f"colo: engine {self.rank}: a partial segment came back with {0 if raw is None else len(raw)} "
+                      f"routing rows of {rows}; its sample carries no routing", flush=True)
+                continue
+            o["routing"] = from_vllm_output(raw, self._moe_layers(), rows, self._ids_dtype)
+        seqs = [(i, (resume_prompt(r) + o["tokens"])[:-1], start)
+                for i, (r, o, start) in enumerate(zip(reqs, out, starts)) if o["tokens"]]  # for the CPU capture
         return out, {}, seqs
+
+    def _partial_turns(self, g: Generation) -> tuple[list[dict], dict, list]:
+        """loop.mode=async with algo.environment: every conversation's turns until `need_groups` groups ended, the
+        rest carried with their exact history (colo.rollout.partial_turns)."""
+        from colo.rollout.multiturn import Budget
+        from colo.rollout.partial_turns import converse_until
+
+        env_cls, framing = self._environment()
+        ro, algo = self.cfg.rollout, self.cfg.algo
+        budget = Budget(ro.max_tokens, ro.max_turns, ro.max_model_len, ro.max_turn_tokens)
+        outs, env_s, seqs = converse_until(self.llm.llm_engine, g.items, g.need_groups, budget, g.temperature,
+                                           g.top_p, env_cls, framing, algo.env_timeout_s,
+                                           fail=algo.env_errors == "fail")
+        for r, o in zip(g.items, outs):
+            if o["conversation"]["env_error"] and not r["conversation"]["env_error"]:
+                print(f"colo: environment error: {o['conversation']['env_error']}", flush=True)  # this engine's log
+        return outs, {"env_s": env_s}, seqs
 
     def _route_vllm(self, samples: list[dict]) -> None:
         """vLLM's own capture (GPU) -> "routing" over the whole sample; a conversation's last turn saw all of it

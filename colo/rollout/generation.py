@@ -10,7 +10,8 @@ One request shape serves the three kinds of rollout, so the engine has one gener
 - "single": n samples per prompt (`items`: token ids per prompt);
 - "turns": n conversations per row with algo.environment (`items`: the driver's rows; colo.rollout.multiturn);
 - "partial": one segment of each sample request until `need_groups` groups finished (`items`: the sample
-  requests of colo.rollout.buffer; colo.rollout.partial), loop.mode=async on colocated engines.
+  requests of colo.rollout.buffer; colo.rollout.partial, or with algo.environment conversations,
+  colo.rollout.partial_turns), loop.mode=async on colocated engines.
 
 Prompts go round robin over the engines (counts differ by at most one), engine r samples with seed + r, and the
 samples come back sorted by their global prompt index, each prompt's n samples together.

@@ -14,6 +14,14 @@ new weights (tests/integration/test_engines_across_syncs.py fails if it does not
 
 Resuming is the caller's: a new request whose prompt is the old prompt plus the tokens so far
 (`resume_prompt`). The data travel as plain lists; vLLM's objects never leave the engine actor.
+
+With `routing` (GPU engines, vLLM's own capture: LLM(enable_return_routed_experts=True)) each output also carries
+"routed_raw", the rows vLLM recorded for the request (from its SamplingParams.routed_experts_prompt_start on, one per
+token forwarded). vLLM 0.32 hands them out only with a request's final output (OutputProcessor's RequestState gathers
+each step's rows in `routed_experts_chunks` and concatenates them when the request finishes), and abort_request
+drops that state without a final output in the synchronous LLMEngine (its queue is AsyncLLM's). So the rows of a
+stopped request are read from that state just before the abort (stopped_rows): by then every step's output, the
+tokens streamed and the rows alike, went through the output processor, so the rows cover exactly the tokens kept.
 """
 from __future__ import annotations
 
@@ -30,26 +38,37 @@ def resume_prompt(request: dict) -> list[int]:
     return [int(t) for t in request["prompt_ids"]] + [int(t) for t in request["response_ids"]]
 
 
+def stopped_rows(engine: Any, internal_id: str) -> Any:
+    """The routing rows vLLM 0.32 recorded so far for a running request (None: none yet): its OutputProcessor
+    RequestState's `routed_experts_chunks`, what it would concatenate into the final output (module docstring)."""
+    import numpy as np
+
+    state = engine.output_processor.request_states.get(internal_id)
+    chunks = getattr(state, "routed_experts_chunks", None) if state is not None else None
+    return np.concatenate(chunks, axis=0) if chunks else None
+
+
 def run_until(engine: Any, prompts: Sequence[Sequence[int]], params: Sequence[Any], groups: Sequence[Hashable],
-              need: int) -> list[dict]:
+              need: int, routing: bool = False) -> list[dict]:
     """Generate until `need` groups (all requests sharing a `groups` key) have finished, then abort the others.
 
     `engine`: a vllm LLMEngine with no request of its own in flight; `params[i]`: request i's SamplingParams
     (n=1; its output_kind is set to DELTA here). need <= 0 generates nothing (every request comes back
     unfinished, with no tokens); need >= the number of groups runs every request to its end.
-    Returns one dict per request, in order."""
+    Returns one dict per request, in order; with `routing`, each with "routed_raw" (rows or None)."""
     from vllm.inputs import TokensPrompt
     from vllm.sampling_params import RequestOutputKind
 
     out = [{"tokens": [], "logprobs": [], "finish_reason": None} for _ in prompts]
     left = Counter(groups)  # unfinished requests per group
     by_id: dict[str, int] = {}
+    internal: dict[str, str] = {}  # our request id -> vLLM's own (its output processor's key)
     for i, (ids, p) in enumerate(zip(prompts, params) if need > 0 else ()):
         if p.n != 1:
             raise ValueError(f"run_until: request {i} has n={p.n}; every sample is a request of its own (n=1)")
         p.output_kind = RequestOutputKind.DELTA
         rid = f"colo-partial-{next(_IDS)}"
-        engine.add_request(rid, TokensPrompt(prompt_token_ids=[int(t) for t in ids]), p)
+        internal[rid] = engine.add_request(rid, TokensPrompt(prompt_token_ids=[int(t) for t in ids]), p)
         by_id[rid] = i
     finished_groups = 0
     # Under a vLLM data-parallel group (GPU) has_unfinished_requests() is a collective and an engine without
@@ -64,9 +83,14 @@ def run_until(engine: Any, prompts: Sequence[Sequence[int]], params: Sequence[An
             out[i]["logprobs"] += [float(lp[t].logprob) for t, lp in zip(c.token_ids, c.logprobs or [])]
             if o.finished:
                 out[i]["finish_reason"] = c.finish_reason
+                if routing:
+                    out[i]["routed_raw"] = c.routed_experts  # every row of the request, with its final output
                 left[groups[i]] -= 1
                 finished_groups += left[groups[i]] == 0
     running = [rid for rid, i in by_id.items() if out[i]["finish_reason"] is None]
+    if routing:
+        for rid in running:  # read before the abort drops them
+            out[by_id[rid]]["routed_raw"] = stopped_rows(engine, internal[rid])
     if running:
         engine.abort_request(running)
     while engine.has_unfinished_requests():  # aborts reach the core; DP peers may still be running

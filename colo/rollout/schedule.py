@@ -11,6 +11,8 @@
 - CarriedRollout (loop.mode=async, colocated): partial rollouts carried between steps (colo.rollout.buffer): drop
   stale groups, top up to rollout.oversample x prompts_per_step groups, run every unfinished sample until
   prompts_per_step whole groups exist (each engine's share below), train on those; the rest waits for the next step.
+  With algo.environment the samples are conversations, carried mid-turn with their exact history
+  (colo.rollout.partial_turns).
 - AheadRollout (loop.mode=async, disaggregated): the engines generate step s+1's batch while the trainers train
   on step s's (colo.rollout.ahead); `trained` waits for what is left of it, the timeline's `wait` phase.
 
@@ -95,7 +97,8 @@ class CarriedRollout(SyncRollout):
 
     def __init__(self, cfg: Any, engines: Engines, data: Any) -> None:
         super().__init__(cfg, engines, data)
-        self.buffer = RolloutBuffer(cfg.rollout.n, cfg.rollout.max_tokens, cfg.loop.max_staleness)
+        self.buffer = RolloutBuffer(cfg.rollout.n, cfg.rollout.max_tokens, cfg.loop.max_staleness,
+                                    turns=bool(cfg.algo.environment))  # conversations: colo.rollout.partial_turns
 
     def batch(self, step: int) -> Rollout:
         buf, k, cfg = self.buffer, self.cfg.data.prompts_per_step, self.cfg
@@ -110,7 +113,9 @@ class CarriedRollout(SyncRollout):
         results = self.engines.collect(self.engines.submit(gens))
         buf.absorb([r for rs in per_engine for r in rs], [o for outs, _ in results for o in outs], version=step)
         prompts, samples = buf.take(k, step)
-        return Rollout(prompts, samples, buf.metrics(samples, step))
+        stats = [st for _, st in results if st]  # conversations: {"env_s"} per engine
+        env = {"env_s": max(st["env_s"] for st in stats)} if stats else {}
+        return Rollout(prompts, samples, buf.metrics(samples, step), env)
 
     def _carry(self) -> dict:
         return self.buffer.state_dict()

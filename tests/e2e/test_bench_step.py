@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 from conftest import run_cli
 
 KEYS = ("tokens_per_s_per_gpu", "generated_tokens_per_s", "train_mfu", "compute_mfu", "padding_fraction", "phases",
@@ -37,6 +38,8 @@ def test_bench_step_compare_on_cpu(tmp_path) -> None:
         assert 0 < phases["batch_cpu"] <= phases["batch"] + 0.01
         # the long tail: lengths drawn per sample, median a quarter of max_tokens; most stop before the limit
         assert 4 < layout["response_len_mean"] < 40 and layout["truncated_frac"] < 0.5
+        # the bench's reward varies (colo.bench.stepreward): every step trains
+        assert all(m["grad_norm"] > 0 for m in layout["train_metrics"]), layout["train_metrics"]
     padded = out["versus"]
     assert out["packing"] is True and out["tokens_per_step"] == padded["tokens_per_step"]  # same workload
     assert out["padding_fraction"] <= 0.05
@@ -49,15 +52,36 @@ def test_bench_step_compare_on_cpu(tmp_path) -> None:
 
 
 def test_bench_step_compare_async(tmp_path) -> None:
-    """`python -m colo.bench.step --compare loop.mode=async,sync`: the async step at imposed long-tail lengths with its figures,
-    then sync mode on the same cluster, with the ratio. With per-prompt lengths (the iid ones are the other test's),
-    so the per-prompt draw runs on resumed requests too (colo.bench.engines.LengthEngine.generate, "partial")."""
-    res = run_cli("--preset", "tiny", "--device", "cpu", "--steps", "2", "--warmup", "1", "--prompts", "2", "--n", "4",
-                  "--prompt-len", "8", "--max-tokens", "48", "--json", "--workdir", str(tmp_path), "--compare", "loop.mode=async,sync",
+    """`python -m colo.bench.step --compare loop.mode=async,sync --repeats 2`: the async step at imposed long-tail
+    lengths and sync mode on the same cluster, twice in turn (A B, B A), with the ratio per repeat and its spread; a
+    JSON line after each repeat, which colo.bench.combine reads. With per-prompt lengths (the iid ones are the other
+    test's), so the per-prompt draw runs on resumed requests too (colo.bench.engines.LengthEngine.generate,
+    "partial"). Every step trains (the reward varies: non-zero grad_norm), and with one update per step no
+    forward-only pass gives the old log-probs in either mode (trainer.old_logprobs=auto)."""
+    res = run_cli("--preset", "tiny", "--device", "cpu", "--steps", "1", "--warmup", "1", "--repeats", "2",
+                  "--versus-warmup", "0", "--prompts", "2", "--n", "4", "--prompt-len", "8", "--max-tokens", "48",
+                  "--json", "--workdir", str(tmp_path), "--compare", "loop.mode=async,sync",
                   "--lengths", "per-prompt", "rollout.oversample=2", timeout=900, module="colo.bench.step")
     assert res.returncode == 0, res.stderr[-3000:]
-    out = json.loads([x for x in res.stdout.splitlines() if x.startswith("{")][-1])
+    lines = [x for x in res.stdout.splitlines() if x.startswith("{")]
+    assert [json.loads(x)["repeats_done"] for x in lines] == [1, 2]  # one line per repeat: a cut-off call keeps some
+    out = json.loads(lines[-1])
     print(out)
+    assert [(b["variant"], b["repeat"], b["steps"]) for b in out["blocks"]] == [
+        ("async", 0, 1), ("sync", 0, 1), ("sync", 1, 1), ("async", 1, 1)]  # A B, B A: a drift hits both alike
+    st = out["stats"]
+    assert st["pairs"] == 2 and st["ratio"]["n"] == 2
+    assert st["ratio"]["min"] <= st["ratio"]["median"] <= st["ratio"]["max"]
+    assert st["ratio_of_totals"] == pytest.approx(out["speedup"]["tokens_per_s_per_gpu"])
+    for layout in (out, out["versus"]):
+        assert all(m["grad_norm"] > 0 for m in layout["train_metrics"]), layout["train_metrics"]
+        assert layout["phases"]["logprob"] == 0.0  # no forward-only pass for the old log-probs, async or not
+    assert "old log-prob pass 0" in res.stderr and "old log-prob pass 1" not in res.stderr
+    f = tmp_path / "async.json"
+    f.write_text(res.stdout)
+    combined = run_cli(str(f), module="colo.bench.combine", timeout=60)
+    assert combined.returncode == 0, combined.stderr
+    assert "loop.mode: async over sync: median" in combined.stdout and "per call (1)" in combined.stdout
     assert out["tokens_per_s_per_gpu"] > 0 and out["overrides"] == ["rollout.oversample=2"]
     assert out["lengths"]["model"] == "per-prompt" and out["lengths"]["rho"] > 0
     sync = out["versus"]
@@ -67,3 +91,17 @@ def test_bench_step_compare_async(tmp_path) -> None:
     assert a["staleness_max"] <= 1 and 0 <= a["offpolicy_frac"] <= 1 and a["completed"] > 0
     assert a["carried"] > 0, "a long tail with twice the prompts in flight must leave samples unfinished"
     assert a["resumed"] > 0, "no carried sample was resumed: the per-prompt draw on resumed requests did not run"
+
+
+def test_bench_stalebatch_trains_stale_and_fresh_batches_of_the_same_shapes(tmp_path) -> None:
+    """`python -m colo.bench.stalebatch`: one trainer, a batch with the policy's own behaviour log-probs and the same
+    batch with far-off ones (tokens from older weights: TIS weights away from 1), trained in turn at lr 0; the figure
+    docs/benchmarks.md quotes for issue 47 (the train phase does not care how old a batch's tokens are)."""
+    res = run_cli("--samples", "8", "--max-tokens", "64", "--rounds", "3", "--json", "--workdir", str(tmp_path),
+                  module="colo.bench.stalebatch", timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    out = json.loads(res.stdout.splitlines()[-1])
+    assert out["rounds"] == 2 and out["tokens"] > 8 * 64
+    assert out["gap"]["fresh"] < 0.05 and out["gap"]["stale"] > 0.3  # |policy - behaviour| log-prob per token
+    assert abs(out["tis_mean"]["fresh"] - 1.0) < 0.01
+    assert 0.2 < out["stale_over_fresh"] < 5.0 and out["train_step_s"]["stale"] > 0

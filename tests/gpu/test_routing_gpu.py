@@ -8,7 +8,10 @@ enable_return_routed_experts) share the GPU; the trainer's weights are synced in
 hold the same bytes. 16 prompts x 4 samples at T=1; the trainer recomputes their log-probs with
 algo.routing_replay off and r3 over the same batch. Checked: vLLM returns ids for every prompt and response
 token but the last (P+R-1 rows x 2 MoE layers x top-8, uint8); with r3 the log-prob gap is no larger
-than without. The `[gpu]` lines carry the figures for docs/routing.md.
+than without. The `[gpu]` lines carry the figures for docs/routing.md. And loop.mode=async's partial rollouts with
+R3: a request stopped mid-way keeps the rows vLLM recorded for its tokens (read from vLLM's output processor before
+the abort: colo.rollout.partial.stopped_rows), its resumed segment gets its own rows from its last kept token on, and
+the two together are the rows of the whole sample; the trainer replays them.
 """
 from __future__ import annotations
 
@@ -82,3 +85,47 @@ def test_routing_mismatch_and_gap_with_and_without_r3(pair) -> None:
     print(f"[gpu] routing: gap mean off/r3 = {ratio:.2f}x over {int(batch['loss_mask'].sum())} tokens")
     assert 0.0 <= res["off"]["routing/mismatch"] < 0.5
     assert res["r3"]["logprob_diff/mean"] <= res["off"]["logprob_diff/mean"] * 1.05
+
+
+def test_async_partial_rollouts_keep_vllms_routing_of_stopped_requests(pair) -> None:
+    """Group 0 (3 prompt tokens, 4 new) finishes first; group 1 (64 prompt tokens, up to 48 new) is stopped then.
+    Its rows cover the prompt and the tokens kept but the last (P + k - 1); resumed greedily on the same weights, the
+    next segment's rows start at the last kept token (48 - k more), and the two concatenated agree with the rows of
+    the same sample generated whole, but for decode-vs-prefill near-ties. The carried sample's batch replays with r3."""
+    from colo.algo.batch import build_batch
+    from colo.rollout.buffer import RolloutBuffer
+    from colo.rollout.generation import Generation
+
+    e = pair["engine"]
+    long = np.random.default_rng(1).integers(3, 500, 64).tolist()
+    greedy = dict(temperature=0.0, top_p=1.0, kind="partial", routing=True)
+    buf = RolloutBuffer(n=1, max_tokens=48, max_staleness=1)
+    buf.drop_stale(0)
+    buf.add([{"prompt_ids": [7, 8, 9]}, {"prompt_ids": long}], seed=5)
+    reqs = buf.requests()
+    reqs[0]["max_tokens"] = 4  # the short group's whole budget: it finishes first
+    out, _ = ray.get(e.generate.remote(Generation(reqs, need_groups=1, **greedy)))
+    short, stopped = out
+    assert short["finish_reason"] == "length" and short["routing"].shape == (3 + 4 - 1, 2, 8)
+    k = len(stopped["tokens"])
+    assert stopped["finish_reason"] is None and 1 <= k < 48, k
+    assert stopped["routing"].shape == (64 + k - 1, 2, 8) and stopped["routing"].max() < 128
+    buf.absorb(reqs, out, version=0)
+    buf.drop_stale(1)
+    resume = buf.requests()
+    out, _ = ray.get(e.generate.remote(Generation(resume, need_groups=1, **greedy)))
+    (rest,) = out
+    assert rest["finish_reason"] == "length" and len(rest["tokens"]) == 48 - k
+    assert rest["routing"].shape == (48 - k, 2, 8)  # rows 64 + k - 1 .. 64 + 48 - 2
+    buf.absorb(resume, out, version=1)
+    _, samples = buf.take(2, version=1)
+    carried = samples[1]
+    whole = ray.get(e.generate.remote(Generation([long], 1, 48, 0.0, 1.0, 0, True)))[0][0]
+    rows, want = carried["routing"], whole["routing"]
+    assert rows.shape == want.shape == (64 + 48 - 1, 2, 8)
+    same = (np.sort(rows, axis=-1) == np.sort(want, axis=-1)).all(axis=-1).mean()
+    print(f"[gpu] async R3: stopped after {k} of 48 tokens; rows equal to the whole sample's: {same:.4f}")
+    assert same > 0.97 and carried["response_ids"][:k] == whole["response_ids"][:k]
+    batch = build_batch(samples, [0.0, 0.0])
+    old, (differ, pairs) = ray.get(pair["trainer"].logprobs_as.remote(batch, "r3"))
+    assert pairs > 0 and differ / pairs < 0.5

@@ -91,9 +91,50 @@ class PairEngine(BenchEngine):
             return outs
 
         self.llm.generate = generate
+        # the partial rollouts' own requests (colo.rollout.partial, partial_turns): prompt and every token streamed
+        eng, self.streams = self.llm.llm_engine, {}
+        add, step = eng.add_request, eng.step
+
+        def add_request(rid, prompt, params, *args, **kw):
+            if str(rid).startswith("colo-"):
+                self.streams[rid] = (list(prompt["prompt_token_ids"]), [])
+            return add(rid, prompt, params, *args, **kw)
+
+        def step_():
+            outs = step()
+            for o in outs:
+                if o.request_id in self.streams:
+                    self.streams[o.request_id][1].extend(o.outputs[0].token_ids)
+            return outs
+
+        eng.add_request, eng.step = add_request, step_
 
     def records(self) -> list[tuple[list[int], list[int]]]:
-        out, self.calls = self.calls, []
+        """(prompt ids, sampled ids) of every request vLLM answered since the last call: LLM.generate's, and the
+        engine-loop requests of partial rollouts (their tokens up to where they finished or were stopped)."""
+        out, self.calls = self.calls + [v for v in self.streams.values()], []
+        self.streams = {}
+        return out
+
+    def running_request_state(self) -> dict:
+        """What colo.rollout.partial.stopped_rows reads of a request vLLM is running (vLLM 0.32's OutputProcessor
+        state under the id add_request returned): found, the type of its routed_experts_chunks, the rows read."""
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        from colo.rollout.partial import stopped_rows
+
+        eng = self.llm.llm_engine
+        internal = eng.add_request("colo-state-probe", TokensPrompt(prompt_token_ids=[5, 6, 7]),
+                                   SamplingParams(max_tokens=8, temperature=0.0, logprobs=0))
+        eng.step()
+        state = eng.output_processor.request_states.get(internal)
+        out = {"found": state is not None, "chunks": type(getattr(state, "routed_experts_chunks", None)).__name__,
+               "rows": stopped_rows(eng, internal)}
+        eng.abort_request(["colo-state-probe"])
+        while eng.has_unfinished_requests():
+            eng.step()
+        out["gone"] = internal not in eng.output_processor.request_states
         return out
 
     def configure(self, section: str, **values) -> None:
@@ -250,6 +291,94 @@ def test_stop_keep_and_resume_under_new_weights_without_old_kv(engines) -> None:
     assert np.allclose(got["logprobs"][:3], want["logprobs"][:3], atol=0.02)
     assert abs(old[0] - want["logprobs"][0]) > 0.1 or whole["response_ids"][k] != want["tokens"][0], \
         "the new weights must change the continuation, else the test could not tell old KV from new"
+
+
+def test_a_running_requests_routing_rows_are_where_stopped_rows_reads_them(engines) -> None:
+    """async R3 on GPU reads a stopped request's routing rows from vLLM's output processor before aborting it
+    (colo.rollout.partial.stopped_rows): the state is there under the id add_request returned, with its
+    routed_experts_chunks list, and the abort drops it (so it must be read first). CPU engines capture no rows
+    (None); tests/gpu/test_routing_gpu.py reads real ones."""
+    got = ray.get(engines["fresh"].running_request_state.remote())
+    assert got == {"found": True, "chunks": "list", "rows": None, "gone": True}
+
+
+@pytest.fixture
+def conversations(engines):
+    """Both engines with a multi-turn environment (Scripted: three turns of at most 6 tokens), as the async step runs
+    them (Engine._partial_turns); afterwards single-turn again, for the tests after this one."""
+    pair = (engines["synced"], engines["fresh"])
+    ray.get([e.configure.remote("rollout", max_turns=3, max_turn_tokens=6, max_tokens=120) for e in pair]
+            + [e.configure.remote("algo", environment=f"{__name__}:Scripted", env_timeout_s=3.0, env_errors="sample")
+               for e in pair])
+    ray.get([e.records.remote() for e in pair])
+    yield pair
+    ray.get([e.configure.remote("algo", environment=None) for e in pair])
+
+
+def test_a_conversation_carried_across_a_sync_keeps_what_vllm_sampled(engines, conversations) -> None:
+    """loop.mode=async with an environment: group 0's conversation runs out of room after 3 tokens, which ends the
+    call (need_groups=1) while group 1's is inside its first model turn. That one is carried across a sync: its
+    tokens are exactly what vLLM sampled (every model run is a request's output whose prompt was the history so far),
+    the turn continues under the new weights as an engine that loaded them from disk continues it (no KV of the old
+    weights), its environment is replayed and answers alike, the model's tokens keep the version that sampled them
+    and the environment's carry no loss."""
+    from colo.rollout.buffer import RolloutBuffer
+
+    synced, fresh = _synced_from_the_checkpoint(engines), engines["fresh"]
+    greedy = dict(temperature=0.0, top_p=1.0, kind="partial", need_groups=1, routing=True)
+    buf = RolloutBuffer(n=1, max_tokens=120, max_staleness=1, turns=True)
+    buf.drop_stale(0)
+    buf.add([row("cramped"), row("ok")], seed=3)
+    reqs = buf.requests()
+    out = generate(synced, reqs, **greedy)
+    cramped, carried = out
+    assert cramped["finish_reason"] == "length" and len(cramped["tokens"]) == 3  # the budget ended it
+    assert carried["finish_reason"] is None and carried["model_mask"] == [1] * len(carried["tokens"])
+    k = carried["conversation"]["turn_tokens"]
+    assert 1 <= k < 6 and len(carried["tokens"]) == k and carried["conversation"]["turn_spans"] == []  # mid-turn
+    assert carried["routing"].shape[0] == len(carried["prompt_ids"]) + k - 1
+    seen = ray.get(synced.records.remote())
+    assert (carried["prompt_ids"], carried["tokens"]) in seen  # exactly the tokens vLLM streamed before the stop
+    buf.absorb(reqs, out, version=0)
+    buf.drop_stale(1)
+    (resume,) = buf.requests()
+    assert resume["response_ids"] == carried["tokens"] and resume["conversation"]["turn_tokens"] == k
+    old = generate(synced, [resume], **greedy)[0]  # the old weights' continuation, for contrast
+    assert _push(engines["model"], synced)["verified"]  # the new policy (and the prefix cache reset)
+    ray.get(synced.records.remote())
+    (got, _), (want, _) = ray.get([synced.generate.remote(Generation([resume], **greedy)),
+                                   fresh.generate.remote(Generation([resume], **{**greedy, "routing": False}))])
+    got, want = got[0], want[0]
+    assert got["finish_reason"] == "stop" and got["conversation"]["turns"] == 3 and not got["conversation"]["env_error"]
+    start, end = got["conversation"]["turn_spans"][0]
+    assert start == 0 and k < end <= 6  # the carried turn, finished: its k tokens and the rest of it
+    n = min(end - k, 3)  # the continuation's first tokens (bf16 kernels may part later: greedy near-ties)
+    assert got["tokens"][:n] == want["tokens"][:n]
+    assert np.allclose(got["logprobs"][:n], want["logprobs"][:n], atol=0.02), (got["logprobs"], want["logprobs"])
+    assert got["tokens"][:n] != old["tokens"][:n] or \
+        max(abs(a - b) for a, b in zip(got["logprobs"][:n], old["logprobs"][:n])) > 0.1, \
+        "the new weights must change the continuation, else the test could not tell old KV from new"
+    # every model run of the resumed segment is one request's output, prompted with the history up to it
+    history = resume["prompt_ids"] + resume["response_ids"]
+    seen = {(tuple(p), tuple(o)) for p, o in ray.get(synced.records.remote())}
+    full = history + got["tokens"]
+    mask = [1] * k + got["model_mask"]
+    P = len(resume["prompt_ids"])
+    for a, z in model_runs(mask):
+        a, z = P + max(a, k), P + z  # the carried turn's request starts after its k tokens
+        assert (tuple(full[:a]), tuple(full[a:z])) in seen, f"the model's tokens at {a}..{z} are not what vLLM sampled"
+    buf.absorb([resume], [got], version=1)
+    _, samples = buf.take(2, version=1)
+    s = samples[1]
+    assert s["prompt_ids"] == resume["prompt_ids"] and s["response_ids"] == full[P:]
+    model = [v for v, m in zip(s["versions"], s["model_mask"]) if m]
+    assert model[:k] == [0] * k and set(model[k:]) == {1}  # each model token keeps the version that sampled it
+    assert s["routing"].shape[0] == len(full) - 1  # the segments' rows concatenate to the whole sample's
+    m = buf.metrics(samples, 1)
+    assert m["async/staleness_max"] == 1 and 0 < m["async/offpolicy_frac"] < 1
+    batch = build_batch(samples, [1.0, -1.0])
+    assert batch["loss_mask"][1, P:len(full)].tolist() == s["model_mask"] and 0 in s["model_mask"]
+    assert all(lp == 0.0 for lp, mm in zip(s["logprobs"], s["model_mask"]) if not mm)
 
 
 # ------------------------------------------------------------------------------------ the sync itself
@@ -527,6 +656,8 @@ class Scripted(Environment):
         self.mode = row["answer"]
         if self.mode == "bad_reset":
             raise RuntimeError("no world today")
+        if self.mode == "cramped":  # token ids 3 short of max_model_len: its first turn ends by the budget
+            return [7] * (512 - 3)
         return [{"role": "user", "content": row["prompt"]}]
 
     def step(self, turn: Turn):

@@ -81,6 +81,22 @@ def test_runner_weights_user_fn_and_finish_reasons(user_mod):
     runner.close()
 
 
+def test_a_reward_that_declares_response_ids_gets_the_sampled_tokens() -> None:
+    """colo.bench.step's default reward scores the token ids themselves (the 30B presets' ids mostly decode to no
+    text): a function that declares response_ids gets them, one that does not is called as before; a raising one
+    on the batch is located sample by sample with its ids sliced alike."""
+    from colo.bench.stepreward import BENCH_REWARD, even_share
+
+    runner = RewardRunner([BENCH_REWARD, "format"])
+    ids = [[2, 4, 5, 7], [1], [], [10, 12]]
+    s = runner.score(["a", "b", "", "c"], ["0"] * 4, ["p"] * 4, ["stop"] * 4, ids)
+    assert s.by_name[BENCH_REWARD] == [0.5, 0.0, 0.0, 1.0] == even_share([], [], [], ids)
+    assert s.by_name["format"] == [1.0, 1.0, 0.0, 1.0]
+    with pytest.raises(RewardError, match="on sample 2"):  # no ids given: it raises on the batch, then per sample
+        RewardRunner([BENCH_REWARD]).score(["a", "b", "c"], ["0"] * 3, ["p"] * 3, response_ids=[[1], [2], None])
+    runner.close()
+
+
 def test_resolution_errors_name_the_function(user_mod):
     with pytest.raises(ValueError, match="'exactmatch'.*built-ins"):
         RewardRunner(["exactmatch"])

@@ -38,7 +38,10 @@ def test_config_defaults_and_refusals() -> None:
     assert "rollout.oversample=0.5 must be >= 1" in _error(["rollout.oversample=0.5"])
     assert "loop.max_staleness=-1 must be >= 0" in _error(["loop.max_staleness=-1"])
     assert "did you mean 'async'" in _error(["loop.mode=asynch"])
-    assert "single-turn rollouts only" in _error(["loop.mode=async", "algo.environment=calculator"])
+    validate(load_config(None, ["placement.device=cpu", "loop.mode=async", "algo.environment=calculator"], {}),
+             check_resources=False)  # conversations carried across weight updates (colo.rollout.partial_turns)
+    msg = _error([*disaggregated, "algo.environment=calculator"])
+    assert "runs colocated" in msg and "placement.mode=colocated" in msg
 
 
 def _prompts(k: int, start: int = 0) -> list[dict]:
@@ -239,3 +242,61 @@ def test_share_gives_each_engine_its_groups_and_a_quota_it_can_meet() -> None:
             held = [len({r["group"] for r in rs}) for rs in per_engine]
             assert sum(quota) == min(need, 5) and all(q <= h for q, h in zip(quota, held)), (need, engines)
             assert sorted(r["group"] for rs in per_engine for r in rs) == sorted(r["group"] for r in reqs)
+
+
+def _turns(tokens: list[int], mask: list[int], finish: str | None, conv: dict, prompt: list[int] | None = None,
+           lp: float = -1.0) -> dict:
+    """A conversation's segment as colo.rollout.partial_turns returns it (log-probs 0 on the environment's tokens)."""
+    return {"tokens": tokens, "logprobs": [lp if m else 0.0 for m in mask], "model_mask": mask,
+            "finish_reason": finish, "prompt_ids": prompt, "conversation": conv}
+
+
+def test_conversations_carry_their_history_and_count_only_the_models_tokens() -> None:
+    """algo.environment: a request carries the row, the conversation's own prompt ids (None before its reset) and its
+    bookkeeping; a segment's environment tokens keep model_mask 0 and never count for staleness, the drop or the
+    metrics; a finished conversation's sample holds what the batch and the rewards read; the state survives JSON."""
+    import json
+
+    from colo.rollout.buffer import CONVERSATION
+
+    buf = RolloutBuffer(n=2, max_tokens=16, max_staleness=1, turns=True)
+    buf.drop_stale(0)
+    buf.add(_prompts(1), seed=0)
+    reqs = buf.requests()
+    assert [r["prompt_ids"] for r in reqs] == [None, None] and reqs[0]["row"]["answer"] == "0"
+    assert reqs[0]["conversation"] == CONVERSATION and reqs[0]["model_mask"] == []
+    one = {**CONVERSATION, "turn_spans": [[0, 2]], "turn_reasons": ["stop"], "turn_tokens": 1, "turns": 1,
+           "tool_calls": 1, "final_ids": [5, 6]}
+    done = {**CONVERSATION, "turn_spans": [[0, 1]], "turn_reasons": ["stop"], "turns": 1, "env_reward": 0.5,
+            "final_ids": [9]}
+    # sample 0: a turn, the tool's two tokens, one token of its next turn, then stopped; sample 1: one turn, done
+    buf.absorb(reqs, [_turns([5, 6, 90, 91, 7], [1, 1, 0, 0, 1], None, one, [1, 2]),
+                      _turns([9], [1], "stop", done, [1, 2, 3])], version=0)
+    buf.drop_stale(1)
+    (r,) = buf.requests()
+    assert r["prompt_ids"] == [1, 2] and r["response_ids"] == [5, 6, 90, 91, 7] and r["model_mask"] == [1, 1, 0, 0, 1]
+    assert r["conversation"] == one and r["segment"] == 1
+    state = json.loads(json.dumps(buf.state_dict()))
+    back = RolloutBuffer(n=2, max_tokens=16, max_staleness=1, turns=True)
+    back.load_state_dict(state)
+    assert back.requests() == [r] and back.drop_stale(1) == 0
+    end = {**one, "turn_spans": [[0, 2], [4, 6]], "turn_reasons": ["stop", "stop"], "turn_tokens": 0, "turns": 2,
+           "final_ids": [7, 8]}
+    back.absorb([r], [_turns([8], [1], "stop", end, [1, 2], lp=-2.0)], version=1)
+    prompts, samples = back.take(1, version=1)
+    s0, s1 = samples
+    assert s0["prompt_ids"] == [1, 2] and s1["prompt_ids"] == [1, 2, 3]  # each conversation's own reset
+    assert s0["response_ids"] == [5, 6, 90, 91, 7, 8] and s0["versions"] == [0, 0, 0, 0, 0, 1]
+    assert s0["logprobs"] == [-1.0, -1.0, 0.0, 0.0, -1.0, -2.0] and s0["model_mask"] == [1, 1, 0, 0, 1, 1]
+    assert (s0["turns"], s0["tool_calls"], s0["final_ids"], s1["env_reward"]) == (2, 1, [7, 8], 0.5)
+    m = back.metrics(samples, 1)
+    assert m["async/offpolicy_frac"] == pytest.approx(4 / 5)  # the model's 4 tokens of s0, 1 of s1: 4 from version 0
+    batch = build_batch(samples, torch.tensor([1.0, -1.0]))
+    assert batch["loss_mask"][0, 2:8].tolist() == [1.0, 1.0, 0.0, 0.0, 1.0, 1.0]  # the tool's tokens: no loss
+    # the environment's tokens never make a group stale: only the model's versions count
+    buf = RolloutBuffer(n=1, max_tokens=16, max_staleness=1, turns=True)
+    buf.drop_stale(0)
+    buf.add(_prompts(1), seed=0)
+    buf.absorb(buf.requests(), [_turns([5], [1], None, one, [1])], version=0)
+    buf.absorb(buf.requests(), [_turns([80, 81], [0, 0], None, one, [1])], version=1)
+    assert buf.groups[0].oldest() == 0 and buf.drop_stale(2) == 1

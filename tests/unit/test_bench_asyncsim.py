@@ -50,3 +50,24 @@ def test_cli(tmp_path, capsys) -> None:
                  "--warmup", "2", "--oversample", "2", "--staleness", "2", "--json"]) == 0
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert out["model_not_measurement"] is True and out["async_over_sync"] > 0 and len(out["async_steps"]) == 6
+
+
+def test_shapes_the_trainer_gets_per_mode(capsys) -> None:
+    """--shapes: both modes train the same tokens per step on average (every group is trained once, whenever it
+    finishes); micro-batches at the budget cover them (issue 47: the shapes bound what async's
+    batches can cost the train phase)."""
+    from colo.bench.asyncsim import train_shapes
+
+    common = dict(steps=60, k=4, n=4, max_tokens=256, prompt_len=8, model=LengthModel(), table=[(1, 0.0)],
+                  prefill_s_per_token=0.0, train_s_per_token=0.0, fixed_s=0.0, warmup=10)
+    sync = train_shapes(simulate("sync", **common)["steps"], 512)
+    asy = train_shapes(simulate("async", oversample=3.0, max_staleness=3, **common)["steps"], 512)
+    assert asy["tokens_mean"] == pytest.approx(sync["tokens_mean"], rel=0.1)
+    for t in (sync, asy):
+        assert t["micro_batches_mean"] >= t["tokens_mean"] / 512 and sum(t["micro_batches"].values()) == 60
+    assert main(["--shapes", "512", "--prompts", "4", "--n", "4", "--max-tokens", "256", "--steps", "20",
+                 "--warmup", "5", "--oversample", "3", "--staleness", "3", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["bench"] == "asyncsim-shapes" and out["async"]["micro_batches_mean"] > 0
+    with pytest.raises(SystemExit):
+        main(["--steps", "5"])  # neither a decode curve nor --shapes

@@ -141,3 +141,21 @@ def test_r3_is_refused_for_a_family_it_cannot_replay(tmp_path: Path) -> None:
         validate(cfg)
 
 
+
+
+def test_r3_with_async_on_gpu_is_refused_only_for_conversations(tmp_path: Path) -> None:
+    """loop.mode=async reads a stopped request's routing from the GPU engine's capture (colo.rollout.partial.
+    stopped_rows), so R3 runs with it there; a carried conversation's routing is not read on GPU."""
+    import json
+
+    from colo.config import ConfigError, load_config, validate
+
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "config.json").write_text(json.dumps(
+        {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "num_experts": 8,
+         "num_attention_heads": 4, "num_key_value_heads": 2, "hidden_size": 128}))
+    args = [f"model.path={tmp_path / 'm'}", "model.dummy_weights=true", "algo.routing_replay=r3",
+            "placement.device=cuda", "loop.mode=async", f"run.dir={tmp_path / 'run'}"]
+    validate(load_config(None, args), check_gpus=False)
+    with pytest.raises(ConfigError, match=r"r3 with loop.mode=async and algo.environment runs on CPU engines only"):
+        validate(load_config(None, [*args, "algo.environment=calculator"]), check_gpus=False)
