@@ -133,7 +133,10 @@ def test_memory_is_a_budget_of_the_whole_tree() -> None:
             "        os._exit(0)\n    kids.append(pid)\nprint([os.waitpid(k, 0)[1] for k in kids])")
     r = run_python(code, timeout_s=30, memory_mb=256)
     assert r.error == "memory limit: its processes together needed more than 256 MiB", r
-    assert r.stdout.count("held") <= 1, r  # never two at once
+    # never two at once: at most one child lived to its end; the kernel kills a child that already held its 150 MiB
+    # (and had said so) as readily as the one asking for more, so "held" may show twice (seen under load)
+    statuses = [int(x) for x in r.stdout.strip().splitlines()[-1].strip("[]").split(",")]
+    assert len(statuses) == 4 and statuses.count(0) <= 1, r
 
 
 def test_forks_are_bounded() -> None:
