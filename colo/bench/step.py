@@ -21,24 +21,13 @@ The JSON line (last stdout line with --json) holds, over the measured steps:
     tokens_per_s_per_gpu     trained tokens (prompt + response of every sample) / step time / GPUs (NeMo-RL's count)
     generated_tokens_per_s   response tokens / rollout-phase seconds
     train_mfu                model FLOPs of the train phase / its seconds / (GPUs x the device's peak dense bf16
-                             FLOP/s); null on CPU or an unknown device. FLOPs: 2 x active parameters per token
-                             (attention, the routed experts' top-k share, router, lm_head; not the embedding lookup)
-                             plus causal attention 2 x layers x heads x head_dim x sum(L^2), for the log-prob pass
-                             (1 forward, +1 for a KL reference) and each update (forward + backward = 3 forwards);
-                             gradient checkpointing's recompute is not counted (model FLOPs, not hardware FLOPs)
+                             FLOP/s); null on CPU. FLOPs: 2 x active parameters per token plus causal attention, for
+                             the log-prob pass and each update (3 forwards); no recompute (model FLOPs: forward_flops)
     padding_fraction         share of the token slots the train phase computed that held no sample
-    phases                   seconds per phase (loop's timing/*); inside train: onload, logprob (the old
-                             log-prob pass), update (the updates' forward + backward), optim (optimizer steps),
-                             batch (the driver building and sharding the batch; batch_cpu its thread's CPU
-                             time: far below batch, the driver waited), train_call (rank 0's train_step
-                             call in the trainer; train_call_cpu its process's CPU time, every thread),
-                             entry_wait (of it, the wait for GPU work queued before it);
-                             driver_gc, the driver's garbage collections over the whole step (gc.callbacks)
+    phases                   seconds per phase (loop's timing/*) and inside train: onload, logprob, update, optim,
+                             batch (+ batch_cpu), train_call (+ train_call_cpu), entry_wait; driver_gc
     compute_mfu              train_mfu's FLOPs over logprob + update seconds only
-    logprob_peak_gb          the trainer's allocated peak during its log-prob pass (GPU; null on CPU), and
-                             logprob_pass_gb, that peak above what was allocated when the pass began
-    alloc_retries            the caching allocator's cudaMalloc retries in the train phases (GPU; each frees the
-                             cache and synchronizes), update_reserved_gb the reserved peak of the updates
+    logprob_peak_gb, logprob_pass_gb, alloc_retries, update_reserved_gb: the trainer's memory (GPU; null on CPU)
 loop.mode=async (an override, e.g. `loop.mode=async rollout.oversample=1.5 loop.max_staleness=1`) runs the async
 step (docs/config.md, "Async"; LengthEngine imposes each sample's length across its segments) and adds "async":
 staleness and carried/dropped counts. Compare it with a sync run at the same arguments; give it --warmup 2 or more
@@ -73,10 +62,8 @@ COMPARABLE:
                                         (frames, graphs, graph breaks, compile seconds) after its warm-up and its last
                                         measured block (a recompile in measured steps shows there and in the block's
                                         "compile"; so for any compiled comparison, e.g. loop.mode). The compile runs
-                                        in the
-                                        warm-up steps: give --warmup 1 or more (warmup_train_s holds each variant's
-                                        warm-up train seconds). With trainer.lr=0 both variants score the same weights
-                                        on the same samples: their train_metrics check inductor against eager.
+                                        in the warm-up steps: give --warmup 1 or more. With trainer.lr=0 both variants
+                                        score the same weights on the same samples: train_metrics check inductor.
     rollout.quantization=fp8,none       FP8 rollout (bf16 training, FP8 generation, quantized inside the sync:
                                         docs/config.md, "FP8 rollout"), then bf16: the engines differ, so each value
                                         runs on a cluster of its own (GPU only); adds to "speedup" the generated
