@@ -194,29 +194,34 @@ def gather(refs: list, who: list[str], timeout: float | None = None, engines: li
     return [out[i] for i in range(len(refs))]
 
 
-_LEFT: list = []  # references a failure left unfinished (collect_failed)
+_LEFT: list = []  # (Ray job, reference) a failure left unfinished (collect_failed)
 
 
 def leave(refs: list) -> None:
     """Keep `refs` until they end and collect them then (collect_failed): a reference that ends in an error and is
     dropped unread makes Ray print its "Unhandled error" dump (108 lines after a trainer rank died: the other rank's
     failed collective) on the terminal, after colo's own line."""
-    _LEFT.extend(refs)
+    job = ray.get_runtime_context().get_job_id() if ray.is_initialized() else None
+    _LEFT.extend((job, r) for r in refs)
     collect_failed()
 
 
 def collect_failed(timeout: float = 0.0) -> None:
     """ray.get every reference left by a failure that has ended, its error dropped (colo already reported the
-    failure); the rest stay kept. The run's end calls it before its actors and Ray are stopped."""
+    failure); the rest stay kept. The run's end calls it before its actors and Ray are stopped. References of an
+    earlier Ray of this process (stopped without shutdown_ray: a test's own ray.shutdown) went with it: Ray refuses
+    to wait on them ("owner is unknown"), so they are dropped."""
     if not _LEFT or not ray.is_initialized():
         return
-    done, pending = ray.wait(list(_LEFT), num_returns=len(_LEFT), timeout=timeout)
+    job = ray.get_runtime_context().get_job_id()
+    refs = [r for j, r in _LEFT if j == job]
+    done, pending = ray.wait(refs, num_returns=len(refs), timeout=timeout) if refs else ([], [])
     for ref in done:
         try:
             ray.get(ref, timeout=0)
         except Exception:  # noqa: BLE001 (read, so that Ray counts it handled)
             pass
-    _LEFT[:] = pending
+    _LEFT[:] = [(job, r) for r in pending]
 
 
 def shutdown_ray() -> None:

@@ -100,7 +100,8 @@ def test_what_a_killed_driver_left_is_swept_by_the_next_start(tmp_path: Path) ->
     run.wait_for_step(0)
     run.p.kill()
     run.p.wait()
-    time.sleep(2)
+    # no wait here: on an idle machine some of Ray's processes notice the driver's death within 2 s (2026-11-28),
+    # the agents 30 s or more later (issue 49); right after the kill they all still run
     assert run.alive(), "nothing outlived the driver: the sweep below would prove nothing"
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"prompt": "1+1=", "answer": "2"}\n{"prompt": "2+2="}\n')
