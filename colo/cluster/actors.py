@@ -201,21 +201,31 @@ def leave(refs: list) -> None:
     """Keep `refs` until they end and collect them then (collect_failed): a reference that ends in an error and is
     dropped unread makes Ray print its "Unhandled error" dump (108 lines after a trainer rank died: the other rank's
     failed collective) on the terminal, after colo's own line."""
-    job = ray.get_runtime_context().get_job_id() if ray.is_initialized() else None
+    job = _ray_job() if ray.is_initialized() else None
     _LEFT.extend((job, r) for r in refs)
     collect_failed()
+
+
+def _ray_job() -> tuple[str, str]:
+    """This driver's Ray: its cluster's session and its job. Job ids alone repeat: every fresh Ray numbers its first
+    job 01000000."""
+    return ray._private.worker.global_worker.node.session_name, ray.get_runtime_context().get_job_id()
 
 
 def collect_failed(timeout: float = 0.0) -> None:
     """ray.get every reference left by a failure that has ended, its error dropped (colo already reported the
     failure); the rest stay kept. The run's end calls it before its actors and Ray are stopped. References of an
     earlier Ray of this process (stopped without shutdown_ray: a test's own ray.shutdown) went with it: Ray refuses
-    to wait on them ("owner is unknown"), so they are dropped."""
+    to wait on them ("owner is unknown"), so they are dropped. Never raises: it runs while a failure is reported."""
     if not _LEFT or not ray.is_initialized():
         return
-    job = ray.get_runtime_context().get_job_id()
+    job = _ray_job()
     refs = [r for j, r in _LEFT if j == job]
-    done, pending = ray.wait(refs, num_returns=len(refs), timeout=timeout) if refs else ([], [])
+    try:
+        done, pending = ray.wait(refs, num_returns=len(refs), timeout=timeout) if refs else ([], [])
+    except Exception:  # noqa: BLE001 (Ray refused a reference: drop them all rather than hide the failure)
+        _LEFT.clear()
+        return
     for ref in done:
         try:
             ray.get(ref, timeout=0)

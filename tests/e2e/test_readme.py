@@ -190,7 +190,8 @@ def test_gpu_commands_dry_run_without_gpus(tmp_path: Path) -> None:
         r = run_dry(*args, *REHEARSAL * hub, env=cmd.env)  # in this process: ~2.5 CPU-s less per command
         assert r.returncode == 0, f"{cmd.text}\n{_tail(r)}"
         want = yaml.safe_load(r.stdout.partition("\nplacement plan:")[0])["placement"]["num_gpus"]
-        assert f"\nplacement plan: {cmd.env.get('COLO_PLACEMENT_MODE', 'colocated')}, {want} CUDA GPUs" in r.stdout
+        gpus = f"{want} CUDA GPU{'s' if want != 1 else ''}"
+        assert f"\nplacement plan: {cmd.env.get('COLO_PLACEMENT_MODE', 'colocated')}, {gpus}" in r.stdout
         assert (f"colo: note: the GPU count was not checked: placement.num_gpus={want} but this machine has 0 "
                 "CUDA GPU(s)") in r.stdout, r.stdout[-500:]
         assert r.stdout.rstrip().endswith("(dry run: nothing was written or started)")
@@ -267,7 +268,8 @@ def test_cpu_jobs_run_to_the_end(cpu_runs: list[Ran]) -> None:
         for row in ran.rows[1:]:  # colocated and disaggregated log the same step record
             assert not [k for k in STEP_KEYS if row.get(k) is None], (ran.cmd.text, row)
             assert row["sync/bytes"] > 0 and math.isfinite(row["loss"]), (ran.cmd.text, row)
-        assert (ran.run_dir / "export" / "config.json").exists(), ran.cmd.text
+        lora = "lora" in " ".join(ran.cmd.args)  # a LoRA run exports the adapter, a PEFT folder (docs/lora.md)
+        assert (ran.run_dir / "export" / ("adapter_config.json" if lora else "config.json")).exists(), ran.cmd.text
 
 
 def test_both_modes_generate_batches_beyond_one_scheduler_step(cpu_runs: list[Ran]) -> None:
