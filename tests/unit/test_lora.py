@@ -108,10 +108,10 @@ def test_exported_adapter_loads_in_peft_with_the_merged_logits(tmp_path: Path) -
     with torch.no_grad():
         a, b = peft.eval()(IDS).logits, merged(IDS).logits
     assert torch.allclose(a, b, atol=1e-4, rtol=1e-4), (a - b).abs().max()
-    # the run summary's serve line: the base with the adapter, in the layout vLLM reads fused experts in
-    from colo.rollout.vllm_compat import serve_command
+    # the run summary's serve line on a GPU host: the base with the adapter, in the layout vLLM reads fused experts in
+    from colo.run.commands import serve
 
-    cmd = serve_command(out)
+    cmd = serve(out, "vllm")
     assert f" {base_dir} --served-model-name colo-base " in cmd and " --enable-lora --max-lora-rank 8 " in cmd, cmd
     assert "--enable-mixed-moe-lora-format --lora-modules " in cmd and '"is_3d_lora_weight": true' in cmd, cmd
     assert f'"name": "colo", "path": "{out}"' in cmd, cmd

