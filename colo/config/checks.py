@@ -194,6 +194,10 @@ def _check_lora(cfg: ColoConfig, arch: str | None) -> None:
                           "the rank must be >= 0 (0: no LoRA), alpha > 0 and dropout in [0, 1); fix: e.g. "
                           "trainer.lora_rank=16 trainer.lora_alpha=32 trainer.lora_dropout=0")
     if not t.lora_rank:
+        if t.lora_export_merged:
+            raise ConfigError("trainer.lora_export_merged=true merges LoRA adapters into the export, but "
+                              "trainer.lora_rank=0 trains none (the export is the whole model already); fix: "
+                              "trainer.lora_rank=16, or leave trainer.lora_export_merged out")
         return
     bad = [x for x in t.lora_targets if x not in TARGETS]
     if bad or not t.lora_targets:

@@ -140,6 +140,7 @@ def test_plan_counts_the_adapters_the_trainer_adds() -> None:
     (["trainer.lora_targets=[attention,router]"], "['router'] not among"),
     (["trainer.experts_implementation=eager"], "run in the grouped form"),
     (["trainer.lora_alpha=0"], "alpha > 0"),
+    (["trainer.lora_rank=0", "trainer.lora_export_merged=true"], "trainer.lora_rank=0 trains none"),
 ])
 def test_lora_settings_refused_with_the_fix(overrides: list[str], needle: str) -> None:
     from colo.config import ConfigError, load_config, validate
