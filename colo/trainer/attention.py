@@ -17,7 +17,7 @@ two kernels (`packed_attention`):
   On CUDA it leaves cuDNN's SDPA out: cuDNN builds (and caches) an execution graph per distinct shape, and every
   sample of a long-tail batch has a length of its own, so each call paid a graph build on the host. Measured on
   an H200 (2026-11-25, colo.bench.step at 4k): the packed train phase's kernels ran 5.2 s of its 34.5 s, the host
-  the rest, and packing lost to the padded path (whose rows all have one length); colo.bench.packed_attention measures
+  the rest, and packing lost to the padded path (whose rows all have one length); tools.experiments.packed_attention measures
   the three choices against each other.
 `colo_bounds` (the samples' start offsets and the row length, host ints: no device sync per layer) reach the
 attention function through transformers' **kwargs (model -> decoder layer -> self_attn -> attention interface).

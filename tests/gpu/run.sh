@@ -7,7 +7,7 @@
 #   STEPS="bench loop" bash tests/gpu/run.sh 580    # a subset (a device call runs at most 10 minutes)
 #
 # Steps (STEPS, default all, in this order): attention (only when named) = test_attention_gpu.py, then
-# colo.bench.packed_attention (packed-row kernels; its JSON line ends attention.log); colocated = test_colocated.py (1 GPU); ipc =
+# tools.experiments.packed_attention (packed-row kernels; its JSON line ends attention.log); colocated = test_colocated.py (1 GPU); ipc =
 # test_ipc_alloc.py (CUDA IPC under expandable segments); dpep = test_dpep.py (2 GPUs, skips with
 # fewer); bench = python -m colo.bench.sync over every GPU: the full qwen3-30b-a3b on 4 or more,
 # else qwen3-30b-a3b-L12 on up to 2 (BENCH_ARGS replaces the arguments; vLLM's own IPC engine is timed
@@ -28,7 +28,7 @@
 # (default colo,detok,bare), DECODE_ARGS adds arguments; the JSON line lands in $OUT/decode.json (only when named).
 # compile = colo.bench.step --compare=trainer.compile=true,false (trainer.compile on, then off; COMPILE_ARGS adds
 # overrides, e.g. trainer.gather_once=true; BENCH_WARMUP warm-up steps, 1 by default: the compile runs in them).
-# optim = colo.bench.optimizer: StreamedAdamW's host-state step (by pieces, copies overlapped) against the serial loop
+# optim = tools.experiments.optimizer: StreamedAdamW's host-state step (by pieces, copies overlapped) against the serial loop
 # and against each parameter stepped whole,
 # bit-identical first (OPTIM_ARGS replaces the arguments; default the L12 slice's parameters, bf16 state), then
 # tests/gpu/test_optim_gpu.py (only when named).
@@ -102,11 +102,11 @@ STEPS=${STEPS:-colocated ipc dpep routing bench loop}  # and: attention, rollout
 # one, optim, fp8, fp8step
 want() { case " $STEPS " in *" $1 "*) return 0;; *) return 1;; esac; }
 
-# attention = the packed-row attention kernels against per-sample SDPA (test + colo.bench.packed_attention; no vLLM)
+# attention = the packed-row attention kernels against per-sample SDPA (test + tools.experiments.packed_attention; no vLLM)
 want attention && step attention 150 bash -c "'$PY' -m pytest --noconftest tests/gpu/test_attention_gpu.py -q -p no:cacheprovider \
-    && '$PY' -m colo.bench.packed_attention --device cuda --json"
+    && '$PY' -m tools.experiments.packed_attention --device cuda --json"
 # optim = the optimizer step with its state on the host, overlapped against serial (no vLLM, no Ray)
-want optim && step optim 240 bash -c "'$PY' -m colo.bench.optimizer ${OPTIM_ARGS:---preset qwen3-30b-a3b-L12 --device cuda --json} \
+want optim && step optim 240 bash -c "'$PY' -m tools.experiments.optimizer ${OPTIM_ARGS:---preset qwen3-30b-a3b-L12 --device cuda --json} \
     && '$PY' -m pytest --noconftest tests/gpu/test_optim_gpu.py -q -p no:cacheprovider"
 want colocated && step pytest-colocated 420 "$PY" -m pytest tests/gpu/test_colocated.py -x -q -s -p no:cacheprovider
 want ipc && step pytest-ipc 90 "$PY" -m pytest tests/gpu/test_ipc_alloc.py -x -q -s -p no:cacheprovider

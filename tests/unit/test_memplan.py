@@ -46,7 +46,7 @@ def test_parameters_match_transformers(family: str) -> None:
 
 
 def test_plan_is_calibrated_within_15_percent() -> None:
-    from colo.bench.memcal import table
+    from tools.experiments.memcal import table
 
     rows = table()
     assert len(rows) >= 20

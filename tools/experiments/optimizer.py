@@ -4,7 +4,7 @@ two yardsticks in one run on parameters shaped like a preset's: "serial", the sa
 stream (what colo ran until 2026-11-27), and "whole", streamed as the product but each parameter in one piece
 (colo until the thirteenth session, 2026-11-27: a fused expert tensor's fp32 temporaries at once).
 
-    python -m colo.bench.optimizer --preset qwen3-30b-a3b-L12 --device cuda --json
+    python -m tools.experiments.optimizer --preset qwen3-30b-a3b-L12 --device cuda --json
 
 One rank's whole model (world 1): fp32 parameters and gradients on the device, the AdamW state (`--state-dtype`,
 bf16 by default as the GPU runs use it) pinned on the host; each variant steps `--steps` times after `--warmup`.
