@@ -35,7 +35,7 @@
 # one = colo.bench.step with no comparison: one variant alone, ONE_ARGS its overrides (only when named), for a slice
 # whose two variants do not fit one call. BENCH_PRESET picks the slice of step/async/gather/compile/one (default
 # qwen3-30b-a3b-L4; qwen3-30b-a3b-L12 fits one H200 with trainer.optimizer_offload=true, and with gather_once too
-# when trainer.offload=false: docs/benchmarks.md, twelfth session, call N2). Every bench_step run starts from
+# when trainer.offload=false: docs/benchmarks.md, "Step throughput and MFU"). Every bench_step run starts from
 # BENCH_BASE (default `trainer.optimizer_dtype=bfloat16 trainer.max_tokens_per_micro_batch=8192`, the figures' base
 # since 2026-11-25); BENCH_BASE=trainer.optimizer_dtype=bfloat16 leaves the micro-batch, like the other trainer
 # settings that take auto, to colo.plan.auto (the L12 slice on one H200 then runs the hand-tuned fast path).
@@ -158,7 +158,7 @@ fi
 # The whole RL step at 4k-token long-tail lengths, one run of colo.bench.step with two variants (1 GPU): 4 layers of
 # Qwen3-30B-A3B (3.1B params, random weights). The memory plan (checked by the bench) fits one H100 with bf16 AdamW
 # state and 8192 packed tokens per micro-batch: train phase 73.6 of 79.2 GiB. The JSON line is the last line of
-# $OUT/NAME.json (docs/benchmarks.md, "The whole RL step").
+# $OUT/NAME.json (docs/benchmarks.md, "Step throughput and MFU").
 bench_step() {  # bench_step NAME WARMUP COMPARE_FLAG [OVERRIDES...]
   local name=$1 warmup=$2 flag=$3; shift 3
   local t=$(left); [ "$t" -gt 590 ] && t=590
