@@ -15,7 +15,8 @@
   state host <-> device once per RL step when trainer.offload=true; with the state on the host that
   traffic moves into the optimizer step instead, and the GPU never holds more than two pieces' state.
   On CUDA the copies overlap the math: piece i+1's state comes in on one stream and piece i-1's goes
-  out on another while piece i's update runs (tools.experiments.optimizer measures it against the serial loop).
+  out on another while piece i's update runs: 2.26x the serial loop on the L12 slice's state (docs/benchmarks.md,
+  "What each trainer setting buys").
   colo.trainer.offload leaves such state where it is (`keeps_state_on_host`).
 
 State tensors keep the parameter's DTensor sharding (a DTensor around the local shard, wherever it lives),

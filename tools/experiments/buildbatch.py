@@ -5,10 +5,10 @@ shaped like a step's, with torch's intra-op threads as they are against one thre
     python -m tools.experiments.buildbatch --json                    # 128 samples of the L12 slice's shape, R3 ids
     python -m tools.experiments.buildbatch --busy 1 --samples 32 --json
 
-Why: on the GPU host of 2026-11-27's calls PA-PD the train phase spent 0.13-1.02 s in timing/batch_s, changing from
-step to step, where the same build with synthetic samples took 0.07-0.12 s on that host alone. The build is many
-small copies (a few per sample), and every parallel one waits for its slowest thread: on a host whose other cores
-run the trainer, the engines and Ray, one descheduled thread stalls each of them. This measures that mechanism.
+Why: on an H200 host the L12 slice's train phase spent 0.13-1.02 s in timing/batch_s, changing from step to step,
+where the same build with synthetic samples took 0.07-0.12 s on that host alone. The build is many small copies (a
+few per sample), and every parallel one waits for its slowest thread: on a host whose other cores run the trainer,
+the engines and Ray, one descheduled thread stalls each of them. This measures that mechanism.
 
 Samples: --samples of prompt --prompt-len tokens and a long-tail response (colo.bench.lengths, median a quarter of
 --max-tokens), each with vLLM's sampled log-probs and routing ids (P+R-1, --moe-layers, --topk) uint8, read-only as

@@ -6,7 +6,7 @@
 Each rep draws a new packed row: samples of prompt (--prompt-len) + a response of colo.bench.step's long-tail
 length (median a quarter of --max-tokens) until --tokens, so nearly every sample has a length no earlier call
 had, as in training. Each variant runs forward + backward (bf16 on CUDA, float32 on CPU) on the same rows:
-    per_sample_default   SDPA per sample, torch's own backend choice (cuDNN first on Hopper): colo before 2026-11-25
+    per_sample_default   SDPA per sample, torch's own backend choice (cuDNN first on Hopper): colo before d8d27e4
     per_sample           colo.trainer.attention.per_sample: SDPA per sample, cuDNN left out (CUDA)
     varlen               colo.trainer.attention.varlen: one flash-attention varlen call per row (CUDA, torch >= 2.10)
     padded               the padded path's layout for the same samples: one row each, padded to the longest, with

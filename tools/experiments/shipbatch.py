@@ -7,9 +7,9 @@ ratio of the two.
     python -m tools.experiments.shipbatch --samples 32 --json
 
 Why: the train phase of the L12 slice on an H200 spent 0.18-0.23 s outside the driver's batch building and the
-trainer's call (docs/benchmarks.md, calls Q1-Q5): the shard's way to the trainer and the metrics' way back. A shard
-of 128 samples with R3 ids is ~70 MB, most of it the routing ids. Samples as tools.experiments.buildbatch makes
-them; the shard is build_batch + shard_batch(1), as the loop builds it for one trainer. Prints seconds per delivery (median of
+trainer's call: the shard's way to the trainer and the metrics' way back. A shard of 128 samples with R3 ids is ~70
+MB, most of it the routing ids. Samples as tools.experiments.buildbatch makes them; the shard is build_batch +
+shard_batch(1), as the loop builds it for one trainer. Prints seconds per delivery (median of
 --reps, after one unmeasured) for each way, and tensors over arrays. Uses the Ray instance running in this process,
 else starts one (2 CPUs) and stops it after.
 """

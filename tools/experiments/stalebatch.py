@@ -10,7 +10,7 @@ advantages; its shapes are the trainer's business (tools.experiments.asyncsim --
 of long-tail samples (colo.bench.lengths), scores it with the policy, and trains it twice per round with lr 0 (the weights never
 move): once with behaviour log-probs next to the policy's (fresh: noise 0.01), once far from them (stale: noise 0.8),
 in alternating order, and reports the median train_step seconds and process CPU seconds of each and their ratio.
-Measured 2026-11-28 on the 2-core CPU machine (tiny, 64 samples, 14,603 tokens): stale / fresh 0.990 and 1.015 in two
+Measured on the 2-core CPU machine (tiny, 64 samples, 14,603 tokens): stale / fresh 0.990 and 1.015 in two
 runs (CPU time alike).
 In-process (colo.trainer.worker.Trainer, world size 1): no Ray, no vLLM.
 """
