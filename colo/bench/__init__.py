@@ -1,4 +1,5 @@
-"""Benchmarks, each `python -m colo.bench.<name>` with a baseline measured in the same run (docs/benchmarks.md):
-sync (weight sync against the yardsticks in yardsticks.py, on the actor subclasses of engines.py), step (whole RL
-steps at long-tail lengths; lengths.py draws them), rollout, decode, routing, loadmem, trainmem, memcal, fit,
-optimizer, buildbatch, shipbatch, packed_attention, and asyncsim (the async step replayed on a decode curve)."""
+"""Standing yardsticks, each `python -m colo.bench.<name>` with its baseline measured in the same run
+(docs/benchmarks.md): sync (the weight sync against the paths in yardsticks.py, on the actor subclasses of
+engines.py), step (whole RL steps at long-tail lengths: lengths.py draws them, stepreward.py scores them, spread.py
+and combine.py give a ratio's median and spread), rollout, decode and routing. Answered one-off experiments live in
+tools/experiments/, outside the package."""

@@ -50,7 +50,7 @@ TOKEN_ID_LIMIT = 512  # the presets' tokenizer vocabulary: every id below it is 
 # name: (a seed per request, logprobs=0, detokenize, what it is). "colo" samples as colo's single-turn engines do.
 VARIANTS = {"colo": (True, True, False, "as colo's engines sample: a seed per request, the sampled token's log-prob, "
                                        "detokenize=False (colo.rollout.engine.DETOKENIZE)"),
-            "detok": (True, True, True, "colo with vLLM's default detokenize=True (colo before 2026-11-26)"),
+            "detok": (True, True, True, "colo with vLLM's default detokenize=True (colo before 24b2e60)"),
             "no-logprobs": (True, False, False, "colo without log-probs"),
             "no-seed": (False, True, False, "colo without per-request seeds"),
             "bare": (False, False, False, "none of them: vLLM's cheapest sampling")}

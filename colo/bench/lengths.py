@@ -1,5 +1,6 @@
-"""The long-tail response lengths the step benchmarks impose (colo.bench.step's engines, colo.bench.packed_attention's
-packed rows); torch-free, so a bench can draw them without importing vLLM or Ray.
+"""The long-tail response lengths the step benchmarks impose (colo.bench.step's engines, colo.bench.decode's
+workload, tools.experiments.packed_attention's packed rows); torch-free, so a bench can draw them without importing
+vLLM or Ray.
 
     response_length(seed, max_tokens)                                  # iid: a function of the sample's seed
     LengthModel("per-prompt", rho=0.7).length(seed, max_tokens, prompt_ids)   # samples of one prompt correlate

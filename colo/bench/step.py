@@ -74,7 +74,7 @@ The comparison owns its setting: an override of KEY is refused. --no-packing mea
 The trainer settings that take `auto` (trainer.offload, optimizer_offload, compile, gradient_checkpointing,
 gather_once, max_tokens_per_micro_batch) are resolved for the job on this GPU as colo.launch resolves them
 (colo.plan.auto; their table on stderr, the JSON's "auto"); an override keeps its value, and so does the key a
---compare measures. On one H200 the L12 slice gets the hand-tuned settings of docs/benchmarks.md's train-MFU figures
+--compare measures. On one H200 the L12 slice gets the hand-tuned settings of docs/benchmarks.md's L12 figures
 with no trainer override but trainer.optimizer_dtype=bfloat16 (a numerics choice, never auto's).
 Arguments are parsed before torch, Ray or vLLM are imported.
 """
@@ -138,8 +138,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--max-tokens", type=int, help="longest response (cpu 64, cuda 4096); median a quarter of it")
     ap.add_argument("--lengths", choices=LENGTH_MODELS, default="iid",
                     help="how response lengths are drawn (colo.bench.lengths; both lognormal, median max/4, 5%% cut at "
-                    "max_tokens): iid, each sample from its own seed (the default, as every figure before "
-                    "2026-11-26's sixth session); per-prompt, the samples of one prompt correlated (--length-rho)")
+                    "max_tokens): iid, each sample from its own seed (the default; a figure that used per-prompt says so); "
+                    "per-prompt, the samples of one prompt correlated (--length-rho)")
     ap.add_argument("--length-rho", type=float, help="with --lengths per-prompt: the correlation of log lengths "
                     "within a prompt, in [0, 1] (default 0.7, an assumption: prompt difficulty drives most of the "
                     "length variance in RL on reasoning tasks; 0 is iid's draws, 1 one length per prompt)")

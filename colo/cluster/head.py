@@ -4,7 +4,7 @@
                       # GCS address of a cluster it joined
     check_head()      # before every call into the actors (colo.cluster.actors.gather): raises HeadLost, once
 
-Measured (Ray 2.60, CPU, 2026-11-28): with the run's gcs_server and raylet killed, the actors it already holds
+Measured (Ray 2.60, CPU): with the run's gcs_server and raylet killed, the actors it already holds
 keep answering, so the run went on, its steps ~2x slower, and exited 0; but nothing can be started, placed or
 restarted any more, the next actor failure is final, and Ray's core worker ends the driver ~60 s later ("Failed
 to connect to GCS within 60 seconds"). So the first call after the loss raises HeadLost, the loop saves the last

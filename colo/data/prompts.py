@@ -232,7 +232,7 @@ def load_tokenizer(path: str | os.PathLike, **kwargs: Any) -> Any:
     tokenizer_config.json names transformers' generic fast tokenizer (colo's tiny models, Llama 3, ...) and no
     remote code, that class is loaded directly: AutoTokenizer picks the same class, but first imports
     transformers' model-config and generation machinery, ~3 CPU-s of every driver's start-up (measured with torch
-    already imported, 2-core CI machine, 2026-11-26). Any other tokenizer goes through AutoTokenizer."""
+    already imported, on a 2-core machine). Any other tokenizer goes through AutoTokenizer."""
     try:
         named = json.loads((Path(path) / "tokenizer_config.json").read_text())
     except (OSError, ValueError):

@@ -13,8 +13,8 @@ never sees a marker over mixed files.
 
 does the same through a per-user cache ($XDG_CACHE_HOME/colo/models, else ~/.cache/colo/models): the first
 build of a marker is kept there and later calls copy its files (byte-identical) instead of building again.
-Building a tiny preset imports transformers' modeling code and initializes the model (~5 CPU-s, measured
-2026-11-26 on the 2-core machine); every `python -m colo.launch` of a tiny config paid it, the test suite ~35
+Building a tiny preset imports transformers' modeling code and initializes the model (~5 CPU-s on a
+2-core machine); every `python -m colo.launch` of a tiny config paid it, the test suite ~35
 times. A cache entry is keyed by the marker, the versions of the packages that write the bytes and the writer's
 source files, so an upgrade or an edit builds a fresh one; a cache that cannot be written is skipped.
 """

@@ -90,7 +90,7 @@ PRESETS: dict[str, dict] = {
     ),
     # the tiny model with the tool tokenizer (<tool_call> tokens, calc conversations in its BPE corpus)
     "tiny-tools": dict(),
-    # the tiny model in whole 128x128 blocks, for FP8 rollout (tests/gpu/test_fp8_gpu.py, colo.bench.fp8probe):
+    # the tiny model in whole 128x128 blocks, for FP8 rollout (tests/gpu/test_fp8_gpu.py, tools.experiments.fp8probe):
     # hidden 256, the experts' intermediate 128, q 2 x 128, k and v 1 x 128
     "tiny-fp8": dict(
         _QWEN3_30B_A3B,

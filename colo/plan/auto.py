@@ -28,11 +28,12 @@ from colo.plan.settings import PLAIN, Settings, auto_keys, get, with_values
 
 HEADROOM = 0.10
 """Share of the GPU an auto choice leaves free beyond the plan: the plan's figures are calibrated within +-15% each
-(docs/benchmarks.md, "Memory plan: calibration"), and the L12 slice gathered once reserved 130.1 GiB (13th session,
-PD) and 137.1 GiB with one allocator retry (12th, N2) where the plan counts 122.4. A setting the user gives is checked
-against the whole GPU."""
+(docs/benchmarks.md, "Memory plan: calibration"), and the L12 slice gathered once reserved 130.1 GiB, and 137.1 GiB
+with one allocator retry, where the plan counts 122.4 (that table's "L12 on the fast path" row). A setting the user
+gives is checked against the whole GPU."""
 COMPILED_ARCHS = ("Qwen3MoeForCausalLM",)
-"""Families whose trainer has run compiled (trainer.compile) on a GPU: the qwen3-30b-a3b slices, 6th-14th sessions."""
+"""Families whose trainer has run compiled (trainer.compile) on a GPU: the qwen3-30b-a3b slices (docs/benchmarks.md,
+"Step throughput and MFU")."""
 CPU_WHY = {
     "trainer.offload": "CPU: as CPU runs have always run (the copies stay in host memory there)",
     "trainer.optimizer_offload": "CPU: host and device memory are the same",

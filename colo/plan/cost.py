@@ -1,9 +1,10 @@
-"""What the trainer's settings cost per RL step, in seconds, from the figures measured on GPUs (docs/benchmarks.md).
+"""What the trainer's settings cost per RL step, in seconds, from the figures measured on GPUs (docs/benchmarks.md,
+"The cost model's inputs": each constant below, its figure, command, card, date and commit).
 
     step_seconds(model_shape(config_json), settings)   # {"passes": 4.1, "host copies": 0.0, "optimizer": 0.69, ...}
 
 colo.plan.auto ranks the settings that fit by the sum. It is an estimate for ranking, not a prediction: each
-factor is a ratio measured in one run on one card (the call named beside it), and the absolute scale (tokens per
+factor is a ratio measured in one run on one card (its row in that table), and the absolute scale (tokens per
 step, achieved FLOP/s) only matters where a setting trades compute against copies over PCIe. Pure: no torch.
 
 The train phase of one rank, per RL step:
@@ -25,34 +26,34 @@ PEAK_FLOPS = 989e12
 """Dense bf16 tensor-core peak of an H100 SXM / H200 (colo.bench.step.PEAK_BF16): the only scale measured."""
 COMPUTE_MFU = 0.381
 """Model FLOPs over the passes' seconds at the best measured settings: compiled, gathered once, 32,768-token
-micro-batches, no recompute: 38.1% (7th session, call A: qwen3-30b-a3b-L4 on 1xH200)."""
+micro-batches, no recompute: 38.1% (qwen3-30b-a3b-L4 on one H200, trainer state resident)."""
 EAGER = 1.82
-"""Passes eager / compiled: log-prob pass + update 4.18 s eager against 2.30 s compiled, one run (call A; the train
-phase 1.74x)."""
+"""Passes eager / compiled: log-prob pass + update 4.18 s eager against 2.30 s compiled, one run (COMPUTE_MFU's; the
+train phase 1.74x)."""
 PER_MICRO_GATHER = 1.075
-"""Update gathering each FSDP unit per micro-batch / once per pass: 4.41 s against 4.10 s (12th session, N1 and
-N2), 4.36 against 4.06 (13th, PC and PB), the L12 slice compiled on 1xH200. Nothing to save with one micro-batch."""
+"""Update gathering each FSDP unit per micro-batch / once per pass: 4.41 s against 4.10 s on one card, 4.36 against
+4.06 on another, the L12 slice compiled on one H200. Nothing to save with one micro-batch."""
 RECOMPUTE = 4 / 3
 """Update with trainer.gradient_checkpointing / without: backward runs each layer's forward again, a fourth forward's
-worth to forward + backward's three (11th session, M2: ~1.1 s of the 4.39-s update)."""
+worth to forward + backward's three (~1.1 s of a 4.39-s L12 update on one H200)."""
 MICRO_HALF = 17_150
 """Tokens: a pass's time per token goes as 1 + MICRO_HALF / (micro-batch tokens) (per-micro-batch work: the
-expert GEMMs' small groups, launches, FSDP's hooks). Fitted on the compiled L12 update on 1xH200: 8,192 tokens 6.45
-s (M3), 12,288 tokens 5.19 s (N3), 32,768 tokens ~3.3 s (N1's 4.41 s less its ~1.1 s of recompute); the fit gives
-6.70 s at 8,192."""
+expert GEMMs' small groups, launches, FSDP's hooks). Fitted on the compiled L12 update on one H200: 8,192 tokens
+6.45 s, 12,288 tokens 5.19 s, 32,768 tokens ~3.3 s (4.41 s less its ~1.1 s of recompute); the fit gives 6.70 s at
+8,192."""
 MEASURED_MICRO = (4096, 8192, 16384, 32768)
-"""The token budgets auto chooses among: up to the largest measured (32,768: 11th-14th sessions); beyond it the
-factor above is an extrapolation."""
+"""The token budgets auto chooses among: up to the largest measured (32,768); beyond it the factor above is an
+extrapolation."""
 HOST_BYTES_PER_S = 46e9
-"""trainer.offload's copies, each way: 30.2 GiB off in 0.61 s and back in 0.65 s (colo.trainer.offload, 1xH100),
-the L12 slice's 32.4 GB back in 0.70 s (11th session, M2)."""
+"""trainer.offload's copies, each way: 30.2 GiB off in 0.61 s and back in 0.65 s (colo.trainer.offload, one H100),
+the L12 slice's 32.4 GB back in 0.70 s in an RL step (one H200)."""
 OPTIM_HOST_BYTES_PER_S = 47e9
 """trainer.optimizer_offload's step: the AdamW state streamed in and out at once, 32.4 GB each way in 0.69 s by pieces
-of 32M elements (13th session, PD; 0.682 s alone, PE)."""
+of 32M elements in an RL step (0.682 s alone)."""
 OPTIM_GPU_S_PER_PARAM = 0.15 / 3.11e9
-"""The optimizer step with its state on the GPU: 0.15 s for qwen3-30b-a3b-L4's 3.11B parameters (call A)."""
+"""The optimizer step with its state on the GPU: 0.15 s for qwen3-30b-a3b-L4's 3.11B parameters (one H200)."""
 COMPILE_S = 55.0
-"""trainer.compile's first step: 52.2 s (call A), 52.6 s (N1), 57 s (M2) of compile in the first warm-up step."""
+"""trainer.compile's first step: 52.2 s (L4), 52.6 s and 57 s (L12) of compile in the first warm-up step."""
 SAMPLE_FILL = 0.34
 """Mean trained tokens per sample / rollout.max_model_len: 188,741 tokens in 128 samples of 4,352 (colo.bench.step's
 long tail: median response max_tokens / 4, 5% cut at max_tokens). A real task's lengths are its own."""

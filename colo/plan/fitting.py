@@ -17,7 +17,8 @@ def ways_to_fit(config_json: dict[str, Any], s: Settings, gpu_bytes: float, limi
     """Change sets (dotted config keys) that the plan accepts, cheapest first; each one is planned, not guessed. A
     set that adds changes to an accepted one is left out.
 
-    Cost order, from the per-step costs measured in docs/benchmarks.md ("Ways to fit"): the vLLM fraction
+    Cost order, from the per-step costs measured in docs/benchmarks.md ("What each trainer setting buys", and
+    "Answered experiments": the ways to fit): the vLLM fraction
     (free while the KV cache holds one sequence), trainer.offload, gradient checkpointing (recompute), a
     smaller micro batch, optimizer state on the host, bf16 optimizer state, and last more GPUs (the
     experts must divide by the count)."""

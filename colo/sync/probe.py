@@ -34,13 +34,13 @@ ENGINE_TOPK = 8  # the engine's top-k next tokens compared per position
 TRAINER_TOPR = 64  # the trainer's top-r next tokens sent to the driver (the engine's top-k lie inside them)
 TRACE_DIM = 16  # width of the random basis a sublayer's output is projected on
 TOLERANCE = {"float32": 0.02, "bfloat16": 0.15, "float16": 0.1, "fp8": 0.3}
-"""Median per-position relative error allowed. Measured with a correct sync (2026-11-28): float32 3e-7 to 2.4e-6 (the default job), bfloat16 0.008 to 0.012 (the nine CPU
-families), 0.013 and 0.018 on an H200 (the L12 slice; the whole Qwen3-30B-A3B with LoRA); with the post-load refresh
-skipped: 1.16 (DeepSeek-V3). "fp8"
-(rollout.quantization=fp8: an FP8 engine against the bf16 trainer): FP8's rounding alone measures 0.054-0.081 with
-the weights rounded and 0.074-0.096 with W8A8's activations rounded too (`python -m colo.bench.fp8probe`, the tiny
-and tiny-fp8 presets, 3 seeds each, CPU, 2026-11-28), a stale engine >= 2.5: 0.3 is three times FP8's worst on top
-of bf16's kernel differences (<= 0.02), and well below what a skipped refresh or a stale engine measures."""
+"""Median per-position relative error allowed (docs/benchmarks.md, "Verification: cost and noise"). With a correct
+sync: float32 3e-7 to 2.4e-6 (the default job), bfloat16 0.008 to 0.012 (the nine CPU families), 0.013 and 0.018 on
+an H200 (the L12 slice; the whole Qwen3-30B-A3B with LoRA); with the post-load refresh skipped: 1.16 (DeepSeek-V3).
+"fp8" (rollout.quantization=fp8: an FP8 engine against the bf16 trainer): FP8's rounding alone measures 0.054-0.081
+with the weights rounded and 0.074-0.096 with W8A8's activations rounded too (`python -m tools.experiments.fp8probe`,
+the tiny and tiny-fp8 presets, 3 seeds each, CPU), a stale engine >= 2.5: 0.3 is three times FP8's worst on top of
+bf16's kernel differences (<= 0.02), and well below what a skipped refresh or a stale engine measures."""
 
 
 def tolerance_key(model_dtype: str, quantization: str = "none") -> str:

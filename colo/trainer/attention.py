@@ -15,10 +15,10 @@ two kernels (`packed_attention`):
   cumulative sample offsets, GQA in the kernel.
 - `per_sample` (CPU, or a torch without varlen): SDPA once per sample with is_causal=True on views of q, k, v.
   On CUDA it leaves cuDNN's SDPA out: cuDNN builds (and caches) an execution graph per distinct shape, and every
-  sample of a long-tail batch has a length of its own, so each call paid a graph build on the host. Measured on
-  an H200 (2026-11-25, colo.bench.step at 4k): the packed train phase's kernels ran 5.2 s of its 34.5 s, the host
-  the rest, and packing lost to the padded path (whose rows all have one length); colo.bench.packed_attention measures
-  the three choices against each other.
+  sample of a long-tail batch has a length of its own, so each call paid a graph build on the host, and packing lost
+  to the padded path (whose rows all have one length) at 4k. Per 8,192-token row one varlen call took 3.76 ms, per-
+  sample SDPA as torch picks it 499.6 ms, with cuDNN left out 4.24 ms (docs/benchmarks.md, "Answered experiments",
+  on an H100).
 `colo_bounds` (the samples' start offsets and the row length, host ints: no device sync per layer) reach the
 attention function through transformers' **kwargs (model -> decoder layer -> self_attn -> attention interface).
 Without them (padded rows, attention_mask given) it is transformers' own sdpa, mask and all: the mask function
@@ -75,7 +75,7 @@ class Bounds:
 
     A tuple of ints reaching a compiled decoder layer is guarded on its length (and the ints on their values), so
     each new sample count per row recompiled the layer: the tiny model hit dynamo's recompile limit in its first
-    step (measured, 2026-11-26). This object is only handed on to _attention, which dynamo does not trace."""
+    step. This object is only handed on to _attention, which dynamo does not trace."""
 
     __slots__ = ("offsets",)
 

@@ -3,11 +3,12 @@
     parallelize(model, mesh, compile_backend="inductor")   # compile_layers(layers) before fully_shard
     compile_stats()                                         # frames, graphs, graph breaks, compile seconds
 
-Why: on an H100 the train phase's kernels were 60% elementwise and 19% matmul (colo.bench.step --profile,
-qwen3-30b-a3b-L4 at 4k, 2026-11-26): fp32 RMSNorms, rotary, the router's softmax / top-k, the experts' SiLU, each
+Why: on an H100 the eager train phase's kernels were 60% elementwise and 19% matmul (a `colo.bench.step --profile`
+of qwen3-30b-a3b-L4 at 4k): fp32 RMSNorms, rotary, the router's softmax / top-k, the experts' SiLU, each
 a kernel of its own that reads and writes the whole activation. Inductor fuses them per graph. The log-prob chunks'
 math, the rest of that elementwise work, is compiled in colo.algo.logprobs (parallelize hands it the backend).
-Measured: the train phase 1.51x, train MFU 13.1% -> 19.8% on an H100 (docs/benchmarks.md).
+Measured against eager in one run: the train phase 1.51x on an H100, 1.74x on an H200 (docs/benchmarks.md, "What
+each trainer setting buys").
 
 How, after torchtitan's apply_compile: each decoder layer is compiled in place (`layer.compile()`: parameter
 names stay those of the checkpoint and the sync) before fully_shard, so FSDP2's hooks run outside the graphs
@@ -20,7 +21,8 @@ Shapes: packed micro-batches have a token count of their own each. dynamo's auto
 graph once for the first count and once more with the count symbolic, then reuse it: no padding of the row,
 a bounded number of compiles (compile_stats counts them), all in the first step on a GPU since colo.algo.packing
 spreads each step's tokens evenly over its micro-batches: a small remainder micro-batch used to fail a guard of the
-symbolic graphs and recompile every layer in later steps (docs/benchmarks.md, fourteenth session). dynamic=True from the start was slower to compile
+symbolic graphs and recompile every layer in later steps (docs/benchmarks/2026-11-27-l12-train-phase.md).
+dynamic=True from the start was slower to compile
 (the tiny model on 2 shared CPU cores, one run each: 42 s against 18 s for the first step).
 """
 from __future__ import annotations

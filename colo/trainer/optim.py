@@ -15,7 +15,8 @@
   state host <-> device once per RL step when trainer.offload=true; with the state on the host that
   traffic moves into the optimizer step instead, and the GPU never holds more than two pieces' state.
   On CUDA the copies overlap the math: piece i+1's state comes in on one stream and piece i-1's goes
-  out on another while piece i's update runs (colo.bench.optimizer measures it against the serial loop).
+  out on another while piece i's update runs: 2.26x the serial loop on the L12 slice's state (docs/benchmarks.md,
+  "What each trainer setting buys").
   colo.trainer.offload leaves such state where it is (`keeps_state_on_host`).
 
 State tensors keep the parameter's DTensor sharding (a DTensor around the local shard, wherever it lives),
@@ -110,7 +111,7 @@ class StreamedAdamW(torch.optim.Optimizer):
                  device: torch.device = torch.device("cpu")) -> None:
         super().__init__(params, dict(lr=lr, weight_decay=weight_decay, betas=betas, eps=eps))
         self.state_dtype, self.keeps_state_on_host, self.device = state_dtype, on_host, device
-        self.piece_elements = SLICE  # colo.bench.optimizer's "whole" yardstick sets it past every parameter
+        self.piece_elements = SLICE  # tools.experiments.optimizer's "whole" yardstick sets it past every parameter
         self._gen: dict[torch.device, torch.Generator] = {}
         # torch's load_state_dict casts every state tensor to its param's dtype and device (fp32, the GPU):
         # put a resumed state back where and how this optimizer keeps it

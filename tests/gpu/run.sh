@@ -7,7 +7,7 @@
 #   STEPS="bench loop" bash tests/gpu/run.sh 580    # a subset (a device call runs at most 10 minutes)
 #
 # Steps (STEPS, default all, in this order): attention (only when named) = test_attention_gpu.py, then
-# colo.bench.packed_attention (packed-row kernels; its JSON line ends attention.log); colocated = test_colocated.py (1 GPU); ipc =
+# tools.experiments.packed_attention (packed-row kernels; its JSON line ends attention.log); colocated = test_colocated.py (1 GPU); ipc =
 # test_ipc_alloc.py (CUDA IPC under expandable segments); dpep = test_dpep.py (2 GPUs, skips with
 # fewer); bench = python -m colo.bench.sync over every GPU: the full qwen3-30b-a3b on 4 or more,
 # else qwen3-30b-a3b-L12 on up to 2 (BENCH_ARGS replaces the arguments; vLLM's own IPC engine is timed
@@ -28,14 +28,14 @@
 # (default colo,detok,bare), DECODE_ARGS adds arguments; the JSON line lands in $OUT/decode.json (only when named).
 # compile = colo.bench.step --compare=trainer.compile=true,false (trainer.compile on, then off; COMPILE_ARGS adds
 # overrides, e.g. trainer.gather_once=true; BENCH_WARMUP warm-up steps, 1 by default: the compile runs in them).
-# optim = colo.bench.optimizer: StreamedAdamW's host-state step (by pieces, copies overlapped) against the serial loop
+# optim = tools.experiments.optimizer: StreamedAdamW's host-state step (by pieces, copies overlapped) against the serial loop
 # and against each parameter stepped whole,
 # bit-identical first (OPTIM_ARGS replaces the arguments; default the L12 slice's parameters, bf16 state), then
 # tests/gpu/test_optim_gpu.py (only when named).
 # one = colo.bench.step with no comparison: one variant alone, ONE_ARGS its overrides (only when named), for a slice
 # whose two variants do not fit one call. BENCH_PRESET picks the slice of step/async/gather/compile/one (default
 # qwen3-30b-a3b-L4; qwen3-30b-a3b-L12 fits one H200 with trainer.optimizer_offload=true, and with gather_once too
-# when trainer.offload=false: docs/benchmarks.md, twelfth session, call N2). Every bench_step run starts from
+# when trainer.offload=false: docs/benchmarks.md, "Step throughput and MFU"). Every bench_step run starts from
 # BENCH_BASE (default `trainer.optimizer_dtype=bfloat16 trainer.max_tokens_per_micro_batch=8192`, the figures' base
 # since 2026-11-25); BENCH_BASE=trainer.optimizer_dtype=bfloat16 leaves the micro-batch, like the other trainer
 # settings that take auto, to colo.plan.auto (the L12 slice on one H200 then runs the hand-tuned fast path).
@@ -102,11 +102,11 @@ STEPS=${STEPS:-colocated ipc dpep routing bench loop}  # and: attention, rollout
 # one, optim, fp8, fp8step
 want() { case " $STEPS " in *" $1 "*) return 0;; *) return 1;; esac; }
 
-# attention = the packed-row attention kernels against per-sample SDPA (test + colo.bench.packed_attention; no vLLM)
+# attention = the packed-row attention kernels against per-sample SDPA (test + tools.experiments.packed_attention; no vLLM)
 want attention && step attention 150 bash -c "'$PY' -m pytest --noconftest tests/gpu/test_attention_gpu.py -q -p no:cacheprovider \
-    && '$PY' -m colo.bench.packed_attention --device cuda --json"
+    && '$PY' -m tools.experiments.packed_attention --device cuda --json"
 # optim = the optimizer step with its state on the host, overlapped against serial (no vLLM, no Ray)
-want optim && step optim 240 bash -c "'$PY' -m colo.bench.optimizer ${OPTIM_ARGS:---preset qwen3-30b-a3b-L12 --device cuda --json} \
+want optim && step optim 240 bash -c "'$PY' -m tools.experiments.optimizer ${OPTIM_ARGS:---preset qwen3-30b-a3b-L12 --device cuda --json} \
     && '$PY' -m pytest --noconftest tests/gpu/test_optim_gpu.py -q -p no:cacheprovider"
 want colocated && step pytest-colocated 420 "$PY" -m pytest tests/gpu/test_colocated.py -x -q -s -p no:cacheprovider
 want ipc && step pytest-ipc 90 "$PY" -m pytest tests/gpu/test_ipc_alloc.py -x -q -s -p no:cacheprovider
@@ -158,7 +158,7 @@ fi
 # The whole RL step at 4k-token long-tail lengths, one run of colo.bench.step with two variants (1 GPU): 4 layers of
 # Qwen3-30B-A3B (3.1B params, random weights). The memory plan (checked by the bench) fits one H100 with bf16 AdamW
 # state and 8192 packed tokens per micro-batch: train phase 73.6 of 79.2 GiB. The JSON line is the last line of
-# $OUT/NAME.json (docs/benchmarks.md, "The whole RL step").
+# $OUT/NAME.json (docs/benchmarks.md, "Step throughput and MFU").
 bench_step() {  # bench_step NAME WARMUP COMPARE_FLAG [OVERRIDES...]
   local name=$1 warmup=$2 flag=$3; shift 3
   local t=$(left); [ "$t" -gt 590 ] && t=590

@@ -10,7 +10,7 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUD
 
 @pytest.mark.parametrize("state_dtype", ["bfloat16", "float32"])
 def test_streamed_host_step_equals_the_serial_loop(state_dtype: str) -> None:
-    from colo.bench.optimizer import bit_identical, parse_args
+    from tools.experiments.optimizer import bit_identical, parse_args
 
     args = parse_args(["--preset", "qwen3-30b-a3b-L2", "--device", "cuda", "--state-dtype", state_dtype])
     assert bit_identical(args, torch.device("cuda"), limit=256 << 20)

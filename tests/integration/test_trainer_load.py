@@ -1,6 +1,6 @@
 """colo.trainer.load: each rank reads its own rows of a multi-file checkpoint, bit-identical to the rank-0 path.
 
-Real FSDP2 over gloo in 2 spawned processes (colo.bench.loadmem's worker): per rank, a model loaded the old
+Real FSDP2 over gloo in 2 spawned processes (tools.experiments.loadmem's worker): per rank, a model loaded the old
 way (rank 0 from_pretrained fp32 + set_model_state_dict broadcast) and one loaded by load_sharded must hold
 the same bytes in every local shard. The checkpoint has an uneven expert split (5 experts on 2 ranks),
 an odd vocabulary (uneven dim-0 shards) and is cut into several safetensors files.
@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from colo.bench.loadmem import run_ranks, write_checkpoint
+from tools.experiments.loadmem import run_ranks, write_checkpoint
 
 UNEVEN = {"num_experts": 5, "vocab_size": 515}
 

@@ -1,3 +1,4 @@
+import numpy as np
 import pytest
 import torch
 
@@ -112,3 +113,22 @@ def test_mask_truncated_drops_only_length_stopped_samples_from_the_loss():
     torch.testing.assert_close(dropped["loss_mask"], torch.tensor([[0., 0., 1., 1., 0.], [0.] * 5]))
     for key in ("input_ids", "attention_mask", "advantages", "rollout_logprobs"):
         assert torch.equal(kept[key], dropped[key]), key  # still in the batch, just no loss
+
+
+def test_wire_format_round_trips_a_batch() -> None:
+    from colo.algo.batch import from_wire, to_wire
+
+    batch = {"input_ids": torch.arange(6).view(2, 3), "loss_mask": torch.ones(2, 3),
+             "routed": torch.zeros(2, 3, 4, dtype=torch.uint8), "bf16": torch.ones(2, dtype=torch.bfloat16),
+             "note": "kept"}
+    wire = to_wire(batch)
+    assert isinstance(wire["input_ids"], np.ndarray) and torch.is_tensor(wire["bf16"]) and wire["note"] == "kept"
+    for a in wire.values():  # Ray hands arrays over read-only: from_wire must not keep them
+        if isinstance(a, np.ndarray):
+            a.setflags(write=False)
+    back = from_wire(wire)
+    for k, v in batch.items():
+        assert back[k] == v if k == "note" else (torch.equal(back[k], v) and back[k].dtype == v.dtype), k
+    back["loss_mask"][0, 0] = 5.0  # a tensor of its own: writable, and the wire's array is untouched
+    assert wire["loss_mask"][0, 0] == 1.0
+    assert all(from_wire(back)[k] is back[k] for k in back)  # tensors pass as they are

@@ -129,6 +129,30 @@ def test_every_module_has_a_floor_and_imports_none_above_it() -> None:
     assert not up, "upward imports:\n  " + "\n  ".join(up)
 
 
+def imports_outside(prefix: str) -> list[str]:
+    """Every `import X` / `from X import` in colo/ whose X is `prefix` or below it, as "module -> X" (lazy and
+    TYPE_CHECKING imports included: a product module may not even name an experiment's types)."""
+    found = []
+    for path in PKG.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and not node.level:
+                names = [node.module or ""]
+            else:
+                continue
+            found += [f"{module_name(path)} -> {n}" for n in names if n == prefix or n.startswith(prefix + ".")]
+    return sorted(found)
+
+
+def test_colo_never_imports_tools() -> None:
+    """tools/ (answered experiments) is built on colo, never the reverse: the product runs without it, and an
+    experiment can be deleted without touching colo/."""
+    assert (ROOT / "tools" / "experiments").is_dir()  # the walk below looks for something that exists
+    assert not imports_outside("tools"), "colo imports tools/: " + ", ".join(imports_outside("tools"))
+    assert imports_outside("colo.sync")  # the walk sees colo's own imports
+
+
 def test_no_two_modules_share_a_file_name() -> None:
     """`colo/algo/routing.py` and `colo/rollout/routing.py` read alike in tracebacks and `git log`; every module
     file name says which module it is (package __init__/__main__ aside)."""

@@ -46,7 +46,7 @@ def test_parameters_match_transformers(family: str) -> None:
 
 
 def test_plan_is_calibrated_within_15_percent() -> None:
-    from colo.bench.memcal import table
+    from tools.experiments.memcal import table
 
     rows = table()
     assert len(rows) >= 20
@@ -72,10 +72,7 @@ def test_shipped_config_fits_its_plan(path: Path) -> None:
     plan = plan_memory(model, Settings.from_config(cfg), parse_gpu_memory(cfg.placement.gpu_memory))
     assert plan.fits, plan.table()
     assert plan.kv_tokens >= Settings.from_config(cfg).batch_seqs * cfg.rollout.max_model_len / 4
-    # the plan table in the config's comment is this plan
-    text = path.read_text()
-    for phase in plan.phases:
-        assert f"{plan.total(phase) / GiB:.2f}" in text, (phase, plan.table())
+    assert "--dry-run" in path.read_text()  # the config's comment says how to see this plan, rather than pasting it
 
 
 def test_plan_without_gpu_size_says_how_to_check() -> None:

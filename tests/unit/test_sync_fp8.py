@@ -202,9 +202,9 @@ def test_attention_left_in_bf16_needs_no_scale() -> None:
 
 
 def test_fp8_rounding_stays_inside_its_tolerance_and_a_stale_engine_does_not(tmp_path) -> None:
-    """TOLERANCE["fp8"] (colo.sync.probe) against what colo.bench.fp8probe measures on one tiny-fp8 model: FP8's
+    """TOLERANCE["fp8"] (colo.sync.probe) against what tools.experiments.fp8probe measures on one tiny-fp8 model: FP8's
     rounding of weights and activations well inside it, the weights of another model far outside."""
-    from colo.bench.fp8probe import measure, parse_args
+    from tools.experiments.fp8probe import measure, parse_args
     from colo.sync.probe import TOLERANCE
 
     out = measure(parse_args(["--preset", "tiny-fp8", "--seeds", "1", "--workdir", str(tmp_path)]))

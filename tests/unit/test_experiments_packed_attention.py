@@ -1,8 +1,8 @@
-"""python -m colo.bench.packed_attention on CPU: each kernel's time against per-sample SDPA on the same packed rows,
-and each variant equal to it (outputs and gradients)."""
+"""python -m tools.experiments.packed_attention on CPU: each kernel's time against per-sample SDPA on the same
+packed rows, and each variant equal to it (outputs and gradients)."""
 import json
 
-from colo.bench.packed_attention import main, row_lengths, parse_args
+from tools.experiments.packed_attention import main, row_lengths, parse_args
 
 
 def test_rows_are_long_tail_and_fill_the_budget() -> None:

@@ -1,7 +1,7 @@
 """The memory plan (colo.plan.memory) against every GPU memory figure measured so far: one table, with errors.
 
-    python -m colo.bench.memcal            # markdown table: point, measured GiB, plan GiB, error
-    python -m colo.bench.memcal --json
+    python -m tools.experiments.memcal            # markdown table: point, measured GiB, plan GiB, error
+    python -m tools.experiments.memcal --json
 
 The measured figures are those of docs/benchmarks.md (each row names its section); nothing here runs a
 GPU. "fit" marks the figures a calibrated constant of colo.plan.memory was fitted on (the error there says
@@ -51,7 +51,7 @@ def _after_sync(gpu: str) -> float:
 
 
 def _bench(layers: int, gc: bool, what: str) -> float:
-    """colo.bench.trainmem on one rank, one micro-batch of 1 x 4096 tokens, no sync buffers."""
+    """tools.experiments.trainmem on one rank, one micro-batch of 1 x 4096 tokens, no sync buffers."""
     cfg = dict(L2, num_hidden_layers=layers, max_window_layers=layers)
     s = Settings.of({"placement.num_gpus": 1, "placement.vllm_gpu_fraction": 0.3, "trainer.micro_batch_size": 1,
                      "rollout.max_model_len": 4096, "trainer.packing": False, "trainer.gradient_checkpointing": gc,

@@ -1,16 +1,16 @@
 """Does a batch of stale tokens train slower than a fresh one of the same shapes? One trainer, the two batches in turn.
 
-    python -m colo.bench.stalebatch --json                                           # CPU, the tiny model
-    python -m colo.bench.stalebatch --preset qwen3-30b-a3b-L4 --device cuda --json   # one GPU, random weights
+    python -m tools.experiments.stalebatch --json                                           # CPU, the tiny model
+    python -m tools.experiments.stalebatch --preset qwen3-30b-a3b-L4 --device cuda --json   # one GPU, random weights
 
 Why (issue 47): on one H200 the async step's train phase took 1.46 s where sync's took 1.17 s for the same token
 count. An async batch differs from a sync one in its values only where staleness reaches: the behaviour log-probs
 (vLLM's, from older weights: the TIS weights move away from 1 and some are truncated at algo.tis_cap) and the
-advantages; its shapes are the trainer's business (colo.bench.asyncsim --shapes). So this builds one batch of long-tail
-samples (colo.bench.lengths), scores it with the policy, and trains it twice per round with lr 0 (the weights never
+advantages; its shapes are the trainer's business (tools.experiments.asyncsim --shapes). So this builds one batch
+of long-tail samples (colo.bench.lengths), scores it with the policy, and trains it twice per round with lr 0 (the weights never
 move): once with behaviour log-probs next to the policy's (fresh: noise 0.01), once far from them (stale: noise 0.8),
 in alternating order, and reports the median train_step seconds and process CPU seconds of each and their ratio.
-Measured 2026-11-28 on the 2-core CPU machine (tiny, 64 samples, 14,603 tokens): stale / fresh 0.990 and 1.015 in two
+Measured on the 2-core CPU machine (tiny, 64 samples, 14,603 tokens): stale / fresh 0.990 and 1.015 in two
 runs (CPU time alike).
 In-process (colo.trainer.worker.Trainer, world size 1): no Ray, no vLLM.
 """
@@ -27,7 +27,7 @@ from pathlib import Path
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(prog="python -m colo.bench.stalebatch", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m tools.experiments.stalebatch", description=__doc__.splitlines()[0])
     ap.add_argument("--preset", default="tiny", help="a colo.models.tiny preset (random weights beyond tiny)")
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     ap.add_argument("--samples", type=int, default=64)

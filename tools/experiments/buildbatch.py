@@ -2,13 +2,13 @@
 shaped like a step's, with torch's intra-op threads as they are against one thread, on an idle host and with
 `--busy` cores kept busy by spinning processes, in one run.
 
-    python -m colo.bench.buildbatch --json                    # 128 samples of the L12 slice's shape, R3 ids
-    python -m colo.bench.buildbatch --busy 1 --samples 32 --json
+    python -m tools.experiments.buildbatch --json                    # 128 samples of the L12 slice's shape, R3 ids
+    python -m tools.experiments.buildbatch --busy 1 --samples 32 --json
 
-Why: on the GPU host of 2026-11-27's calls PA-PD the train phase spent 0.13-1.02 s in timing/batch_s, changing from
-step to step, where the same build with synthetic samples took 0.07-0.12 s on that host alone. The build is many
-small copies (a few per sample), and every parallel one waits for its slowest thread: on a host whose other cores
-run the trainer, the engines and Ray, one descheduled thread stalls each of them. This measures that mechanism.
+Why: on an H200 host the L12 slice's train phase spent 0.13-1.02 s in timing/batch_s, changing from step to step,
+where the same build with synthetic samples took 0.07-0.12 s on that host alone. The build is many small copies (a
+few per sample), and every parallel one waits for its slowest thread: on a host whose other cores run the trainer,
+the engines and Ray, one descheduled thread stalls each of them. This measures that mechanism.
 
 Samples: --samples of prompt --prompt-len tokens and a long-tail response (colo.bench.lengths, median a quarter of
 --max-tokens), each with vLLM's sampled log-probs and routing ids (P+R-1, --moe-layers, --topk) uint8, read-only as
@@ -26,8 +26,8 @@ from contextlib import contextmanager
 
 
 def sample_args(ap: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """The samples' shape (make_samples), and --reps and --json: the arguments this bench and colo.bench.shipbatch
-    share."""
+    """The samples' shape (make_samples), and --reps and --json: the arguments this experiment and
+    tools.experiments.shipbatch share."""
     ap.add_argument("--samples", type=int, default=128)
     ap.add_argument("--prompt-len", type=int, default=256)
     ap.add_argument("--max-tokens", type=int, default=4096)
@@ -45,7 +45,7 @@ def check_sample_args(ap: argparse.ArgumentParser, args: argparse.Namespace) -> 
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    ap = sample_args(argparse.ArgumentParser(prog="python -m colo.bench.buildbatch",
+    ap = sample_args(argparse.ArgumentParser(prog="python -m tools.experiments.buildbatch",
                                              description=__doc__.splitlines()[0]))
     ap.add_argument("--busy", type=int, default=1, help="cores kept busy by spinning processes in the busy variants")
     args = check_sample_args(ap, ap.parse_args(argv))

@@ -3,13 +3,13 @@ tensors, which Ray pickles in-band, against colo.algo.batch.to_wire's numpy arra
 over without pickling them; the actor turns what it gets back into tensors (from_wire) either way. One run, the
 ratio of the two.
 
-    python -m colo.bench.shipbatch --json                  # 128 samples of the L12 slice's shape, R3 ids
-    python -m colo.bench.shipbatch --samples 32 --json
+    python -m tools.experiments.shipbatch --json                  # 128 samples of the L12 slice's shape, R3 ids
+    python -m tools.experiments.shipbatch --samples 32 --json
 
 Why: the train phase of the L12 slice on an H200 spent 0.18-0.23 s outside the driver's batch building and the
-trainer's call (docs/benchmarks.md, calls Q1-Q5): the shard's way to the trainer and the metrics' way back. A shard
-of 128 samples with R3 ids is ~70 MB, most of it the routing ids. Samples as colo.bench.buildbatch makes them; the
-shard is build_batch + shard_batch(1), as the loop builds it for one trainer. Prints seconds per delivery (median of
+trainer's call: the shard's way to the trainer and the metrics' way back. A shard of 128 samples with R3 ids is ~70
+MB, most of it the routing ids. Samples as tools.experiments.buildbatch makes them; the shard is build_batch +
+shard_batch(1), as the loop builds it for one trainer. Prints seconds per delivery (median of
 --reps, after one unmeasured) for each way, and tensors over arrays. Uses the Ray instance running in this process,
 else starts one (2 CPUs) and stops it after.
 """
@@ -22,9 +22,9 @@ import time
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    from colo.bench.buildbatch import check_sample_args, sample_args
+    from tools.experiments.buildbatch import check_sample_args, sample_args
 
-    ap = sample_args(argparse.ArgumentParser(prog="python -m colo.bench.shipbatch",
+    ap = sample_args(argparse.ArgumentParser(prog="python -m tools.experiments.shipbatch",
                                              description=__doc__.splitlines()[0]))
     return check_sample_args(ap, ap.parse_args(argv))
 
@@ -66,7 +66,7 @@ def measure(args: argparse.Namespace) -> dict:
     import torch
 
     from colo.algo.batch import build_batch, shard_batch
-    from colo.bench.buildbatch import make_samples
+    from tools.experiments.buildbatch import make_samples
 
     samples = make_samples(args)
     shard = shard_batch(build_batch(samples, torch.zeros(len(samples)), pad_id=0), 1)[0]

@@ -1,11 +1,11 @@
-"""colo.bench.asyncsim: the async step's own bookkeeping (RolloutBuffer) replayed against a decode curve."""
+"""tools.experiments.asyncsim: the async step's own bookkeeping (RolloutBuffer) replayed against a decode curve."""
 from __future__ import annotations
 
 import json
 
 import pytest
 
-from colo.bench.asyncsim import decode_phase, main, simulate
+from tools.experiments.asyncsim import decode_phase, main, simulate
 from colo.bench.decode import step_time
 from colo.bench.lengths import LengthModel
 
@@ -56,7 +56,7 @@ def test_shapes_the_trainer_gets_per_mode(capsys) -> None:
     """--shapes: both modes train the same tokens per step on average (every group is trained once, whenever it
     finishes); micro-batches at the budget cover them (issue 47: the shapes bound what async's
     batches can cost the train phase)."""
-    from colo.bench.asyncsim import train_shapes
+    from tools.experiments.asyncsim import train_shapes
 
     common = dict(steps=60, k=4, n=4, max_tokens=256, prompt_len=8, model=LengthModel(), table=[(1, 0.0)],
                   prefill_s_per_token=0.0, train_s_per_token=0.0, fixed_s=0.0, warmup=10)

@@ -1,5 +1,5 @@
-"""python -m colo.bench.buildbatch on CPU: the driver's batch building timed with torch's threads and with one, idle and
-with a core kept busy, on samples shaped like a step's (R3 ids included); the build it times is colo.loop's."""
+"""python -m tools.experiments.buildbatch on CPU: the driver's batch building timed with torch's threads and with
+one, idle and with a core kept busy, on samples shaped like a step's (R3 ids included); the build it times is colo.loop's."""
 from __future__ import annotations
 
 import json
@@ -8,7 +8,7 @@ import torch
 
 
 def test_bench_batch_times_every_variant_and_restores_the_threads(capsys) -> None:
-    from colo.bench.buildbatch import main
+    from tools.experiments.buildbatch import main
 
     threads = torch.get_num_threads()
     assert main(["--samples", "8", "--max-tokens", "256", "--prompt-len", "16", "--reps", "1", "--busy", "1",

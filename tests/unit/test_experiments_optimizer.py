@@ -1,4 +1,4 @@
-"""python -m colo.bench.optimizer on CPU: its JSON line and the bit-identity check (on CPU both variants run the
+"""python -m tools.experiments.optimizer on CPU: its JSON line and the bit-identity check (on CPU both variants run the
 same loop; tests/gpu/test_optim_gpu.py checks the overlapped CUDA path against the serial one)."""
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import json
 
 
 def test_bench_optimizer_prints_every_variant_and_checks_them(capsys) -> None:
-    from colo.bench.optimizer import main
+    from tools.experiments.optimizer import main
 
     assert main(["--preset", "tiny", "--device", "cpu", "--steps", "2", "--json"]) == 0
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])

@@ -1,6 +1,6 @@
 """Loading a checkpoint into FSDP2 shards: colo's per-rank reader against the rank-0 path, in one run.
 
-    python -m colo.bench.loadmem --preset qwen3-30b-a3b --layers 1 --ranks 2 --shard-size 1GB [--json]
+    python -m tools.experiments.loadmem --preset qwen3-30b-a3b --layers 1 --ranks 2 --shard-size 1GB [--json]
 
 Writes a Hub-layout checkpoint (the preset's config with `--layers` decoder layers, random bf16 weights,
 save_pretrained with max_shard_size, so several safetensors files and per-expert tensor names), then

@@ -1,8 +1,8 @@
 """What each way to fit costs per train step, as a ratio against the default, measured in one run.
 
-    python -m colo.bench.fit [--steps 6] [--device cpu|cuda] [--json]
+    python -m tools.experiments.fit [--steps 6] [--device cpu|cuda] [--json]
 
-Per option, the same train step as colo.bench.trainmem (onload, old-log-prob pass, one PPO micro-batch,
+Per option, the same train step as tools.experiments.trainmem (onload, old-log-prob pass, one PPO micro-batch,
 optimizer step, offload) on one FSDP2 rank of a small Qwen3-MoE (4 layers, hidden 256, 16 experts top 4,
 vocab 4096; micro batch 2 x 128 tokens by default). All options live in one process and take their steps
 in turns (round r: one step of each), so load from other jobs hits them alike; the ratio is the median
@@ -33,7 +33,7 @@ SHAPE = dict(hidden_size=256, intermediate_size=512, moe_intermediate_size=128, 
 
 
 def main(argv: list[str] | None = None) -> None:
-    from colo.bench import trainmem
+    from tools.experiments import trainmem
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=6)

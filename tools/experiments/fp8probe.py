@@ -1,7 +1,7 @@
 """The functional check's error that FP8's rounding alone causes: where colo.sync.probe.TOLERANCE["fp8"] comes from.
 
-    python -m colo.bench.fp8probe --json                    # CPU, ~1 min: the tiny presets, 3 seeds each
-    python -m colo.bench.fp8probe --preset qwen3-30b-a3b-L2 --seeds 1 --device cuda --json    # a real width
+    python -m tools.experiments.fp8probe --json                    # CPU, ~1 min: the tiny presets, 3 seeds each
+    python -m tools.experiments.fp8probe --preset qwen3-30b-a3b-L2 --seeds 1 --device cuda --json    # a real width
 
 An engine that generates with FP8 weights computes other log-probs than the bf16 trainer, by design. This measures
 how far apart colo.sync.probe's measure (per position, the RMS of the log-prob differences over the engine's top-8

@@ -1,12 +1,12 @@
 """Attention over packed rows of long-tail samples: colo's kernels against per-sample SDPA as torch picks it.
 
-    python -m colo.bench.packed_attention --device cuda --json       # Qwen3-30B-A3B's heads, 8192-token rows
-    python -m colo.bench.packed_attention --device cpu --tokens 512 --heads 4 --kv-heads 2 --head-dim 64 --reps 2
+    python -m tools.experiments.packed_attention --device cuda --json       # Qwen3-30B-A3B's heads, 8192-token rows
+    python -m tools.experiments.packed_attention --device cpu --tokens 512 --heads 4 --kv-heads 2 --head-dim 64 --reps 2
 
 Each rep draws a new packed row: samples of prompt (--prompt-len) + a response of colo.bench.step's long-tail
 length (median a quarter of --max-tokens) until --tokens, so nearly every sample has a length no earlier call
 had, as in training. Each variant runs forward + backward (bf16 on CUDA, float32 on CPU) on the same rows:
-    per_sample_default   SDPA per sample, torch's own backend choice (cuDNN first on Hopper): colo before 2026-11-25
+    per_sample_default   SDPA per sample, torch's own backend choice (cuDNN first on Hopper): colo before d8d27e4
     per_sample           colo.trainer.attention.per_sample: SDPA per sample, cuDNN left out (CUDA)
     varlen               colo.trainer.attention.varlen: one flash-attention varlen call per row (CUDA, torch >= 2.10)
     padded               the padded path's layout for the same samples: one row each, padded to the longest, with
@@ -25,7 +25,8 @@ import time
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(prog="python -m colo.bench.packed_attention", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m tools.experiments.packed_attention",
+                                 description=__doc__.splitlines()[0])
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     ap.add_argument("--tokens", type=int, default=8192, help="tokens per packed row (the micro-batch budget)")
     ap.add_argument("--heads", type=int, default=32, help="query heads (Qwen3-30B-A3B: 32)")

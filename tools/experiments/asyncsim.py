@@ -1,6 +1,6 @@
 """What loop.mode=async (colocated) could gain in steady state, from a measured decode curve: a model, not a measurement.
 
-    python -m colo.bench.asyncsim --decode-json decode.json --oversample 3 --staleness 3 --steps 30 --json
+    python -m tools.experiments.asyncsim --decode-json decode.json --oversample 3 --staleness 3 --steps 30 --json
 
 Why: one GPU call of colo.bench.step measures 2-3 async steps after a cold start, where every group starts at once
 and the steps alternate between long rollouts and nearly free ones; the steady state the async step is for (groups
@@ -17,7 +17,7 @@ What it leaves out: vLLM's scheduler (chunked prefill mixed into decode steps, p
 attention cost with the context, and the rollout's spread between runs (15-21 s for the same samples on GPU).
 Use it to choose what a GPU call should measure (oversample, staleness, how many steps), not as a figure.
 
-    python -m colo.bench.asyncsim --shapes 32768 --max-tokens 2048 --oversample 3 --staleness 3 --steps 300
+    python -m tools.experiments.asyncsim --shapes 32768 --max-tokens 2048 --oversample 3 --staleness 3 --steps 300
 
 --shapes BUDGET needs no decode curve: what each mode's steps hand the trainer (colo.algo.packing's micro-batches
 at that token budget): trained tokens per step, micro-batches per step, the attention work per token (sum of L^2
@@ -122,7 +122,7 @@ def train_shapes(rows: Sequence[dict], budget: int) -> dict:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(prog="python -m colo.bench.asyncsim", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m tools.experiments.asyncsim", description=__doc__.splitlines()[0])
     ap.add_argument("--decode-json", help="a colo.bench.decode JSON line (its step_ms and prefill); not needed with "
                     "--shapes")
     ap.add_argument("--shapes", type=int, metavar="BUDGET", help="the trainer's shapes per mode instead, micro-batches "

@@ -1,6 +1,6 @@
 """The trainer's memory per stage of a train step, measured, next to what colo.plan.memory predicts.
 
-    python -m colo.bench.trainmem --preset qwen3-30b-a3b --layers 2 --mb 2 --seq 4096 [--gc] [--device cuda]
+    python -m tools.experiments.trainmem --preset qwen3-30b-a3b --layers 2 --mb 2 --seq 4096 [--gc] [--device cuda]
         [--optimizer-dtype bfloat16] [--optimizer-offload] [--steps 2] [--json]
 
 One FSDP2 rank (world 1) of the preset with `--layers` decoder layers and random weights, on `--device`;
@@ -89,7 +89,7 @@ def init_world(device: torch.device) -> None:
 
 
 class Stepper:
-    """One sharded model with its optimizer and the Trainer's step, runnable one step at a time (colo.bench.fit
+    """One sharded model with its optimizer and the Trainer's step, runnable one step at a time (tools.experiments.fit
     interleaves several, so that a busy machine slows every option alike)."""
 
     def __init__(self, args: argparse.Namespace, device: torch.device) -> None:

@@ -1,10 +1,10 @@
 """StreamedAdamW's step with its state in host memory (trainer.optimizer_offload): the product, whose copies in and
 out overlap the math on two CUDA streams, one piece of at most colo.trainer.optim.SLICE elements at a time, against
 two yardsticks in one run on parameters shaped like a preset's: "serial", the same pieces one after the other on one
-stream (what colo ran until 2026-11-27), and "whole", streamed as the product but each parameter in one piece
-(colo until the thirteenth session, 2026-11-27: a fused expert tensor's fp32 temporaries at once).
+stream (what colo ran before 54e474e), and "whole", streamed as the product but each parameter in one piece
+(colo before f943e94: a fused expert tensor's fp32 temporaries at once).
 
-    python -m colo.bench.optimizer --preset qwen3-30b-a3b-L12 --device cuda --json
+    python -m tools.experiments.optimizer --preset qwen3-30b-a3b-L12 --device cuda --json
 
 One rank's whole model (world 1): fp32 parameters and gradients on the device, the AdamW state (`--state-dtype`,
 bf16 by default as the GPU runs use it) pinned on the host; each variant steps `--steps` times after `--warmup`.
