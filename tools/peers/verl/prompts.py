@@ -28,20 +28,27 @@ def prompt_ids(tokenizer, text: str) -> list[int]:
     return [int(i) for i in ids]
 
 
-def make_text(tokenizer, length: int, rng: random.Random) -> str:
-    """A user message whose templated ids number exactly `length`."""
+def make_text(tokenizer, length: int, rng: random.Random, cost: dict[str, int] | None = None) -> str:
+    """A user message whose templated ids number exactly `length`: words drawn until their tokens (counted alone,
+    `cost`) nearly fill it, then whole words dropped while the rendered prompt is too long, then FILLER added one token
+    at a time (about ten renders a prompt)."""
     from colo.models.tokenizer import _WORDS
 
     words = " ".join(_WORDS).split()
-    text = rng.choice(words)
-    while len(prompt_ids(tokenizer, text)) < length - 8:
-        text += " " + rng.choice(words)
+    cost = cost or {w: len(tokenizer.encode(" " + w, add_special_tokens=False)) for w in words}
+    target = length - len(prompt_ids(tokenizer, ""))
+    picked: list[str] = []
+    while sum(cost[w] for w in picked) < target - 8:
+        picked.append(rng.choice(words))
+    while picked and len(prompt_ids(tokenizer, " ".join(picked))) > length - 2:
+        picked.pop()
+    text = " ".join(picked)
     while (n := len(prompt_ids(tokenizer, text))) < length:
         text += FILLER
         if len(prompt_ids(tokenizer, text)) != n + 1:
             raise RuntimeError(f"{FILLER!r} is not one token after this text in this tokenizer")
     if n != length:
-        raise RuntimeError(f"prompt overshot {length} tokens ({n}): lower the grow target")
+        raise RuntimeError(f"prompt overshot {length} tokens ({n})")
     return text
 
 
@@ -50,9 +57,12 @@ def write(model_dir: str, out: str, count: int, length: int, seed: int = 1234) -
     import pandas as pd
     from transformers import AutoTokenizer
 
+    from colo.models.tokenizer import _WORDS
+
     tok = AutoTokenizer.from_pretrained(model_dir)
     rng = random.Random(seed)
-    rows = [{"data_source": DATA_SOURCE, "prompt": [{"role": "user", "content": make_text(tok, length, rng)}],
+    cost = {w: len(tok.encode(" " + w, add_special_tokens=False)) for w in " ".join(_WORDS).split()}
+    rows = [{"data_source": DATA_SOURCE, "prompt": [{"role": "user", "content": make_text(tok, length, rng, cost)}],
              "ability": "bench", "reward_model": {"style": "rule", "ground_truth": "0"},
              "extra_info": {"index": i, "split": "train"}} for i in range(count)]
     path = Path(out)

@@ -251,7 +251,11 @@ def run(args: argparse.Namespace, out: Path) -> dict:
             except subprocess.TimeoutExpired:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
-    subprocess.run(["ray", "stop", "--force"], env=env, capture_output=True, timeout=60)  # its local cluster
+    try:  # its local Ray cluster (the bundle's `ray` script is not on PATH: --target installs)
+        subprocess.run([sys.executable, "-m", "ray.scripts.scripts", "stop", "--force"], env=env, capture_output=True,
+                       timeout=60)
+    except (OSError, subprocess.TimeoutExpired):
+        pass
     summary = {**summarize(out, args), "rc": proc.returncode, "stopped_at_deadline": stopped,
                "wall_s": round(time.time() - t0, 1), "card": card(), "date": time.strftime("%Y-%m-%d"),
                "command": " ".join(["python", "tools/peers/verl/run_verl.py", *sys.argv[1:]])}
