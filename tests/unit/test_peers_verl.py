@@ -40,7 +40,8 @@ def test_verl_overrides_hold_the_conditions(tmp_path: Path) -> None:
     assert ovr["data.max_response_length"] == "1024" and ovr["data.max_prompt_length"] == "256"
     assert ovr["data.train_batch_size"] == ovr["actor_rollout_ref.actor.ppo_mini_batch_size"] == "64"  # one update
     assert ovr["actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu"] == "6"  # 8192 // 1280
-    assert ovr["actor_rollout_ref.actor.optim.weight_decay"] == "0.0" and ovr["actor_rollout_ref.actor.use_kl_loss"] == "False"
+    assert ovr["actor_rollout_ref.actor.optim.weight_decay"] == "0.0"
+    assert ovr["actor_rollout_ref.actor.use_kl_loss"] == "False"
     assert ovr["+ray_kwargs.ray_init.runtime_env.worker_process_setup_hook"] == run_verl.HOOK
     assert ovr["trainer.total_training_steps"] == "5"  # 2 warm-up + 3 measured
 
@@ -49,7 +50,8 @@ def test_verl_summary_takes_the_measured_steps(tmp_path: Path) -> None:
     args = run_verl.parse_args(["--model", "/m", "--prompts", "2", "--n", "2", "--prompt-len", "4", "--max-tokens", "4",
                                 "--warmup", "1", "--steps", "2"])
     steps = [{"step": s, "data": {"timing_s/step": 10.0 * s, "perf/throughput": 100.0 / s, "perf/total_num_tokens": 32,
-                                  "timing_s/gen": 1.0 * s, "timing_s/update_weights": 0.5, "timing_s/update_actor": 2.0}}
+                                  "timing_s/gen": 1.0 * s, "timing_s/update_weights": 0.5,
+                                  "timing_s/update_actor": 2.0}}
              for s in (1, 2, 3, 4)]
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(s) + "\n" for s in steps))
     spans = []

@@ -23,7 +23,8 @@ METADATA_ONLY = {"numpy": "2.3.5"}
 """mistral-common 1.13.1 (vLLM 0.24 and 0.32 both ask for it) declares numpy<2.4; the host has 2.5.2, on which colo's
 bundle runs vLLM 0.32 with the same mistral-common."""
 PLATFORMS = ("manylinux_2_28_x86_64 manylinux_2_27_x86_64 manylinux_2_26_x86_64 manylinux_2_24_x86_64 "
-             "manylinux_2_17_x86_64 manylinux2014_x86_64 manylinux_2_12_x86_64 manylinux2010_x86_64 manylinux_2_5_x86_64 "
+             "manylinux_2_17_x86_64 manylinux2014_x86_64 manylinux_2_12_x86_64 manylinux2010_x86_64 "
+             "manylinux_2_5_x86_64 "
              "manylinux1_x86_64 manylinux_2_31_x86_64 manylinux_2_35_x86_64 manylinux_2_34_x86_64 any").split()
 
 
@@ -40,7 +41,8 @@ def pins(path: Path) -> dict[str, str]:
 def stub(links: Path, name: str, ver: str) -> Path:
     base = f"{re.sub(r'[-.]+', '_', name)}-{ver}"
     files = {f"{base}.dist-info/METADATA": f"Metadata-Version: 2.1\nName: {name}\nVersion: {ver}\n",
-             f"{base}.dist-info/WHEEL": "Wheel-Version: 1.0\nGenerator: peers-stub\nRoot-Is-Purelib: true\nTag: py3-none-any\n"}
+             f"{base}.dist-info/WHEEL": "Wheel-Version: 1.0\nGenerator: peers-stub\nRoot-Is-Purelib: true\n"
+                                        "Tag: py3-none-any\n"}
     files[f"{base}.dist-info/RECORD"] = "".join(f"{p},,\n" for p in files) + f"{base}.dist-info/RECORD,,\n"
     path = links / f"{base}-py3-none-any.whl"
     with zipfile.ZipFile(path, "w") as z:

@@ -2,7 +2,7 @@
 as a Hugging Face checkpoint that colo (`colo.bench.step --model DIR`) and verl (`actor_rollout_ref.model.path=DIR`)
 both read, so neither system initializes its own weights.
 
-    python tools/peers/verl/make_checkpoint.py /tmp/peers/qwen3-30b-a3b-L4                  # GPU host: host python, ~1 min
+    python tools/peers/verl/make_checkpoint.py /tmp/peers/qwen3-30b-a3b-L4                  # GPU host python, ~1 min
     python tools/peers/verl/make_checkpoint.py /tmp/peers-tiny --preset tiny --device cpu   # CPU check, seconds
 
 The config.json and tokenizer are colo.models.tiny's for the preset (its small BPE: token ids < 512, config vocab
@@ -87,7 +87,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("out")
     ap.add_argument("--preset", default="qwen3-30b-a3b-L4", help="a colo.models.tiny preset")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--device", default="cuda", help="where the weights are initialized (cuda: seconds for the L4 slice)")
+    ap.add_argument("--device", default="cuda", help="where the weights are initialized (cuda: seconds for "
+                    "the L4 slice)")
     args = ap.parse_args(argv)
     t0 = time.perf_counter()
     out = build(Path(args.out).resolve(), args.preset, args.seed, args.device)

@@ -78,7 +78,8 @@ def summarize(out: Path, bench: list[str]) -> dict:
         if (out / "phases.jsonl").exists() else []
     # a step's phases run from its rollout's start to its record's end; the measured steps are those after warm-up
     starts = sorted(s["t0"] for s in spans if s["name"] == "rollout")
-    windows = [(starts[i], m["t1"]) for i, m in enumerate(steps) if i < len(starts)][b["warmup"]: b["warmup"] + b["steps"]]
+    windows = [(starts[i], m["t1"]) for i, m in enumerate(steps) if i < len(starts)]
+    windows = windows[b["warmup"]: b["warmup"] + b["steps"]]
     samples = read_samples(out / "gpu.csv")
     memory = {}
     for name in (*COLO_PHASES, "step"):

@@ -1,4 +1,4 @@
-"""verl 0.9.1's GRPO trainer on one GPU under colo.bench.step's conditions, and its figures (tools/peers/verl/README.md).
+"""verl 0.9.1's GRPO trainer on one GPU under colo.bench.step's conditions, and its figures (tools/peers/verl/README).
 
     source /tmp/site-verl/env.sh    # verl's bundle (vLLM 0.24.0 on the host's torch 2.11.0), never colo's
     python tools/peers/verl/run_verl.py --model /tmp/peers/qwen3-30b-a3b-L4 --prompts 16 --n 8 --prompt-len 256 \
@@ -12,10 +12,10 @@ fixed), optimizer (AdamW, lr 1e-6, no weight decay, grad clip 1, fp32 master wei
 (GRPO, token-mean, no KL, no entropy term), one optimizer step per RL step, micro-batches of --micro-tokens tokens,
 and vLLM's memory share, max_num_seqs and max_num_batched_tokens as colo's engine gets them on an H100/H200.
 
-What it writes to --out: overrides.txt (the exact command), prompts.parquet, metrics.jsonl (verl's own per-step
-metrics through its file logger: timing_s/*, perf/*), phases.jsonl (the wall-clock span of each timed phase:
-phase_hook), gpu.csv (the device's memory in use, nvidia-smi every 100 ms), verl.log, and summary.json: the medians
-over the measured steps (those after --warmup) of verl's timing_s/step, gen, old_log_prob, update_actor,
+What it writes to --out (the prompts go to /tmp/peers-data): overrides.txt (the exact command), metrics.jsonl
+(verl's own per-step metrics through its file logger: timing_s/*, perf/*), phases.jsonl (the wall-clock span of each
+timed phase: phase_hook), gpu.csv (the device's memory in use, nvidia-smi every 100 ms), verl.log, and summary.json:
+the medians over the measured steps (those after --warmup) of verl's timing_s/step, gen, old_log_prob, update_actor,
 update_weights and tokens/s/GPU (perf/throughput: prompt + response tokens / step / GPUs, colo's count), and the
 device's peak memory inside each phase over the measured steps. --deadline stops verl that many seconds in and
 summarizes the steps it finished, so a device call's time limit keeps what was measured.
@@ -164,7 +164,8 @@ def check(args: argparse.Namespace, out: Path) -> dict:
     cfg, typed = compose(overrides(args, data, out))
     ro, actor, model = typed["rollout"], typed["actor"], typed["model"]
     return {"builder": type(builder).__name__, "prompt_lengths": lengths,
-            "rollout": {k: getattr(ro, k) for k in ("name", "mode", "ignore_eos", "response_length", "prompt_length", "n",
+            "rollout": {k: getattr(ro, k) for k in ("name", "mode", "ignore_eos", "response_length", "prompt_length",
+                                                    "n",
                                                     "gpu_memory_utilization", "max_num_seqs", "max_num_batched_tokens",
                                                     "tensor_model_parallel_size", "free_cache_engine", "load_format")},
             "actor": {"strategy": actor.strategy, "ppo_mini_batch_size": actor.ppo_mini_batch_size,
@@ -226,8 +227,10 @@ def run(args: argparse.Namespace, out: Path) -> dict:
     from tools.peers.verl import prompts
     from tools.peers.verl.gpumem import GpuSampler, card
 
-    data = prompts.write(args.model, str(out / "prompts.parquet"), args.prompts * (args.warmup + args.steps + 1),
-                         args.prompt_len)
+    rows = args.prompts * (args.warmup + args.steps + 1)
+    data = Path("/tmp/peers-data") / f"prompts-{rows}x{args.prompt_len}.parquet"  # outside $OUT: 8 files come back
+    if not data.exists():
+        prompts.write(args.model, str(data), rows, args.prompt_len)
     ovr = overrides(args, data, out)
     cmd = [sys.executable, "-m", "verl.trainer.main_ppo", *ovr]
     (out / "overrides.txt").write_text(" \\\n  ".join(cmd) + "\n")

@@ -67,7 +67,8 @@ def main(argv: list[str] | None = None) -> int:
         if len(pair) == 2 and all(p.get("tokens_per_s_per_gpu") for p in pair.values()):
             c, v = pair["colo"], pair["verl"]
             sync = (v["sync_s"] / c["weight_window_s"]) if c.get("weight_window_s") and v.get("sync_s") else None
-            print(f"\n{shape}: colo / verl tokens/s/GPU = {c['tokens_per_s_per_gpu'] / v['tokens_per_s_per_gpu']:.2f}x; "
+            ratio = c["tokens_per_s_per_gpu"] / v["tokens_per_s_per_gpu"]
+            print(f"\n{shape}: colo / verl tokens/s/GPU = {ratio:.2f}x; "
                   f"weight window verl / colo = {fmt(sync)}x; same tokens per step: "
                   f"{c.get('tokens_per_step') == v.get('tokens_per_step')} ({fmt(c.get('tokens_per_step'), 0)} / "
                   f"{fmt(v.get('tokens_per_step'), 0)})")
