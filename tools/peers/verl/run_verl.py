@@ -60,6 +60,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return ap.parse_args(argv)
 
 
+def workdir(out: Path) -> Path:
+    """verl's working directory (hydra's outputs/, checkpoints): outside --out, whose files a device call returns."""
+    return Path("/tmp/peers-run") / out.name
+
+
 def micro_batch(args: argparse.Namespace) -> int:
     return max(1, args.micro_tokens // (args.prompt_len + args.max_tokens))
 
@@ -123,7 +128,7 @@ def overrides(args: argparse.Namespace, data: Path, out: Path) -> list[str]:
         "trainer.total_epochs=1",
         "trainer.project_name=peers",
         f"trainer.experiment_name=verl-{args.prompts}x{args.n}",
-        f"trainer.default_local_dir={out / 'ckpt'}",
+        f"trainer.default_local_dir={workdir(out) / 'ckpt'}",
         f"+ray_kwargs.ray_init.runtime_env.worker_process_setup_hook={HOOK}",
         *args.extra,
     ]
@@ -242,7 +247,8 @@ def run(args: argparse.Namespace, out: Path) -> dict:
     t0 = time.time()
     stopped = False
     with GpuSampler(out / "gpu.csv"), (out / "verl.log").open("w") as log:
-        proc = subprocess.Popen(cmd, cwd=str(out), env=env, stdout=log, stderr=subprocess.STDOUT,
+        workdir(out).mkdir(parents=True, exist_ok=True)
+        proc = subprocess.Popen(cmd, cwd=str(workdir(out)), env=env, stdout=log, stderr=subprocess.STDOUT,
                                 start_new_session=True)  # its own process group: stopped whole at the deadline
         try:
             proc.wait(timeout=args.deadline or None)
