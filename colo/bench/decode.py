@@ -97,7 +97,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.variants = [v for v in args.variants.split(",") if v]
     if not args.variants or any(v not in VARIANTS for v in args.variants):
         ap.error(f"--variants: names from {', '.join(VARIANTS)}")
-    if args.lengths == "iid" and args.length_rho is not None:
+    if args.lengths != "per-prompt" and args.length_rho is not None:
         ap.error("--length-rho applies to --lengths per-prompt only")
     return args
 

@@ -137,9 +137,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--prompt-len", type=int, help="tokens per prompt (cpu 16, cuda 256)")
     ap.add_argument("--max-tokens", type=int, help="longest response (cpu 64, cuda 4096); median a quarter of it")
     ap.add_argument("--lengths", choices=LENGTH_MODELS, default="iid",
-                    help="how response lengths are drawn (colo.bench.lengths; both lognormal, median max/4, 5%% cut at "
-                    "max_tokens): iid, each sample from its own seed (the default; a figure that used per-prompt says so); "
-                    "per-prompt, the samples of one prompt correlated (--length-rho)")
+                    help="how response lengths are drawn (colo.bench.lengths; iid and per-prompt lognormal, median max/4, "
+                    "5%% cut at max_tokens): iid, each sample from its own seed (the default; a figure that used per-prompt "
+                    "says so); per-prompt, the samples of one prompt correlated (--length-rho); fixed, every response "
+                    "--max-tokens long (a side-by-side with a system that can only ignore EOS: tools/peers/verl)")
     ap.add_argument("--length-rho", type=float, help="with --lengths per-prompt: the correlation of log lengths "
                     "within a prompt, in [0, 1] (default 0.7, an assumption: prompt difficulty drives most of the "
                     "length variance in RL on reasoning tasks; 0 is iid's draws, 1 one length per prompt)")

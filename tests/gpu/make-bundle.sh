@@ -8,6 +8,12 @@
 #   WHEEL_CACHE=/tmp/gpuwheels/cache   downloaded wheels are kept here and reused (outside the repo)
 #   SLIM=0                             keep the wheels whole (see the slimming below: +4 chunks)
 #   WITH_NCCL=1                        ship nvidia-nccl-cu13 2.32.3 (+291 MiB) instead of the NCCL shim
+# Another bundle (tools/peers/verl/make-bundle.sh: verl's, on the host's own torch) sets:
+#   REQS=FILE                          the pinned list instead of bundle-requirements.txt
+#   SLIM_SPEC=FILE                     the slimming list instead of colo's below ("wheel-prefix|path path ...", one a line)
+#   SDIST="pkg==ver ..."               pure-Python pins the registry has as sdists only: built into wheels here first
+#   NCCL_SHIM=0                        no NCCL shim (a bundle that keeps the host's torch needs none)
+#   LABEL="..."                        what the last lines name the bundle; INSTALL_HINT: the install command they print
 #
 # Each device call carries the working tree (~1 MiB) plus one chunk within 64 MiB: keep CHUNK_MB at 60 or less.
 set -euo pipefail
@@ -19,7 +25,8 @@ mkdir -p "$cache"
 rm -rf "$out/payload" "$out"/c[0-9][0-9] "$out"/part.*
 mkdir -p "$out/payload/wheels" "$out/payload/extra"
 
-reqs=$(grep -v '^#' "$here/bundle-requirements.txt" | sed '/^\s*$/d')
+reqs_file=${REQS:-$here/bundle-requirements.txt}
+reqs=$(grep -v '^#' "$reqs_file" | sed '/^\s*$/d')
 if [ "${WITH_NCCL:-0}" = 1 ]; then reqs="$reqs nvidia-nccl-cu13==2.32.3"; fi
 plat=()
 # the 0.26 bundle's order (pip prefers earlier tags): glibc 2.28 wheels first; llguidance exists only for 2.31
@@ -28,9 +35,12 @@ for p in manylinux_2_28_x86_64 manylinux_2_27_x86_64 manylinux_2_26_x86_64 manyl
          manylinux_2_31_x86_64 manylinux_2_35_x86_64 manylinux_2_34_x86_64 any; do
   plat+=(--platform "$p")
 done
+for r in ${SDIST:-}; do  # pure Python: the wheel built here is the one any host would build
+  python3 -m pip wheel -q --no-deps --no-binary=:all: -w "$cache" "$r" 2>&1 | grep -v "is ignored: it is neither" || true
+done
 # shellcheck disable=SC2086
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-  "${plat[@]}" -d "$cache" $reqs 2>&1 | grep -v "is ignored: it is neither" || true
+  "${plat[@]}" --find-links "$cache" -d "$cache" $reqs 2>&1 | grep -v "is ignored: it is neither" || true
 
 # exactly one wheel per pinned requirement, none left over from other pins in the cache
 for r in $reqs; do
@@ -53,6 +63,9 @@ slim=(
   "triton-3.7.1-|triton/backends/nvidia/bin/ptxas-blackwell triton/backends/nvidia/lib/cupti/libcupti_static.a triton/backends/nvidia/lib/cupti/libnvperf_host_static.a"
   "ray-2.60.0-|ray/jars/ray_dist.jar"
 )
+if [ -n "${SLIM_SPEC:-}" ]; then
+  mapfile -t slim < <(grep -v '^#' "$SLIM_SPEC" | sed '/^\s*$/d')
+fi
 if [ "${SLIM:-1}" = 1 ]; then
   for entry in "${slim[@]}"; do
     prefix=${entry%%|*}; read -r -a drop <<< "${entry#*|}"
@@ -61,16 +74,17 @@ if [ "${SLIM:-1}" = 1 ]; then
     zip -q -d "$w" "${drop[@]}"
     record=$(unzip -Z1 "$w" | grep -E '^[^/]+\.dist-info/RECORD$')
     tmp=$(mktemp -d)
-    (cd "$tmp" && unzip -q "$w" "$record" && pat=$(printf -- '-e ^%s, ' "${drop[@]}") \
+    # a path may end in * (zip -d takes it as a wildcard): the RECORD lines under it go too
+    (cd "$tmp" && unzip -q "$w" "$record" && pat=$(printf -- '-e ^%s, ' "${drop[@]//\*/.*}") \
        && eval grep -v "$pat" "$record" > R && mv R "$record" && zip -q "$w" "$record")
     rm -rf "$tmp"
   done
 fi
 
-if [ "${WITH_NCCL:-0}" != 1 ]; then
+if [ "${WITH_NCCL:-0}" != 1 ] && [ "${NCCL_SHIM:-1}" = 1 ]; then
   gcc -shared -fPIC -nostdlib -O2 -o "$out/payload/extra/libcolo_nccl_shim.so" "$here/nccl_shim.c"
 fi
-(cd "$out/payload" && sha256sum wheels/* extra/* > SHA256SUMS)
+(cd "$out/payload" && find wheels extra -type f | sort | xargs sha256sum > SHA256SUMS)
 
 # one tar stream (wheels are zip-compressed already), cut into CHUNK_MB pieces, one folder per piece
 tar -C "$out/payload" -cf - SHA256SUMS wheels extra | split -b "${chunk_mb}M" -d -a 2 - "$out/part."
@@ -85,6 +99,6 @@ for part in "$out"/part.*; do
 done
 rm -rf "$out/payload"
 mib() { du -cb "$@" | tail -1 | awk '{ printf "%.1f", $1 / 1048576 }'; }
-echo "bundle: $n chunks, $(mib "$out"/c[0-9][0-9]/part.*) MiB in all (vllm 0.32.0, torch 2.13.0, triton 3.7.1):"
+echo "bundle: $n chunks, $(mib "$out"/c[0-9][0-9]/part.*) MiB in all (${LABEL:-vllm 0.32.0, torch 2.13.0, triton 3.7.1}):"
 for d in "$out"/c[0-9][0-9]; do echo "  $d $(mib "$d"/part.*) MiB"; done
-echo "carry one chunk per device call, then: bash tests/gpu/device-install.sh (tests/gpu/README.md)"
+echo "carry one chunk per device call, then: ${INSTALL_HINT:-bash tests/gpu/device-install.sh (tests/gpu/README.md)}"

@@ -99,3 +99,13 @@ def test_model_checks_its_settings() -> None:
         LengthModel("iid", 0.5)
     assert LengthModel("per-prompt", 0.7).describe() == {"model": "per-prompt", "rho": 0.7, "median_frac": 0.25,
                                                         "tail_frac": 0.05}
+
+
+def test_fixed_is_max_tokens_without_a_draw():
+    """--lengths fixed (a side-by-side with a system that ignores EOS up to its limit: tools/peers/verl): every
+    response is max_tokens long, whatever the seed or prompt; it takes no rho."""
+    model = LengthModel.of("fixed")
+    assert {model.length(seed_of(i, j), MAX, prompt(i)) for i in range(50) for j in range(N_PROMPTS)} == {MAX}
+    assert model.describe()["model"] == "fixed"
+    with pytest.raises(ValueError, match="per-prompt model only"):
+        LengthModel("fixed", rho=0.5)

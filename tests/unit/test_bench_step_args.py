@@ -57,3 +57,7 @@ def test_length_model_flags(capsys) -> None:
     with pytest.raises(SystemExit):
         parse_args(["--lengths", "per-prompt", "--length-rho", "1.5"])
     assert "[0, 1]" in capsys.readouterr().err
+    assert (parse_args(["--lengths", "fixed"]).lengths, parse_args(["--lengths", "fixed"]).length_rho) == ("fixed", None)
+    with pytest.raises(SystemExit):
+        parse_args(["--lengths", "fixed", "--length-rho", "0.5"])
+    assert "applies to --lengths per-prompt" in capsys.readouterr().err
