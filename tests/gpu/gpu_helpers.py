@@ -90,8 +90,8 @@ def greedy(engines: list) -> list[list[tuple[list[int], list[float]]]]:
     together)."""
     from colo.rollout.generation import Generation
 
-    outs = ray.get([e.generate.remote(Generation(PROMPTS, 1, MAX_TOKENS, 0.0, 1.0, 0)) for e in engines])
-    return [[(s["response_ids"], s["logprobs"]) for s in out] for out, _ in outs]
+    outs = ray.get([e.generate.remote(Generation.fresh(PROMPTS, 1, MAX_TOKENS, 0.0, 1.0, 0)) for e in engines])
+    return [[(s.response_ids, s.logprobs) for s in out.unpack()] for out, _ in outs]
 
 
 def stop_engines(engines: list) -> None:
