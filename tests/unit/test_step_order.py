@@ -271,3 +271,23 @@ def test_rl_step_asks_nothing_of_the_placement_or_the_rollout_mode() -> None:
     assert tests, "the walk sees the step's conditions"
     banned = ("colocated", "placement", "mode", "async", "offload", "sleep", "Ahead", "Carried", "isinstance")
     assert not [t for t in tests if any(b in t for b in banned)], tests
+
+
+def test_schedules_are_siblings_whose_position_goes_through_state_dict(tmp_path: Path, tok) -> None:
+    """The three schedules share a Protocol, not a parent; what a checkpoint keeps of each is its state_dict (plain
+    JSON), and a schedule loaded from it continues where the first one was: the same data position, and the same
+    samples carried (colocated async) or generated ahead (disaggregated async)."""
+    for (mode, placement), (_, cls, _) in COMBINATIONS.items():
+        assert cls.__bases__ == (object,), cls
+        job = _job(tmp_path, tok, mode, placement)
+        for step in range(2):
+            rl_step(step, job)
+        state = json.loads(json.dumps(job.schedule.state_dict()))
+        assert state["step"] == 1 and state == job.schedule.position.state_dict()
+        again = _job(tmp_path, tok, mode, placement)
+        again.schedule.load_state_dict(state)
+        assert again.schedule.state_dict() == state
+        assert again.inputs.train_data.state_dict() == job.inputs.train_data.state_dict()
+        a, b = job.schedule.batch(2), again.schedule.batch(2)
+        assert a.prompts == b.prompts and [(s.group, s.response_ids) for s in a.samples] == \
+            [(s.group, s.response_ids) for s in b.samples], mode
