@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from statistics import NormalDist
 
-LENGTH_MODELS = ("iid", "per-prompt")
+LENGTH_MODELS = ("iid", "per-prompt", "fixed")  # fixed: every response max_tokens long
 DEFAULT_RHO = 0.7
 """per-prompt's default correlation of log lengths within a prompt: an assumption, not a measurement. Response lengths
 in RL on reasoning tasks are driven mostly by the prompt (a hard problem gets long answers from all its samples, an
@@ -67,16 +67,18 @@ class LengthModel:
             raise ValueError(f"length model {self.kind!r}: one of {LENGTH_MODELS}")
         if not 0.0 <= self.rho <= 1.0:
             raise ValueError(f"rho {self.rho}: a correlation in [0, 1]")
-        if self.kind == "iid" and self.rho != 0.0:
+        if self.kind != "per-prompt" and self.rho != 0.0:
             raise ValueError("rho applies to the per-prompt model only")
 
     @classmethod
     def of(cls, kind: str, rho: float | None = None) -> "LengthModel":
         """The model a bench's --lengths / --length-rho name: rho None is 0 for iid, DEFAULT_RHO for per-prompt."""
-        return cls(kind, (0.0 if kind == "iid" else DEFAULT_RHO) if rho is None else rho)
+        return cls(kind, (DEFAULT_RHO if kind == "per-prompt" else 0.0) if rho is None else rho)
 
     def length(self, seed: int, max_tokens: int, prompt_ids: Sequence[int]) -> int:
         """The imposed length of the sample with request seed `seed` of the prompt `prompt_ids`, in [1, max_tokens]."""
+        if self.kind == "fixed":
+            return max_tokens
         if self.kind == "iid":
             return response_length(seed, max_tokens, self.median_frac, self.tail_frac)
         z_sample = random.Random(seed).normalvariate(0.0, 1.0)  # iid's z (lognormvariate draws this one normal)
