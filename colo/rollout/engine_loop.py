@@ -9,7 +9,8 @@ Per sample (colo.rollout.sample.Sample), one vLLM request at a time:
 
     start   prompt = every id so far (prompt + response), n=1, the rest of its budget (rollout.max_tokens, the
             model length, a conversation's max_turn_tokens), seed `request_seed(sample)`
-    step    vLLM streams each request's new tokens and sampled log-probs (RequestOutputKind.DELTA)
+    step    vLLM hands over each request's tokens and sampled log-probs: when it finishes, or, where a request may be
+            stopped (`stop_after`) or may cut a stop string (a resumed turn), streamed (RequestOutputKind.DELTA)
     ends    single-turn: the sample ends (COMPLETED on EOS, TRUNCATED at the budget)
             conversation: the environment steps (colo.rollout.turns); the sample ends, or its observation is appended
             and its next request joins vLLM's running batch at once (no turn waits for another sample's)
@@ -145,7 +146,11 @@ def run(engine: Any, samples: list[Sample], budget: Budget, sampling: Sampling, 
             return end(s, Status.COMPLETED)
         cap = room if s.turns is None else max(1, (budget.max_turn_tokens or budget.max_tokens) - in_turn)
         p = params(s, Ask(min(room, cap), request_seed(s), sampling.temperature, sampling.top_p, stops))
-        p.output_kind = RequestOutputKind.DELTA
+        # Streaming costs a RequestOutput per request per engine step (host time in every decode step, measured by
+        # colo.bench.rollout's `scheduling`): only requests that may be stopped, or cut, stream; the rest come whole,
+        # as LLM.generate hands them over
+        stream = stop_after is not None or in_turn > 0
+        p.output_kind = RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY
         if rows is not None:
             p.routed_experts_prompt_start = s.routed_rows  # rows of the tokens these weights forward, no more
         rid = f"colo-{next(_IDS)}"
