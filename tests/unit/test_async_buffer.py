@@ -41,7 +41,7 @@ def test_config_defaults_and_refusals() -> None:
     assert "loop.max_staleness=-1 must be >= 0" in _error(["loop.max_staleness=-1"])
     assert "did you mean 'async'" in _error(["loop.mode=asynch"])
     validate(load_config(None, ["placement.device=cpu", "loop.mode=async", "algo.environment=calculator"], {}),
-             check_resources=False)  # conversations carried across weight updates (colo.rollout.partial_turns)
+             check_resources=False)  # conversations carried across weight updates (colo.rollout.turns)
     msg = _error([*disaggregated, "algo.environment=calculator"])
     assert "runs colocated" in msg and "placement.mode=colocated" in msg
 
@@ -315,3 +315,24 @@ def test_conversations_carry_their_history_and_count_only_the_models_tokens() ->
     _absorb(buf, buf.requests(), [_turns([5], [1], None, one, [1])], version=0)
     _absorb(buf, buf.requests(), [_turns([80, 81], [0, 0], None, one, [1])], version=1)
     assert buf.groups[0].oldest() == 0 and buf.drop_stale(2) == 1
+
+
+def test_a_segment_without_its_routing_rows_leaves_none_and_the_next_asks_for_every_row() -> None:
+    """A GPU segment whose rows vLLM did not hand back (routing/mismatch does without; R3 raises in the engine): the
+    sample keeps no rows, so the batch gets none for it, and its next request asks from row 0 again (a complete
+    set, since a resumed sample prefills its whole history)."""
+    buf = RolloutBuffer(n=1, max_staleness=2)
+    buf.drop_stale(0)
+    buf.add(_prompts(1), seed=0)  # P = 3
+    rows = lambda k: np.zeros((k, 2, 1), dtype=np.uint8)  # noqa: E731
+    _absorb(buf, buf.requests(), [_result([1, 2], None, routing=rows(4))], version=0)
+    (req,) = buf.requests()
+    req.extend([3], [-1.0], 1)
+    req.add_rows(None)  # what Engine._vllm_rows gives for a segment vLLM recorded too few rows of
+    req.segments += 1
+    buf.absorb([req])
+    (again,) = buf.requests()
+    assert buf.groups[0].samples[0].routing is None and again.routed_from == 0  # every row asked for again
+    _absorb(buf, [again], [_result([4], "stop", routing=rows(3 + 4 - 1))], version=2)
+    _, (s,) = buf.take(1, version=2)
+    assert s.routing.shape == (3 + 4 - 1, 2, 1) and s.complete_routing() is s.routing

@@ -146,8 +146,8 @@ def test_r3_is_refused_for_a_family_it_cannot_replay(tmp_path: Path) -> None:
 
 
 def test_r3_with_async_on_gpu_is_refused_only_for_conversations(tmp_path: Path) -> None:
-    """loop.mode=async reads a stopped request's routing from the GPU engine's capture (colo.rollout.partial.
-    stopped_rows), so R3 runs with it there; a carried conversation's routing is not read on GPU."""
+    """loop.mode=async reads a stopped request's routing from the GPU engine's capture (colo.rollout.engine_loop.
+    stopped_rows), so R3 runs with it there; a carried conversation's routing is not checked on GPU yet."""
     import json
 
     from colo.config import ConfigError, load_config, validate
