@@ -123,6 +123,7 @@ def requests(args: argparse.Namespace, call: int) -> list[tuple[list[int], int, 
 
 def make_config(args: argparse.Namespace, model_dir: str, standalone: bool = False) -> Any:
     from colo.config import load_config, validate
+    from colo.plan.job import tune
 
     cfg = load_config(args.config, [])  # + COLO_* env: COLO_TRAIN_GPU_FRACTION / COLO_VLLM_GPU_FRACTION apply
     cfg.model.path, cfg.model.dummy_weights = model_dir, args.preset != "tiny"
@@ -135,7 +136,7 @@ def make_config(args: argparse.Namespace, model_dir: str, standalone: bool = Fal
         cfg.placement.mode, cfg.placement.num_gpus, cfg.placement.trainer_gpus = "disaggregated", 2, 1
         cfg.placement.vllm_gpu_fraction = args.standalone_fraction
     validate(cfg, check_resources=False)
-    return cfg
+    return tune(cfg).cfg  # the `auto` trainer settings as colo.launch resolves them for this job on this GPU
 
 
 def best(runs: list[tuple[float, int]]) -> dict:
