@@ -244,8 +244,8 @@ def colo_call(engines: list, args: argparse.Namespace, k: int, routing: bool) ->
     dt = time.perf_counter() - t
     got = [len(s.response_ids) for s in arrays.unpack()]
     if got != [length for _, _, length in reqs]:
-        raise RuntimeError(f"colo's engine generated {sum(got)} tokens, vLLM's requests impose {sum(r[2] for r in reqs)}"
-                           " (the two sides' lengths must be the same requests')")
+        raise RuntimeError(f"colo's engine generated {sum(got)} tokens, vLLM's requests impose "
+                           f"{sum(r[2] for r in reqs)} (the two sides' lengths must be the same requests')")
     return dt, sum(got)
 
 

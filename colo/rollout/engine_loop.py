@@ -181,7 +181,8 @@ def run(engine: Any, samples: list[Sample], budget: Budget, sampling: Sampling, 
             (c,) = o.outputs
             toks = list(c.token_ids)
             lps = [float(lp[t].logprob) for t, lp in zip(toks, c.logprobs or [])]  # logprobs=0: the sampled token's
-            reason, raw = (c.finish_reason, c.routed_experts if rows is not None else None) if o.finished else (None, None)
+            reason = c.finish_reason if o.finished else None
+            raw = c.routed_experts if o.finished and rows is not None else None
             k = conversations.cut(r.sample, toks, r.continued) if conversations is not None else None
             if k is not None:
                 toks, lps, reason = toks[:k], lps[:k], "stop"

@@ -109,7 +109,7 @@ class Conversations:
         return self.runners.setdefault((s.group, s.index), EnvRunner(self.env_cls, self.framing))
 
     def failed(self, s: Sample, err: EnvError, when: str) -> None:
-        msg = f"group {s.group} sample {s.index}, {when}: {err}"
+        msg = f"row {s.group} sample {s.index}, {when}: {err}"  # the step's prompt (async: its group) and sample
         if self.fail:
             raise EnvError(f"environment {getattr(self.env_cls, '__name__', self.env_cls)}: {msg}") from err
         s.turns.env_error, s.status = msg, Status.FAILED

@@ -10,8 +10,8 @@ algo.routing_replay off and r3 over the same batch. Checked: vLLM returns ids fo
 token but the last (P+R-1 rows x 2 MoE layers x top-8, uint8); with r3 the log-prob gap is no larger
 than without. The `[gpu]` lines carry the figures for docs/routing.md. And loop.mode=async's partial rollouts with
 R3: a request stopped mid-way keeps the rows vLLM recorded for its tokens (read from vLLM's output processor before
-the abort: colo.rollout.engine_loop.stopped_rows), its resumed segment gets its own rows from its last kept token on, and
-the two together are the rows of the whole sample; the trainer replays them.
+the abort: colo.rollout.engine_loop.stopped_rows), its resumed segment gets its own rows from its last kept token
+on, and the two together are the rows of the whole sample; the trainer replays them.
 """
 from __future__ import annotations
 

@@ -765,7 +765,7 @@ def test_bad_environments_end_their_sample_not_the_rollout(multiturn) -> None:
     assert batch["loss_mask"][0].sum() > 0 and batch["loss_mask"][1:].sum() == 0
     ray.get(e.configure.remote("algo", env_errors="fail"))
     try:
-        with pytest.raises(ray.exceptions.RayTaskError, match="EnvError.*group 1 sample 0, step of turn 0: ValueError"):
+        with pytest.raises(ray.exceptions.RayTaskError, match="EnvError.*row 1 sample 0, step of turn 0: ValueError"):
             converse(e, rows[:2], 1, 120, TURN_T, 1.0, 3)
     finally:
         ray.get(e.configure.remote("algo", env_errors="sample"))

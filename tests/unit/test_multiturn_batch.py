@@ -33,7 +33,7 @@ def test_environment_tokens_get_no_loss_and_no_behaviour_logprob() -> None:
 
 def test_a_failed_environment_trains_nothing_of_its_sample() -> None:
     failed = sample(status=Status.FAILED)
-    failed.turns.env_error = "group 0 sample 1, step of turn 1: EnvError: boom"
+    failed.turns.env_error = "row 0 sample 1, step of turn 1: EnvError: boom"
     b = build_batch([sample(), failed], [1.0, -1.0])
     assert b["loss_mask"][1].sum() == 0 and b["loss_mask"][0].sum() == 4
 
