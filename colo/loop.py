@@ -26,7 +26,7 @@ The step is handed two objects, picked once per run (Job.of), so it reads the sa
 - the placement side (colo.cluster.sides): colocated sleeps, wakes and offloads; disaggregated (placement.mode:
   each side has GPUs of its own, the sync is a broadcast from trainer rank 0) does none of them.
 
-With algo.environment a sample is a conversation (colo.rollout.multiturn, docs/environments.md): the
+With algo.environment a sample is a conversation (colo.rollout.turns, docs/environments.md): the
 rollout phase runs every turn of it inside the engines, the reward adds the environment's rewards to
 algo.rewards on the model's last turn, and the batch trains the model's tokens only.
 
@@ -68,7 +68,8 @@ from colo.data.inputs import RunInputs, open_inputs
 from colo.envs.base import EnvError
 from colo.host.shm import sweep
 from colo.rollout.generation import generate
-from colo.rollout.schedule import SyncRollout, schedule_for
+from colo.rollout.sample import Sample
+from colo.rollout.schedule import RolloutSchedule, schedule_for
 from colo.rollout.vllm_compat import serve_command
 from colo.run.logs import note_ray_logs
 from colo.run.metrics import MetricsWriter, ProgressLine, WandbSettings
@@ -113,30 +114,30 @@ def memory_probe(c: Cluster) -> Callable[[], dict]:
     return probe
 
 
-def score(rewards: RewardRunner, prompts: list[dict], samples: list[dict], tokenizer) -> torch.Tensor:
+def score(rewards: RewardRunner, prompts: list[dict], samples: list[Sample], tokenizer) -> torch.Tensor:
     """algo.rewards on each response (a conversation's: on the model's last turn), plus the environment's
     rewards of a conversation."""
-    texts = tokenizer.batch_decode([s.get("final_ids", s["response_ids"]) for s in samples], skip_special_tokens=True)
-    answers = [prompts[s["prompt_index"]]["answer"] for s in samples]
-    questions = [prompts[s["prompt_index"]]["prompt_text"] for s in samples]
-    finish = [s["finish_reason"] for s in samples]  # lets `format` see truncated responses
-    ids = [s.get("final_ids", s["response_ids"]) for s in samples]  # for a reward that declares response_ids
-    env = torch.tensor([float(s.get("env_reward", 0.0)) for s in samples])  # (N*G,)
+    ids = [s.final_ids for s in samples]  # also for a reward that declares response_ids
+    texts = tokenizer.batch_decode(ids, skip_special_tokens=True)
+    answers = [prompts[s.group]["answer"] for s in samples]
+    questions = [prompts[s.group]["prompt_text"] for s in samples]
+    finish = [s.finish_reason for s in samples]  # lets `format` see truncated responses
+    env = torch.tensor([s.turns.env_reward if s.turns is not None else 0.0 for s in samples])  # (N*G,)
     return torch.tensor(rewards(texts, answers, questions, finish, ids), dtype=torch.float32) + env  # (N*G,)
 
 
-def conversation_metrics(samples: list[dict], stats: dict, run_dir: Path, step: int) -> dict:
+def conversation_metrics(samples: list[Sample], stats: dict, run_dir: Path, step: int) -> dict:
     """What a multi-turn step logs; each environment error goes to <run_dir>/env-errors.log."""
-    turns = [s["turns"] for s in samples]
-    model = sum(sum(s["model_mask"]) for s in samples)
-    errors = [s["env_error"] for s in samples if s.get("env_error")]
+    turns = [len(s.turns.spans) for s in samples]
+    model = sum(sum(s.model_mask) for s in samples)
+    errors = [s.turns.env_error for s in samples if s.turns.env_error]
     if errors:
         with (run_dir / "env-errors.log").open("a") as f:
             f.writelines(f"step {step}: {e}\n" for e in errors)
     return {"rollout/turns/mean": sum(turns) / len(turns), "rollout/turns/max": max(turns),
-            "rollout/tool_calls_per_sample": sum(s["tool_calls"] for s in samples) / len(samples),
-            "rollout/tool_errors": sum(s["tool_errors"] for s in samples), "env/errors": len(errors),
-            "rollout/model_token_frac": model / max(1, sum(len(s["response_ids"]) for s in samples)),
+            "rollout/tool_calls_per_sample": sum(s.turns.tool_calls for s in samples) / len(samples),
+            "rollout/tool_errors": sum(s.turns.tool_errors for s in samples), "env/errors": len(errors),
+            "rollout/model_token_frac": model / max(1, sum(len(s.response_ids) for s in samples)),
             "env/seconds": stats.get("env_s", 0.0)}
 
 
@@ -149,7 +150,7 @@ class Job:
     cfg: ColoConfig
     inputs: RunInputs
     rewards: RewardRunner
-    schedule: SyncRollout
+    schedule: RolloutSchedule
     side: Colocated | Disaggregated
     probes: ProbeSchedule  # which syncs the functional check runs on (sync.probe_every)
 
@@ -195,10 +196,10 @@ def rl_step(step: int, job: Job, stop: StopSignals | None = None) -> dict:
     with t("probe"):
         check_probe(c, cfg, seqs, policy, synced)  # once the engines can generate
     samples = got.samples
-    lens = torch.tensor([len(s["response_ids"]) for s in samples], dtype=torch.float32)
+    lens = torch.tensor([len(s.response_ids) for s in samples], dtype=torch.float32)
     metrics = {"step": step, "reward/mean": reward.mean().item(), "reward/std": reward.std().item(),
                "response_len/mean": lens.mean().item(),
-               "response/truncated_frac": sum(s["finish_reason"] == "length" for s in samples) / len(samples),
+               "response/truncated_frac": sum(s.finish_reason == "length" for s in samples) / len(samples),
                **got.metrics, **train, **synced, **t.seconds, **t.memory}
     if cfg.algo.environment:
         metrics.update(conversation_metrics(samples, got.stats, job.inputs.run_dir, step))

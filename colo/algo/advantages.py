@@ -14,9 +14,12 @@ exactly 0 advantage, never the float residue of `r - mean(r)` and never 0/0 from
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from colo.rollout.sample import Sample
 
 
 def grpo_advantages(
@@ -102,18 +105,18 @@ def overlong_penalty(
 
 
 def step_advantages(
-    samples: Sequence[dict], rewards: torch.Tensor, n: int, algo: Any, max_tokens: int
+    samples: Sequence[Sample], rewards: torch.Tensor, n: int, algo: Any, max_tokens: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The loop's rewards -> advantages for one step's samples (any order): (advantages, penalties), (N*G,) each.
 
     `algo` is the config's AlgoConfig. With algo.overlong=penalty the overlong penalty is added to each
-    sample's reward first; the advantages are grouped by prompt_index, each group checked to hold `n`.
+    sample's reward first; the advantages are grouped by Sample.group, each group checked to hold `n`.
     """
-    lengths = [len(s["response_ids"]) for s in samples]
+    lengths = [len(s.response_ids) for s in samples]
     penalty = torch.zeros(len(samples), dtype=torch.float32)  # (N*G,)
     if algo.overlong == "penalty":
         penalty = overlong_penalty(lengths, max_tokens, int(algo.overlong_buffer), float(algo.overlong_penalty))
     adv = grpo_advantages_by_index(torch.as_tensor(rewards, dtype=torch.float32) + penalty,
-                                   [s["prompt_index"] for s in samples], std_normalize=bool(algo.std_normalize),
+                                   [s.group for s in samples], std_normalize=bool(algo.std_normalize),
                                    group_size=n)
     return adv, penalty

@@ -1,15 +1,14 @@
 """Rollout samples -> trainer batches (docs/contract.md), split over the FSDP ranks.
 
-A sample (from RolloutEngine.generate) is
-    {"prompt_index": int, "prompt_ids": [P], "response_ids": [R], "logprobs": [R], "finish_reason": str}
-with logprobs[j] = log p(response_ids[j] | prompt_ids + response_ids[:j]) under vLLM's sampler.
+A sample is colo.rollout.sample.Sample: prompt_ids (P,), response_ids (R,), logprobs (R,) with
+logprobs[j] = log p(response_ids[j] | prompt_ids + response_ids[:j]) under vLLM's sampler, its status.
 
-A multi-turn sample (RolloutEngine.rollout, colo.rollout.multiturn) adds "model_mask" [R]: 1 on the tokens
-the model sampled, 0 on the environment's (observations and their chat-template framing). Those get
-loss_mask 0 and rollout_logprobs 0 (vLLM never sampled them: no behaviour log-prob), so the loss, TIS, the KL
-term and the log-prob gap cover the model's tokens only; their routed_experts rows hold NO_EXPERT (they were
-prefilled, not sampled: replay keeps the trainer's own routing there). A sample whose environment failed
-("env_error") gets an all-zero loss mask, like a filtered overlong one.
+A conversation's sample (algo.environment, colo.rollout.turns) has a model_mask (R,): 1 on the tokens the
+model sampled, 0 on the environment's (observations and their chat-template framing). Those get loss_mask 0 and
+rollout_logprobs 0 (vLLM never sampled them: no behaviour log-prob), so the loss, TIS, the KL term and the
+log-prob gap cover the model's tokens only; their routed_experts rows hold NO_EXPERT (they were prefilled, not
+sampled: replay keeps the trainer's own routing there). A sample whose environment failed (Status.FAILED) gets an
+all-zero loss mask, like a filtered overlong one.
 
 Row b of the batch is prompt_ids + response_ids, right-padded to T:
 
@@ -22,7 +21,7 @@ Row b of the batch is prompt_ids + response_ids, right-padded to T:
 so rollout_logprobs[b, t] = log p(input_ids[b, t] | input_ids[b, :t]), the same alignment as the
 trainer's recomputed log-probs (logits at t-1 score token t).
 
-Samples that carry the engine's routing ("routing": (P+R-1, M, K) expert ids, colo.rollout.capture) add
+Samples that carry the engine's routing (Sample.routing: (P+R-1, M, K) expert ids, colo.rollout.capture) add
 routed_experts (B, T, M, K) in their dtype (uint8, or int16 past 254 experts): row t holds the experts
 token t was routed to in each MoE layer. The last token of each sample (the engine never forwarded it) and
 the padding hold NO_EXPERT (255 / -1), where the trainer keeps its own routing. A whole step of Qwen3-30B-A3B
@@ -33,13 +32,17 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
+if TYPE_CHECKING:
+    from colo.rollout.sample import Sample
+
 
 def build_batch(
-    samples: Sequence[dict],
+    samples: Sequence[Sample],
     advantages: torch.Tensor | Sequence[float],
     pad_id: int = 0,
     pad_to_multiple: int = 1,
@@ -48,56 +51,65 @@ def build_batch(
     """One batch of CPU tensors from `samples` and their advantages (N,).
 
     `mask_truncated` (algo.overlong=filter) gives samples that stopped at the length limit
-    (finish_reason "length") an all-zero loss mask: they stay in the batch (and in their group's
+    (Status.TRUNCATED) an all-zero loss mask: they stay in the batch (and in their group's
     baseline, computed before) but add no gradient and count toward no token or sequence total.
 
     Keys: input_ids (B, T) long, attention_mask (B, T) long, loss_mask (B, T) float32,
     advantages (B,) float32, rollout_logprobs (B, T) float32, sample_index (B,) long (the
-    sample's "sample_index" key when present, else its position in `samples`; -1 marks padding rows).
+    sample's position in `samples`; shard_batch marks its filler rows -1).
     """
     adv = torch.as_tensor(advantages, dtype=torch.float32).flatten()  # (N,)
     if adv.numel() != len(samples):
         raise ValueError(f"{len(samples)} samples but {adv.numel()} advantages")
-    if not samples:
+    trained = [not (mask_truncated and s.finish_reason == "length") and s.finish_reason != "error" for s in samples]
+    batch = pad_rows([s.prompt_ids for s in samples], [s.response_ids for s in samples],
+                     [(s.model_mask if s.model_mask is not None else 1) if t else 0 for s, t in zip(samples, trained)],
+                     [s.logprobs for s in samples], pad_id, pad_to_multiple)
+    T = batch["input_ids"].shape[1]
+    routed = _routed_experts(samples, T) if any(s.routing is not None for s in samples) else {}
+    return {**routed, **batch,
+            "advantages": adv,  # (B,)
+            "sample_index": torch.arange(len(samples)),  # (B,)
+            }
+
+
+def pad_rows(prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]],
+             loss: Sequence[Sequence[int] | int], logprobs: Sequence[Sequence[float]] | None = None,
+             pad_id: int = 0, pad_to_multiple: int = 1) -> dict[str, torch.Tensor]:
+    """Rows prompt + response, right-padded (the module docstring's table): input_ids, attention_mask, loss_mask
+    (`loss[b]`: the response's per-token mask, or 1 / 0 for all of it), rollout_logprobs (zero without `logprobs`).
+    What build_batch and the supervised warm-up's batches (colo.data.inputs) share."""
+    if not prompts:
         raise ValueError("cannot build an empty batch")
-    lengths = [len(s["prompt_ids"]) + len(s["response_ids"]) for s in samples]
-    T = max(lengths)
-    T = -(-T // pad_to_multiple) * pad_to_multiple
-    B = len(samples)
+    lengths = [len(p) + len(r) for p, r in zip(prompts, responses)]
+    T = -(-max(lengths) // pad_to_multiple) * pad_to_multiple
+    B = len(prompts)
     input_ids = torch.full((B, T), pad_id, dtype=torch.long)
     attention_mask = torch.zeros((B, T), dtype=torch.long)
     loss_mask = torch.zeros((B, T), dtype=torch.float32)
     rollout_lp = torch.zeros((B, T), dtype=torch.float32)
-    for b, s in enumerate(samples):
-        p, r = list(s["prompt_ids"]), list(s["response_ids"])
-        lp = s["logprobs"]
-        if len(lp) != len(r):
-            raise ValueError(f"sample {b}: {len(r)} response tokens but {len(lp)} logprobs")
+    for b, (p, r, m) in enumerate(zip(prompts, responses, loss)):
         P, L = len(p), len(p) + len(r)
         if P == 0:
             # no position can predict the first token; a response starting at 0 would be unscorable
             raise ValueError(f"sample {b}: empty prompt")
-        input_ids[b, :L] = torch.tensor(p + r, dtype=torch.long)
+        input_ids[b, :L] = torch.tensor(list(p) + list(r), dtype=torch.long)
         attention_mask[b, :L] = 1
-        if not (mask_truncated and s.get("finish_reason") == "length") and not s.get("env_error"):
-            if "model_mask" in s:
-                if len(s["model_mask"]) != len(r):
-                    raise ValueError(f"sample {b}: {len(r)} response tokens but {len(s['model_mask'])} model_mask entries")
-                loss_mask[b, P:L] = torch.tensor(s["model_mask"], dtype=torch.float32)
-            else:
-                loss_mask[b, P:L] = 1.0
-        if r:
+        if not isinstance(m, int):
+            if len(m) != len(r):
+                raise ValueError(f"sample {b}: {len(r)} response tokens but {len(m)} model_mask entries")
+            loss_mask[b, P:L] = torch.tensor(m, dtype=torch.float32)
+        elif m:
+            loss_mask[b, P:L] = 1.0
+        lp = logprobs[b] if logprobs is not None else None
+        if lp is not None and len(lp) != len(r):
+            raise ValueError(f"sample {b}: {len(r)} response tokens but {len(lp)} logprobs")
+        if r and lp is not None:
             rollout_lp[b, P:L] = torch.tensor([float(x) for x in lp], dtype=torch.float32)
-    index = torch.tensor([int(s.get("sample_index", i)) for i, s in enumerate(samples)])
-    routed = _routed_experts(samples, T) if any("routing" in s for s in samples) else {}
-    return {**routed,
-        "input_ids": input_ids,  # (B, T)
-        "attention_mask": attention_mask,  # (B, T)
-        "loss_mask": loss_mask,  # (B, T)
-        "advantages": adv,  # (B,)
-        "rollout_logprobs": rollout_lp,  # (B, T)
-        "sample_index": index,  # (B,)
-    }
+    return {"input_ids": input_ids,  # (B, T)
+            "attention_mask": attention_mask,  # (B, T)
+            "loss_mask": loss_mask,  # (B, T)
+            "rollout_logprobs": rollout_lp}  # (B, T)
 
 
 NO_EXPERT = {"uint8": 255, "int16": -1}
@@ -111,26 +123,28 @@ def no_expert(dtype: torch.dtype | np.dtype) -> int:
     return NO_EXPERT[str(dtype).removeprefix("torch.")]
 
 
-def _routed_experts(samples: Sequence[dict], T: int) -> dict[str, torch.Tensor]:
-    """{"routed_experts": (B, T, M, K)} from each sample's (P+R-1, M, K) "routing" (numpy or tensor); a sample
+def _routed_experts(samples: Sequence[Sample], T: int) -> dict[str, torch.Tensor]:
+    """{"routed_experts": (B, T, M, K)} from each sample's (P+R-1, M, K) routing (numpy or tensor); a sample
     without one, and the environment's tokens of a multi-turn sample, keep NO_EXPERT."""
-    first = _ids(next(s["routing"] for s in samples if "routing" in s))
+    first = _ids(next(s.routing for s in samples if s.routing is not None))
     dtype = first.dtype
     if str(dtype).removeprefix("torch.") not in NO_EXPERT:
         raise ValueError(f"routing ids of dtype {dtype}; expected uint8 or int16 (colo.rollout.capture.ids_dtype)")
     out = torch.full((len(samples), T, *first.shape[1:]), no_expert(dtype), dtype=dtype)
     for b, s in enumerate(samples):
-        if "routing" not in s:
+        if s.routing is None:
             continue
-        ids = _ids(s["routing"])
-        n = len(s["prompt_ids"]) + len(s["response_ids"]) - 1
+        if s.routed_from:
+            raise ValueError(f"sample {b}: routing from row {s.routed_from}; a batch takes whole samples")
+        ids = _ids(s.routing)
+        n = len(s.prompt_ids) + len(s.response_ids) - 1
         if ids.dtype != dtype or ids.shape[1:] != first.shape[1:] or ids.shape[0] != n:
             raise ValueError(f"sample {b}: routing {tuple(ids.shape)} {ids.dtype}, expected ({n}, "
                              f"{', '.join(map(str, first.shape[1:]))}) {dtype}")
         out[b, :n] = ids
-        if "model_mask" in s:  # the environment's tokens: prefilled, so replay leaves them to the trainer
-            P = len(s["prompt_ids"])
-            env = P + torch.nonzero(torch.tensor(s["model_mask"]) == 0).flatten()  # (E,) positions
+        if s.model_mask is not None:  # the environment's tokens: prefilled, so replay leaves them to the trainer
+            P = len(s.prompt_ids)
+            env = P + torch.nonzero(torch.tensor(s.model_mask, dtype=torch.long) == 0).flatten()  # (E,) positions
             out[b, env[env < n]] = no_expert(dtype)
     return {"routed_experts": out}  # (B, T, M, K)
 

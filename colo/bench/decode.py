@@ -49,7 +49,7 @@ PRESETS = ("tiny", "qwen3-30b-a3b-L2", "qwen3-30b-a3b-L4", "qwen3-30b-a3b-L12", 
 TOKEN_ID_LIMIT = 512  # the presets' tokenizer vocabulary: every id below it is a real token
 # name: (a seed per request, logprobs=0, detokenize, what it is). "colo" samples as colo's single-turn engines do.
 VARIANTS = {"colo": (True, True, False, "as colo's engines sample: a seed per request, the sampled token's log-prob, "
-                                       "detokenize=False (colo.rollout.engine.DETOKENIZE)"),
+                                       "detokenize=False (colo.rollout.engine_loop.sampling_params)"),
             "detok": (True, True, True, "colo with vLLM's default detokenize=True (colo before 24b2e60)"),
             "no-logprobs": (True, False, False, "colo without log-probs"),
             "no-seed": (False, True, False, "colo without per-request seeds"),

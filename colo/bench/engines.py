@@ -18,9 +18,11 @@ import torch
 
 from colo.bench.lengths import LengthModel
 from colo.bench.yardsticks import broadcast_weights_baseline, push_weights_baseline, push_weights_vllm_ipc
-from colo.rollout.engine import DETOKENIZE, Engine
+from colo.rollout.engine import Engine
+from colo.rollout.engine_loop import Ask
 from colo.rollout.generation import Generation
 from colo.rollout.extension import WorkerExtension
+from colo.rollout.sample import Sample, SampleArrays, Status, pack
 from colo.sync.verify import tensor_digest
 from colo.trainer.worker import Trainer
 
@@ -131,11 +133,10 @@ class VllmIpcEngine(BenchEngine):
 
 class LengthEngine(Engine):
     """An Engine whose responses have imposed lengths: random weights never sample EOS on purpose, so the
-    length of each response is drawn (colo.bench.lengths.LengthModel, from the request's own seed and, with the
-    per-prompt model, the prompt's token ids: the same step gives the same lengths in every run) and imposed with
-    min_tokens = max_tokens = that length and ignore_eos. Every sample is its own request (n=1), so the n samples
-    of a prompt get lengths of their own; a sample shorter than max_tokens reports finish_reason "stop", as one
-    that sampled EOS would. The length model is iid until set_lengths."""
+    length of each response is drawn (colo.bench.lengths.LengthModel, from the sample's own seed and, with the
+    per-prompt model, the prompt's token ids: the same step gives the same lengths in every run, and a carried sample
+    keeps both) and imposed with min_tokens = max_tokens = that length and ignore_eos. A sample that ends short of
+    the budget reports Status.COMPLETED, as one that sampled EOS would. The length model is iid until set_lengths."""
 
     lengths = LengthModel()
 
@@ -143,47 +144,23 @@ class LengthEngine(Engine):
         self.lengths = LengthModel(kind, rho)
         return self.lengths.describe()
 
-    def generate(self, g: Generation) -> tuple[list[dict], dict]:
-        self._prompts = g.items  # _requests draws each sample's length from its prompt's ids (per-prompt model)
-        try:
-            outs, stats = super().generate(g)
-        finally:
-            self._prompts = None
-        if g.kind == "partial":  # loop.mode=async: a sample that reached its imposed length "stopped"
-            for r, o in zip(g.items, outs):
-                if o["finish_reason"] is not None and len(r["response_ids"]) + len(o["tokens"]) < r["max_tokens"]:
-                    o["finish_reason"] = "stop"
-        else:
-            for s in outs:
-                if len(s["response_ids"]) < g.max_tokens:
-                    s["finish_reason"] = "stop"
-        return outs, stats
+    def generate(self, g: Generation) -> tuple[SampleArrays, dict]:
+        self._budget = g.max_tokens  # _sampling_params draws each length within it
+        arrays, stats = super().generate(g)
+        samples = arrays.unpack()
+        for s in samples:
+            if s.status is Status.TRUNCATED and len(s.response_ids) < g.max_tokens:
+                s.status = Status.COMPLETED
+        return pack(samples), stats
 
-    def _segment_params(self, request: dict, temperature: float, top_p: float) -> Any:
-        """The sample's imposed length (drawn from its own seed and its prompt, as in _requests: a carried sample
-        keeps both) less the tokens it has."""
+    def _sampling_params(self, s: Sample, ask: Ask) -> Any:
+        """The sample's imposed length less the tokens it has."""
         from vllm import SamplingParams
 
-        p = super()._segment_params(request, temperature, top_p)
-        length = self.lengths.length(int(request["seed"]), int(request["max_tokens"]), request["prompt_ids"])
-        left = length - len(request["response_ids"])
+        p = super()._sampling_params(s, ask)
+        left = self.lengths.length(s.seed, self._budget, s.prompt_ids) - len(s.response_ids)
         return SamplingParams(n=1, max_tokens=left, min_tokens=left, ignore_eos=True, temperature=p.temperature,
                               top_p=p.top_p, logprobs=0, detokenize=p.detokenize, seed=p.seed)
-
-    def _requests(self, prompts: int, n: int, max_tokens: int, temperature: float, top_p: float,
-                  seed: int | None) -> tuple[list[int], list]:
-        from vllm import SamplingParams
-
-        index, params = [], []
-        for i in range(prompts):
-            for j in range(n):
-                s = (seed or 0) * 1_000_003 + i * n + j
-                length = self.lengths.length(s, max_tokens, self._prompts[i])
-                index.append(i)
-                params.append(SamplingParams(n=1, max_tokens=length, min_tokens=length, ignore_eos=True,
-                                             temperature=temperature, top_p=top_p if temperature > 0 else 1.0,
-                                             logprobs=0, detokenize=DETOKENIZE, seed=s))
-        return index, params
 
 
 class StepTrainer(Trainer):

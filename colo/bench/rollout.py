@@ -1,19 +1,34 @@
-"""Rollout throughput of a colocated engine against the same engine alone on the GPU, in one run.
+"""colo's rollout phase against vLLM alone on the same requests, in one run, and where the difference goes.
 
-    python -m colo.bench.rollout --preset qwen3-30b-a3b-L12 --device cuda --json      # 1 GPU
-    python -m colo.bench.rollout --preset tiny --device cpu --prompts 8 --max-tokens 16   # CPU: the script runs
+    python -m colo.bench.rollout --preset qwen3-30b-a3b-L4 --device cuda --prompts 16 --n 8 --max-tokens 2048 --json
+    python -m colo.bench.rollout --preset tiny --device cpu --prompts 4 --n 2 --max-tokens 16 --json   # CPU: it runs
 
-    standalone  a RolloutEngine alone on the GPU (no trainer), gpu_memory_utilization = --standalone-fraction
-    colocated   start_cluster as the loop does: trainer + engine in one placement group per GPU, then one
-                weight-update cycle (sleep 2 -> wake weights -> sync -> trainer offload -> wake KV cache),
-                so the engine generates in the state it is in during an RL step, at placement.vllm_gpu_fraction
+The requests are a sync step's: --prompts random prompts of --prompt-len token ids, --n samples each at temperature
+1 / top-p 1, sample j of prompt i its own request seeded seed + i*n + j (colo.rollout.generation), its length imposed
+(min_tokens = max_tokens = L, ignore_eos; random weights never stop on purpose): --lengths iid is the step
+benchmark's long tail at --max-tokens (colo.bench.lengths, drawn from the sample's seed), fixed is --max-tokens for
+every sample. Every timed call draws new prompts (no prefix-cache hits across calls, as across RL steps); call k of
+every variant draws the same ones, so both sides decode exactly the same tokens (checked: colo's lengths are vLLM's).
 
-Both phases send the same prompts (random token ids, fixed seed), n samples each, at temperature 1 with
-the same per-request seeds, through the same RolloutEngine.generate and vLLM settings; only placement and
-memory fraction differ. Throughput is output tokens (counted, not assumed) per second of wall time of the
-timed generate calls, best of --reps after one warm-up call. Each phase runs in a child process of its
-own, so the first one's GPU memory is certainly free when the second starts (a vLLM engine killed inside
-a live Ray session can leave its engine-core process behind).
+Phases, each in a child process of its own (its GPU memory certainly free when the next one starts):
+  vllm        vllm.LLM as its docs show: the model, dtype, max_model_len, eager/graphs and KV room of colo's engine
+              (gpu_memory_utilization = placement.vllm_gpu_fraction), LLM.generate with plain SamplingParams (the
+              length, the seed; vLLM's defaults otherwise). The same engine then times colo's per-request choices one
+              at a time (--toggles): the sampled token's log-prob (logprobs=0), no detokenization, no seeds, and
+              colo's scheduling: its engine loop (colo.rollout.engine_loop: vLLM stepped by hand, one request per
+              sample, outputs streamed) instead of LLM.generate, with colo's request settings both ways.
+  colocated   colo's rollout phase as the loop runs it: start_cluster (trainer + engine in one placement group per
+              GPU), one weight-update cycle (sleep 2 -> wake weights -> sync -> trainer offload -> wake KV cache),
+              then Engine.generate through Ray with the routing every step asks for (R3 capture). --toggles also
+              times it without routing, and before the weight cycle (what sleep/wake leaves behind).
+  standalone  (only in --phases) colo's engine alone on the GPU at --standalone-fraction, no trainer: what
+              colocation's smaller KV room costs.
+
+Throughput: output tokens per second of wall time of a timed call, best of --reps after one warm-up call; variants
+interleaved per rep, so a drift of the machine hits them alike. The JSON line's `vs_vllm` is colocated over vllm's
+plain; `where` holds each toggle's factor (its speed over its reference, so the factors multiply: vs_vllm =
+params x scheduling x engine, params ~ logprobs x detokenize, engine = routing x wake_sleep x rest, where `rest` is
+what no toggle names: the Ray actor hop, vLLM's Ray executor, sleep mode's allocator, the worker extension).
 
 Arguments are parsed before torch/Ray/vLLM are imported, so --help answers at once.
 """
@@ -22,6 +37,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import signal
 import subprocess
 import sys
@@ -30,131 +46,290 @@ import time
 from pathlib import Path
 from typing import Any
 
-PRESETS = ("tiny", "qwen3-30b-a3b-L2", "qwen3-30b-a3b-L12", "qwen3-30b-a3b")
+PRESETS = ("tiny", "qwen3-30b-a3b-L2", "qwen3-30b-a3b-L4", "qwen3-30b-a3b-L12", "qwen3-30b-a3b")
 TOKEN_ID_LIMIT = 512  # the presets' tokenizer vocabulary: every id below it is a real token
+PHASES = ("vllm", "colocated", "standalone")
+TOGGLES = ("logprobs", "detokenize", "seeds", "scheduling", "routing", "wake_sleep")
+# vLLM-phase variants: (logprobs=0, detokenize, a seed per request, colo's engine loop instead of LLM.generate)
+VARIANTS = {"plain": (False, True, True, False), "logprobs": (True, True, True, False),
+            "no_detokenize": (False, False, True, False), "no_seeds": (False, True, False, False),
+            "colo_params": (True, False, True, False), "colo_loop": (True, False, True, True)}
+NEEDS = {"logprobs": ("logprobs",), "detokenize": ("no_detokenize",), "seeds": ("no_seeds",),
+         "scheduling": ("colo_params", "colo_loop")}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    from colo.bench.lengths import LENGTH_MODELS
+
     ap = argparse.ArgumentParser(prog="python -m colo.bench.rollout", description=__doc__.splitlines()[0])
-    ap.add_argument("--preset", choices=PRESETS, default="qwen3-30b-a3b-L12")
+    ap.add_argument("--preset", choices=PRESETS, default="qwen3-30b-a3b-L4")
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cuda")
-    ap.add_argument("--ranks", type=int, default=1, help="GPUs (colocated: one trainer + engine on each)")
-    ap.add_argument("--prompts", type=int, default=256, help="prompts per timed call (over all engines)")
+    ap.add_argument("--prompts", type=int, default=16, help="prompts per timed call")
     ap.add_argument("--n", type=int, default=8, help="samples per prompt")
     ap.add_argument("--prompt-len", type=int, default=256, help="tokens per prompt")
-    ap.add_argument("--max-tokens", type=int, default=512, help="max output tokens per sample")
-    ap.add_argument("--reps", type=int, default=2, help="timed calls per phase (after one warm-up call)")
+    ap.add_argument("--max-tokens", type=int, default=2048, help="rollout.max_tokens: the longest response")
+    ap.add_argument("--lengths", choices=LENGTH_MODELS, default="iid",
+                    help="imposed response lengths: the step benchmark's long tail (iid, per-prompt) or fixed")
+    ap.add_argument("--reps", type=int, default=2, help="timed calls per variant (after one warm-up call)")
+    ap.add_argument("--warmup-tokens", type=int, default=32,
+                    help="the warm-up call's --max-tokens (its batch shapes compile kernels; its length need not)")
+    ap.add_argument("--config", help="a colo YAML whose settings the phases take (placement.vllm_gpu_fraction, the "
+                                     "trainer's: e.g. configs/qwen3-30b-a3b-lora-1xh200.yaml for the whole model)")
+    ap.add_argument("--phases", default="vllm,colocated", help=f"comma-separated, of {', '.join(PHASES)}")
+    ap.add_argument("--toggles", default="all", help=f"all, none, or comma-separated of {', '.join(TOGGLES)}")
     ap.add_argument("--standalone-fraction", type=float, default=0.9,
-                    help="gpu_memory_utilization of the standalone engine (the whole GPU, as vLLM's default)")
+                    help="gpu_memory_utilization of the standalone phase's engine (the whole GPU, as vLLM's default)")
     ap.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs (the GPU configs use them)")
     ap.add_argument("--json", action="store_true", help="print one JSON object (last stdout line)")
     ap.add_argument("--workdir", default=os.path.join(tempfile.gettempdir(), "colo-bench"))
-    ap.add_argument("--phase", choices=("standalone", "colocated"), help=argparse.SUPPRESS)  # child process
+    ap.add_argument("--phase", choices=PHASES, help=argparse.SUPPRESS)  # a child process
     args = ap.parse_args(argv)
-    if min(args.ranks, args.prompts, args.n, args.prompt_len, args.max_tokens, args.reps) < 1:
-        ap.error("--ranks, --prompts, --n, --prompt-len, --max-tokens and --reps must be >= 1")
+    if min(args.prompts, args.n, args.prompt_len, args.max_tokens, args.reps, args.warmup_tokens) < 1:
+        ap.error("--prompts, --n, --prompt-len, --max-tokens, --reps and --warmup-tokens must be >= 1")
     if not 0 < args.standalone_fraction <= 1:
         ap.error("--standalone-fraction must be in (0, 1]")
+    args.phases = [p for p in args.phases.split(",") if p]
+    args.toggles = {"all": list(TOGGLES), "none": []}.get(args.toggles, [t for t in args.toggles.split(",") if t])
+    bad = [p for p in args.phases if p not in PHASES] + [t for t in args.toggles if t not in TOGGLES]
+    if bad or not args.phases:
+        ap.error(f"unknown or no phases/toggles {bad}; phases: {', '.join(PHASES)}; toggles: {', '.join(TOGGLES)}")
     return args
 
 
-def prompts(args: argparse.Namespace) -> list[list[int]]:
-    import random
-
-    rng = random.Random(1234)
+def prompts(args: argparse.Namespace, call: int) -> list[list[int]]:
+    """Call `call`'s prompts: the same for every variant and phase, new for every call."""
+    rng = random.Random(f"rollout:{call}")
     return [[rng.randrange(3, TOKEN_ID_LIMIT) for _ in range(args.prompt_len)] for _ in range(args.prompts)]
 
 
-def make_config(args: argparse.Namespace, model_dir: str, standalone: bool) -> Any:
-    from colo.config import load_config, validate
+def call_seed(call: int) -> int:
+    return 1000 * call
 
-    cfg = load_config(None, [])  # defaults + COLO_* env: COLO_TRAIN_GPU_FRACTION / COLO_VLLM_GPU_FRACTION apply
+
+def budget(args: argparse.Namespace, call: int) -> int:
+    """Call `call`'s max_tokens: the warm-up (call 0) is short."""
+    return min(args.max_tokens, args.warmup_tokens) if call == 0 else args.max_tokens
+
+
+def requests(args: argparse.Namespace, call: int) -> list[tuple[list[int], int, int]]:
+    """(prompt ids, seed, imposed length) of every sample of call `call`, in colo's order (prompt i's n samples
+    together, seeded as Generation.fresh seeds them; lengths as colo.bench.engines.LengthEngine draws them)."""
+    from colo.bench.lengths import LengthModel
+
+    model, base = LengthModel.of(args.lengths), call_seed(call)
+    return [(p, base + i * args.n + j, model.length(base + i * args.n + j, budget(args, call), p))
+            for i, p in enumerate(prompts(args, call)) for j in range(args.n)]
+
+
+def make_config(args: argparse.Namespace, model_dir: str, standalone: bool = False) -> Any:
+    from colo.config import load_config, validate
+    from colo.plan.job import tune
+
+    cfg = load_config(args.config, [])  # + COLO_* env: COLO_TRAIN_GPU_FRACTION / COLO_VLLM_GPU_FRACTION apply
     cfg.model.path, cfg.model.dummy_weights = model_dir, args.preset != "tiny"
-    cfg.placement.device, cfg.placement.num_gpus = args.device, args.ranks
+    cfg.placement.device, cfg.placement.num_gpus = args.device, 1
     cfg.rollout.max_model_len = args.prompt_len + args.max_tokens
     cfg.rollout.max_tokens, cfg.rollout.n = args.max_tokens, args.n
-    cfg.rollout.enforce_eager = args.enforce_eager or args.device == "cpu"
+    cfg.rollout.enforce_eager = args.enforce_eager or args.device == "cpu" or cfg.rollout.enforce_eager
     cfg.rollout.kv_cache_mb = 1024
-    if standalone:  # one engine on whole GPUs of its own: the disaggregated engine, with no trainer started
-        cfg.placement.mode, cfg.placement.num_gpus, cfg.placement.trainer_gpus = "disaggregated", args.ranks + 1, 1
+    if standalone:  # one engine on a GPU of its own: the disaggregated engine, with no trainer started
+        cfg.placement.mode, cfg.placement.num_gpus, cfg.placement.trainer_gpus = "disaggregated", 2, 1
         cfg.placement.vllm_gpu_fraction = args.standalone_fraction
     validate(cfg, check_resources=False)
-    return cfg
+    return tune(cfg).cfg  # the `auto` trainer settings as colo.launch resolves them for this job on this GPU
 
 
-def timed_generate(engines: list, ids: list[list[int]], args: argparse.Namespace) -> dict:
-    """One warm-up call, then --reps timed calls; prompts are spread over the engines as the loop does."""
+def best(runs: list[tuple[float, int]]) -> dict:
+    """The fastest of (seconds, tokens) calls."""
+    s, n = min(runs, key=lambda r: r[0] / max(r[1], 1))
+    return {"seconds": s, "output_tokens": n, "tokens_per_s": n / s, "all_tokens_per_s": [t / x for x, t in runs]}
+
+
+# ------------------------------------------------------------------------------------------------ vllm alone
+
+def vllm_kwargs(cfg: Any) -> dict[str, Any]:
+    """vllm.LLM's arguments: the engine settings of colo's engine (colo.rollout.engine.Engine._llm_kwargs) that are
+    not colo's own machinery (its Ray executor, sleep mode, worker extension, processed log-probs, routing capture)."""
+    from colo.rollout.quant import engine_quantization
+
+    m, ro = cfg.model, cfg.rollout
+    kw: dict[str, Any] = dict(model=m.path, dtype=m.dtype, seed=cfg.run.seed, enforce_eager=ro.enforce_eager,
+                              max_model_len=ro.max_model_len)
+    if m.dummy_weights:
+        kw["load_format"] = "dummy"
+    quant, env = engine_quantization(cfg, json.loads((Path(m.path) / "config.json").read_text()))
+    os.environ.update(env)
+    kw.update(quant)
+    if cfg.placement.device == "cpu":  # colo's CPU engine: its KV room, no chunked prefill (seeded CPU generators)
+        kw.update(kv_cache_memory_bytes=ro.kv_cache_mb * 2**20, enable_chunked_prefill=False)
+    else:
+        kw["gpu_memory_utilization"] = cfg.placement.vllm_gpu_fraction
+    return kw
+
+
+def cpu_env(enforce_eager: bool) -> None:
+    """What colo's CPU engine sets before vLLM starts (colo.rollout.engine.Engine._setup_cpu_env), for the same
+    threads and the same in-process engine core."""
+    import torch
+
+    if enforce_eager:
+        os.environ["TORCH_COMPILE_DISABLE"] = "1"
+        torch._dynamo.config.disable = True
+    cores = sorted(os.sched_getaffinity(0))
+    torch.set_num_threads(len(cores))
+    os.environ.update(OMP_NUM_THREADS=str(len(cores)), VLLM_ENABLE_V1_MULTIPROCESSING="0",
+                      VLLM_CPU_OMP_THREADS_BIND=",".join(map(str, cores)))
+
+
+def run_vllm(args: argparse.Namespace, cfg: Any) -> dict:
+    """The vllm phase: plain LLM.generate, then colo's request settings and scheduling on the same engine."""
+    if args.device == "cpu":
+        cpu_env(cfg.rollout.enforce_eager)
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    from colo.rollout.engine_loop import Sampling, run
+    from colo.rollout.generation import fresh_samples
+    from colo.rollout.turns import Budget
+
+    t0 = time.perf_counter()
+    llm = LLM(**vllm_kwargs(cfg))
+    start_s = time.perf_counter() - t0
+    variants = ["plain"] + [v for t in args.toggles for v in NEEDS.get(t, ())]
+
+    def params(length: int, seed: int, variant: str) -> Any:
+        logprobs, detok, seeded, _ = VARIANTS[variant]
+        return SamplingParams(n=1, max_tokens=length, min_tokens=length, ignore_eos=True, temperature=1.0, top_p=1.0,
+                              logprobs=0 if logprobs else None, detokenize=detok, seed=seed if seeded else None)
+
+    def call(k: int, variant: str) -> tuple[float, int]:
+        reqs = requests(args, k)
+        t = time.perf_counter()
+        if VARIANTS[variant][3]:  # colo's engine loop over colo's samples, their lengths imposed as LengthEngine does
+            samples = fresh_samples([p for p, _, _ in reqs[::args.n]], args.n, call_seed(k))
+            lengths = {seed: length for _, seed, length in reqs}
+            run(llm.llm_engine, samples, Budget(budget(args, k), 1, cfg.rollout.max_model_len), Sampling(1.0, 1.0, 0),
+                lambda s, ask: params(lengths[s.seed], ask.seed, variant))
+            got = [len(s.response_ids) for s in samples]
+        else:
+            outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p, _, _ in reqs],
+                                [params(length, seed, variant) for _, seed, length in reqs], use_tqdm=False)
+            got = [len(o.outputs[0].token_ids) for o in outs]
+        dt = time.perf_counter() - t
+        if got != [length for _, _, length in reqs]:
+            raise RuntimeError(f"vllm phase, {variant}: {sum(got)} tokens generated, {sum(r[2] for r in reqs)} imposed")
+        return dt, sum(got)
+
+    call(0, "plain")  # warm-up: kernels compiled for the batch's shapes
+    runs: dict[str, list] = {v: [] for v in variants}
+    for k in range(1, args.reps + 1):
+        for v in variants:
+            runs[v].append(call(k, v))
+    return {"phase": "vllm", "start_s": start_s, "vllm_fraction": cfg.placement.vllm_gpu_fraction,
+            **{v: best(r) for v, r in runs.items()}}
+
+
+# ---------------------------------------------------------------------------------------------------- colo
+
+def colo_call(engines: list, args: argparse.Namespace, k: int, routing: bool) -> tuple[float, int]:
+    """Engine.generate of call k's samples through Ray, as a sync step sends them (one engine)."""
     import ray
 
     from colo.rollout.generation import Generation
 
-    def call(seed: int) -> tuple[float, int]:
-        w = len(engines)
-        t0 = time.perf_counter()
-        outs = ray.get([e.generate.remote(Generation([ids[i] for i in range(r, len(ids), w)], args.n, args.max_tokens,
-                                                     1.0, 1.0, seed + r)) for r, e in enumerate(engines)])
-        return time.perf_counter() - t0, sum(len(s["response_ids"]) for out, _ in outs for s in out)
-
-    call(0)
-    runs = [call(1 + k) for k in range(args.reps)]
-    best = min(runs, key=lambda r: r[0] / max(r[1], 1))
-    return {"seconds": best[0], "output_tokens": best[1], "tokens_per_s": best[1] / best[0],
-            "all_tokens_per_s": [t / s for s, t in runs]}
+    reqs = requests(args, k)
+    g = Generation.fresh([p for p, _, _ in reqs[::args.n]], args.n, budget(args, k), 1.0, 1.0, call_seed(k), routing)
+    t = time.perf_counter()
+    arrays, _ = ray.get(engines[0].generate.remote(g))
+    dt = time.perf_counter() - t
+    got = [len(s.response_ids) for s in arrays.unpack()]
+    if got != [length for _, _, length in reqs]:
+        raise RuntimeError(f"colo's engine generated {sum(got)} tokens, vLLM's requests impose "
+                           f"{sum(r[2] for r in reqs)} (the two sides' lengths must be the same requests')")
+    return dt, sum(got)
 
 
-def run_phase(args: argparse.Namespace) -> dict:
-    """One phase in this (child) process: its own Ray session, engines, timed calls."""
+def run_colo(args: argparse.Namespace, cfg: Any, phase: str) -> dict:
+    """The colocated or standalone phase: colo's engine (LengthEngine: lengths imposed) through Ray."""
     import ray
 
+    from colo.bench.engines import LengthEngine
+    from colo.bench.lengths import LengthModel
     from colo.cluster.actors import start_cluster
-    from colo.host.net import free_port
-    from colo.models.tiny import make_tiny_model
-    from ray.util.placement_group import placement_group
-
-    from colo.config import to_dict
     from colo.cluster.placement import init_ray, plan_placement, scheduling
+    from colo.config import to_dict
+    from colo.host.net import free_port
 
-    model_dir = str(make_tiny_model(Path(args.workdir) / f"{args.preset}-s0", args.preset, 0))
-    standalone = args.phase == "standalone"
-    cfg = make_config(args, model_dir, standalone)
     plan = plan_placement(cfg)
     init_ray(plan, log_to_driver=not args.json)
-    ids = prompts(args)
-    out: dict[str, Any] = {"phase": args.phase, "vllm_fraction": cfg.placement.vllm_gpu_fraction}
+    out: dict[str, Any] = {"phase": phase, "vllm_fraction": cfg.placement.vllm_gpu_fraction}
     try:
         t0 = time.perf_counter()
-        if standalone:
-            from colo.rollout.engine import RolloutEngine
+        if phase == "standalone":
+            from ray.util.placement_group import placement_group
 
-            # the engines' groups only: the plan's trainer GPU is never asked for (no trainer is started)
-            engine_pgs = [placement_group([plan.bundle()], strategy="STRICT_PACK") for _ in range(args.ranks)]
-            ray.get([pg.ready() for pg in engine_pgs], timeout=300)
-            engines = [RolloutEngine.options(num_gpus=0 if args.device == "cuda" else 1, num_cpus=0,
-                                             scheduling_strategy=scheduling(pg)).remote(to_dict(cfg), e, 1, free_port())
-                       for e, pg in enumerate(engine_pgs)]
-            ray.get([e.ready.remote() for e in engines])
+            pg = placement_group([plan.bundle()], strategy="STRICT_PACK")  # the engine's only: no trainer started
+            ray.get(pg.ready(), timeout=300)
+            engines = [ray.remote(LengthEngine).options(num_gpus=0 if args.device == "cuda" else 1, num_cpus=0,
+                                                        scheduling_strategy=scheduling(pg))
+                       .remote(to_dict(cfg), 0, 1, free_port())]
+            ray.get(engines[0].ready.remote())
         else:
-            c = start_cluster(cfg, plan)
+            c = start_cluster(cfg, plan, engine_cls=LengthEngine)
             engines = c.engines
-            cycle = {}
+        model = LengthModel.of(args.lengths)
+        ray.get([e.set_lengths.remote(model.kind, model.rho) for e in engines])
+        out["start_s"] = time.perf_counter() - t0
+        runs: dict[str, list] = {"colo": [], **({"no_routing": []} if "routing" in args.toggles else {})}
+        if phase == "colocated" and "wake_sleep" in args.toggles:  # the engine as it started, before any cycle
+            colo_call(engines, args, 0, True)  # warm-up
+            runs["before_cycle"] = [colo_call(engines, args, k, True) for k in range(1, args.reps + 1)]
+        if phase == "colocated":
             t = time.perf_counter()
             ray.get([e.sleep.remote(2) for e in engines])
             ray.get([e.wake_up.remote(["weights"]) for e in engines])
             reports = c.trainer_group.sync_weights()
             ray.get([tr.offload.remote() for tr in c.trainers])
             ray.get([e.wake_up.remote(["kv_cache", "scheduling"]) for e in engines])
-            cycle["weight_cycle_s"] = time.perf_counter() - t
-            cycle["sync_verified"] = all(r["verified"] for r in reports)
-            cycle["memory_after_offload"] = ray.get(c.trainers[0].memory.remote())
-            out.update(cycle)
-        out["start_s"] = time.perf_counter() - t0
-        out.update(timed_generate(engines, ids, args))
+            out.update(weight_cycle_s=time.perf_counter() - t, sync_verified=all(r["verified"] for r in reports),
+                       memory_after_offload=ray.get(c.trainers[0].memory.remote()))
+        colo_call(engines, args, 0, True)  # warm-up (after the cycle too: the same footing as before it)
+        for k in range(1, args.reps + 1):
+            runs["colo"].append(colo_call(engines, args, k, True))
+            if "no_routing" in runs:
+                runs["no_routing"].append(colo_call(engines, args, k, False))
+        out.update({v: best(r) for v, r in runs.items() if r})
     finally:
         ray.shutdown()
     return out
 
 
-def run_child(args: argparse.Namespace, phase: str, argv: list[str]) -> dict:
+# ------------------------------------------------------------------------------------------- the comparison
+
+def where(vllm: dict, colo: dict) -> dict:
+    """Each toggle's factor (module docstring): a variant's tokens/s over its reference's."""
+    tps = {k: v["tokens_per_s"] for k, v in vllm.items() if isinstance(v, dict) and "tokens_per_s" in v}
+    out: dict[str, float] = {}
+
+    def ratio(name: str, a: float | None, b: float | None) -> None:
+        if a and b:
+            out[name] = a / b
+
+    plain, colo_tps = tps["plain"], colo["colo"]["tokens_per_s"]
+    ratio("logprobs", tps.get("logprobs"), plain)  # asking the sampled token's log-prob
+    ratio("detokenize", tps.get("no_detokenize"), plain)  # colo's detokenize=False
+    ratio("seeds", plain, tps.get("no_seeds"))  # a seeded generator per request
+    ratio("params", tps.get("colo_params"), plain)  # colo's request settings together
+    ratio("scheduling", tps.get("colo_loop"), tps.get("colo_params"))  # colo's engine loop against LLM.generate
+    ratio("engine", colo_tps, tps.get("colo_loop"))  # colo's engine actor, colocated, against its loop in vLLM alone
+    ratio("routing", colo_tps, colo.get("no_routing", {}).get("tokens_per_s"))  # R3 capture
+    ratio("wake_sleep", colo_tps, colo.get("before_cycle", {}).get("tokens_per_s"))  # the weight cycle's after-effect
+    if "engine" in out:
+        out["rest"] = out["engine"] / out.get("routing", 1.0) / out.get("wake_sleep", 1.0)
+    return out
+
+
+def run_child(phase: str, argv: list[str]) -> dict:
     """Run one phase in a child process (own process group, killed afterwards); its last stdout line."""
     cmd = [sys.executable, "-m", "colo.bench.rollout", *argv, "--phase", phase, "--json"]
     p = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, start_new_session=True)
@@ -171,28 +346,44 @@ def run_child(args: argparse.Namespace, phase: str, argv: list[str]) -> dict:
     return json.loads(lines[-1])
 
 
+def run_phase(args: argparse.Namespace) -> dict:
+    from colo.models.tiny import make_tiny_model
+
+    model_dir = str(make_tiny_model(Path(args.workdir) / f"{args.preset}-s0", args.preset, 0))
+    cfg = make_config(args, model_dir, standalone=args.phase == "standalone")
+    return run_vllm(args, cfg) if args.phase == "vllm" else run_colo(args, cfg, args.phase)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
     if args.phase:
         print(json.dumps(run_phase(args), sort_keys=True), flush=True)
         return 0
-    alone = run_child(args, "standalone", argv)
-    colo = run_child(args, "colocated", argv)
-    ratio = colo["tokens_per_s"] / alone["tokens_per_s"]
-    result = {"ratio": ratio, "colocated": colo, "standalone": alone, "preset": args.preset,
-              "device": args.device, "ranks": args.ranks, "prompts": args.prompts, "n": args.n,
-              "prompt_len": args.prompt_len, "max_tokens": args.max_tokens, "enforce_eager": args.enforce_eager,
-              "date": time.strftime("%Y-%m-%d")}
+    got = {p: run_child(p, argv) for p in PHASES if p in args.phases}
+    result: dict[str, Any] = {"bench": "rollout", **got, "preset": args.preset, "device": args.device,
+                              "prompts": args.prompts, "n": args.n, "prompt_len": args.prompt_len,
+                              "max_tokens": args.max_tokens, "lengths": args.lengths, "reps": args.reps,
+                              "enforce_eager": args.enforce_eager, "date": time.strftime("%Y-%m-%d")}
+    if "colocated" in got and "vllm" in got:
+        result["vs_vllm"] = got["colocated"]["colo"]["tokens_per_s"] / got["vllm"]["plain"]["tokens_per_s"]
+        result["where"] = where(got["vllm"], got["colocated"])
+    if "colocated" in got and "standalone" in got:
+        result["vs_standalone"] = got["colocated"]["colo"]["tokens_per_s"] / got["standalone"]["colo"]["tokens_per_s"]
     if args.json:
         print(json.dumps(result, sort_keys=True), flush=True)
     else:
-        print(f"colo.bench.rollout {args.preset} on {args.ranks} {args.device} GPU(s): {args.prompts} prompts x "
-              f"n={args.n}, {args.prompt_len}+{args.max_tokens} tokens\n"
-              f"standalone (vLLM fraction {alone['vllm_fraction']:g}): {alone['tokens_per_s']:.0f} output tok/s\n"
-              f"colocated  (vLLM fraction {colo['vllm_fraction']:g}, trainer offloaded beside it): "
-              f"{colo['tokens_per_s']:.0f} output tok/s\n"
-              f"ratio colocated/standalone: {ratio:.3f}", flush=True)
+        print(f"colo.bench.rollout {args.preset} on {args.device}: {args.prompts} prompts x n={args.n}, "
+              f"{args.prompt_len}+{args.max_tokens} tokens ({args.lengths} lengths)", flush=True)
+        for p, r in got.items():
+            main_key = "plain" if p == "vllm" else "colo"
+            print(f"{p:<11} (vLLM fraction {r['vllm_fraction']:g}): {r[main_key]['tokens_per_s']:.0f} output tok/s",
+                  flush=True)
+        for k in ("vs_vllm", "vs_standalone"):
+            if k in result:
+                print(f"{k}: {result[k]:.3f}", flush=True)
+        for k, v in result.get("where", {}).items():
+            print(f"  {k:<11} x{v:.3f}", flush=True)
     return 0
 
 

@@ -87,10 +87,10 @@ def run(args: argparse.Namespace) -> dict:
         out = {}
         for routing in order:
             t = time.perf_counter()
-            out[routing] = ray.get(engine.generate.remote(Generation(*call, routing)))[0]
+            out[routing] = ray.get(engine.generate.remote(Generation.fresh(*call, routing)))[0].unpack()
             (capture_s if routing else plain_s).append(time.perf_counter() - t)
         samples = out[True]
-        assert [s["response_ids"] for s in samples] == [s["response_ids"] for s in out[False]]
+        assert [s.response_ids for s in samples] == [s.response_ids for s in out[False]]
         batch = build_batch(samples, [0.0] * len(samples))
         for mode, acc in sums.items():
             trainer.cfg.algo.routing_replay = mode

@@ -217,8 +217,8 @@ def greedy(engines: list) -> list[list[tuple[list[int], list[float]]]]:
 
     from colo.rollout.generation import Generation
 
-    outs = ray.get([e.generate.remote(Generation(PROMPTS, 1, MAX_TOKENS, 0.0, 1.0, 0)) for e in engines])
-    return [[(s["response_ids"], s["logprobs"]) for s in out] for out, _ in outs]
+    outs = ray.get([e.generate.remote(Generation.fresh(PROMPTS, 1, MAX_TOKENS, 0.0, 1.0, 0)) for e in engines])
+    return [[(s.response_ids, s.logprobs) for s in out.unpack()] for out, _ in outs]
 
 
 def compare(got: list[tuple[list[int], list[float]]], want: list[tuple[list[int], list[float]]]) -> dict:

@@ -162,7 +162,7 @@ def _check_async(cfg: ColoConfig) -> None:
                           f"{cfg.loop.max_staleness}; fix: loop.max_staleness=1, or loop.mode=sync")
     if cfg.algo.environment and cfg.placement.mode == "disaggregated":
         raise ConfigError(f"loop.mode=async with algo.environment={cfg.algo.environment} runs colocated (conversations "
-                          "carried across weight updates, colo.rollout.partial_turns); generating whole conversations "
+                          "carried across weight updates, colo.rollout.turns); generating whole conversations "
                           "ahead on disaggregated engines is not tested; fix: placement.mode=colocated, or "
                           "loop.mode=sync")
     if cfg.algo.tis_cap == 0:

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from colo.algo.batch import build_batch
+from colo.algo.batch import pad_rows
 from colo.data.prompts import PromptDataset, encode_prompt, load_tokenizer
 from colo.data.tasks import completion, sft_examples
 from colo.config import ColoConfig, ConfigError, model_config_json
@@ -42,16 +42,20 @@ class RunInputs:
 
         Drawn with a seed of (run seed, step) so a resumed warm-up sees the same examples."""
         rng = random.Random(f"sft:{self.seed}:{step}")
-        tok, samples = self.tokenizer, []
+        tok, prompts, responses, masks = self.tokenizer, [], [], []
         pairs = [rng.choice(self.sft_pairs) for _ in range(k)]
         for (prompt, answer), conv in zip(pairs, self._demonstrations(pairs)):
             if conv is not None:
-                samples.append(conv)
+                prompts.append(conv["prompt_ids"])
+                responses.append(conv["response_ids"])
+                masks.append(conv["model_mask"])
                 continue
             _, p = encode_prompt(tok, prompt, self.chat_template, self.system_prompt)
             r = tok(completion(answer, self.chat_template), add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
-            samples.append({"prompt_ids": p, "response_ids": r, "logprobs": [0.0] * len(r)})
-        batch = build_batch(samples, torch.zeros(k), pad_id=tok.pad_token_id)  # right-padded, loss on r
+            prompts.append(p)
+            responses.append(r)
+            masks.append(1)
+        batch = pad_rows(prompts, responses, masks, pad_id=tok.pad_token_id)  # right-padded, loss on r
         return {key: batch[key] for key in ("input_ids", "attention_mask", "loss_mask")}  # (B, T) each
 
     def _demonstrations(self, pairs: list[tuple[str, str]]) -> list[dict | None]:

@@ -2,7 +2,7 @@
 
     ahead = GenerateAhead()
     batch = ahead.take()                      # the batch the engines generated during the last step, or None
-    ahead.put(Ahead(prompts, samples, step))  # the next step's batch, generated while this step trained
+    ahead.put(AheadBatch(prompts, samples, step))  # the next step's batch, generated while this step trained
     ahead.metrics(batch, step)                # async/* for the batch trained at `step`
 
 Disaggregated engines sit on GPUs of their own, so they need not idle while the trainers train: step s trains
@@ -14,7 +14,7 @@ behaviour-to-pi_old weight as TIS does (docs/loss.md, "Tokens from older weights
 async step's, with every token of a batch one version behind. Versions are the RolloutBuffer's (colo.rollout.
 buffer): a token sampled at step s has version s.
 
-Plain bookkeeping: no Ray, no vLLM; colo.rollout.schedule.AheadRollout submits and collects. A checkpoint holds
+Plain bookkeeping: no Ray, no vLLM; colo.rollout.schedule.Ahead submits and collects. A checkpoint holds
 the batch generated ahead (`state_dict`), so `--resume` trains on it instead of generating it again.
 """
 from __future__ import annotations
@@ -22,57 +22,55 @@ from __future__ import annotations
 import copy
 from dataclasses import dataclass
 
-import numpy as np
-
-from colo.rollout.buffer import decode_array, encode_array
+from colo.rollout.sample import Sample, SampleArrays, pack
 
 
 @dataclass
-class Ahead:
+class AheadBatch:
     prompts: list[dict]  # data rows, as train_data.next_batch gave them
-    samples: list[dict]  # colo.rollout.generation's: prompt order, prompt_index into `prompts`
+    samples: list[Sample]  # colo.rollout.generation's: prompt order, Sample.group an index into `prompts`
     version: int  # the step during which the engines sampled it (their weights came from that many updates)
 
 
 class GenerateAhead:
     def __init__(self) -> None:
-        self.next: Ahead | None = None
+        self.next: AheadBatch | None = None
 
-    def take(self) -> Ahead | None:
+    def take(self) -> AheadBatch | None:
         batch, self.next = self.next, None
         return batch
 
-    def put(self, batch: Ahead) -> None:
+    def put(self, batch: AheadBatch) -> None:
         if self.next is not None:
             raise RuntimeError("GenerateAhead.put: the batch generated ahead was not trained on yet")
         self.next = batch
 
     @staticmethod
-    def metrics(batch: Ahead, step: int, max_staleness: int) -> dict:
+    def metrics(batch: AheadBatch, step: int, max_staleness: int) -> dict:
         """The step's async/* metrics, the colocated async step's keys: every response token of `batch` lags
         step - batch.version versions; nothing is carried, resumed or dropped (whole batches only)."""
         lag = step - batch.version
         if lag > max_staleness:
             raise RuntimeError(f"step {step} would train on tokens {lag} versions old (loop.max_staleness "
                                f"{max_staleness})")
-        tokens = sum(len(s["response_ids"]) for s in batch.samples)
+        tokens = sum(len(s.response_ids) for s in batch.samples)
         return {"async/staleness_mean": float(lag) if tokens else 0.0, "async/staleness_max": lag if tokens else 0,
                 "async/offpolicy_frac": 1.0 if tokens and lag > 0 else 0.0, "async/completed": len(batch.samples),
                 "async/carried": 0, "async/dropped": 0, "async/dropped_tokens": 0, "async/resumed": 0,
                 "async/buffered_groups": 0}
 
     def state_dict(self) -> dict:
-        """A JSON-able copy of the batch generated ahead (checkpoint extra.json; routing rows as base64)."""
+        """A JSON-able copy of the batch generated ahead (checkpoint extra.json; the samples as arrays)."""
         if self.next is None:
             return {"kind": "ahead", "batch": None}
-        samples = [{**copy.deepcopy({k: v for k, v in s.items() if k != "routing"}),
-                    **({"routing": encode_array(np.asarray(s["routing"]))} if "routing" in s else {})}
-                   for s in self.next.samples]
-        return {"kind": "ahead", "batch": {"prompts": copy.deepcopy(self.next.prompts), "samples": samples,
+        return {"kind": "ahead", "batch": {"prompts": copy.deepcopy(self.next.prompts),
+                                           "samples": pack(self.next.samples).state_dict(),
                                            "version": self.next.version}}
 
     def load_state_dict(self, state: dict) -> None:
         b = state.get("batch")
-        self.next = None if b is None else Ahead(
-            b["prompts"], [{**s, **({"routing": decode_array(s["routing"])} if "routing" in s else {})}
-                           for s in b["samples"]], int(b["version"]))
+        if b is not None and isinstance(b["samples"], list):
+            raise ValueError("the checkpoint holds a batch generated ahead in the layout before colo.rollout.sample; "
+                             "fix: resume it with the colo that wrote it, or start the run again")
+        self.next = None if b is None else AheadBatch(b["prompts"], SampleArrays.from_state(b["samples"]).unpack(),
+                                                 int(b["version"]))

@@ -2,7 +2,8 @@
 
     engine = RolloutEngine.options(num_gpus=f, num_cpus=0, scheduling_strategy=pg_r).remote(cfg, r, W, port)
     ray.get(engine.ready.remote())                        # {"rank", "device", "device_uuid", ...}
-    samples, _ = ray.get(engine.generate.remote(Generation(prompt_ids, n=8, max_tokens=256, temperature=1.0, seed=0)))
+    arrays, _ = ray.get(engine.generate.remote(Generation.fresh([prompt_ids], n=8, max_tokens=256, seed=0)))
+    samples = arrays.unpack()                             # colo.rollout.sample.Sample, 8 of them
 
 Sleep/wake order of one RL step (docs/architecture.md): generate -> sleep(2) -> [train] -> wake_up(["weights"]) ->
 begin_sync / load_bucket* / end_sync -> wake_up(["kv_cache", "scheduling"]) -> generate ...
@@ -37,26 +38,22 @@ import json
 import os
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import ray
 
 from colo.config import ColoConfig, from_dict
 from colo.run.logs import actor_output
 from colo.models.archs import REPLAY_ARCHS, architecture, num_experts
-from colo.algo.batch import no_expert
 from colo.rollout.capture import capture_by_prefill, from_vllm_output, ids_dtype
 from colo.rollout.extension import WorkerExtension, qualname
 from colo.rollout.generation import Generation
+from colo.rollout.sample import Sample, SampleArrays, pack
 from colo.rollout.quant import engine_quantization
 from colo.host.shm import register_mapped, sweep
 
-DETOKENIZE = False
-"""Single-turn requests ask vLLM for no text (SamplingParams.detokenize): colo reads token ids and the sampled
-token's log-prob only (the driver decodes what rewards need), and vLLM's detokenizer runs per token per request in
-the engine's process, also to name each log-prob's token. Multi-turn keeps it (its stop strings are text).
-Measured with colo.bench.decode --variants colo,detok (docs/benchmarks.md)."""
-
+if TYPE_CHECKING:
+    from colo.rollout.engine_loop import Ask
 
 def cores_for_rank(allowed: list[int], rank: int, dp_size: int) -> list[int]:
     """This rank's disjoint slice of the allowed cores (wrapping round when engines outnumber cores)."""
@@ -64,11 +61,6 @@ def cores_for_rank(allowed: list[int], rank: int, dp_size: int) -> list[int]:
     per = max(1, len(allowed) // max(1, dp_size))
     start = (rank * per) % len(allowed)
     return [allowed[(start + i) % len(allowed)] for i in range(per)]
-
-
-def _whole(samples: list[dict]) -> list[tuple[int, list[int], int]]:
-    """What the prefill capture forwards for whole samples: (index, prompt + response[:-1], first row kept)."""
-    return [(i, (s["prompt_ids"] + s["response_ids"])[:-1], 0) for i, s in enumerate(samples)]
 
 
 def read_model_json(model_path: str) -> dict:
@@ -277,130 +269,56 @@ class Engine:
 
     # ------------------------------------------------------------------------------------ generation
 
-    def generate(self, g: Generation) -> tuple[list[dict], dict]:
-        """The one generation path (colo.rollout.generation): single-turn, multi-turn or partial, then the routing.
-        Returns (outputs, stats): "single" and "turns" give samples in prompt (row) order then sample order, each
-        {"prompt_index", "prompt_ids", "response_ids", "logprobs", "finish_reason"} (conversations add
-        colo.rollout.multiturn's keys; stats {"env_s"}); "partial" gives per request {"tokens", "logprobs" (the new
-        segment's), "finish_reason" (None: stopped)} and stats {}. With `g.routing`, each output also carries
-        "routing": (P+R-1, M, K) the experts the engine routed each token to in each MoE layer (colo.rollout.capture;
-        partial: this segment's rows, from row 0 for a first segment, else from the row of the last token it
-        already had, never forwarded before)."""
-        if self.sleeping:  # vLLM's scheduler stays paused: LLM.generate would spin forever, not fail
+    def generate(self, g: Generation) -> tuple[SampleArrays, dict]:
+        """The one generation path: g's samples through the engine loop (colo.rollout.engine_loop), conversations
+        with algo.environment (colo.rollout.turns), then, with `g.routing`, the routing rows of what these weights
+        forwarded (colo.rollout.capture: vLLM's own on GPU, inside the loop; a capture pass on CPU). Returns the
+        samples (in g's order) and stats ({"env_s"} for conversations)."""
+        from colo.rollout.engine_loop import Sampling, run
+        from colo.rollout.turns import Budget
+
+        if self.sleeping:  # vLLM's scheduler stays paused: the engine loop would spin forever, not fail
             raise RuntimeError(f"generate() on rank {self.rank} while {sorted(self.sleeping)} still sleep; "
                                "fix: wake_up(None) or wake_up(['kv_cache', 'scheduling']) after the sync")
-        run = {"single": self._single, "turns": self._turns, "partial": self._partial}[g.kind]
-        outs, stats, seqs = run(g)
-        if g.routing and self.routing == "vllm":
-            self._route_vllm(outs)
-        elif g.routing and self.routing == "prefill":  # one capture pass over what these weights generated
-            for (i, start), ids in zip([(i, st) for i, _, st in seqs],
-                                       capture_by_prefill(self.llm, self._rpc, [q for _, q, _ in seqs], self._ids_dtype)):
-                outs[i]["routing"] = ids[start:]
-        return outs, stats
+        samples = g.samples.unpack()
+        before = [(s.routed_rows, len(s.response_ids)) for s in samples]
+        errors = [s.turns is not None and s.turns.env_error for s in samples]
+        conv = self._conversations(g.rows) if self.cfg.algo.environment else None
+        ro = self.cfg.rollout
+        run(self.llm.llm_engine, samples, Budget(g.max_tokens, ro.max_turns, ro.max_model_len, ro.max_turn_tokens),
+            Sampling(g.temperature, g.top_p, g.version), self._sampling_params, conv, g.stop_after,
+            self._vllm_rows if g.routing and self.routing == "vllm" else None)
+        if g.routing and self.routing == "prefill":  # one capture pass over what these weights generated
+            todo = [(s, rows) for s, (rows, r0) in zip(samples, before) if len(s.response_ids) > r0]
+            seqs = [s.ids[:-1] for s, _ in todo]
+            for (s, rows), ids in zip(todo, capture_by_prefill(self.llm, self._rpc, seqs, self._ids_dtype)):
+                s.add_rows(ids[rows:])
+        for s, had in zip(samples, errors):
+            if s.turns is not None and s.turns.env_error and not had:
+                print(f"colo: environment error: {s.turns.env_error}", flush=True)  # this engine's log
+        return pack(samples), ({"env_s": conv.env_s} if conv is not None else {})
 
-    def _single(self, g: Generation) -> tuple[list[dict], dict, list]:
-        """n samples per prompt. Prompt i uses seed `seed + i * n` (vLLM gives its j-th sample seed + j), so every
-        sample in one call draws from its own stream."""
-        from vllm.inputs import TokensPrompt
+    def _sampling_params(self, s: Sample, ask: Ask) -> Any:
+        """A request's vllm.SamplingParams (colo.bench.engines.LengthEngine imposes response lengths here)."""
+        from colo.rollout.engine_loop import sampling_params
 
-        index, params = self._requests(len(g.items), g.n, g.max_tokens, g.temperature, g.top_p, g.seed)
-        prompts = [TokensPrompt(prompt_token_ids=list(map(int, g.items[i]))) for i in index]
-        outputs = self.llm.generate(prompts, params, use_tqdm=False)  # in request order
-        samples = []
-        for i, out in zip(index, outputs):
-            for c in sorted(out.outputs, key=lambda c: c.index):
-                tokens = list(c.token_ids)
-                # c.logprobs[t] maps token -> Logprob for position t; logprobs=0 returns just the sampled one.
-                samples.append({"prompt_index": i, "prompt_ids": list(g.items[i]), "response_ids": tokens,
-                                "logprobs": [float(c.logprobs[t][tok].logprob) for t, tok in enumerate(tokens)],
-                                "finish_reason": c.finish_reason})
-                if g.routing and self.routing == "vllm":
-                    samples[-1].update(routed_raw=c.routed_experts, routed_len=len(g.items[i]) + len(tokens) - 1)
-        return samples, {}, _whole(samples)
+        return sampling_params(ask)
 
-    def _turns(self, g: Generation) -> tuple[list[dict], dict, list]:
-        """n conversations per row with algo.environment (colo.rollout.multiturn), the environment's tokens in the
-        routing too (the batch masks them)."""
-        from colo.rollout.multiturn import Budget, Sampling, converse
+    def _vllm_rows(self, raw: Any, rows: int) -> Any:
+        """vLLM's routed_experts of a request -> its (rows, M, K) ids, or None where vLLM recorded fewer (the sample
+        then carries no routing: the routing/mismatch metric does without; R3 replay needs them, so it raises)."""
+        if raw is None or len(raw) < rows:
+            if self.cfg.algo.routing_replay == "r3":
+                from_vllm_output(raw, self._moe_layers(), rows, self._ids_dtype)  # raises, naming what is missing
+            print(f"colo: engine {self.rank}: a request came back with {0 if raw is None else len(raw)} routing rows "
+                  f"of {rows}; its sample carries no routing", flush=True)
+            return None
+        return from_vllm_output(raw, self._moe_layers(), rows, self._ids_dtype)
 
-        env_cls, framing = self._environment()
-        ro, algo = self.cfg.rollout, self.cfg.algo
-        budget = Budget(g.max_tokens, ro.max_turns, ro.max_model_len, ro.max_turn_tokens)
-        samples, stats = converse(self.llm, g.items, g.n, budget,
-                                  Sampling(g.temperature, g.top_p, g.seed, g.routing and self.routing == "vllm"),
-                                  env_cls, framing, algo.env_timeout_s, fail=algo.env_errors == "fail")
-        for s in samples:
-            if s.get("env_error"):
-                print(f"colo: environment error: {s['env_error']}", flush=True)  # this engine's log
-        return samples, stats, _whole(samples)
+    def _conversations(self, rows: dict[int, dict]) -> Any:
+        """This call's environments (colo.rollout.turns), with this engine's tokenizer framing (made once)."""
+        from colo.rollout.turns import Conversations
 
-    def _partial(self, g: Generation) -> tuple[list[dict], dict, list]:
-        """loop.mode=async: one segment of each sample request, stopping once `need_groups` whole groups finished;
-        a resumed sample prefills prompt + its tokens again (colo.rollout.partial). Routing of this segment's rows:
-        GPU, vLLM's capture from the segment's first row on (routed_experts_prompt_start; a stopped request's rows
-        read before its abort: colo.rollout.partial.stopped_rows); CPU, the capture pass (generate)."""
-        from colo.rollout.partial import resume_prompt, run_until
-
-        if self.cfg.algo.environment:  # conversations carried across weight updates
-            return self._partial_turns(g)
-        reqs = g.items
-        starts = [0 if not r["response_ids"] else len(r["prompt_ids"]) + len(r["response_ids"]) - 1 for r in reqs]
-        params = [self._segment_params(r, g.temperature, g.top_p) for r in reqs]
-        vllm_rows = g.routing and self.routing == "vllm"
-        for p, start in zip(params, starts) if vllm_rows else ():
-            p.routed_experts_prompt_start = start  # rows of the tokens these weights forward, no more
-        out = run_until(self.llm.llm_engine, [resume_prompt(r) for r in reqs], params, [r["group"] for r in reqs],
-                        g.need_groups, routing=vllm_rows)
-        for r, o, start in zip(reqs, out, starts) if vllm_rows else ():
-            raw = o.pop("routed_raw", None)
-            rows = len(resume_prompt(r)) + len(o["tokens"]) - 1 - start  # the segment's forwarded tokens
-            if not o["tokens"]:
-                continue
-            if raw is None or len(raw) < rows:  # replay needs them; the routing/mismatch metric alone does not
-                if self.cfg.algo.routing_replay == "r3":
-                    from_vllm_output(raw, self._moe_layers(), rows, self._ids_dtype)  # raises, naming what is missing
-                print(f"colo: engine {self.rank}: a partial segment came back with {0 if raw is None else len(raw)} "
-                      f"routing rows of {rows}; its sample carries no routing", flush=True)
-                continue
-            o["routing"] = from_vllm_output(raw, self._moe_layers(), rows, self._ids_dtype)
-        seqs = [(i, (resume_prompt(r) + o["tokens"])[:-1], start)
-                for i, (r, o, start) in enumerate(zip(reqs, out, starts)) if o["tokens"]]  # for the CPU capture
-        return out, {}, seqs
-
-    def _partial_turns(self, g: Generation) -> tuple[list[dict], dict, list]:
-        """loop.mode=async with algo.environment: every conversation's turns until `need_groups` groups ended, the
-        rest carried with their exact history (colo.rollout.partial_turns)."""
-        from colo.rollout.multiturn import Budget
-        from colo.rollout.partial_turns import converse_until
-
-        env_cls, framing = self._environment()
-        ro, algo = self.cfg.rollout, self.cfg.algo
-        budget = Budget(ro.max_tokens, ro.max_turns, ro.max_model_len, ro.max_turn_tokens)
-        outs, env_s, seqs = converse_until(self.llm.llm_engine, g.items, g.need_groups, budget, g.temperature,
-                                           g.top_p, env_cls, framing, algo.env_timeout_s,
-                                           fail=algo.env_errors == "fail")
-        for r, o in zip(g.items, outs):
-            if o["conversation"]["env_error"] and not r["conversation"]["env_error"]:
-                print(f"colo: environment error: {o['conversation']['env_error']}", flush=True)  # this engine's log
-        return outs, {"env_s": env_s}, seqs
-
-    def _route_vllm(self, samples: list[dict]) -> None:
-        """vLLM's own capture (GPU) -> "routing" over the whole sample; a conversation's last turn saw all of it
-        but what the environment added after it, whose rows stay NO_EXPERT."""
-        import numpy as np
-
-        for s in samples:
-            if "routed_raw" not in s:  # a conversation with no turn at all (reset failed): no routing
-                continue
-            # from_vllm_output refuses a sample vLLM returned no routed_experts for
-            ids = from_vllm_output(s.pop("routed_raw"), self._moe_layers(), s.pop("routed_len"), self._ids_dtype)
-            full = len(s["prompt_ids"]) + len(s["response_ids"]) - 1
-            pad = np.full((full - len(ids), *ids.shape[1:]), no_expert(ids.dtype), dtype=ids.dtype)
-            s["routing"] = np.concatenate([ids, pad]) if len(pad) else ids
-
-    def _environment(self) -> tuple[type, Any]:
-        """The environment class and the framing of this engine's tokenizer (made once)."""
         if not hasattr(self, "_env"):
             from colo.data.prompts import load_tokenizer
             from colo.envs.base import load_environment
@@ -412,34 +330,9 @@ class Engine:
             chat = bool(self.cfg.data.chat_template and getattr(tok, "chat_template", None))
             self._env = (load_environment(self.cfg.algo.environment),
                          ChatFraming(tok, self.cfg.data.system_prompt if chat else None, chat=chat))
-        return self._env
-
-    def _requests(self, prompts: int, n: int, max_tokens: int, temperature: float, top_p: float,
-                  seed: int | None) -> tuple[list[int], list]:
-        """(prompt index of each request, its vllm.SamplingParams); a request's samples come back together.
-        (colo.bench.engines.LengthEngine imposes response lengths here.)"""
-        from vllm import SamplingParams
-
-        # vLLM rejects n > 1 with greedy sampling, so greedy sends each prompt n times with n=1 instead.
-        copies, n_req = (n, 1) if temperature == 0 else (1, n)
-        index = [i for i in range(prompts) for _ in range(copies)]  # request -> prompt index
-        params = [SamplingParams(n=n_req, max_tokens=max_tokens, temperature=temperature,
-                                 top_p=top_p if temperature > 0 else 1.0, logprobs=0, detokenize=DETOKENIZE,
-                                 seed=None if seed is None else seed + i * n)
-                  for i in index]
-        return index, params
-
-    def _segment_params(self, request: dict, temperature: float, top_p: float) -> Any:
-        """SamplingParams of one sample's next segment: n=1, the rest of its token budget, a seed of its own
-        per segment (colo.bench.engines.LengthEngine imposes lengths here)."""
-        from vllm import SamplingParams
-
-        left = int(request["max_tokens"]) - len(request["response_ids"])
-        if left < 1:
-            raise ValueError(f"a sample of group {request['group']} has no token budget left ({left})")
-        return SamplingParams(n=1, max_tokens=left, temperature=temperature,
-                              top_p=top_p if temperature > 0 else 1.0, logprobs=0, detokenize=DETOKENIZE,
-                              seed=int(request["seed"]) + 7919 * int(request["segment"]))
+        env_cls, framing = self._env
+        algo = self.cfg.algo
+        return Conversations(env_cls, framing, rows, algo.env_timeout_s, fail=algo.env_errors == "fail")
 
     def _moe_layers(self) -> list[int]:
         if not hasattr(self, "_moe_layer_ids"):

@@ -1,5 +1,5 @@
 """`loop.mode=async` with `configs/tiny-cpu-tools.yaml`: conversations with the calculator carried across weight
-updates (colo.rollout.partial_turns), on the session's tools job (tests/conftest.py) resumed in async mode.
+updates (colo.rollout.turns), on the session's tools job (tests/conftest.py) resumed in async mode.
 
     .venv/bin/python -m pytest tests/e2e/test_async_tools_job.py -q
 
@@ -17,6 +17,8 @@ import shutil
 from pathlib import Path
 
 import pytest
+
+from colo.rollout.sample import SampleArrays
 
 ASYNC = ["loop.mode=async", "loop.max_staleness=1", "rollout.oversample=2", "loop.checkpoint_every=1"]
 KEYS = ("async/staleness_mean", "async/staleness_max", "async/offpolicy_frac", "async/carried", "async/dropped",
@@ -64,9 +66,9 @@ def test_async_conversations_resume_exactly_from_a_checkpoint(async_tools: Path,
     shutil.copytree(async_tools, cut, ignore=shutil.ignore_patterns("export"))
     for step in (5, 6):
         shutil.rmtree(cut / "checkpoints" / f"step_{step:06d}")
-    carried = json.loads((cut / "checkpoints" / "step_000004" / "extra.json").read_text())["async_buffer"]["groups"]
-    mid = [s for _, _, samples in carried for s in samples if s["finish_reason"] is None and s["response_ids"]]
-    assert all(len(s["model_mask"]) == len(s["response_ids"]) == len(s["versions"]) for s in mid)
+    carried = json.loads((cut / "checkpoints" / "step_000004" / "extra.json").read_text())["async_buffer"]
+    mid = [s for s in SampleArrays.from_state(carried["samples"]).unpack() if not s.done and s.response_ids]
+    assert all(len(s.model_mask) == len(s.response_ids) == len(s.versions) and s.turns is not None for s in mid)
     r = warm_jobs("--resume", f"run.dir={cut}", timeout=1200)
     assert r.returncode == 0, r.stderr[-3000:]
     want, got = rows(async_tools), rows(cut)

@@ -1,22 +1,23 @@
-"""Shared pieces of the GPU tests: a GPU config, a test trainer actor, greedy generation, start/stop.
+"""Shared pieces of the GPU tests: a GPU config, the test trainer, a started cluster, greedy generation.
 
-Imported by tests/gpu/test_*.py (pytest puts this folder on sys.path: tests/ has no __init__.py).
-Importing it needs only torch and Ray, so collection works (and skips) on a CPU-only host.
+Imported by tests/gpu/test_*.py (pytest puts this folder on sys.path: tests/ has no __init__.py). The actors start
+and stop as the CPU tests' do: colo.cluster.actors.start_cluster (tests/integration/test_disaggregated.py,
+test_families.py, tests/warm_clusters.py) and warm_clusters.stop_cluster; the prompts, the tolerance and greedy
+generation are colo.bench.sync's, which the CPU sync tests use. Importing this module needs only torch and Ray, so
+collection works (and skips) on a CPU-only host.
 """
 from __future__ import annotations
 
+import contextlib
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import ray
 import torch
 
+from colo.bench.sync import LOGPROB_ATOL, MAX_TOKENS, PERTURB_SCALE, PROMPTS, greedy  # noqa: F401 (the tests')
 from colo.host.net import free_port  # noqa: F401 (the tests import it from here)
-
-PROMPTS = [[5, 17, 42, 99, 7], [1, 2, 3], [200, 300, 11, 64, 8, 9]]  # ids < 512: valid for the tiny preset
-MAX_TOKENS = 8
-LOGPROB_ATOL = 0.05  # bf16 weights; two engines with the same bytes may still sum in a different order
-PERTURB_SCALE = 0.5  # x each shard's std: large enough that greedy tokens change (asserted, not assumed)
 
 
 def gpu_config(model_dir: str, num_gpus: int, **extra: Any) -> Any:
@@ -35,11 +36,18 @@ def gpu_config(model_dir: str, num_gpus: int, **extra: Any) -> Any:
     return cfg
 
 
-def _trainer_cls() -> Any:
+def gpu_trainer() -> type:
+    """The benchmark's trainer (perturb_weights) plus what only the GPU tests read: memory probes."""
     from colo.bench.engines import BenchTrainer
 
     class GpuTestTrainer(BenchTrainer):
-        """The benchmark's trainer (perturb_weights) plus what only the tests need: memory probes."""
+        def setup(self) -> dict:
+            self._setup_report = super().setup()
+            return self._setup_report
+
+        def setup_report(self) -> dict:
+            """What setup() returned (start_cluster checked it and kept none)."""
+            return self._setup_report
 
         def gpu_free(self) -> int:
             """Free bytes on this GPU (device-wide: counts every process on it, vLLM's worker too)."""
@@ -53,55 +61,39 @@ def _trainer_cls() -> Any:
                        for n, p in self.model.named_parameters()
                        if n.endswith(("mlp.experts.gate_up_proj", "mlp.experts.down_proj")))
 
-    return ray.remote(GpuTestTrainer)
+    return GpuTestTrainer
 
 
-def start_trainers(cfg: Any, pgs: list) -> tuple[list, list[dict]]:
-    from colo.config import to_dict
-    from colo.cluster.placement import scheduling
+@contextlib.contextmanager
+def gpu_cluster(cfg: Any, trainer_cls: type | None = None, engine_cls: type | None = None) -> Iterator[Any]:
+    """The job's actors as a run starts them (start_cluster: trainers and engines, the rank and device checks;
+    `trainer_cls` default gpu_trainer()), stopped afterwards: every engine asleep at level 2 first (stop_engines),
+    then stop_cluster, then Ray."""
+    from warm_clusters import stop_cluster
 
-    cls, d, port = _trainer_cls(), to_dict(cfg), free_port()
-    trainers = [cls.options(num_gpus=cfg.placement.train_gpu_fraction, num_cpus=1,
-                            scheduling_strategy=scheduling(pg)).remote(d, r, len(pgs), "127.0.0.1", port)
-                for r, pg in enumerate(pgs)]
-    return trainers, ray.get([t.setup.remote() for t in trainers])
+    from colo.cluster.actors import start_cluster
+    from colo.cluster.placement import init_ray, plan_placement
 
-
-def start_engines(cfg: Any, pgs: list, setups: list[dict]) -> tuple[list, list[dict]]:
-    """One DP group over `pgs`, beside the trainers already started there (`setups`: their setup() reports); the
-    engine actor takes 0 GPUs (its vLLM worker holds the fraction). Started after the trainers, not with them as
-    colo.cluster.actors.start_cluster does, so a test can measure what the engine alone takes; then the product's
-    own rank and device checks (check_alignment), which start_cluster runs."""
-    from colo.cluster.actors import check_alignment
-    from colo.config import to_dict
-    from colo.cluster.placement import scheduling
-    from colo.rollout.engine import RolloutEngine
-
-    d, port = to_dict(cfg), free_port()
-    engines = [RolloutEngine.options(num_gpus=0, num_cpus=0, scheduling_strategy=scheduling(pg))
-               .remote(d, r, len(pgs), port) for r, pg in enumerate(pgs)]
-    readies = ray.get([e.ready.remote() for e in engines])
-    check_alignment(setups, readies, colocated=True)
-    return engines, readies
-
-
-def greedy(engines: list) -> list[list[tuple[list[int], list[float]]]]:
-    """Per engine, per prompt: (greedy tokens, their log-probs); all engines at once (a DP group steps
-    together)."""
-    from colo.rollout.generation import Generation
-
-    outs = ray.get([e.generate.remote(Generation(PROMPTS, 1, MAX_TOKENS, 0.0, 1.0, 0)) for e in engines])
-    return [[(s["response_ids"], s["logprobs"]) for s in out] for out, _ in outs]
+    plan = plan_placement(cfg)
+    init_ray(plan)
+    c = None
+    try:
+        c = start_cluster(cfg, plan, trainer_cls=trainer_cls or gpu_trainer(), engine_cls=engine_cls)
+        ray.get([t.prepare_sync.remote(e) for t, e in zip(c.trainers, c.trainer_group.sync_engines())])
+        yield c
+    finally:
+        if c is not None:
+            stop_engines(c.engines)
+            stop_cluster(c)
+        ray.shutdown()
 
 
 def stop_engines(engines: list) -> None:
-    """Level-2 sleep of every engine at once, then the kills: if vLLM's engine-core process outlives its
-    actor, it then holds no weights or KV cache on the GPU. All at once, because the engines of one DP
-    group step together: measured on 2xH200 (vLLM 0.26), sleeping and killing DP rank 0 alone left rank 1
-    failing in its dummy-batch loop (gloo "Connection closed by peer") and its own sleep() hung."""
+    """Level-2 sleep of every engine at once: if vLLM's engine-core process outlives its actor, it then holds no
+    weights or KV cache on the GPU. All at once, because the engines of one DP group step together: measured on
+    2xH200 (vLLM 0.26), sleeping and killing DP rank 0 alone left rank 1 failing in its dummy-batch loop (gloo
+    "Connection closed by peer") and its own sleep() hung."""
     try:
         ray.get([e.sleep.remote(2) for e in engines], timeout=120)
-    except Exception:  # noqa: BLE001 -- an engine may already be gone; the kills below still run
+    except Exception:  # noqa: BLE001 -- an engine may already be gone; the stop that follows still runs
         pass
-    for e in engines:
-        ray.kill(e)

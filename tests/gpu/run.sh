@@ -6,6 +6,10 @@
 #   bash tests/gpu/run.sh [TOTAL_SECONDS=540]
 #   STEPS="bench loop" bash tests/gpu/run.sh 580    # a subset (a device call runs at most 10 minutes)
 #
+# Every 1-GPU test, in two calls:
+#   STEPS="colocated ipc routing lora attention" bash tests/gpu/run.sh 590
+#   STEPS="fp8 optim" bash tests/gpu/run.sh 590
+#
 # Steps (STEPS, default all, in this order): attention (only when named) = test_attention_gpu.py, then
 # tools.experiments.packed_attention (packed-row kernels; its JSON line ends attention.log); colocated = test_colocated.py (1 GPU); ipc =
 # test_ipc_alloc.py (CUDA IPC under expandable segments); dpep = test_dpep.py (2 GPUs, skips with
@@ -15,8 +19,11 @@
 # GPU, with per-phase times and memory (LOOP_ARGS are added to colo.launch's arguments; the run dir is
 # $RUN_ROOT/colo-loop, default /tmp, outside $OUT; its metrics.jsonl is copied to $OUT/loop-metrics.jsonl);
 # routing = test_routing_gpu.py (1 GPU: routing mismatch and log-prob gap with and without R3 on
-# qwen3-30b-a3b-L2); rollout = colo.bench.rollout, the colocated engine's output tokens/s against a standalone one (only when
-# named in STEPS: it takes ~8 minutes on an H100); step = colo.bench.step, whole RL steps of qwen3-30b-a3b-L4 at
+# qwen3-30b-a3b-L2); lora = test_lora_gpu.py (1 GPU: LoRA's merged sync, vLLM serving the adapter);
+# rollout = colo.bench.rollout, colo's rollout phase against vLLM alone on the same requests, its JSON line (vs_vllm,
+# where) in $OUT/rollout.json (only when named: ROLLOUT_PRESET, default qwen3-30b-a3b-L4; ROLLOUT_PROMPTS x ROLLOUT_N,
+# default 16 x 8; ROLLOUT_MAX_TOKENS, default 2048; ROLLOUT_ARGS more arguments, e.g. --toggles none, or --config
+# configs/qwen3-30b-a3b-lora-1xh200.yaml for the whole model); step = colo.bench.step, whole RL steps of qwen3-30b-a3b-L4 at
 # 4k-token long-tail responses, packed vs padded (only when named: `STEPS=step bash tests/gpu/run.sh 600`;
 # STEP_ARGS adds config overrides, e.g. trainer.gradient_checkpointing=true); async = colo.bench.step
 # --compare=loop.mode=async,sync, loop.mode=async against sync on the same workload (only when named; ASYNC_ARGS
@@ -98,7 +105,7 @@ step() {  # step NAME MAX_SECONDS CMD...
 ngpu=$(nvidia-smi -L | wc -l)
 if [ -n "${CUDA_VISIBLE_DEVICES:-}" ]; then ngpu=$(echo "$CUDA_VISIBLE_DEVICES" | tr ',' '\n' | grep -c .); fi
 
-STEPS=${STEPS:-colocated ipc dpep routing bench loop}  # and: attention, rollout, decode, step, async, gather, compile,
+STEPS=${STEPS:-colocated ipc dpep routing lora bench loop}  # and: attention, rollout, decode, step, async, gather, compile,
 # one, optim, fp8, fp8step
 want() { case " $STEPS " in *" $1 "*) return 0;; *) return 1;; esac; }
 
@@ -112,6 +119,7 @@ want colocated && step pytest-colocated 420 "$PY" -m pytest tests/gpu/test_coloc
 want ipc && step pytest-ipc 90 "$PY" -m pytest tests/gpu/test_ipc_alloc.py -x -q -s -p no:cacheprovider
 want dpep && step pytest-dpep 240 "$PY" -m pytest tests/gpu/test_dpep.py -x -q -s -p no:cacheprovider
 want routing && step pytest-routing 300 "$PY" -m pytest tests/gpu/test_routing_gpu.py -x -q -s -p no:cacheprovider
+want lora && step pytest-lora 300 "$PY" -m pytest tests/gpu/test_lora_gpu.py -x -q -s -p no:cacheprovider
 want fp8 && step pytest-fp8 540 "$PY" -m pytest tests/gpu/test_fp8_gpu.py tests/gpu/test_fp8_loop_gpu.py -x -q -s \
     -p no:cacheprovider
 
@@ -151,9 +159,11 @@ if want decode; then  # vLLM's decode step time against batch size and sampling 
   step decode 560 bash -c "'$PY' -m colo.bench.decode --preset qwen3-30b-a3b-L4 --device cuda \
       --variants ${DECODE_VARIANTS:-colo,detok,bare} --json ${DECODE_ARGS:-} | grep '^{' > '$OUT/decode.json'"
 fi
-if want rollout; then  # colocated engine's output tokens/s against the same engine alone on the GPU
-  step rollout 560 "$PY" -m colo.bench.rollout --preset qwen3-30b-a3b-L12 --ranks 1 --device cuda --prompts 128 \
-      --n 8 --prompt-len 128 --max-tokens 256 --reps 2 ${ROLLOUT_ARGS:-}
+if want rollout; then  # colo's rollout phase against vLLM alone on the same requests (colo.bench.rollout)
+  step rollout 580 bash -c "'$PY' -m colo.bench.rollout --preset ${ROLLOUT_PRESET:-qwen3-30b-a3b-L4} --device cuda \
+      --prompts ${ROLLOUT_PROMPTS:-16} --n ${ROLLOUT_N:-8} --max-tokens ${ROLLOUT_MAX_TOKENS:-2048} --json \
+      ${ROLLOUT_ARGS:-} | grep '^{' > '$OUT/rollout.json'"
+  [ -s "$OUT/rollout.json" ] && tail -n 1 "$OUT/rollout.json"
 fi
 # The whole RL step at 4k-token long-tail lengths, one run of colo.bench.step with two variants (1 GPU): 4 layers of
 # Qwen3-30B-A3B (3.1B params, random weights). The memory plan (checked by the bench) fits one H100 with bf16 AdamW

@@ -17,11 +17,39 @@ import pytest
 import ray
 import torch
 
-from gpu_helpers import (LOGPROB_ATOL, PERTURB_SCALE, greedy, gpu_config, start_engines, start_trainers,
-                         stop_engines)
+from gpu_helpers import LOGPROB_ATOL, PERTURB_SCALE, free_port, greedy, gpu_config, stop_engines, gpu_trainer
 
 pytestmark = pytest.mark.gpu
 FREED_MIN = 0.90  # share of the engine's start-up memory a sleep must give back
+
+
+def start_trainers(cfg, pgs: list) -> tuple[list, list[dict]]:
+    from colo.config import to_dict
+    from colo.cluster.placement import scheduling
+
+    cls, d, port = ray.remote(gpu_trainer()), to_dict(cfg), free_port()
+    trainers = [cls.options(num_gpus=cfg.placement.train_gpu_fraction, num_cpus=1,
+                            scheduling_strategy=scheduling(pg)).remote(d, r, len(pgs), "127.0.0.1", port)
+                for r, pg in enumerate(pgs)]
+    return trainers, ray.get([t.setup.remote() for t in trainers])
+
+
+def start_engines(cfg, pgs: list, setups: list[dict]) -> tuple[list, list[dict]]:
+    """The engines beside the trainers already started there (`setups`: their setup() reports), then the product's
+    rank and device checks (check_alignment). Here alone the actors start in two stages, not together as
+    colo.cluster.actors.start_cluster (gpu_helpers.gpu_cluster) starts them: the test measures what the engine alone
+    takes of the GPU."""
+    from colo.cluster.actors import check_alignment
+    from colo.config import to_dict
+    from colo.cluster.placement import scheduling
+    from colo.rollout.engine import RolloutEngine
+
+    d, port = to_dict(cfg), free_port()
+    engines = [RolloutEngine.options(num_gpus=0, num_cpus=0, scheduling_strategy=scheduling(pg))
+               .remote(d, r, len(pgs), port) for r, pg in enumerate(pgs)]
+    readies = ray.get([e.ready.remote() for e in engines])
+    check_alignment(setups, readies, colocated=True)
+    return engines, readies
 
 
 @pytest.fixture(scope="module")
@@ -49,6 +77,8 @@ def pair(tmp_path_factory: pytest.TempPathFactory):
         yield state
     finally:
         stop_engines(engines)
+        for e in engines:
+            ray.kill(e)
         remove_placement(pgs)
         ray.shutdown()
 
@@ -116,8 +146,6 @@ def test_synced_engine_equals_engine_loaded_from_disk(pair):
     from colo.cluster.placement import scheduling
     from colo.rollout.engine import RolloutEngine
 
-    from gpu_helpers import free_port
-
     assert "synced" in pair
     export = Path(pair["root"]) / "export"
     ray.get(pair["trainer"].export_hf.remote(str(export)))
@@ -131,6 +159,7 @@ def test_synced_engine_equals_engine_loaded_from_disk(pair):
         want = greedy([fresh])[0]
     finally:
         stop_engines([fresh])
+        ray.kill(fresh)
     got = pair["synced"]
     assert [t for t, _ in got] == [t for t, _ in want]
     diff = max(abs(a - b) for g, w in zip(got, want) for a, b in zip(g[1], w[1]))

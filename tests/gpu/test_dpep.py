@@ -15,7 +15,7 @@ import pytest
 import ray
 import torch
 
-from gpu_helpers import PERTURB_SCALE, PROMPTS, greedy, gpu_config, start_engines, start_trainers, stop_engines
+from gpu_helpers import PERTURB_SCALE, PROMPTS, greedy, gpu_cluster, gpu_config
 
 pytestmark = pytest.mark.gpu
 WORLD = 2
@@ -25,24 +25,16 @@ WORLD = 2
 def group(tmp_path_factory: pytest.TempPathFactory):
     if not torch.cuda.is_available() or torch.cuda.device_count() < WORLD:
         pytest.skip(f"needs {WORLD} CUDA GPUs")
+    from colo.cluster.placement import plan_placement
     from colo.models.tiny import make_tiny_model
-    from colo.cluster.placement import create_placement, init_ray, plan_placement, remove_placement
 
     model = make_tiny_model(tmp_path_factory.mktemp("colo-gpu2") / "tiny", "tiny", 0)
     cfg = gpu_config(str(model), num_gpus=WORLD, sync__digest=True)
-    plan = plan_placement(cfg)
-    assert plan.ep_size == WORLD
-    init_ray(plan)
-    pgs = create_placement(plan)
-    engines: list = []
-    try:
-        trainers, setups = start_trainers(cfg, pgs)
-        engines, readies = start_engines(cfg, pgs, setups)
-        yield {"cfg": cfg, "trainers": trainers, "engines": engines, "setups": setups, "readies": readies}
-    finally:
-        stop_engines(engines)
-        remove_placement(pgs)
-        ray.shutdown()
+    assert plan_placement(cfg).ep_size == WORLD
+    with gpu_cluster(cfg) as c:
+        setups = ray.get([t.setup_report.remote() for t in c.trainers])  # what start_cluster checked
+        readies = ray.get([e.ready.remote() for e in c.engines])
+        yield {"cfg": cfg, "trainers": c.trainers, "engines": c.engines, "setups": setups, "readies": readies}
 
 
 def test_ranks_share_gpus_and_experts_are_split_linearly(group):

@@ -20,7 +20,7 @@ import pytest
 import ray
 import torch
 
-from gpu_helpers import PERTURB_SCALE, greedy, gpu_config, start_engines, start_trainers, stop_engines
+from gpu_helpers import PERTURB_SCALE, greedy, gpu_cluster, gpu_config
 
 pytestmark = pytest.mark.gpu
 
@@ -50,26 +50,16 @@ def test_quantization_is_vllms_compiled_function_on_cuda() -> None:
 @pytest.fixture(scope="module", params=["sender", "receiver"])
 def pair(request, tmp_path_factory: pytest.TempPathFactory):
     _cuda()
-    from colo.cluster.placement import create_placement, init_ray, plan_placement, remove_placement
     from colo.models.tiny import make_tiny_model
 
     model = make_tiny_model(tmp_path_factory.mktemp("colo-gpu") / "tiny-fp8", "tiny-fp8", 0)
     cfg = gpu_config(str(model), num_gpus=1, rollout__quantization="fp8", sync__fp8_in=request.param,
                      sync__digest=True)
-    plan = plan_placement(cfg)
-    init_ray(plan)
-    pgs = create_placement(plan)
-    engines: list = []
-    try:
-        trainers, _ = start_trainers(cfg, pgs)
-        engines, readies = start_engines(cfg, pgs)
-        print(f"\n[gpu] fp8 {request.param}: engine start {readies[0]['start_s']:.1f} s, "
-              f"KV cache {readies[0]['scheduler']['kv_cache_tokens']} tokens")
-        yield {"cfg": cfg, "trainer": trainers[0], "engine": engines[0], "fp8_in": request.param}
-    finally:
-        stop_engines(engines)
-        remove_placement(pgs)
-        ray.shutdown()
+    with gpu_cluster(cfg) as c:
+        ready = ray.get(c.engines[0].ready.remote())
+        print(f"\n[gpu] fp8 {request.param}: engine start {ready['start_s']:.1f} s, "
+              f"KV cache {ready['scheduler']['kv_cache_tokens']} tokens")
+        yield {"cfg": cfg, "trainer": c.trainers[0], "engine": c.engines[0], "fp8_in": request.param}
 
 
 def test_engine_holds_e4m3_weights_and_a_bf16_router(pair) -> None:

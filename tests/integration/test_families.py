@@ -413,6 +413,7 @@ def test_family_vllm_cpu_cannot_run_is_refused_and_trains(rig: Rig, family: str)
     from colo.config import ConfigError, validate
     from colo.data.inputs import open_inputs
     from colo.loop import warm_up
+    from colo.rollout.sample import Sample
 
     cfg = rig.cfg(family)
     with pytest.raises(ConfigError, match="torchvision"):
@@ -486,12 +487,12 @@ def test_lora_merged_sync_equals_the_merged_checkpoint_on_disk(rig: Rig, family:
     from colo.algo.batch import build_batch
     from colo.data.inputs import open_inputs
     from colo.loop import warm_up
+    from colo.rollout.sample import Sample
 
     c = rig.cluster
     d = rig.load(family)
     base_tokens = greedy([rig.remote])[0]  # engine 3: the base checkpoint from disk
-    samples = [{"prompt_ids": list(range(5 + i, 12 + 2 * i)), "response_ids": [7, 9, 11 + i], "logprobs": [0.0] * 3}
-               for i in range(3)]
+    samples = [Sample(i, 0, 0, list(range(5 + i, 12 + 2 * i)), [7, 9, 11 + i], [0.0] * 3) for i in range(3)]
     batch = build_batch(samples, [1.0, -1.0, 0.5])
     full = ray.get([t.compute_logprobs.remote(batch) for t in c.trainers])
     cfg = rig.cfg(family, *LORA)

@@ -24,6 +24,7 @@ from conftest import cpu_trainer_config
 
 from colo.algo.batch import build_batch, shard_batch
 from colo.host.net import free_port
+from colo.rollout.sample import Sample, Status
 from colo.trainer.worker import TrainWorker
 
 T_SAMPLE, KL_COEF, TIS_CAP = 0.7, 0.05, 2.0
@@ -66,14 +67,13 @@ def layouts(tiny_model: Path, ray_cluster):
            "2x4": {"workers": _start(_cfg(tiny_model, 1), 2), "micro": 4}}
 
 
-def _samples(seed: int) -> list[dict]:
+def _samples(seed: int) -> list[Sample]:
     g = torch.Generator().manual_seed(seed)
     out = []
     for i in range(8):
         p = torch.randint(3, 500, (2 + (i * 3) % 5,), generator=g).tolist()
         r = torch.randint(3, 500, (2 + (i * 5) % 6,), generator=g).tolist()
-        out.append({"prompt_ids": p, "response_ids": r, "logprobs": [0.0] * len(r),
-                    "finish_reason": "length" if i == 5 else "stop"})
+        out.append(Sample(i, 0, 0, p, r, [0.0] * len(r), status=Status.TRUNCATED if i == 5 else Status.COMPLETED))
     return out
 
 
@@ -89,8 +89,8 @@ def rl_batch(tiny_model: Path) -> dict:
     lp = _whole_batch(disk, build_batch(samples, adv))["lp"]
     noisy = lp + 0.3 * torch.randn(lp.shape, generator=torch.Generator().manual_seed(2))
     for b, s in enumerate(samples):
-        P = len(s["prompt_ids"])
-        s["logprobs"] = noisy[b, P:P + len(s["response_ids"])].tolist()
+        P = len(s.prompt_ids)
+        s.logprobs = noisy[b, P:P + len(s.response_ids)].tolist()
     batch = build_batch(samples, adv, mask_truncated=True)
     assert batch["loss_mask"][5].sum() == 0 and batch["loss_mask"].sum() > 20
     return batch

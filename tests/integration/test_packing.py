@@ -19,6 +19,7 @@ from conftest import cpu_trainer_config
 
 from colo.algo.batch import build_batch, shard_batch
 from colo.host.net import free_port
+from colo.rollout.sample import Sample, Status
 from colo.trainer.worker import TrainWorker
 
 METRICS = ("loss", "pg_loss", "kl_loss", "entropy", "tis_mean", "approx_kl", "clip_frac", "grad_norm",
@@ -47,10 +48,10 @@ def _batch() -> dict:
     for i in range(11):
         P, R = 2 + i % 4, [1, 30, 4, 2, 17, 9, 3, 25, 5, 1, 12][i]
         routing = np.stack([rng.permutation(8)[:2] for _ in range((P + R - 1) * 2)]).reshape(P + R - 1, 2, 2)
-        samples.append({"prompt_ids": torch.randint(3, 500, (P,), generator=g).tolist(),
-                        "response_ids": torch.randint(3, 500, (R,), generator=g).tolist(),
-                        "logprobs": (-3.0 - torch.rand(R, generator=g)).tolist(), "finish_reason": "stop",
-                        "routing": routing.astype(np.uint8)})
+        samples.append(Sample(i, 0, 0, torch.randint(3, 500, (P,), generator=g).tolist(),
+                              torch.randint(3, 500, (R,), generator=g).tolist(),
+                              (-3.0 - torch.rand(R, generator=g)).tolist(), status=Status.COMPLETED,
+                              routing=routing.astype(np.uint8)))
     adv = torch.randn(11, generator=g)
     return build_batch(samples, adv)
 

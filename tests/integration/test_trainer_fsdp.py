@@ -22,6 +22,7 @@ from conftest import cpu_trainer_config
 from colo.algo.batch import build_batch
 from colo.algo.loss import gather_logprobs
 from colo.host.net import free_port
+from colo.rollout.sample import Sample
 from colo.models.archs import expert_shard_range
 from colo.trainer.worker import Trainer
 
@@ -81,15 +82,15 @@ def batches(hf) -> list[tuple[dict, list[dict]]]:
         for i in range(5):
             p = torch.randint(3, 500, (3 + (i * 7 + step) % 5,), generator=g).tolist()
             r = torch.randint(3, 500, (2 + (i * 5 + step) % 7,), generator=g).tolist()
-            samples.append({"prompt_ids": p, "response_ids": r, "logprobs": [0.0] * len(r)})
+            samples.append(Sample(i, 0, 0, p, r, [0.0] * len(r)))
         adv = torch.randn(5, generator=g)
         whole = build_batch(samples, adv)
         with torch.no_grad():  # vLLM-like sampling log-probs: the true ones plus small noise
             lp = _hf_logprobs(hf, whole)
         noisy = (lp + 0.05 * torch.randn(lp.shape, generator=g)) * whole["loss_mask"]
         for b, s in enumerate(samples):
-            P = len(s["prompt_ids"])
-            s["logprobs"] = noisy[b, P:P + len(s["response_ids"])].tolist()
+            P = len(s.prompt_ids)
+            s.logprobs = noisy[b, P:P + len(s.response_ids)].tolist()
         # uneven on purpose (colo.algo.batch.shard_batch would balance them)
         out.append((build_batch(samples, adv),
                     [build_batch(samples[:3], adv[:3]), build_batch(samples[3:], adv[3:])]))

@@ -135,11 +135,12 @@ def _reference_losses(model_dir: Path, batches: list[dict], steps: int) -> list[
 
 def _batch(rank: int) -> dict:
     from colo.algo.batch import build_batch
+    from colo.rollout.sample import Sample
 
     g = torch.Generator().manual_seed(rank)
-    samples = [{"prompt_ids": torch.randint(3, 500, (4,), generator=g).tolist(),
-                "response_ids": torch.randint(3, 500, (5,), generator=g).tolist(), "logprobs": [0.0] * 5}
-               for _ in range(3)]
+    samples = [Sample(i, 0, 0, torch.randint(3, 500, (4,), generator=g).tolist(),
+                      torch.randint(3, 500, (5,), generator=g).tolist(), [0.0] * 5)
+               for i in range(3)]
     return build_batch(samples, torch.zeros(3))
 
 

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from colo.algo.advantages import grpo_advantages, grpo_advantages_by_index, overlong_penalty, step_advantages
+from colo.rollout.sample import Sample
 
 
 def test_grpo_hand_computed_std_normalized():
@@ -74,7 +75,7 @@ def test_step_advantages_adds_the_overlong_penalty_then_groups_by_prompt():
     from colo.config import AlgoConfig
 
     # two prompts x 2 samples, interleaved as engines return them; max_tokens 8, buffer 4
-    samples = [{"prompt_index": i, "response_ids": [0] * length} for i, length in ((1, 8), (0, 3), (1, 2), (0, 6))]
+    samples = [Sample(i, 0, 0, [1], [0] * length) for i, length in ((1, 8), (0, 3), (1, 2), (0, 6))]
     rewards = torch.tensor([1.0, 0.0, 1.0, 1.0])
     algo = AlgoConfig(overlong="penalty", overlong_buffer=4, overlong_penalty=1.0, std_normalize=False)
     adv, pen = step_advantages(samples, rewards, 2, algo, max_tokens=8)

@@ -3,11 +3,11 @@ import pytest
 import torch
 
 from colo.algo.batch import balance, build_batch, shard_batch
+from colo.rollout.sample import Sample, Status
 
 
-def _sample(i, p, r, lp=None):
-    return {"prompt_index": i, "prompt_ids": p, "response_ids": r,
-            "logprobs": lp if lp is not None else [-0.5] * len(r), "finish_reason": "stop"}
+def _sample(i, p, r, lp=None, status=Status.COMPLETED):
+    return Sample(i, 0, 0, p, r, lp if lp is not None else [-0.5] * len(r), status=status)
 
 
 def test_build_batch_alignment_by_hand():
@@ -70,7 +70,7 @@ def test_shards_cover_every_sample_once_and_keep_advantages():
                 assert s["loss_mask"][row].sum() == 0 and s["advantages"][row] == 0
                 continue
             assert s["advantages"][row] == adv[i]
-            assert s["loss_mask"][row].sum() == len(samples[i]["response_ids"])
+            assert s["loss_mask"][row].sum() == len(samples[i].response_ids)
         # each shard pads to its own longest row
         assert s["input_ids"].shape[1] == int(s["attention_mask"].sum(1).max())
 
@@ -106,7 +106,7 @@ def test_shard_batch_generic_over_keys_and_trims_padding():
 
 
 def test_mask_truncated_drops_only_length_stopped_samples_from_the_loss():
-    samples = [_sample(0, [1, 2], [3, 4]), {**_sample(0, [1, 2], [5, 6, 7]), "finish_reason": "length"}]
+    samples = [_sample(0, [1, 2], [3, 4]), _sample(0, [1, 2], [5, 6, 7], status=Status.TRUNCATED)]
     kept = build_batch(samples, [1.0, -1.0])
     dropped = build_batch(samples, [1.0, -1.0], mask_truncated=True)
     torch.testing.assert_close(kept["loss_mask"][1], torch.tensor([0., 0., 1., 1., 1.]))

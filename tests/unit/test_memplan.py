@@ -71,7 +71,12 @@ def test_shipped_config_fits_its_plan(path: Path) -> None:
     cfg = tune(cfg, model).cfg  # its `auto` keys as a run resolves them (colo.plan.auto)
     plan = plan_memory(model, Settings.from_config(cfg), parse_gpu_memory(cfg.placement.gpu_memory))
     assert plan.fits, plan.table()
-    assert plan.kv_tokens >= Settings.from_config(cfg).batch_seqs * cfg.rollout.max_model_len / 4
+    # the KV cache holds a quarter of the step's sequences at full length (about all of them at the long tail's
+    # median), except where a real RL batch is the point: the whole model with LoRA on one H200 runs 32 x 8 samples
+    # at 4k (issue 54), whose KV room (vLLM's 0.53 of the card, the frozen base beside it at start) holds an eighth,
+    # so vLLM runs them in waves
+    share = 8 if path.name == "qwen3-30b-a3b-lora-1xh200.yaml" else 4
+    assert plan.kv_tokens >= Settings.from_config(cfg).batch_seqs * cfg.rollout.max_model_len / share
     assert "--dry-run" in path.read_text()  # the config's comment says how to see this plan, rather than pasting it
 
 

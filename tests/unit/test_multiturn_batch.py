@@ -2,21 +2,24 @@
 log-prob and no replayed routing, so the loss, TIS, the KL term and the log-prob gap never see them."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import torch
 
 from colo.algo.batch import NO_EXPERT, build_batch
 from colo.algo.loss import LossOptions, policy_loss
 from colo.algo.parity import logprob_gap
+from colo.rollout.sample import Sample, Status, Turns
 
 #             model  model  env  env  env  model  model(eos)
 MASK = [1, 1, 0, 0, 0, 1, 1]
 
 
-def sample(**extra) -> dict:
+def sample(**extra) -> Sample:
     lps = [-0.5 if m else 0.0 for m in MASK]
-    return {"prompt_ids": [7, 8, 9], "response_ids": [10, 11, 20, 21, 22, 12, 2], "logprobs": lps,
-            "model_mask": MASK, "finish_reason": "stop", **extra}
+    return Sample(0, 0, 0, [7, 8, 9], [10, 11, 20, 21, 22, 12, 2], lps, model_mask=MASK,
+                  **{"status": Status.COMPLETED, "turns": Turns(), **extra})
 
 
 def test_environment_tokens_get_no_loss_and_no_behaviour_logprob() -> None:
@@ -24,19 +27,21 @@ def test_environment_tokens_get_no_loss_and_no_behaviour_logprob() -> None:
     assert b["input_ids"][0].tolist() == [7, 8, 9, 10, 11, 20, 21, 22, 12, 2]  # the sequence vLLM saw
     assert b["loss_mask"][0].tolist() == [0, 0, 0] + MASK
     assert b["rollout_logprobs"][0, 3:].tolist() == [-0.5, -0.5, 0, 0, 0, -0.5, -0.5]
-    single = build_batch([{k: v for k, v in sample().items() if k != "model_mask"}], [1.0])
+    single = build_batch([replace(sample(), model_mask=None, turns=None)], [1.0])
     assert single["loss_mask"][0].tolist() == [0, 0, 0] + [1] * 7  # single-turn samples: unchanged
 
 
 def test_a_failed_environment_trains_nothing_of_its_sample() -> None:
-    b = build_batch([sample(), sample(env_error="row 0 sample 1, step of turn 1: EnvError: boom")], [1.0, -1.0])
+    failed = sample(status=Status.FAILED)
+    failed.turns.env_error = "row 0 sample 1, step of turn 1: EnvError: boom"
+    b = build_batch([sample(), failed], [1.0, -1.0])
     assert b["loss_mask"][1].sum() == 0 and b["loss_mask"][0].sum() == 4
 
 
 def test_routing_of_environment_tokens_is_not_replayed() -> None:
     L = 3 + len(MASK)
     routing = np.arange((L - 1) * 2 * 2, dtype=np.uint8).reshape(L - 1, 2, 2)  # (P+R-1, M, K)
-    no_routing = {k: v for k, v in sample().items()}
+    no_routing = sample()
     b = build_batch([sample(routing=routing), no_routing], [1.0, 1.0])
     r = b["routed_experts"]  # (B, T, M, K)
     env_rows = [3 + j for j, m in enumerate(MASK) if m == 0]

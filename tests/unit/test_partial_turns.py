@@ -1,7 +1,7 @@
-"""Conversations carried across weight updates, the parts that need no engine (colo.rollout.partial_turns): the
-environment rebuilt on resume must give the recorded history back token for token, and a stop string split by the
-stop is still found. The engine loop itself: tests/integration/test_engines_across_syncs.py ("async" section) and
-tests/e2e/test_tools_job.py. No Ray, no vLLM."""
+"""Conversations carried across weight updates, the parts that need no engine (colo.rollout.turns): the environment
+rebuilt on resume must give the recorded history back token for token, and a stop string split by the stop is still
+found. The engine loop itself: tests/integration/test_engines_across_syncs.py ("async" section) and
+tests/e2e/test_async_tools_job.py. No Ray, no vLLM."""
 from __future__ import annotations
 
 import pytest
@@ -11,8 +11,8 @@ from colo.envs.calculator import CalculatorEnv
 from colo.envs.framing import ChatFraming
 from colo.envs.runner import EnvRunner
 from colo.models.tokenizer import build_tokenizer
-from colo.rollout.buffer import CONVERSATION
-from colo.rollout.partial_turns import _Conv, _replay, stop_cut
+from colo.rollout.sample import Sample, Turns
+from colo.rollout.turns import model_turn, replay, stop_cut
 
 ROW = {"prompt": "Question: 12*34+5=? Answer:", "answer": "413", "prompt_ids": [1, 2, 3]}
 
@@ -22,7 +22,7 @@ def framing() -> ChatFraming:
     return ChatFraming(build_tokenizer(512, tools=True), None, chat=True)
 
 
-def carried(framing: ChatFraming, env: type = CalculatorEnv) -> dict:
+def carried(framing: ChatFraming, env: type = CalculatorEnv) -> tuple[Sample, list[int]]:
     """A calculator conversation stopped in its second model turn: its first turn called the tool, the tool's answer
     followed, then two tokens of the answer turn; recorded as the buffer carries it."""
     runner = EnvRunner(env, framing)
@@ -31,25 +31,21 @@ def carried(framing: ChatFraming, env: type = CalculatorEnv) -> dict:
     _, obs = runner.step(turn_of(framing, call), after_eos=True)
     partial = framing.encode("41")[:2]
     resp = call + obs + partial
-    conv = {**CONVERSATION, "turn_spans": [[0, len(call)]], "turn_reasons": ["stop"], "turn_tokens": len(partial),
-            "turns": 1, "tool_calls": 1, "final_ids": call}
-    return {"group": 0, "sample": 0, "row": ROW, "seed": 1, "segment": 1, "prompt_ids": prompt,
-            "response_ids": resp, "model_mask": [1] * len(call) + [0] * len(obs) + [1] * len(partial),
-            "conversation": conv, "obs": obs}
+    turns = Turns(spans=[[0, len(call)]], reasons=["stop"], in_progress=len(partial), tool_calls=1, final_ids=call)
+    mask = [1] * len(call) + [0] * len(obs) + [1] * len(partial)
+    return Sample(0, 0, 1, prompt, resp, [0.0] * len(resp), [0] * len(resp), mask, segments=1, turns=turns), obs
 
 
 def turn_of(framing: ChatFraming, ids: list[int]):
-    from colo.rollout.partial_turns import _turn
-
-    return _turn(framing, ids, 0, "stop")
+    return model_turn(framing, ids, 0, "stop")
 
 
 def test_replay_rebuilds_the_environment_from_the_recorded_turns(framing) -> None:
-    req = carried(framing)
-    assert "tool\n413<|im_end|>" in framing.tok.decode(req["obs"])  # the tool really answered 12*34+5
-    c = _Conv(req, EnvRunner(CalculatorEnv, framing))
-    _replay(c, framing)  # the same prompt, and the same observation after turn 0
-    assert c.runner.env is not None
+    s, obs = carried(framing)
+    assert "tool\n413<|im_end|>" in framing.tok.decode(obs)  # the tool really answered 12*34+5
+    runner = EnvRunner(CalculatorEnv, framing)
+    replay(s, runner, ROW, framing)  # the same prompt, and the same observation after turn 0
+    assert runner.env is not None
 
 
 class Drifting(Environment):
@@ -63,13 +59,13 @@ class Drifting(Environment):
 
 
 def test_replay_refuses_an_environment_that_answers_differently(framing) -> None:
-    req = carried(framing, Drifting)  # recorded with "call 1"; the replay gets "call 2"
+    s, _ = carried(framing, Drifting)  # recorded with "call 1"; the replay gets "call 2"
     with pytest.raises(EnvError, match="answer to turn 0 differs from the one recorded"):
-        _replay(_Conv(req, EnvRunner(Drifting, framing)), framing)
-    req = carried(framing)
-    req["prompt_ids"] = req["prompt_ids"][:-1]
+        replay(s, EnvRunner(Drifting, framing), ROW, framing)
+    s, _ = carried(framing)
+    s.prompt_ids = s.prompt_ids[:-1]
     with pytest.raises(EnvError, match="another first prompt"):
-        _replay(_Conv(req, EnvRunner(CalculatorEnv, framing)), framing)
+        replay(s, EnvRunner(CalculatorEnv, framing), ROW, framing)
 
 
 def test_stop_cut_finds_a_stop_string_split_by_the_stop(framing) -> None:

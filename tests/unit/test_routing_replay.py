@@ -4,6 +4,7 @@ side tests/e2e/test_routing_job.py.
 """
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -15,6 +16,7 @@ from conftest import experts_got
 from colo.algo.batch import NO_EXPERT, build_batch, shard_batch
 from colo.algo.parity import gap_metrics, logprob_gap
 from colo.algo.replay import RouterTap, routers
+from colo.rollout.sample import Sample
 
 # ------------------------------------------------------------------------------------- model level
 
@@ -90,8 +92,8 @@ def test_batch_carries_routing_through_shards_and_padding() -> None:
     rng = np.random.default_rng(0)
     samples = []
     for i, (p, r) in enumerate([(3, 2), (5, 0), (2, 4)]):
-        samples.append({"prompt_ids": list(range(1, p + 1)), "response_ids": [7] * r, "logprobs": [-0.5] * r,
-                        "routing": rng.integers(0, 8, (p + r - 1, 2, 2)).astype(np.uint8), "sample_index": i})
+        samples.append(Sample(i, 0, 0, list(range(1, p + 1)), [7] * r, [-0.5] * r,
+                              routing=rng.integers(0, 8, (p + r - 1, 2, 2)).astype(np.uint8)))
     batch = build_batch(samples, [1.0, 0.0, -1.0])
     assert batch["routed_experts"].shape == (3, 6, 2, 2) and batch["routed_experts"].dtype == torch.uint8
     for shard in shard_batch(batch, 2):  # 3 rows over 2 ranks: one shard gets a padding row
@@ -101,10 +103,10 @@ def test_batch_carries_routing_through_shards_and_padding() -> None:
             assert got.shape[0] == shard["input_ids"].shape[1]
             if s is None:
                 continue
-            n = len(s["prompt_ids"]) + len(s["response_ids"]) - 1
-            assert torch.equal(got[:n], torch.from_numpy(s["routing"]))
+            n = len(s.prompt_ids) + len(s.response_ids) - 1
+            assert torch.equal(got[:n], torch.from_numpy(s.routing))
             assert (got[n:] == NO_EXPERT["uint8"]).all()  # the last token and the padding: no engine id
-    bad = dict(samples[0], routing=samples[0]["routing"][:-1])
+    bad = replace(samples[0], routing=samples[0].routing[:-1])
     with pytest.raises(ValueError, match="routing"):
         build_batch([bad], [0.0])
 
@@ -144,8 +146,8 @@ def test_r3_is_refused_for_a_family_it_cannot_replay(tmp_path: Path) -> None:
 
 
 def test_r3_with_async_on_gpu_is_refused_only_for_conversations(tmp_path: Path) -> None:
-    """loop.mode=async reads a stopped request's routing from the GPU engine's capture (colo.rollout.partial.
-    stopped_rows), so R3 runs with it there; a carried conversation's routing is not read on GPU."""
+    """loop.mode=async reads a stopped request's routing from the GPU engine's capture (colo.rollout.engine_loop.
+    stopped_rows), so R3 runs with it there; a carried conversation's routing is not checked on GPU yet."""
     import json
 
     from colo.config import ConfigError, load_config, validate

@@ -25,7 +25,8 @@ from colo.data.inputs import RunInputs
 from colo.data.prompts import PromptDataset
 from colo.loop import Job, rl_step
 from colo.rollout.generation import Generation
-from colo.rollout.schedule import AheadRollout, CarriedRollout, SyncRollout, rollout_seed, schedule_for
+from colo.rollout.sample import SampleArrays, Status, pack
+from colo.rollout.schedule import Ahead, Carried, Sync, rollout_seed, schedule_for
 from colo.sync.probe import trainer_scores
 
 K, N = 3, 2  # prompts per step, samples per prompt
@@ -64,19 +65,20 @@ class RecordingTrainers:
 
 
 class RecordingEngines:
-    """EngineGroup's interface: submit records what each engine was asked (its kind and seed), collect hands back
-    made-up outputs (every sample finishes with 3 tokens); `fail_collect`: the n-th collect raises."""
+    """EngineGroup's interface: submit records what each engine was asked (every sample to its end, with the seed of
+    its first sample, or `until` some groups ended), collect hands back made-up outputs (every sample finishes with 3
+    tokens); `fail_collect`: the n-th collect raises."""
 
     def __init__(self, log: list[str], fail_collect: int | None = None) -> None:
         self.log, self.engines, self.fail_collect, self.collects = log, [None, None], fail_collect, 0
 
     def submit(self, gens: list[Generation]) -> list:
-        assert len(gens) == len(self.engines) and len({g.kind for g in gens}) == 1
+        assert len(gens) == len(self.engines) and len({g.stop_after is None for g in gens}) == 1
         g = gens[0]
-        self.log.append(f"engines.submit {g.kind}" + (f" seed={g.seed}" if g.kind != "partial" else ""))
+        self.log.append("engines.submit " + (f"all seed={g.samples.meta[0, 2]}" if g.stop_after is None else "until"))
         return [self._outputs(g) for g in gens]
 
-    def collect(self, refs: list) -> list[tuple[list[dict], dict]]:
+    def collect(self, refs: list) -> list[tuple[SampleArrays, dict]]:
         self.collects += 1
         self.log.append("engines.collect")
         if self.collects == self.fail_collect:
@@ -84,11 +86,12 @@ class RecordingEngines:
         return refs
 
     @staticmethod
-    def _outputs(g: Generation) -> tuple[list[dict], dict]:
-        if g.kind == "partial":
-            return [{"tokens": [7, 8, 9], "logprobs": [-1.0] * 3, "finish_reason": "stop"} for _ in g.items], {}
-        return [{"prompt_index": i, "prompt_ids": list(p), "response_ids": [7, 8, 9], "logprobs": [-1.0] * 3,
-                 "finish_reason": "stop"} for i, p in enumerate(g.items) for _ in range(g.n)], {}
+    def _outputs(g: Generation) -> tuple[SampleArrays, dict]:
+        samples = g.samples.unpack()
+        for s in samples:
+            s.extend([7, 8, 9], [-1.0] * 3, g.version)
+            s.status, s.segments = Status.COMPLETED, s.segments + 1
+        return pack(samples), {}
 
     def probe(self, seqs: list[list[int]], trace: bool = False, only: int | None = None) -> list[dict]:
         self.log.append("engines.probe")
@@ -169,12 +172,12 @@ def seed(job: Job, step: int) -> int:
 # What each seam puts into the phases, per step; a combination's timeline is the two merged, phase by phase.
 def schedule_calls(kind: str, job: Job, step: int) -> dict[str, list[str]]:
     if kind == "sync":
-        return {"rollout": [f"engines.submit single seed={seed(job, step)}", "engines.collect"]}
+        return {"rollout": [f"engines.submit all seed={seed(job, step)}", "engines.collect"]}
     if kind == "carried":  # every unfinished sample one segment further, until K whole groups exist
-        return {"rollout": ["engines.submit partial", "engines.collect"]}
+        return {"rollout": ["engines.submit until", "engines.collect"]}
     # ahead: the first step generates its own batch; every step submits the next one and collects it in `wait`
-    first = [f"engines.submit single seed={seed(job, step)}", "engines.collect"] if step == 0 else []
-    return {"rollout": first + [f"engines.submit single seed={seed(job, step + 1)}"], "wait": ["engines.collect"]}
+    first = [f"engines.submit all seed={seed(job, step)}", "engines.collect"] if step == 0 else []
+    return {"rollout": first + [f"engines.submit all seed={seed(job, step + 1)}"], "wait": ["engines.collect"]}
 
 
 SIDE_CALLS = {
@@ -186,10 +189,10 @@ SIDE_CALLS = {
 
 
 # (loop.mode, placement.mode) -> the schedule and side the run is handed: the four combinations colo runs
-COMBINATIONS = {("sync", "colocated"): ("sync", SyncRollout, Colocated),
-                ("sync", "disaggregated"): ("sync", SyncRollout, Disaggregated),
-                ("async", "colocated"): ("carried", CarriedRollout, Colocated),
-                ("async", "disaggregated"): ("ahead", AheadRollout, Disaggregated)}
+COMBINATIONS = {("sync", "colocated"): ("sync", Sync, Colocated),
+                ("sync", "disaggregated"): ("sync", Sync, Disaggregated),
+                ("async", "colocated"): ("carried", Carried, Colocated),
+                ("async", "disaggregated"): ("ahead", Ahead, Disaggregated)}
 
 
 @pytest.mark.parametrize("mode, placement", list(COMBINATIONS))
@@ -243,9 +246,9 @@ def test_generate_ahead_checkpoints_the_step_without_the_batch_until_it_is_in_ha
     again.schedule.restore(pos)
     again.cluster.log.clear()
     metrics = rl_step(2, again)
-    assert _timeline(again, metrics)[0] == ("rollout", [f"engines.submit single seed={seed(again, 2)}",
+    assert _timeline(again, metrics)[0] == ("rollout", [f"engines.submit all seed={seed(again, 2)}",
                                                         "engines.collect",
-                                                        f"engines.submit single seed={seed(again, 3)}"])
+                                                        f"engines.submit all seed={seed(again, 3)}"])
     assert metrics["async/staleness_max"] == 0
 
 
@@ -268,3 +271,23 @@ def test_rl_step_asks_nothing_of_the_placement_or_the_rollout_mode() -> None:
     assert tests, "the walk sees the step's conditions"
     banned = ("colocated", "placement", "mode", "async", "offload", "sleep", "Ahead", "Carried", "isinstance")
     assert not [t for t in tests if any(b in t for b in banned)], tests
+
+
+def test_schedules_are_siblings_whose_position_goes_through_state_dict(tmp_path: Path, tok) -> None:
+    """The three schedules share a Protocol, not a parent; what a checkpoint keeps of each is its state_dict (plain
+    JSON), and a schedule loaded from it continues where the first one was: the same data position, and the same
+    samples carried (colocated async) or generated ahead (disaggregated async)."""
+    for (mode, placement), (_, cls, _) in COMBINATIONS.items():
+        assert cls.__bases__ == (object,), cls
+        job = _job(tmp_path, tok, mode, placement)
+        for step in range(2):
+            rl_step(step, job)
+        state = json.loads(json.dumps(job.schedule.state_dict()))
+        assert state["step"] == 1 and state == job.schedule.position.state_dict()
+        again = _job(tmp_path, tok, mode, placement)
+        again.schedule.load_state_dict(state)
+        assert again.schedule.state_dict() == state
+        assert again.inputs.train_data.state_dict() == job.inputs.train_data.state_dict()
+        a, b = job.schedule.batch(2), again.schedule.batch(2)
+        assert a.prompts == b.prompts and [(s.group, s.response_ids) for s in a.samples] == \
+            [(s.group, s.response_ids) for s in b.samples], mode

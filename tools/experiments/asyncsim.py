@@ -37,6 +37,7 @@ from collections.abc import Sequence
 from colo.bench.decode import TOKEN_ID_LIMIT, step_time
 from colo.bench.lengths import LENGTH_MODELS, LengthModel
 from colo.rollout.buffer import RolloutBuffer
+from colo.rollout.sample import Status
 
 
 def decode_phase(remaining: Sequence[int], groups: Sequence[int], need: int,
@@ -64,10 +65,10 @@ def simulate(mode: str, steps: int, k: int, n: int, max_tokens: int, prompt_len:
              table: Sequence[tuple[int, float]], prefill_s_per_token: float, train_s_per_token: float,
              fixed_s: float, oversample: float = 1.5, max_staleness: int = 1, warmup: int = 0,
              seed: int = 0) -> dict:
-    """Per-step figures of `steps` steps (after `warmup`) of mode "sync" or "async" (colo.rollout.schedule.CarriedRollout's
+    """Per-step figures of `steps` steps (after `warmup`) of mode "sync" or "async" (colo.rollout.schedule.Carried's
     bookkeeping with RolloutBuffer), and their totals."""
     rng = random.Random(seed)
-    buf = RolloutBuffer(n, max_tokens, max_staleness if mode == "async" else 0)
+    buf = RolloutBuffer(n, max_staleness if mode == "async" else 0)
     length: dict[tuple[int, int], int] = {}  # (group id, sample) -> imposed length
     rows = []
     for step in range(warmup + steps):
@@ -80,23 +81,24 @@ def simulate(mode: str, steps: int, k: int, n: int, max_tokens: int, prompt_len:
             for gid in range(first, buf.next_id):
                 g = buf.groups[gid]
                 for j, s in enumerate(g.samples):
-                    length[gid, j] = model.length(s["seed"], max_tokens, g.prompt["prompt_ids"])
+                    length[gid, j] = model.length(s.seed, max_tokens, g.prompt["prompt_ids"])
         reqs = buf.requests()
-        left = [length[r["group"], r["sample"]] - len(r["response_ids"]) for r in reqs]
+        left = [length[r.group, r.index] - len(r.response_ids) for r in reqs]
         need = buf.need(k) if mode == "async" else len(buf.groups)
-        d, decode_s = decode_phase(left, [r["group"] for r in reqs], need, table)
-        prefill = sum(len(r["prompt_ids"]) + len(r["response_ids"]) for r in reqs) if d else 0
-        results = [{"tokens": [0] * min(x, d), "logprobs": [0.0] * min(x, d),
-                    "finish_reason": "stop" if x <= d else None} for x in left]
-        buf.absorb(reqs, results, version=step)
+        d, decode_s = decode_phase(left, [r.group for r in reqs], need, table)
+        prefill = sum(len(r.prompt_ids) + len(r.response_ids) for r in reqs) if d else 0
+        for r, x in zip(reqs, left):  # what the engine loop makes of each request (colo.rollout.engine_loop)
+            r.extend([0] * min(x, d), [0.0] * min(x, d), step)
+            r.status, r.segments = Status.COMPLETED if x <= d else r.status, r.segments + 1
+        buf.absorb(reqs)
         _, samples = buf.take(k, step)
-        trained = sum(len(s["prompt_ids"]) + len(s["response_ids"]) for s in samples)
+        trained = sum(len(s.prompt_ids) + len(s.response_ids) for s in samples)
         rollout_s = decode_s + prefill * prefill_s_per_token
         step_s = rollout_s + trained * train_s_per_token + fixed_s
         if step >= warmup:
             rows.append({"step": step, "decode_steps": d, "rollout_s": rollout_s, "step_s": step_s,
                          "trained_tokens": trained, "prefill_tokens": prefill, **buf.counts,
-                         "lengths": [len(s["prompt_ids"]) + len(s["response_ids"]) for s in samples]})
+                         "lengths": [len(s.prompt_ids) + len(s.response_ids) for s in samples]})
     total_s = sum(r["step_s"] for r in rows)
     return {"mode": mode, "steps": rows,
             "tokens_per_s": sum(r["trained_tokens"] for r in rows) / total_s if total_s else float("nan"),

@@ -54,23 +54,23 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def make_samples(args: argparse.Namespace, seed: int = 0) -> list[dict]:
+def make_samples(args: argparse.Namespace, seed: int = 0) -> list:
     import numpy as np
 
     from colo.bench.lengths import response_length
+    from colo.rollout.sample import Sample, Status
 
     rng = random.Random(seed)
     out = []
     for i in range(args.samples):
         R, P = response_length(seed * 1_000_003 + i, args.max_tokens), args.prompt_len
-        s = {"prompt_ids": [rng.randrange(150_000) for _ in range(P)],
-             "response_ids": [rng.randrange(150_000) for _ in range(R)],
-             "logprobs": [-rng.random() for _ in range(R)], "finish_reason": "stop"}
+        s = Sample(i, 0, 0, [rng.randrange(150_000) for _ in range(P)], [rng.randrange(150_000) for _ in range(R)],
+                   [-rng.random() for _ in range(R)], status=Status.COMPLETED)
         if args.moe_layers:
             shape = (P + R - 1, args.moe_layers, args.topk)
             ids = np.random.default_rng(i).integers(0, 128, size=shape, dtype=np.uint8)
             ids.setflags(write=False)
-            s["routing"] = ids
+            s.routing = ids
         out.append(s)
     return out
 
@@ -122,7 +122,7 @@ def measure(args: argparse.Namespace) -> dict:
         with busy_cores(args.busy):
             secs[f"busy_{default}_threads"] = seconds_per_build(samples, default, args.reps)
             secs["busy_1_thread"] = seconds_per_build(samples, 1, args.reps)
-    tokens = sum(len(s["prompt_ids"]) + len(s["response_ids"]) for s in samples)
+    tokens = sum(len(s.prompt_ids) + len(s.response_ids) for s in samples)
     return {"samples": args.samples, "tokens": tokens, "moe_layers": args.moe_layers, "threads": default,
             "busy_cores": args.busy, "seconds": {k: round(v, 4) for k, v in secs.items()},
             "over_one_thread": {k: round(v / secs[("busy" if k.startswith("busy") else "idle") + "_1_thread"], 2)

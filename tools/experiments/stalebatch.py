@@ -47,7 +47,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     import torch
 
+    from dataclasses import replace
+
     from colo.algo.batch import build_batch, shard_batch, to_wire
+    from colo.rollout.sample import Sample, Status
     from colo.bench.lengths import response_length
     from colo.config import ColoConfig, to_dict
     from colo.host.net import free_port
@@ -66,17 +69,16 @@ def main(argv: list[str] | None = None) -> int:
     samples = []
     for i in range(args.samples):
         r = response_length(1000 + i, args.max_tokens)
-        samples.append({"prompt_ids": torch.randint(3, 500, (args.prompt_len,), generator=g).tolist(),
-                        "response_ids": torch.randint(3, 500, (r,), generator=g).tolist(), "logprobs": [0.0] * r,
-                        "finish_reason": "stop"})
+        samples.append(Sample(i, 0, 0, torch.randint(3, 500, (args.prompt_len,), generator=g).tolist(),
+                              torch.randint(3, 500, (r,), generator=g).tolist(), [0.0] * r, status=Status.COMPLETED))
     adv = torch.randn(args.samples, generator=g)
     own = trainer.compute_logprobs(build_batch(samples, adv))  # (B, T) the policy's own log-probs
     batches = {}
     for name, noise in (("fresh", 0.01), ("stale", 0.8)):
         made = []
         for b, s in enumerate(samples):
-            p, r = len(s["prompt_ids"]), len(s["response_ids"])
-            made.append({**s, "logprobs": (own[b, p:p + r] + noise * torch.randn(r, generator=g)).tolist()})
+            p, r = len(s.prompt_ids), len(s.response_ids)
+            made.append(replace(s, logprobs=(own[b, p:p + r] + noise * torch.randn(r, generator=g)).tolist()))
         batches[name] = to_wire(shard_batch(build_batch(made, adv), 1)[0])
     wall: dict[str, list[float]] = {"fresh": [], "stale": []}
     cpu: dict[str, list[float]] = {"fresh": [], "stale": []}

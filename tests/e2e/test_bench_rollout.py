@@ -1,0 +1,29 @@
+"""python -m colo.bench.rollout on CPU with the tiny preset: vLLM alone (LLM.generate) and colo's colocated rollout
+phase decode the same requests, and the JSON line says how they compare and where the difference goes."""
+from __future__ import annotations
+
+import json
+import math
+
+from conftest import run_cli
+
+
+def test_bench_rollout_against_vllm_alone_on_cpu(tmp_path) -> None:
+    res = run_cli("--preset", "tiny", "--device", "cpu", "--prompts", "2", "--n", "2", "--prompt-len", "8",
+                  "--max-tokens", "12", "--reps", "1", "--json", "--workdir", str(tmp_path), timeout=900,
+                  module="colo.bench.rollout")
+    assert res.returncode == 0, res.stderr[-3000:]
+    out = json.loads([x for x in res.stdout.splitlines() if x.startswith("{")][-1])
+    vllm, colo = out["vllm"], out["colocated"]
+    # the same requests: every variant of either side generated the tokens the lengths impose (each side checks
+    # per sample that they are the requests' lengths)
+    tokens = {r["output_tokens"] for side in (vllm, colo) for r in side.values() if isinstance(r, dict) and
+              "output_tokens" in r}
+    assert len(tokens) == 1 and tokens.pop() > 4
+    assert out["vs_vllm"] == colo["colo"]["tokens_per_s"] / vllm["plain"]["tokens_per_s"] > 0
+    where = out["where"]
+    assert set(where) == {"logprobs", "detokenize", "seeds", "params", "scheduling", "engine", "routing", "wake_sleep",
+                          "rest"}
+    assert math.isclose(where["params"] * where["scheduling"] * where["engine"], out["vs_vllm"], rel_tol=1e-9)
+    assert math.isclose(where["routing"] * where["wake_sleep"] * where["rest"], where["engine"], rel_tol=1e-9)
+    assert colo["sync_verified"] is True and all(v > 0 for v in where.values())
