@@ -67,6 +67,7 @@ def prompts(args: argparse.Namespace) -> list[list[int]]:
 
 def make_config(args: argparse.Namespace, model_dir: str, standalone: bool) -> Any:
     from colo.config import load_config, validate
+    from colo.plan.resolve import resolve
 
     cfg = load_config(None, [])  # defaults + COLO_* env: COLO_TRAIN_GPU_FRACTION / COLO_VLLM_GPU_FRACTION apply
     cfg.model.path, cfg.model.dummy_weights = model_dir, args.preset != "tiny"
@@ -78,8 +79,9 @@ def make_config(args: argparse.Namespace, model_dir: str, standalone: bool) -> A
     if standalone:  # one engine on whole GPUs of its own: the disaggregated engine, with no trainer started
         cfg.placement.mode, cfg.placement.num_gpus, cfg.placement.trainer_gpus = "disaggregated", args.ranks + 1, 1
         cfg.placement.vllm_gpu_fraction = args.standalone_fraction
+    cfg.run.dir = str(Path(args.workdir) / f"rollout-run-{args.phase}")  # the engines' logs (colo.run.logs)
     validate(cfg, check_resources=False)
-    return cfg
+    return resolve(cfg).cfg  # as colo.launch hands it to the actors: no `auto` left
 
 
 def timed_generate(engines: list, ids: list[list[int]], args: argparse.Namespace) -> dict:

@@ -177,6 +177,11 @@ def _check_loss(cfg: ColoConfig) -> None:
         raise ConfigError(f"rollout.top_p={cfg.rollout.top_p}: the engine's log-probs would be renormalized over "
                           "the nucleus while the trainer scores the full softmax, which biases TIS and the log-prob "
                           "gap; fix: rollout.top_p=1.0 (docs/loss.md says why the trainer does not mask)")
+    t = cfg.trainer
+    if t.old_logprobs == "update" and t.epochs * t.mini_batches > 1:
+        raise ConfigError(f"trainer.old_logprobs=update takes the old log-probs from a step's one update, but "
+                          f"trainer.epochs x trainer.mini_batches = {t.epochs * t.mini_batches} updates; fix: "
+                          "trainer.old_logprobs=auto (or pass)")
     if a.clip_ratio_c != 0 and a.clip_ratio_c <= 1:
         raise ConfigError(f"algo.clip_ratio_c={a.clip_ratio_c} must be > 1 (or 0: off); fix: algo.clip_ratio_c=3.0")
     if a.overlong == "penalty" and not 1 <= a.overlong_buffer <= cfg.rollout.max_tokens:
