@@ -24,7 +24,6 @@ if TYPE_CHECKING:
     from colo.runlife import Clusters, RunLife
 
 
-
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     from colo.run.commands import python  # stdlib only: --help stays fast
 

@@ -257,7 +257,8 @@ class RunLife:
                 from colo.run.logs import keep_logs
                 from colo.run.rundir import unlock
 
-                keep_logs(self.run_dir, ray_logs=isinstance(self.clusters, OwnCluster))  # a warm cluster's Ray: not ours
+                # a warm cluster's Ray session is not this run's alone: its logs stay where they are
+                keep_logs(self.run_dir, ray_logs=isinstance(self.clusters, OwnCluster))
                 unlock(self.run_dir)  # the process may go on to another job (`clusters`)
         finally:
             self.stop.restore()

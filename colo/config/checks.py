@@ -36,7 +36,7 @@ def validate(cfg: ColoConfig, *, check_resources: bool = True, check_gpus: bool 
     """Raise ConfigError on the first problem. check_resources=False checks values only (no files,
     no Hub, no GPU count), e.g. for a config meant for another machine; check_gpus=False skips only the
     CUDA GPU count (`--dry-run` plans a GPU job on any machine and says so with gpu_count_note). Whether
-    the job fits its GPUs is the memory plan's to say, after this (colo.plan.job.check_fits)."""
+    the job fits its GPUs is the memory plan's to say, after this (colo.prepare.Prepared.check)."""
     _check_values(cfg)
     if not check_resources:
         return
@@ -388,7 +388,7 @@ def _check_data(cfg: ColoConfig, key: str) -> None:
 
     source = DataSource.parse(value)
     if source.kind == "hub":
-        return  # read (through the datasets cache) by colo.launch.check_user_data, before the run dir exists
+        return  # read (through the datasets cache) by colo.materialize.check_user_data, before the run dir exists
     path = Path(source.path)
     fix = (f"fix: point {key} at a JSONL or Parquet file, or a save_to_disk dataset dir, with "
            f"'{cfg.data.prompt_key}' and '{cfg.data.answer_key}' fields, or use {key}=auto:arith")

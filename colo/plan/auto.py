@@ -117,9 +117,10 @@ def resolve_auto(cfg: ColoConfig, device: str, config_json: Optional[dict[str, A
     why = {k: only.get(k) or _why(k, best, trials, tier, limits) for k in keys}
     terms = ", ".join(f"{n} {v:.2f}" for n, v in best.cost.items() if v)
     kept = "" if min(limits.values()) >= gpu_bytes else f", {100 * HEADROOM:.0f}% kept free where the choice matters"
+    borrowed = "" if speeds.measured_here else f"; {speeds.measured}"  # a device without a row of its own says so
     summary = (f"the fastest that fits {gpu_bytes / GiB:.1f} GiB per GPU ({gpu_source}){kept}: "
                f"{best.plan.worst[0]} phase {best.need / GiB:.1f} GiB, est. {best.seconds:.2f} s of train work per "
-               f"step from measured figures (colo.plan.cost: {terms}; speeds: {speeds.measured})")
+               f"step from measured figures (colo.plan.cost: {terms}{borrowed})")
     return _tuned(cfg, best.changes, why, fixed, summary)
 
 

@@ -51,7 +51,12 @@ class Speeds:
     compile_s: float
     """trainer.compile's first step: the compile it pays once per trainer process."""
     measured: str
-    """Where the row's figures come from, in a few words (the plan's summary names it)."""
+    """Where the row's figures come from, in a few words."""
+
+    @property
+    def measured_here(self) -> bool:
+        """The device has a row of its own in SPEEDS (else the plan's summary says whose figures it borrows)."""
+        return SPEEDS.get(self.name) is self
 
 
 H200 = Speeds(

@@ -86,7 +86,8 @@ def ways_to_fit(config_json: dict[str, Any], s: Settings, gpu_bytes: float, spee
     for n in gpus:
         for mb in mbs:
             for mask in range(1 << len(levers)):
-                changes = {"placement.num_gpus": n, key: mb, **{k: v for i, (k, v) in enumerate(levers) if mask >> i & 1}}
+                chosen = {k: v for i, (k, v) in enumerate(levers) if mask >> i & 1}
+                changes = {"placement.num_gpus": n, key: mb, **chosen}
                 t = _with_fraction(config_json, s, {k: v for k, v in changes.items() if v != get(s.cfg, k)},
                                    gpu_bytes, speeds, fractions)
                 if t is not None:

@@ -101,7 +101,7 @@ def test_explicit_values_are_kept() -> None:
 
 
 def test_resolved_config_holds_concrete_values(tmp_path: Path) -> None:
-    """The run dir's config.yaml (colo.launch.prepare_run saves the tuned config) has no auto left among the six,
+    """The run dir's config.yaml (colo.materialize saves the resolved config) has no auto left among the six,
     so --resume, which starts from it, runs the same settings; tuning it again changes nothing."""
     tuned = tune(_cfg(L12_H200))
     path = C.save_resolved(tuned.cfg, tmp_path)
@@ -209,18 +209,20 @@ def test_every_auto_choice_fits_with_headroom_and_is_the_fastest_planned() -> No
 
 
 def test_the_cost_model_takes_the_devices_measured_speeds() -> None:
-    """The speeds are the device's row (colo.plan.cost.SPEEDS), named in the summary: an H100 gets the H100's, a GPU
-    given by its size the H200's figures and says so, CPU its own; and they are an input of the choice: a device that
-    compiles a hundred times slower than the H200 runs the same L12 job eager."""
+    """The speeds are the device's row (colo.plan.cost.SPEEDS): an H100 gets the H100's, CPU its own, a GPU given by
+    its size the H200's figures, which the summary says; and they are an input of the choice: a device that compiles
+    a hundred times slower than the H200 runs the same L12 job eager."""
     assert speeds_for("NVIDIA H100 80GB HBM3") is SPEEDS["H100"] and speeds_for("H200-141GB") is SPEEDS["H200"]
     assert speeds_for("cpu") is SPEEDS["cpu"] and SPEEDS["cpu"].peak_flops < SPEEDS["H200"].peak_flops / 1000
     assert device_of(_cfg(L12_H200[:-6] + ["placement.gpu_memory=H100"])).speeds is SPEEDS["H100"]
-    other = device_of(_cfg(L12_H200 + ["placement.gpu_memory=80GiB"])).speeds
-    assert "no row" in other.measured and other.peak_flops == SPEEDS["H200"].peak_flops
+    other = device_of(_cfg(L12_H200 + ["placement.gpu_memory=200GiB"])).speeds
+    assert "no row" in other.measured and other.peak_flops == SPEEDS["H200"].peak_flops and not other.measured_here
+    big = tune(_cfg(L12_H200 + ["placement.gpu_memory=200GiB"]))
+    assert "no row for a 200GiB GPU: the H200's figures" in big.summary
     cfg = _cfg(L12_H200)
     model = C.model_config_json(cfg)
     fast = resolve_auto(cfg, "cuda", model, 139.8 * GiB, "test", SPEEDS["H200"])
-    assert fast.resolved["trainer.compile"] is True and SPEEDS["H200"].measured in fast.summary
+    assert fast.resolved["trainer.compile"] is True and "no row" not in fast.summary
     slow_compile = dataclasses.replace(SPEEDS["H200"], compile_s=100 * SPEEDS["H200"].compile_s)
     slow = resolve_auto(cfg, "cuda", model, 139.8 * GiB, "test", slow_compile)
     assert slow.resolved["trainer.compile"] is False and "+" in dict((c.key, c.why) for c in slow.choices)[

@@ -67,8 +67,8 @@ def test_what_the_config_alone_decides() -> None:
                                                 "rollout.sleep_level=1"], {})).cfg
     assert (two.rollout.sleep_level, two.trainer.old_logprobs) == (1, "pass")
     with pytest.raises(C.ConfigError, match="trainer.old_logprobs=update .* 4 updates; fix: trainer.old_logprobs=auto"):
-        C.validate(C.load_config(None, ["trainer.old_logprobs=update", "trainer.epochs=2", "trainer.mini_batches=2"], {}),
-                   check_resources=False)
+        C.validate(C.load_config(None, ["trainer.old_logprobs=update", "trainer.epochs=2", "trainer.mini_batches=2"],
+                                 {}), check_resources=False)
 
 
 def test_actors_refuse_a_config_nobody_resolved(tmp_path: Path) -> None:

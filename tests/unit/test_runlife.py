@@ -61,7 +61,8 @@ def test_run_life_ends_a_refusal_a_stop_and_a_bug_as_the_table_says() -> None:
     with redirect_stderr(err), RunLife() as life:
         assert signal.getsignal(signal.SIGINT) != before  # the run's own handler meanwhile
         raise ConfigError("trainer.lr=-1 is out of range; fix: e.g. trainer.lr=1e-06")
-    assert life.status == 2 and err.getvalue() == "colo: error: trainer.lr=-1 is out of range; fix: e.g. trainer.lr=1e-06\n"
+    assert life.status == 2
+    assert err.getvalue() == "colo: error: trainer.lr=-1 is out of range; fix: e.g. trainer.lr=1e-06\n"
     assert signal.getsignal(signal.SIGINT) == before
     err = io.StringIO()
     with redirect_stderr(err), RunLife() as life:
