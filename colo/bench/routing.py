@@ -55,6 +55,7 @@ def run(args: argparse.Namespace) -> dict:
     from colo.config import ColoConfig
     from colo.host.net import free_port
     from colo.models.tiny import make_tiny_model
+    from colo.plan.resolve import resolve
     from colo.rollout.engine import RolloutEngine
     from colo.rollout.generation import Generation
     from colo.trainer.worker import Trainer
@@ -67,6 +68,7 @@ def run(args: argparse.Namespace) -> dict:
     cfg.rollout.max_model_len = args.prompt_len + args.max_tokens + 8
     cfg.rollout.kv_cache_mb, cfg.rollout.enforce_eager = 128, True
     cfg.trainer.micro_batch_size = 64
+    cfg = resolve(cfg).cfg  # as colo.launch hands it to the actors: no `auto` left
     ray.init(address="local", num_cpus=4, num_gpus=1, include_dashboard=False, log_to_driver=False)
     pg = placement_group([{"GPU": 1, "CPU": 1}])
     ray.get(pg.ready())

@@ -54,7 +54,7 @@ COMPARABLE:
                                         their defaults; --warmup 2 or more), then sync mode
     trainer.gather_once=true,false      each FSDP unit gathered once per pass, then once per micro-batch; the memory
                                         plan must fit both
-    trainer.old_logprobs=auto,pass      the one update's own forward gives the old log-probs, then a forward-only pass
+    trainer.old_logprobs=update,pass    the one update's own forward gives the old log-probs, then a forward-only pass
     trainer.loss_in_lm_head=true,false  the loss's gradient formed in the lm_head's chunk loop, then autograd through
                                         the loss (the logits recomputed in backward)
     trainer.compile=true,false          each decoder layer compiled with inductor (colo.trainer.compile), then eager;
@@ -105,7 +105,7 @@ PEAK_BF16 = {"H100 PCIe": 756e12, "H100 NVL": 835e12, "H100": 989e12, "H200": 98
 PHASES = ("rollout", "reward", "sleep", "train", "wait", "sync", "offload", "wake", "step")
 COMPARABLE = {"trainer.packing": ("true", "false"), "loop.mode": ("sync", "async"),
               "trainer.gather_once": ("true", "false"), "trainer.compile": ("true", "false"),
-              "trainer.old_logprobs": ("auto", "pass"), "trainer.loss_in_lm_head": ("true", "false"),
+              "trainer.old_logprobs": ("update", "pass"), "trainer.loss_in_lm_head": ("true", "false"),
               "rollout.quantization": ("fp8", "none")}
 """What --compare KEY=A,B varies (each set on the running cluster between the two variants, but ENGINE_KEYS), and its
 values."""
@@ -202,10 +202,12 @@ def parse_compare(ap: argparse.ArgumentParser, args: argparse.Namespace) -> tupl
 
 
 def make_config(args: argparse.Namespace, model_dir: str, dummy: bool) -> tuple[Any, Any]:
-    """The run's config and its colo.plan.auto.Tuned: the `auto` trainer settings resolved for this job on this
-    GPU as colo.launch resolves them (an override keeps its value), their table on stderr."""
+    """The run's config and its colo.plan.resolve.Resolved: every `auto` resolved for this job on this GPU as
+    colo.launch resolves it (an override keeps its value), the trainer settings' table on stderr. The config is a
+    concrete copy the variants change (set_config)."""
     from colo.config import load_config, validate
-    from colo.plan.job import tune
+    from colo.plan.resolve import resolve
+    from colo.plan.settings import with_values
 
     cfg = load_config(None, list(args.overrides))
     cfg.model.path, cfg.model.dummy_weights = model_dir, dummy
@@ -224,13 +226,13 @@ def make_config(args: argparse.Namespace, model_dir: str, dummy: bool) -> tuple[
     key = args.compare[0] if args.compare is not None else None
     if key in ("trainer.gather_once", "trainer.compile"):  # the compared key is the comparison's own (set per variant)
         setattr(cfg.trainer, key.split(".")[1], True)
-    tuned = tune(cfg)
-    print(f"[bench.step] {tuned.table()}", file=sys.stderr, flush=True)
-    cfg = tuned.cfg
+    resolved = resolve(cfg)
+    print(f"[bench.step] {resolved.choices.table()}", file=sys.stderr, flush=True)
+    rows = resolved.cfg.trainer.micro_batch_size
     if not any(o.startswith("trainer.micro_batch_size=") for o in args.overrides):
         # the padded path gets the rows that fit the packed path's token budget: the same activation memory
-        cfg.trainer.micro_batch_size = max(1, cfg.trainer.max_tokens_per_micro_batch // cfg.rollout.max_model_len)
-    return cfg, tuned
+        rows = max(1, resolved.cfg.trainer.max_tokens_per_micro_batch // resolved.cfg.rollout.max_model_len)
+    return with_values(resolved.cfg, {"trainer.micro_batch_size": rows}), resolved
 
 
 class RandomPrompts:
@@ -351,11 +353,11 @@ def measure(args: argparse.Namespace, report: Callable[[dict], None] | None = No
     from colo.bench.engines import LengthEngine, StepTrainer
     from colo.cluster.actors import start_cluster
     from colo.cluster.placement import init_ray, plan_placement
-    from colo.config import model_config_json, validate
+    from colo.config import ConfigError, model_config_json, validate
     from colo.data.inputs import RunInputs
     from colo.cluster.sides import side_for
     from colo.loop import Job, check_sync, sync_all
-    from colo.plan.job import check_fits
+    from colo.plan.job import memory_plan, refusal
     from colo.models.tiny import WITH_WEIGHTS, make_tiny_model
 
     if args.model:
@@ -375,7 +377,9 @@ def measure(args: argparse.Namespace, report: Callable[[dict], None] | None = No
     for layout in layouts[::-1]:  # GPU: refuses a variant the memory plan cannot fit (ConfigError)
         set_config(cfg, layout)
         validate(cfg, check_resources=False)  # what the variant's mode refuses (docs/config.md, "Async")
-        mem_plan = check_fits(cfg)
+        mem_plan = memory_plan(cfg, config_json, tuned.device)
+        if mem_plan is not None and mem_plan.gpu_bytes is not None and not mem_plan.fits:
+            raise ConfigError(refusal(cfg, mem_plan, config_json, tuned.device))
     Path(cfg.run.dir).mkdir(parents=True, exist_ok=True)
     plan = plan_placement(cfg)
     init_ray(plan, log_to_driver=not args.json)
@@ -428,7 +432,7 @@ def measure(args: argparse.Namespace, report: Callable[[dict], None] | None = No
             results = [summarize(r, cfg, config_json, args.gpus, device_name) | {"warmup_train_s": w}
                        for r, w in zip(records, warmup_train_s)]
             out = _output(args, cfg, layouts, results, compile_figures, name, device_name, lengths, mem_plan)
-            out |= {"auto": tuned.resolved, "blocks": blocks, "repeats_done": repeat + 1}  # auto: colo.plan.auto's
+            out |= {"auto": tuned.choices.resolved, "blocks": blocks, "repeats_done": repeat + 1}  # colo.plan.auto's
             out.update(quantization=cfg.rollout.quantization, kv_cache_tokens=engine["scheduler"].get("kv_cache_tokens"),
                        engine_start_s=engine["start_s"])
             if key:

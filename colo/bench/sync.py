@@ -297,6 +297,7 @@ def versions() -> dict:
 
 def make_config(args: argparse.Namespace, model_dir: str, dummy: bool) -> Any:
     from colo.config import load_config, resolve_device, validate
+    from colo.plan.resolve import resolve
 
     cfg = load_config(None, [])  # defaults + COLO_* env (e.g. COLO_TRAIN_GPU_FRACTION for a tight GPU)
     cfg.model.path, cfg.model.dummy_weights = model_dir, dummy
@@ -311,8 +312,9 @@ def make_config(args: argparse.Namespace, model_dir: str, dummy: bool) -> Any:
     if args.bucket_mb is not None:
         cfg.sync.bucket_mb = args.bucket_mb
     cfg.run.seed = cfg.trainer.seed = args.seed
+    cfg.run.dir = str(Path(args.workdir) / "sync-run")  # the actors' logs (colo.run.logs)
     validate(cfg, check_resources=False)
-    return cfg
+    return resolve(cfg).cfg  # as colo.launch hands it to the actors: no `auto` left
 
 
 def run(args: argparse.Namespace) -> dict:

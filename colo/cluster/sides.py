@@ -1,7 +1,7 @@
 """The placement side of a step: what the engines and trainers do around the train phase so that each GPU holds
 one of them at a time (colocated), or nothing (disaggregated: each side has GPUs of its own).
 
-    side = side_for(cluster, cfg)       # picked once per run (colo.loop.Job)
+    side = side_for(cluster, cfg)       # a PlacementSide, picked once per run (colo.loop.Job)
     side.release()       # 'sleep':   engines free KV cache and weights
     side.onload()        # 'train':   trainer state back on the GPU, before the update
     side.wake_weights()  # 'sync':    engines re-allocate their weights, for the sync to write into
@@ -10,23 +10,39 @@ one of them at a time (colocated), or nothing (disaggregated: each side has GPUs
 
 The order is the loop's (colo.loop.rl_step): the trainer needs the memory vLLM frees in `release`, the weights
 must be back in vLLM's memory before the push, and the KV cache is re-allocated only after the trainer left.
+The two sides are siblings: each implements the PlacementSide protocol, neither inherits from the other.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
     from colo.cluster.actors import Cluster, EngineGroup, TrainerGroup
+    from colo.config import ColoConfig
 
 
-def sleep_level(cfg: Any) -> int:
-    """'auto' -> 2: the sync overwrites every weight, so level 1's CPU copy of them would be wasted work."""
-    return 2 if cfg.rollout.sleep_level == "auto" else int(cfg.rollout.sleep_level)
+class PlacementSide(Protocol):
+    """What a step asks of the placement around its train phase, in the module docstring's order."""
+
+    def release(self) -> None:
+        """'sleep': the engines give back the GPU memory the trainer needs to train."""
+
+    def onload(self) -> None:
+        """'train': the trainer's state back where it trains."""
+
+    def wake_weights(self) -> None:
+        """'sync': the engines' weights allocated again, for the sync to write into."""
+
+    def offload(self) -> None:
+        """'offload': the trainer's state off the GPU, for the engines' KV cache."""
+
+    def wake_kv(self) -> None:
+        """'wake': the engines' KV cache back, scheduling resumed."""
 
 
 class Colocated:
     """Trainer rank r and engine r share GPU r. `offload` (trainer.offload): the trainer's state leaves the GPU
-    while vLLM generates."""
+    while vLLM generates; `level`: rollout.sleep_level (resolved: 2 unless set to 1)."""
 
     def __init__(self, trainers: TrainerGroup, engines: EngineGroup, offload: bool, level: int) -> None:
         self.trainers, self.engines, self.offloads, self.level = trainers, engines, offload, level
@@ -69,8 +85,8 @@ class Disaggregated:
         pass
 
 
-def side_for(c: Cluster, cfg: Any) -> Colocated | Disaggregated:
-    """The run's placement side, from the cluster's mode and trainer.offload / rollout.sleep_level."""
+def side_for(c: Cluster, cfg: ColoConfig) -> PlacementSide:
+    """The run's placement side, from the cluster's mode and the resolved trainer.offload / rollout.sleep_level."""
     if c.colocated:
-        return Colocated(c.trainer_group, c.engine_group, bool(cfg.trainer.offload), sleep_level(cfg))
+        return Colocated(c.trainer_group, c.engine_group, bool(cfg.trainer.offload), int(cfg.rollout.sleep_level))
     return Disaggregated()

@@ -2,12 +2,13 @@
 
     cfg = load_config("configs/tiny-cpu.yaml", ["trainer.lr=1e-6"], os.environ)
     validate(cfg)                     # raises ConfigError("<problem>; fix: <what to do>")
-    cfg = resolve(cfg)                # concrete device, run dir, model/data paths (may download)
+    resolve_paths(cfg)                # run dir, model/data paths: a part of colo.plan.resolve, which resolves it all
 
 Split by role, re-exported here (the config API):
     schema.py    the dataclasses (a docstring per field), CHOICES, ConfigError
-    loading.py   YAML / COLO_* env / key=value merge, from_dict/to_dict, resolve, save (the only reader of
+    loading.py   YAML / COLO_* env / key=value merge, from_dict/to_dict, concrete paths, save (the only reader of
                  environment variables)
+    frozen.py    a resolved config: frozen on the driver (freeze), checked by the actors (check_resolved)
     checks.py    validate: the checks OmegaConf cannot know (fractions, files, GPUs, experts); whether the
                  job fits its GPUs is colo.plan's, computed from the validated config
     resume.py    the config of a resumed run
@@ -17,14 +18,15 @@ stay fast.
 from __future__ import annotations
 
 from colo.config.checks import expert_parallel_size, gpu_count_note, model_config_json, validate
-from colo.config.loading import (ENV_SHORTCUTS, env_overrides, from_dict, hub_download, load_config, resolve,
-                                 resolve_device, resolve_run_dir, save_resolved, to_dict, to_yaml)
+from colo.config.frozen import check_resolved, freeze, unresolved
+from colo.config.loading import (ENV_SHORTCUTS, env_overrides, from_dict, hub_download, load_config, resolve_device,
+                                 resolve_paths, resolve_run_dir, save_resolved, to_dict, to_yaml, wandb_online)
 from colo.config.schema import (AUTO, CHOICES, LOGGERS, AlgoConfig, ColoConfig, ConfigError, DataConfig, LoopConfig,
                                 ModelConfig, PlacementConfig, RolloutConfig, RunConfig, SyncConfig, TrainerConfig,
                                 all_keys)
 
 __all__ = ["AUTO", "CHOICES", "ENV_SHORTCUTS", "LOGGERS", "AlgoConfig", "ColoConfig", "ConfigError", "DataConfig",
            "LoopConfig", "ModelConfig", "PlacementConfig", "RolloutConfig", "RunConfig", "SyncConfig", "TrainerConfig", "all_keys",
-           "env_overrides", "expert_parallel_size", "from_dict", "gpu_count_note", "hub_download", "load_config",
-           "model_config_json", "resolve", "resolve_device", "resolve_run_dir", "save_resolved",
-           "to_dict", "to_yaml", "validate"]
+           "check_resolved", "env_overrides", "expert_parallel_size", "freeze", "from_dict", "gpu_count_note", "hub_download",
+           "load_config", "model_config_json", "resolve_device", "resolve_paths", "resolve_run_dir", "save_resolved",
+           "to_dict", "to_yaml", "unresolved", "validate", "wandb_online"]

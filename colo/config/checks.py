@@ -36,7 +36,7 @@ def validate(cfg: ColoConfig, *, check_resources: bool = True, check_gpus: bool 
     """Raise ConfigError on the first problem. check_resources=False checks values only (no files,
     no Hub, no GPU count), e.g. for a config meant for another machine; check_gpus=False skips only the
     CUDA GPU count (`--dry-run` plans a GPU job on any machine and says so with gpu_count_note). Whether
-    the job fits its GPUs is the memory plan's to say, after this (colo.plan.job.check_fits)."""
+    the job fits its GPUs is the memory plan's to say, after this (colo.prepare.Prepared.check)."""
     _check_values(cfg)
     if not check_resources:
         return
@@ -177,6 +177,11 @@ def _check_loss(cfg: ColoConfig) -> None:
         raise ConfigError(f"rollout.top_p={cfg.rollout.top_p}: the engine's log-probs would be renormalized over "
                           "the nucleus while the trainer scores the full softmax, which biases TIS and the log-prob "
                           "gap; fix: rollout.top_p=1.0 (docs/loss.md says why the trainer does not mask)")
+    t = cfg.trainer
+    if t.old_logprobs == "update" and t.epochs * t.mini_batches > 1:
+        raise ConfigError(f"trainer.old_logprobs=update takes the old log-probs from a step's one update, but "
+                          f"trainer.epochs x trainer.mini_batches = {t.epochs * t.mini_batches} updates; fix: "
+                          "trainer.old_logprobs=auto (or pass)")
     if a.clip_ratio_c != 0 and a.clip_ratio_c <= 1:
         raise ConfigError(f"algo.clip_ratio_c={a.clip_ratio_c} must be > 1 (or 0: off); fix: algo.clip_ratio_c=3.0")
     if a.overlong == "penalty" and not 1 <= a.overlong_buffer <= cfg.rollout.max_tokens:
@@ -383,7 +388,7 @@ def _check_data(cfg: ColoConfig, key: str) -> None:
 
     source = DataSource.parse(value)
     if source.kind == "hub":
-        return  # read (through the datasets cache) by colo.launch.check_user_data, before the run dir exists
+        return  # read (through the datasets cache) by colo.materialize.check_user_data, before the run dir exists
     path = Path(source.path)
     fix = (f"fix: point {key} at a JSONL or Parquet file, or a save_to_disk dataset dir, with "
            f"'{cfg.data.prompt_key}' and '{cfg.data.answer_key}' fields, or use {key}=auto:arith")

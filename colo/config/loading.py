@@ -1,7 +1,7 @@
-"""Loading the config: defaults < YAML file < COLO_* environment < `key=value` CLI overrides, then resolve.
+"""Loading the config: defaults < YAML file < COLO_* environment < `key=value` CLI overrides.
 
     cfg = load_config("configs/tiny-cpu.yaml", ["trainer.lr=1e-6"], os.environ)
-    cfg = resolve(cfg)                # concrete device, run dir, model/data paths (may download)
+    places = resolve_paths(cfg)       # run dir, model/data paths (colo.plan.resolve's part of resolving)
     save_resolved(cfg, run_dir)       # <run.dir>/config.yaml reproduces the run
 
 OmegaConf (structured configs over colo.config.schema) types and merges the layers and parses dotted
@@ -156,23 +156,27 @@ def _first_line(e: BaseException) -> str:
 # --------------------------------------------------------------------------------------- resolve
 
 
-def resolve(cfg: ColoConfig, *, download: bool = True) -> ColoConfig:
-    """A copy with concrete values: placement.device, run.dir ("{time}" filled in), and paths.
+def resolve_paths(cfg: ColoConfig) -> ColoConfig:
+    """A copy with concrete places: run.dir ("{time}" filled in), model.path and the data paths, all absolute
+    (actors may chdir).
 
-    auto: model/data paths become where colo.launch.prepare_run generates them (<run.dir>/model,
-    <run.dir>/data/<task>_{train,eval}.jsonl); Hub ids become the local snapshot when download."""
+    auto: model/data paths become where the run dir's creation generates them (<run.dir>/model,
+    <run.dir>/data/<task>_{train,eval}.jsonl, colo.materialize). A Hub id becomes its snapshot in the local HF cache,
+    pinned to the revision whose config.json the plan reads (colo.materialize downloads the rest of that revision when
+    the run starts, after the plan has accepted it); it stays the id when the Hub cannot be reached and the model is
+    not cached (a dry run plans from colo's copy of its config.json; a run fails at the download, saying so)."""
     out = from_dict(to_dict(cfg))
-    out.placement.device = resolve_device(cfg)
-    if cfg.run.wandb_mode == "auto":  # W&B reads the key itself; colo only decides whether to go online
-        out.run.wandb_mode = "online" if os.environ.get("WANDB_API_KEY") else "offline"
-    run_dir = Path(resolve_run_dir(cfg.run.dir, cfg.run.resume)).resolve()  # actors may chdir
+    run_dir = Path(resolve_run_dir(cfg.run.dir, cfg.run.resume)).resolve()
     out.run.dir = str(run_dir)
     if cfg.model.path.startswith(AUTO):
         out.model.path = str(run_dir / "model")
     elif Path(cfg.model.path).expanduser().is_dir():
         out.model.path = str(Path(cfg.model.path).expanduser().resolve())
-    elif download:
-        out.model.path = hub_download(cfg.model.path, config_only=False)
+    else:
+        try:
+            out.model.path = hub_download(cfg.model.path, config_only=True)
+        except ConfigError:
+            pass  # colo.config.checks.model_config_json planned it from colo's copy, and said so
     for key, split in (("path", "train"), ("eval_path", "eval")):
         value = getattr(cfg.data, key)
         if value and value.startswith(AUTO):
@@ -182,6 +186,11 @@ def resolve(cfg: ColoConfig, *, download: bool = True) -> ColoConfig:
 
             setattr(out.data, key, DataSource.parse(value).resolved())
     return out
+
+
+def wandb_online() -> bool:
+    """run.wandb_mode=auto goes online when WANDB_API_KEY is set (W&B reads the key itself)."""
+    return bool(os.environ.get("WANDB_API_KEY"))
 
 
 def resolve_run_dir(pattern: str, resume: bool) -> str:
@@ -220,14 +229,15 @@ def resolve_device(cfg: ColoConfig) -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def hub_download(repo_id: str, *, config_only: bool) -> str:
-    """Local snapshot dir of a Hub repo (the HF cache; HF_HUB_OFFLINE=1 uses the cache only)."""
+def hub_download(repo_id: str, *, config_only: bool, revision: str | None = None) -> str:
+    """Local snapshot dir of a Hub repo (the HF cache; HF_HUB_OFFLINE=1 uses the cache only); `revision`: a commit
+    (the name of a snapshot dir) pins it."""
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError, RepositoryNotFoundError
 
     patterns = ["config.json"] if config_only else None
     try:
-        return snapshot_download(repo_id, allow_patterns=patterns)
+        return snapshot_download(repo_id, allow_patterns=patterns, revision=revision)
     except RepositoryNotFoundError as e:
         raise ConfigError(f"model.path={repo_id}: no such repo on the Hugging Face Hub (or it is "
                           "gated; log in with `hf auth login`); fix: check the repo id") from e

@@ -1,7 +1,7 @@
 """`--resume` continues the run that was: its own saved config, with this command's settings on top.
 
     resumed = load_resumed(cfg.run.dir, overrides, env, config_file)  # config_file: an explicit --config, or None
-    resolved = resolve(resumed.cfg)
+    resolved = colo.plan.resolve.resolve(resumed.cfg).cfg    # colo.prepare does both
     print(resumed.describe(resolved))
     # colo: resume: <run>/config.yaml; trainer.lr 0.001 -> 0.0004 (environment COLO_TRAINER__LR)
     save_resolved(resolved, run_dir, next_resume_config(run_dir).name)
@@ -19,7 +19,7 @@ fields and how prompts are rendered), the environment and the seed (MEANING). A 
 them is refused with one line naming each (from whatever source: a key=value, a variable, another --config
 file, or a tokenizer or data file changed on disk since the run started, colo.run.origin); the rest (loop.steps,
 logging, the eval cadence, the learning rate, ...) is listed and applied. Nothing in the run dir is generated
-again on resume (colo.launch.prepare_run).
+again on resume (colo.materialize).
 
 Every config a run was trained under is kept: config.yaml is written once, at the start, and resume n
 writes config.resume-<n>.yaml. A run dir that was moved or copied resumes from its own model and data:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 from dataclasses import dataclass, field
-from typing import Optional, Union
+from typing import Any, Optional, Union
 
 AUTO = "auto:"  # model.path / data.path prefix: "generate this locally into the run dir"
 CHOICES = {  # must match the consumers: colo.algo.loss.LOSS_AGGS, colo.sync, colo.rollout
@@ -31,7 +31,7 @@ CHOICES = {  # must match the consumers: colo.algo.loss.LOSS_AGGS, colo.sync, co
     "sync.lora": ("merged", "adapter"),
     "trainer.optimizer_dtype": ("float32", "bfloat16"),
     "trainer.experts_implementation": ("auto", "grouped_mm", "batched_mm", "eager"),
-    "trainer.old_logprobs": ("auto", "pass"),
+    "trainer.old_logprobs": ("auto", "update", "pass"),
     **{f"trainer.{k}": ("auto", True, False) for k in ("offload", "optimizer_offload", "compile",
                                                       "gradient_checkpointing", "gather_once")},
     "run.wandb_mode": ("auto", "online", "offline"),
@@ -43,8 +43,20 @@ class ConfigError(Exception):
     """A config problem, as one line naming the problem and the fix. colo.launch exits 2 on it."""
 
 
+class Section:
+    """What every dataclass of the tree is: its fields refuse assignment once colo.config.frozen.freeze marked it, so
+    the resolved config that config.yaml holds is the one every part of the run reads."""
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if self.__dict__.get("_frozen"):
+            raise dataclasses.FrozenInstanceError(
+                f"cannot set {type(self).__name__}.{name}: this config is resolved and frozen (colo.plan.resolve); fix: "
+                "change it before it is resolved, or derive a changed copy (colo.plan.settings.with_values)")
+        object.__setattr__(self, name, value)
+
+
 @dataclass
-class ModelConfig:
+class ModelConfig(Section):
     path: str = "auto:tiny"
     """Local HF checkpoint dir, Hub repo id ("Qwen/Qwen3-30B-A3B"; HF_HUB_OFFLINE honoured), or
     "auto:<preset>" (tiny | tiny-tools | tiny-arith | tiny-fp8 | qwen3-30b-a3b | qwen3-30b-a3b-L12 |
@@ -59,7 +71,7 @@ class ModelConfig:
 
 
 @dataclass
-class PlacementConfig:
+class PlacementConfig(Section):
     mode: str = "colocated"
     """colocated: every GPU holds one trainer rank and one vLLM engine, which take turns (sleep/wake).
     disaggregated: trainer ranks on placement.trainer_gpus GPUs, vLLM engines (rollout.tp_size GPUs
@@ -91,7 +103,7 @@ class PlacementConfig:
 
 
 @dataclass
-class TrainerConfig:
+class TrainerConfig(Section):
     lr: float = 1e-6
     """AdamW learning rate."""
     weight_decay: float = 0.0
@@ -116,12 +128,13 @@ class TrainerConfig:
     transformers' default where torch has it), batched_mm, eager (a loop over experts); auto: transformers'
     choice. colo.bench.step compares them."""
     old_logprobs: str = "auto"
-    """Where the PPO ratio's old log-probs come from. auto: when the step makes one update (trainer.epochs x
-    trainer.mini_batches == 1), the policy before the step is the one that update's forward runs, so its own
+    """Where the PPO ratio's old log-probs come from. update (one update per step only: trainer.epochs x
+    trainer.mini_batches == 1): the policy before the step is the one that update's forward runs, so its own
     log-probs, detached, are the old ones (ratio 1, the gradient of the clipped objective the same) and the
-    separate forward pass over the batch is skipped (its share of the train phase: ~17% on the L12 slice); with
-    more updates, or pass: a forward-only pass over the batch before the updates. Metrics that read the old
-    log-probs (logprob_diff, tis_mean, routing/mismatch) are then read off the update's forward."""
+    separate forward pass over the batch is skipped (its share of the train phase: ~17% on the L12 slice); metrics
+    that read the old log-probs (logprob_diff, tis_mean, routing/mismatch) are then read off the update's forward.
+    pass: a forward-only pass over the batch before the updates. auto: update when the step makes one update, else
+    pass."""
     loss_in_lm_head: bool = True
     """The update's loss gradient is formed inside the lm_head's chunk loop (colo.algo.logprobs, colo.algo.loss.
     TokenLoss): each chunk's logits turn into their log-probs and at once into the gradient wrt the hidden states and
@@ -194,7 +207,7 @@ class TrainerConfig:
 
 
 @dataclass
-class RolloutConfig:
+class RolloutConfig(Section):
     n: int = 8
     """Samples per prompt (the GRPO group size), at least 2: the group is its own baseline."""
     max_tokens: int = 1024
@@ -244,7 +257,7 @@ class RolloutConfig:
 
 
 @dataclass
-class AlgoConfig:
+class AlgoConfig(Section):
     clip_low: float = 0.2
     """PPO ratio clip below 1: ratio >= 1 - clip_low."""
     clip_high: float = 0.28
@@ -294,7 +307,7 @@ class AlgoConfig:
 
 
 @dataclass
-class SyncConfig:
+class SyncConfig(Section):
     mode: str = "direct"
     """direct: copy into vLLM's fused parameters; load_weights: vLLM's per-tensor loader (reference)."""
     bucket_mb: int = 1024
@@ -321,7 +334,7 @@ class SyncConfig:
 
 
 @dataclass
-class DataConfig:
+class DataConfig(Section):
     path: str = "auto:arith"
     """Training prompts with prompt and answer fields: a JSONL/Parquet file, a Hugging Face dataset (a
     save_to_disk dir[:split], or a Hub id[:config]:split such as openai/gsm8k:main:train), or
@@ -345,7 +358,7 @@ class DataConfig:
 
 
 @dataclass
-class LoopConfig:
+class LoopConfig(Section):
     steps: int = 100
     """RL steps to run (the total, also when resuming)."""
     eval_every: int = 10
@@ -371,7 +384,7 @@ class LoopConfig:
 
 
 @dataclass
-class RunConfig:
+class RunConfig(Section):
     dir: str = "runs/{time}"
     """Output dir: metrics.jsonl, TensorBoard events, config.yaml, checkpoints, plot. "{time}" becomes
     YYYYmmdd-HHMMSS; with resume it selects the newest existing match."""
@@ -406,7 +419,7 @@ class RunConfig:
 
 
 @dataclass
-class ColoConfig:
+class ColoConfig(Section):
     model: ModelConfig = field(default_factory=ModelConfig)
     placement: PlacementConfig = field(default_factory=PlacementConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)

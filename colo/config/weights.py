@@ -2,7 +2,7 @@
 and (at a real launch) every tensor of the safetensors headers against config.json's model.
 
 validate() (colo.config.checks) runs check_weights from the files alone, so --dry-run says it too;
-colo.launch.prepare_run runs check_model_readable, which imports transformers and torch, before the run dir exists.
+colo.materialize.make_run_dir runs check_model_readable, which imports transformers and torch, before the run dir exists.
 """
 from __future__ import annotations
 

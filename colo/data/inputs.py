@@ -1,6 +1,6 @@
 """What a run reads on the driver: tokenizer, training prompts, eval prompts, warm-up examples.
 
-`colo.launch.prepare_run` has already generated any `auto:` model and data into the run dir and
+`colo.materialize.make_run_dir` has already generated any `auto:` model and data into the run dir and
 resolved every path, so this module only opens files.
 """
 

@@ -1,17 +1,22 @@
 """`auto` trainer settings: the fastest setting that fits this job on this hardware, costed from measured figures.
 
-    tuned = resolve_auto(cfg, "cuda", config_json, gpu_bytes, "placement.gpu_memory=H200")  # colo.plan.job.tune
+    tuned = resolve_auto(cfg, "cuda", config_json, gpu_bytes, "placement.gpu_memory=H200", SPEEDS["H200"])
     tuned.cfg            # concrete: what the run, the memory plan and the run dir's config.yaml get
     print(tuned.table()) # one line per key: its value and why
+
+colo.plan.resolve calls it once per run (through colo.plan.job.tune); the search and its order are colo.plan.search's,
+which a refusal's ways to fit share.
 
 The keys (colo.plan.settings.PLAIN): trainer.offload, trainer.optimizer_offload, trainer.compile,
 trainer.gradient_checkpointing, trainer.gather_once, trainer.max_tokens_per_micro_batch. A key the user set keeps its
 value; auto chooses the others:
-- CPU: PLAIN, what the CPU configs and the CPU suite have always run (CPU_WHY says why, per key).
+- CPU: PLAIN, what the CPU configs and the CPU suite have always run (CPU_WHY says why, per key), so the suite runs
+  the GPU's code paths (offload's copies among them).
 - GPU of known size: every combination of the auto keys' candidates is planned (colo.plan.memory) against the GPU
-  with HEADROOM of it kept free; of those that fit, the one colo.plan.cost estimates fastest wins (a tie: the one
-  needing less memory). When none fits with the headroom, without it; when none fits at all, the one needing the
-  least memory, which the plan then refuses, naming ways to fit.
+  with HEADROOM of it kept free; of those that fit, the first in colo.plan.search's order wins (the fastest that
+  colo.plan.cost estimates with this device's speeds; a tie: the one needing less memory). When none fits with the
+  headroom, without it; when none fits at all, the one needing the least memory, which the plan then refuses,
+  naming ways to fit (colo.plan.search.ways_to_fit, in the same order).
 - GPU of unknown size (a dry run on a machine without one and placement.gpu_memory=auto): PLAIN, said so.
 Pure, like the plan: no torch, no files.
 """
@@ -22,9 +27,10 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from colo.config.schema import ColoConfig
-from colo.plan.cost import MEASURED_MICRO, step_seconds
-from colo.plan.memory import GiB, MemoryPlan, model_shape, plan_memory
-from colo.plan.settings import PLAIN, Settings, auto_keys, get, with_values
+from colo.plan.cost import MEASURED_MICRO, Speeds
+from colo.plan.memory import GiB
+from colo.plan.search import Trial, trial
+from colo.plan.settings import PLAIN, Settings, auto_keys, get, settled, with_values
 
 HEADROOM = 0.10
 """Share of the GPU an auto choice leaves free beyond the plan: the plan's figures are calibrated within +-15% each
@@ -54,7 +60,7 @@ class Choice:
 
 @dataclass(frozen=True)
 class Tuned:
-    """A config with its auto keys resolved, and what was chosen and why."""
+    """A config with its auto trainer keys resolved (and those settled), and what was chosen and why."""
     cfg: ColoConfig
     choices: tuple[Choice, ...]
     summary: str
@@ -70,37 +76,18 @@ class Tuned:
             f"  {f'{c.key}={show(c.value)}'.ljust(width)}  {c.why if c.auto else 'as set'}" for c in self.choices])
 
 
-@dataclass(frozen=True)
-class _Trial:
-    values: dict[str, Any]
-    plan: MemoryPlan
-    cost: dict[str, float]
-
-    @property
-    def seconds(self) -> float:
-        return sum(self.cost.values())
-
-    @property
-    def need(self) -> float:
-        return self.plan.worst[1]
-
-    @property
-    def rank(self) -> tuple[float, float, float]:
-        """Faster first; at the same estimate (to the millisecond), the smaller peak, then less memory in all phases."""
-        return round(self.seconds, 3), self.need, sum(self.plan.totals.values())
-
-
 def show(v: Any) -> str:
     return str(v).lower() if isinstance(v, bool) else str(v)
 
 
-def resolve_auto(cfg: ColoConfig, device: str, config_json: Optional[dict[str, Any]] = None,
-                 gpu_bytes: Optional[float] = None, gpu_source: str = "") -> Tuned:
-    """cfg's auto keys resolved (module docstring); `config_json` and `gpu_bytes` matter on cuda only."""
+def resolve_auto(cfg: ColoConfig, device: str, config_json: Optional[dict[str, Any]], gpu_bytes: Optional[float],
+                 gpu_source: str, speeds: Speeds) -> Tuned:
+    """cfg's auto keys resolved (module docstring), and those the config alone decides (colo.plan.settings.settled);
+    `gpu_bytes` matters on cuda only."""
     keys = auto_keys(cfg)
     fixed = [Choice(k, get(cfg, k), "", False) for k in PLAIN if k not in keys]
     if not keys:
-        return Tuned(cfg, tuple(fixed), "none left: every key is set")
+        return Tuned(with_values(cfg, settled(cfg)), tuple(fixed), "none left: every key is set")
     if device != "cuda" or config_json is None:
         return _tuned(cfg, {k: PLAIN[k] for k in keys}, {k: CPU_WHY[k] for k in keys}, fixed,
                       "on CPU, what CPU runs have always run")
@@ -113,8 +100,7 @@ def resolve_auto(cfg: ColoConfig, device: str, config_json: Optional[dict[str, A
         cands[k], reason = candidates(cfg, k, config_json)
         if reason:
             only[k] = reason
-    trials = [_trial(cfg, dict(zip(keys, vs)), config_json, gpu_bytes)
-              for vs in itertools.product(*(cands[k] for k in keys))]
+    trials = _trials(cfg, cands, config_json, gpu_bytes, speeds)
     # the headroom where the choice matters: a phase that needs more in every trial (vLLM starting beside the
     # trainer's parameters, say) is the config's, not auto's, and is held to the whole GPU only
     limits = {p: min(gpu_bytes, max(gpu_bytes * (1 - HEADROOM), min(t.plan.total(p) for t in trials)))
@@ -126,16 +112,17 @@ def resolve_auto(cfg: ColoConfig, device: str, config_json: Optional[dict[str, A
     if not tier:
         best = min(trials, key=lambda t: (t.need, sum(t.plan.totals.values())))
         why = {k: only.get(k, "nothing fits: the setting that needs the least memory") for k in keys}
-        return _tuned(cfg, best.values, why, fixed, f"nothing fits {gpu_bytes / GiB:.1f} GiB per GPU ({gpu_source}) "
+        return _tuned(cfg, best.changes, why, fixed, f"nothing fits {gpu_bytes / GiB:.1f} GiB per GPU ({gpu_source}) "
                       "with any of them: the one that needs the least memory, which the plan refuses")
     best = min(tier, key=lambda t: t.rank)
     why = {k: only.get(k) or _why(k, best, trials, tier, limits) for k in keys}
     terms = ", ".join(f"{n} {v:.2f}" for n, v in best.cost.items() if v)
     kept = "" if min(limits.values()) >= gpu_bytes else f", {100 * HEADROOM:.0f}% kept free where the choice matters"
+    borrowed = "" if speeds.measured_here else f"; {speeds.measured}"  # a device without a row of its own says so
     summary = (f"the fastest that fits {gpu_bytes / GiB:.1f} GiB per GPU ({gpu_source}){kept}: "
                f"{best.plan.worst[0]} phase {best.need / GiB:.1f} GiB, est. {best.seconds:.2f} s of train work per "
-               f"step from measured figures (colo.plan.cost: {terms})")
-    return _tuned(cfg, best.values, why, fixed, summary)
+               f"step from measured figures (colo.plan.cost: {terms}{borrowed})")
+    return _tuned(cfg, best.changes, why, fixed, summary)
 
 
 def candidates(cfg: ColoConfig, key: str, config_json: dict[str, Any]) -> tuple[list[Any], str]:
@@ -157,12 +144,16 @@ def candidates(cfg: ColoConfig, key: str, config_json: dict[str, Any]) -> tuple[
     return ([True, False] if key in ("trainer.compile", "trainer.gather_once") else [False, True]), ""
 
 
-def _trial(cfg: ColoConfig, values: dict[str, Any], config_json: dict[str, Any], gpu_bytes: float) -> _Trial:
-    s = Settings(with_values(cfg, values))
-    return _Trial(values, plan_memory(config_json, s, gpu_bytes), step_seconds(model_shape(config_json), s))
+def _trials(cfg: ColoConfig, cands: dict[str, list[Any]], config_json: dict[str, Any], gpu_bytes: Optional[float],
+            speeds: Speeds) -> list[Trial]:
+    """Every combination of the candidates, planned and costed (colo.plan.search.trial), in candidate order."""
+    first = {k: v[0] for k, v in cands.items()}
+    base = Settings(with_values(cfg, {**settled(cfg), **first}))  # concrete: the combinations change `first` only
+    return [trial(config_json, base, dict(zip(cands, vs)), gpu_bytes, speeds)
+            for vs in itertools.product(*cands.values())]
 
 
-def _over(t: _Trial, limits: dict[str, float]) -> Optional[tuple[str, float, float]]:
+def _over(t: Trial, limits: dict[str, float]) -> Optional[tuple[str, float, float]]:
     """(phase, need, limit) of the trial's phase most over its limit; None when it fits them all."""
     if not t.plan.kv_ok:
         return "rollout", float("inf"), 0.0
@@ -170,22 +161,22 @@ def _over(t: _Trial, limits: dict[str, float]) -> Optional[tuple[str, float, flo
     return max(over, key=lambda o: o[1] / o[2]) if over else None
 
 
-def _why(key: str, best: _Trial, trials: list[_Trial], tier: list[_Trial], limits: dict[str, float]) -> str:
+def _why(key: str, best: Trial, trials: list[Trial], tier: list[Trial], limits: dict[str, float]) -> str:
     """Why `key` has best's value: the best setting with another value for it is slower, or nothing with one fits."""
-    others = [t for t in tier if t.values[key] != best.values[key]]
+    others = [t for t in tier if t.changes[key] != best.changes[key]]
     if not others:
         # the chosen setting with this key alone changed: what it would need
-        near = [t for t in trials if t.values[key] != best.values[key]
-                and all(t.values[k] == v for k, v in best.values.items() if k != key)]
-        alt = min(near or [t for t in trials if t.values[key] != best.values[key]], key=lambda t: t.rank)
+        near = [t for t in trials if t.changes[key] != best.changes[key]
+                and all(t.changes[k] == v for k, v in best.changes.items() if k != key)]
+        alt = min(near or [t for t in trials if t.changes[key] != best.changes[key]], key=lambda t: t.rank)
         phase, need, limit = _over(alt, limits) or (alt.plan.worst[0], alt.need, limits[alt.plan.worst[0]])
         what = ("vLLM's KV cache would hold less than one sequence" if not alt.plan.kv_ok else
                 f"its {phase} phase {need / GiB:.1f} GiB of {limit / GiB:.1f}")
-        return f"{show(alt.values[key])} does not fit ({what})"
+        return f"{show(alt.changes[key])} does not fit ({what})"
     alt = min(others, key=lambda t: t.rank)
-    along = ", ".join(f"{k.split('.')[1]}={show(v)}" for k, v in alt.values.items()
-                      if k != key and v != best.values[k])
-    head = f"{show(alt.values[key])}{f' (with {along})' if along else ''}"
+    along = ", ".join(f"{k.split('.')[1]}={show(v)}" for k, v in alt.changes.items()
+                      if k != key and v != best.changes[k])
+    head = f"{show(alt.changes[key])}{f' (with {along})' if along else ''}"
     delta = alt.seconds - best.seconds
     if abs(delta) < 0.0005:
         phase = max(best.plan.phases, key=lambda p: abs(alt.plan.total(p) - best.plan.total(p)))
@@ -198,4 +189,4 @@ def _why(key: str, best: _Trial, trials: list[_Trial], tier: list[_Trial], limit
 def _tuned(cfg: ColoConfig, values: dict[str, Any], why: dict[str, str], fixed: list[Choice], summary: str) -> Tuned:
     chosen = {k: Choice(k, v, why[k], True) for k, v in values.items()}
     by_key = {c.key: c for c in fixed} | chosen
-    return Tuned(with_values(cfg, values), tuple(by_key[k] for k in PLAIN), summary)
+    return Tuned(with_values(cfg, {**settled(cfg), **values}), tuple(by_key[k] for k in PLAIN), summary)

@@ -1,14 +1,15 @@
-"""What the trainer's settings cost per RL step, in seconds, from the figures measured on GPUs (docs/benchmarks.md,
-"The cost model's inputs": each constant below, its figure, command, card, date and commit).
+"""What the trainer's settings cost per RL step, in seconds, from figures measured on each kind of device.
 
-    step_seconds(model_shape(config_json), settings)   # {"passes": 4.1, "host copies": 0.0, "optimizer": 0.69, ...}
+    speeds = speeds_for("NVIDIA H200")                          # SPEEDS["H200"]; a device without a row: Hopper's
+    step_seconds(model_shape(config_json), settings, speeds)    # {"passes": 4.1, "host copies": 0.0, ...}
 
-colo.plan.auto ranks the settings that fit by the sum. It is an estimate for ranking, not a prediction: each
-factor is a ratio measured in one run on one card (its row in that table), and the absolute scale (tokens per
-step, achieved FLOP/s) only matters where a setting trades compute against copies over PCIe. Pure: no torch.
+colo.plan.search ranks settings by the sum, for `auto` and for a refusal's ways to fit alike. It is an estimate for
+ranking, not a prediction: each figure is measured in one run on one card (docs/benchmarks.md, "The cost model's inputs"), and the absolute
+scale (tokens per step, achieved FLOP/s) only matters where a setting trades compute against copies over PCIe. Pure:
+no torch.
 
 The train phase of one rank, per RL step:
-    passes       forwards and backwards over the rank's tokens: model FLOPs / (peak x COMPUTE_MFU), times the
+    passes       forwards and backwards over the rank's tokens: model FLOPs / (peak x compute_mfu), times the
                  factors of the settings that make the kernels slower than the measured best (eager, a small
                  micro-batch, gathering per micro-batch, recompute)
     host copies  trainer.offload: the trainer's state off the GPU after the sync and back before training
@@ -18,70 +19,122 @@ The train phase of one rank, per RL step:
 from __future__ import annotations
 
 import math
+import dataclasses
+from dataclasses import dataclass
 
 from colo.plan.memory import ModelShape, trainer_terms
 from colo.plan.settings import Settings
 
-PEAK_FLOPS = 989e12
-"""Dense bf16 tensor-core peak of an H100 SXM / H200 (colo.bench.step.PEAK_BF16): the only scale measured."""
-COMPUTE_MFU = 0.381
-"""Model FLOPs over the passes' seconds at the best measured settings: compiled, gathered once, 32,768-token
-micro-batches, no recompute: 38.1% (qwen3-30b-a3b-L4 on one H200, trainer state resident)."""
-EAGER = 1.82
-"""Passes eager / compiled: log-prob pass + update 4.18 s eager against 2.30 s compiled, one run (COMPUTE_MFU's; the
-train phase 1.74x)."""
-PER_MICRO_GATHER = 1.075
-"""Update gathering each FSDP unit per micro-batch / once per pass: 4.41 s against 4.10 s on one card, 4.36 against
-4.06 on another, the L12 slice compiled on one H200. Nothing to save with one micro-batch."""
-RECOMPUTE = 4 / 3
-"""Update with trainer.gradient_checkpointing / without: backward runs each layer's forward again, a fourth forward's
-worth to forward + backward's three (~1.1 s of a 4.39-s L12 update on one H200)."""
-MICRO_HALF = 17_150
-"""Tokens: a pass's time per token goes as 1 + MICRO_HALF / (micro-batch tokens) (per-micro-batch work: the
-expert GEMMs' small groups, launches, FSDP's hooks). Fitted on the compiled L12 update on one H200: 8,192 tokens
-6.45 s, 12,288 tokens 5.19 s, 32,768 tokens ~3.3 s (4.41 s less its ~1.1 s of recompute); the fit gives 6.70 s at
-8,192."""
+
+@dataclass(frozen=True)
+class Speeds:
+    """What one kind of device does per second, as the cost model reads it (one row of SPEEDS)."""
+    name: str
+    peak_flops: float
+    """Dense peak of the compute dtype's matmuls, FLOP/s."""
+    compute_mfu: float
+    """Model FLOPs over the passes' seconds at the best measured settings."""
+    eager: float
+    """Passes eager / compiled."""
+    per_micro_gather: float
+    """Update gathering each FSDP unit per micro-batch / once per pass."""
+    recompute: float
+    """Update with trainer.gradient_checkpointing / without."""
+    micro_half: float
+    """Tokens: a pass's time per token goes as 1 + micro_half / (micro-batch tokens)."""
+    host_bytes_per_s: float
+    """trainer.offload's copies, each way."""
+    optim_host_bytes_per_s: float
+    """trainer.optimizer_offload's step: the AdamW state streamed in and out."""
+    optim_s_per_param: float
+    """The optimizer step with its state on the device, seconds per parameter."""
+    compile_s: float
+    """trainer.compile's first step: the compile it pays once per trainer process."""
+    measured: str
+    """Where the row's figures come from, in a few words."""
+
+    @property
+    def measured_here(self) -> bool:
+        """The device has a row of its own in SPEEDS (else the plan's summary says whose figures it borrows)."""
+        return SPEEDS.get(self.name) is self
+
+
+H200 = Speeds(
+    name="H200", peak_flops=989e12,  # dense bf16 tensor-core peak of an H200 (and an H100 SXM)
+    # 38.1%: compiled, gathered once, 32,768-token micro-batches, no recompute (qwen3-30b-a3b-L4 on 1xH200)
+    compute_mfu=0.381,
+    eager=1.82,  # log-prob pass + update 4.18 s eager against 2.30 s compiled (the same L4 run)
+    per_micro_gather=1.075,  # the L12 update 4.41 s against 4.10 s, and 4.36 against 4.06, compiled, 1xH200
+    recompute=4 / 3,  # backward runs each layer's forward again: a fourth forward to forward + backward's three
+    # fitted on the compiled L12 update on 1xH200: 8,192 tokens 6.45 s, 12,288 5.19 s, 32,768 ~3.3 s
+    micro_half=17_150,
+    host_bytes_per_s=46e9,  # 30.2 GiB off in 0.61 s and back in 0.65 s (1xH100); the L12 slice's 32.4 GB in 0.70 s
+    optim_host_bytes_per_s=47e9,  # the L12 AdamW state streamed in and out at once, 32.4 GB each way in 0.69 s
+    optim_s_per_param=0.15 / 3.11e9,  # 0.15 s for qwen3-30b-a3b-L4's 3.11B parameters
+    compile_s=55.0,  # 52.2, 52.6 and 57 s of compile in the first warm-up step
+    measured="1xH200 (offload's copies: 1xH100 too)")
+"""The Hopper row: measured on one H200 (docs/benchmarks.md, the step and the plan's calibration tables)."""
+H100 = dataclasses.replace(H200, name="H100", measured="H200's figures (the same tensor cores and peak); offload's "
+                                                      "copies measured on 1xH100")
+"""An H100 SXM: the passes were measured on H200s, whose tensor cores and peak it shares (the H100's lower memory
+bandwidth is not in the estimate); offload's copies ran at the same 46 GB/s on both."""
+CPU = Speeds(
+    name="cpu", peak_flops=27.5e9,  # a float32 matmul on one thread of the suite's 2-core AMD EPYC (AVX2)
+    compute_mfu=0.075,  # the tiny model's log-prob pass + update: ~2.0 GFLOP/s (colo.bench.step --preset tiny)
+    eager=H200.eager, per_micro_gather=H200.per_micro_gather, recompute=H200.recompute,
+    micro_half=0.0,  # not measured on CPU: no per-micro-batch cost counted
+    host_bytes_per_s=17e9,  # a 256 MiB host copy on one thread of a 2-core AMD EPYC
+    optim_host_bytes_per_s=17e9,  # the same copies: host and device memory are one
+    optim_s_per_param=28 / 17e9,  # AdamW reads param, grad and two states and writes three, fp32, at that bandwidth
+    compile_s=42.7,  # the tiny model's trainer.compile=true, in the first warm-up step (CPU)
+    measured="a 2-core AMD EPYC, one thread per trainer; eager, gather and recompute ratios are the H200's")
+"""CPU kinds differ several-fold (a float32 matmul ran at 27.5 GFLOP/s on one thread of an AVX2 EPYC, ~100 on an
+AVX512 one), and a tiny model's steps are mostly fixed costs the FLOP count does not see: the row gives the order
+of magnitude. colo.plan.auto keeps the CPU suite's settings on CPU (CPU_WHY) whatever it estimates."""
+SPEEDS: dict[str, Speeds] = {"H100": H100, "H200": H200, "cpu": CPU}
+"""The measured rows, by the name placement.gpu_memory takes (H100-80GB, H100-SXM: H100) or "cpu"."""
 MEASURED_MICRO = (4096, 8192, 16384, 32768)
-"""The token budgets auto chooses among: up to the largest measured (32,768); beyond it the factor above is an
-extrapolation."""
-HOST_BYTES_PER_S = 46e9
-"""trainer.offload's copies, each way: 30.2 GiB off in 0.61 s and back in 0.65 s (colo.trainer.offload, one H100),
-the L12 slice's 32.4 GB back in 0.70 s in an RL step (one H200)."""
-OPTIM_HOST_BYTES_PER_S = 47e9
-"""trainer.optimizer_offload's step: the AdamW state streamed in and out at once, 32.4 GB each way in 0.69 s by pieces
-of 32M elements in an RL step (0.682 s alone)."""
-OPTIM_GPU_S_PER_PARAM = 0.15 / 3.11e9
-"""The optimizer step with its state on the GPU: 0.15 s for qwen3-30b-a3b-L4's 3.11B parameters (one H200)."""
-COMPILE_S = 55.0
-"""trainer.compile's first step: 52.2 s (L4), 52.6 s and 57 s (L12) of compile in the first warm-up step."""
+"""The token budgets auto chooses among: up to the largest measured on a GPU (32,768); beyond it micro_half's factor
+is an extrapolation."""
 SAMPLE_FILL = 0.34
 """Mean trained tokens per sample / rollout.max_model_len: 188,741 tokens in 128 samples of 4,352 (colo.bench.step's
 long tail: median response max_tokens / 4, 5% cut at max_tokens). A real task's lengths are its own."""
 
 
-def step_seconds(m: ModelShape, s: Settings) -> dict[str, float]:
+def speeds_for(device: str) -> Speeds:
+    """The row of a device: "cpu", a placement.gpu_memory name or a CUDA device's name ("NVIDIA H200"). A GPU without a
+    row (an A100, or a size such as 80GiB) gets the H200's: an estimate for ranking, which says so (Speeds.measured)."""
+    if device == "cpu":
+        return CPU
+    for key in ("H200", "H100"):  # "NVIDIA H100 80GB HBM3", "H100-80GB", ...
+        if key in device.upper():
+            return SPEEDS[key]
+    return dataclasses.replace(H200, name=device, measured=f"no row for {device}: the H200's figures")
+
+
+def step_seconds(m: ModelShape, s: Settings, speeds: Speeds) -> dict[str, float]:
     """The estimate of the module docstring, per term (seconds per RL step on the busiest rank)."""
-    t, world = s.trainer, s.trainer_world
+    t, world, v = s.trainer, s.trainer_world, speeds
     mean_len = SAMPLE_FILL * s.rollout.max_model_len
     tokens = s.cfg.data.prompts_per_step * s.rollout.n * mean_len / world  # the rank's share of a step
     updates = max(1, int(t.mini_batches)) * max(1, int(t.epochs))
     per_update = tokens / max(1, int(t.mini_batches))
     micro = min(s.micro_tokens, per_update) if t.packing else t.micro_batch_size * mean_len
-    one_pass = 1.0 if str(t.old_logprobs) == "pass" or updates > 1 else 0.0  # trainer.old_logprobs=auto
+    one_pass = 1.0 if t.old_logprobs == "pass" else 0.0  # "update": the one update's own forward gives them
     forwards = one_pass + (1.0 if s.ref_model else 0.0) + 3.0 * max(1, int(t.epochs)) * \
-        (RECOMPUTE if t.gradient_checkpointing else 1.0)
-    slow = (1 + MICRO_HALF / micro) / (1 + MICRO_HALF / 32768)
-    slow *= 1.0 if t.compile else EAGER
-    slow *= 1.0 if t.gather_once or math.ceil(per_update / micro) <= 1 else PER_MICRO_GATHER
+        (v.recompute if t.gradient_checkpointing else 1.0)
+    slow = (1 + v.micro_half / micro) / (1 + v.micro_half / 32768)
+    slow *= 1.0 if t.compile else v.eager
+    slow *= 1.0 if t.gather_once or math.ceil(per_update / micro) <= 1 else v.per_micro_gather
     flops = forwards * tokens * forward_flops_per_token(m, mean_len)
     terms = trainer_terms(m, s)
     state = terms["params"] + terms["ref"] + (0 if t.optimizer_offload else terms["optim_full"])
-    step = terms["optim_full"] / OPTIM_HOST_BYTES_PER_S if t.optimizer_offload else \
-        terms["params"] / 4 * OPTIM_GPU_S_PER_PARAM
-    return {"passes": flops / (PEAK_FLOPS * COMPUTE_MFU) * slow,
-            "host copies": 2 * state / HOST_BYTES_PER_S if t.offload and s.colocated else 0.0,
+    step = terms["optim_full"] / v.optim_host_bytes_per_s if t.optimizer_offload else \
+        terms["params"] / 4 * v.optim_s_per_param
+    return {"passes": flops / (v.peak_flops * v.compute_mfu) * slow,
+            "host copies": 2 * state / v.host_bytes_per_s if t.offload and s.colocated else 0.0,
             "optimizer": updates * step,
-            "compile": COMPILE_S / max(1, s.cfg.loop.steps) if t.compile else 0.0}
+            "compile": v.compile_s / max(1, s.cfg.loop.steps) if t.compile else 0.0}
 
 
 def forward_flops_per_token(m: ModelShape, mean_len: float) -> float:

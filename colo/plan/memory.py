@@ -3,7 +3,7 @@
     plan = plan_memory(config_json, Settings.from_config(cfg), gpu_bytes=parse_gpu_memory("H100"))
     print(plan.table())                 # rows: vLLM weights, KV cache, trainer params, grads, ...
     plan.fits, plan.worst               # False, ("train", 96.1e9)
-    colo.plan.fitting.ways_to_fit(config_json, settings, gpu_bytes)   # [(changes, plan)], each one re-planned
+    colo.plan.search.ways_to_fit(config_json, settings, gpu_bytes, speeds)   # [(changes, plan)], each re-planned
 
 Pure: no torch, no GPU, no files (config.json comes in as a dict), so a laptop plans a 32-GPU job.
 
@@ -200,7 +200,7 @@ def layer_activation_bytes(m: ModelShape, tokens: int, moe: bool) -> int:
     return tokens * (norms + attn + mlp)
 
 
-@functools.lru_cache(maxsize=256)  # colo.plan.auto and ways_to_fit plan one model many times
+@functools.lru_cache(maxsize=256)  # colo.plan.search plans one model many times
 def _has_shared(m: ModelShape) -> bool:
     return any(".shared_expert." in p.name for p in m.params)
 
@@ -321,7 +321,7 @@ class MemoryPlan:
         return "\n".join(lines)
 
 
-@functools.lru_cache(maxsize=256)  # colo.plan.auto and ways_to_fit plan one model many times
+@functools.lru_cache(maxsize=256)  # colo.plan.search plans one model many times
 def _shard_bytes(m: ModelShape, world: int, nbytes: int, experts: Optional[bool] = None) -> int:
     return sum(p.rows_on(world) * (p.numel // p.shape[0]) * nbytes for p in m.params
                if experts is None or p.expert == experts)

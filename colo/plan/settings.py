@@ -1,6 +1,6 @@
 """The job as the memory plan reads it: the config tree itself, concrete, and the numbers derived from it.
 
-    s = Settings.from_config(cfg)                  # cfg resolved: colo.plan.auto left no `auto` key
+    s = Settings.from_config(cfg)                  # cfg resolved: colo.plan.resolve left no `auto` key
     s.trainer.offload, s.placement.num_gpus        # read where the config keeps them: no copy, no defaults here
     s.with_({"trainer.offload": False})            # a change is a dotted config key, as a user types it
     Settings.of({"placement.num_gpus": 1})         # tests, benches: ColoConfig's defaults with these on top
@@ -22,8 +22,7 @@ PLAIN: dict[str, Any] = {
     "trainer.max_tokens_per_micro_batch": 16384,
 }
 """The keys that take `auto` (colo.plan.auto resolves them per job and hardware), at the values they had before
-auto: what auto gives on CPU (the CPU suite's settings), what a Trainer built from a config nobody resolved runs,
-and what Settings.of fills in."""
+auto: what auto gives on CPU (the CPU suite's settings) and what Settings.of fills in."""
 
 
 def get(cfg: ColoConfig, key: str) -> Any:
@@ -47,11 +46,18 @@ def auto_keys(cfg: ColoConfig) -> list[str]:
     return [k for k in PLAIN if get(cfg, k) == "auto"]
 
 
-def fill_plain(cfg: ColoConfig) -> ColoConfig:
-    """cfg with the auto keys left at PLAIN: for what builds actors from a config nobody resolved (tests, benches
-    that start clusters themselves); colo.launch and colo.bench.step resolve them for the hardware first."""
-    left = auto_keys(cfg)
-    return with_values(cfg, {k: PLAIN[k] for k in left}) if left else cfg
+def settled(cfg: ColoConfig) -> dict[str, Any]:
+    """The `auto`s the config alone decides (no device, no memory), for those still auto: {dotted key: value}.
+    rollout.sleep_level: 2, the sync rewrites every weight, so level 1's host copy of them would be wasted work.
+    trainer.old_logprobs: update when a step makes one update (trainer.epochs x trainer.mini_batches == 1: the policy
+    before the step is the one that update's forward runs), else pass."""
+    out: dict[str, Any] = {}
+    if cfg.rollout.sleep_level == "auto":
+        out["rollout.sleep_level"] = 2
+    if cfg.trainer.old_logprobs == "auto":
+        one = max(1, int(cfg.trainer.epochs)) * max(1, int(cfg.trainer.mini_batches)) == 1
+        out["trainer.old_logprobs"] = "update" if one else "pass"
+    return out
 
 
 @dataclass(frozen=True)
@@ -60,7 +66,7 @@ class Settings:
     cfg: ColoConfig
 
     def __post_init__(self) -> None:
-        left = auto_keys(self.cfg)
+        left = auto_keys(self.cfg) + list(settled(self.cfg))
         if left:
             raise ValueError(f"the memory plan needs concrete settings, but {', '.join(left)} "
                              f"{'is' if len(left) == 1 else 'are'} auto: resolve them first (colo.plan.auto)")
@@ -71,8 +77,10 @@ class Settings:
 
     @classmethod
     def of(cls, changes: dict[str, Any] | None = None) -> Settings:
-        """ColoConfig's defaults, `changes` (dotted keys) on top, the keys left at auto at PLAIN."""
-        return cls(fill_plain(with_values(ColoConfig(), dict(changes or {}))))
+        """ColoConfig's defaults, `changes` (dotted keys) on top, the trainer keys left at auto at PLAIN and the
+        others as the config decides them (settled): tests' and benchmarks' plans, never a run's (colo.plan.resolve)."""
+        cfg = with_values(ColoConfig(), dict(changes or {}))
+        return cls(with_values(cfg, {**{k: PLAIN[k] for k in auto_keys(cfg)}, **settled(cfg)}))
 
     def with_(self, changes: dict[str, Any]) -> Settings:
         return Settings(with_values(self.cfg, changes))
@@ -138,7 +146,7 @@ class Settings:
 
     @property
     def sleep_level(self) -> int:
-        return 1 if self.rollout.sleep_level == 1 else 2
+        return int(self.rollout.sleep_level)
 
     @property
     def micro_tokens(self) -> int:

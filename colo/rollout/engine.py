@@ -42,7 +42,7 @@ from typing import TYPE_CHECKING, Any
 
 import ray
 
-from colo.config import ColoConfig, from_dict
+from colo.config import ColoConfig, check_resolved, from_dict
 from colo.run.logs import actor_output
 from colo.models.archs import REPLAY_ARCHS, architecture, num_experts
 from colo.rollout.capture import capture_by_prefill, from_vllm_output, ids_dtype
@@ -85,7 +85,7 @@ def check_model_dir(path: str) -> None:
     if not p.is_dir():
         raise FileNotFoundError(
             f"model.path {path!r} is not a local directory; fix: point model.path at an HF checkpoint dir "
-            "(colo.config.resolve turns Hub ids and auto:<preset> into one before actors start)")
+            "(colo.plan.resolve turns Hub ids and auto:<preset> into one before actors start)")
     if not (p / "config.json").is_file():
         raise FileNotFoundError(f"model.path {path!r} has no config.json; fix: use a Hugging Face "
                                 "checkpoint directory, e.g. one written by python -m colo.models.tiny")
@@ -104,15 +104,13 @@ class Engine:
         dp_local_rank: this engine's index among the DP engines on its node (colo.cluster.actors counts them)."""
         t0 = time.perf_counter()
         self.cfg: ColoConfig = from_dict(cfg)
+        check_resolved(self.cfg, "RolloutEngine")  # resolved on the driver (colo.plan.resolve), never here
         self.log = actor_output(self.cfg.run.dir, self.cfg.run.verbose, "engine", rank)  # before vLLM says a word
         sweep()  # shared memory that dead processes of an earlier run left on this node (colo.host.shm)
         self.rank, self.dp_size = rank, dp_size
         self.device = self.cfg.placement.device
         self.disaggregated = self.cfg.placement.mode == "disaggregated"
         self.tp_size = int(self.cfg.rollout.tp_size) if self.disaggregated else 1
-        if self.device not in ("cpu", "cuda"):
-            raise ValueError(f"placement.device is {self.device!r} inside RolloutEngine; fix: resolve the config "
-                             "(colo.config.resolve) on the driver so the device is cpu or cuda")
         check_model_dir(self.cfg.model.path)
         self.ray_gpu_ids = [str(g) for g in ray.get_gpu_ids()]  # before CUDA_VISIBLE_DEVICES is dropped
         self.cores: list[int] = []

@@ -137,7 +137,7 @@ class MetricsWriter:
 @dataclass
 class WandbSettings:
     project: str = "colo"
-    mode: str = "offline"  # online | offline (colo.config.resolve turns run.wandb_mode=auto into one)
+    mode: str = "offline"  # online | offline (colo.plan.resolve turns run.wandb_mode=auto into one)
     config: dict[str, Any] = field(default_factory=dict)  # the resolved colo config, shown with the run
 
 

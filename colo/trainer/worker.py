@@ -36,9 +36,8 @@ from colo.algo.loss import LossOptions, TokenLoss, policy_loss
 from colo.algo.packing import Packed, pack_bins
 from colo.algo.parity import gap_metrics, logprob_gap
 from colo.algo.replay import RouterTap
-from colo.config import ColoConfig, from_dict
+from colo.config import ColoConfig, check_resolved, from_dict
 from colo.models.dtypes import torch_dtype
-from colo.plan.settings import fill_plain
 from colo.run.commands import merged_export
 from colo.run.logs import actor_output
 from colo.host.shm import sweep
@@ -66,8 +65,9 @@ class Trainer:
     """The plain class; `TrainWorker` below is its Ray actor. Tests and benchmarks use either."""
 
     def __init__(self, cfg: dict, rank: int, world_size: int, master_addr: str, master_port: int):
-        # plain data over Ray, the typed tree from here on; `auto` keys nobody resolved run as before auto
-        self.cfg: ColoConfig = fill_plain(from_dict(cfg))
+        # plain data over Ray, the typed tree from here on: resolved on the driver (colo.plan.resolve), never here
+        self.cfg: ColoConfig = from_dict(cfg)
+        check_resolved(self.cfg, "TrainWorker")
         self.log = actor_output(str(self.cfg.run.dir), bool(self.cfg.run.verbose), "trainer", rank)
         sweep()  # shared memory that dead processes of an earlier run left on this node (colo.host.shm)
         self.rank, self.world_size = rank, world_size
@@ -327,7 +327,7 @@ class Trainer:
                    token_count: float, seq_count: float, dummy: bool) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
         """Forward + backward of one micro-batch; returns detached, token-weighted metric sums and the old
         log-probs it used (b, T). `old` None: the step's one update, whose own forward is the policy before it
-        (trainer.old_logprobs=auto): its log-probs, detached, are the old ones."""
+        (trainer.old_logprobs=update): its log-probs, detached, are the old ones."""
         a = self.cfg.algo
         mask = self._up(mb["loss_mask"])  # (b, T)
         old = None if old is None else self._up(old)
@@ -389,8 +389,9 @@ class Trainer:
             self._freeze_reference()
         minis = list(torch.arange(B).tensor_split(max(1, int(t.mini_batches))))
         M = len(minis)
-        # one update: the policy before this step is the one its forward runs (trainer.old_logprobs)
-        own_old = str(t.old_logprobs) == "auto" and max(1, int(t.epochs)) * M == 1
+        # one update: the policy before this step is the one its forward runs (trainer.old_logprobs=update, which
+        # validate() allows for one update per step only)
+        own_old = t.old_logprobs == "update"
         if own_old:
             old = torch.zeros(batch["input_ids"].shape, dtype=torch.float32)  # (B, T), filled by the update
             self._routing_counts = self._no_routing()

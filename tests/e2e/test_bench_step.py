@@ -57,7 +57,7 @@ def test_bench_step_compare_async(tmp_path) -> None:
     JSON line after each repeat, which colo.bench.combine reads. With per-prompt lengths (the iid ones are the other
     test's), so the per-prompt draw runs on resumed samples too (colo.bench.engines.LengthEngine._sampling_params).
     Every step trains (the reward varies: non-zero grad_norm), and with one update per step no
-    forward-only pass gives the old log-probs in either mode (trainer.old_logprobs=auto)."""
+    forward-only pass gives the old log-probs in either mode (trainer.old_logprobs=auto, resolved to update)."""
     res = run_cli("--preset", "tiny", "--device", "cpu", "--steps", "1", "--warmup", "1", "--repeats", "2",
                   "--versus-warmup", "0", "--prompts", "2", "--n", "4", "--prompt-len", "8", "--max-tokens", "48",
                   "--json", "--workdir", str(tmp_path), "--compare", "loop.mode=async,sync",

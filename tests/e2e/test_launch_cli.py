@@ -154,15 +154,14 @@ def test_dry_run_shape_of_gpu_configs(n: int, name: str, tmp_path: Path) -> None
     assert plan.rows[0].vllm_memory == f"gpu_memory_utilization={cfg.placement.vllm_gpu_fraction:g}"
 
 
-def test_prepare_run_generates_model_data_and_config(tmp_path: Path) -> None:
-    """What the real job does before colo.loop.run: resolve, generate auto: model and data into the
-    run dir, save config.yaml; the saved config validates and resumes."""
+def test_make_run_dir_generates_model_data_and_config(tmp_path: Path) -> None:
+    """What the real job does before colo.loop.run: prepare (one resolve), generate auto: model and data into the
+    run dir, save config.yaml; the saved config validates and resumes, and resolves to itself."""
     from colo.config import load_config, validate
-    from colo.launch import prepare_run
+    from colo.materialize import make_run_dir
+    from colo.prepare import prepare
 
-    cfg = load_config(str(ROOT / "configs" / "tiny-cpu.yaml"), [f"run.dir={tmp_path}/r/{{time}}"], {})
-    validate(cfg)
-    r = prepare_run(cfg)
+    r = make_run_dir(prepare(str(ROOT / "configs" / "tiny-cpu.yaml"), [f"run.dir={tmp_path}/r/{{time}}"], {}))
     run = Path(r.run.dir)
     assert (Path(r.model.path) / "config.json").is_file() and Path(r.model.path).parent == run
     assert Path(r.data.path).is_file() and Path(r.data.eval_path).is_file()
@@ -170,9 +169,19 @@ def test_prepare_run_generates_model_data_and_config(tmp_path: Path) -> None:
     validate(saved)
     assert saved.model.path == r.model.path and saved.placement.device == "cpu"
     # the `auto` trainer settings as the run ran them (colo.plan.auto: CPU's), so a resume runs the same
+    from colo.config import unresolved
     from colo.plan.settings import PLAIN, get
 
     assert {k: get(saved, k) for k in PLAIN} == PLAIN  # true, false, 16384 in config.yaml: no `auto` left
+    assert unresolved(saved) == [] and (saved.rollout.sleep_level, saved.trainer.old_logprobs) == (2, "update")
+    from colo.config import model_config_json, to_dict
+    from colo.plan.resolve import resolve
+
+    again = resolve(saved, model_config_json(saved)).cfg  # what a --resume starts from resolves to itself
+    assert {**to_dict(again), "run": None} == {**to_dict(r), "run": None} and again.run.dir == r.run.dir
+    from colo.run.rundir import unlock
+
+    unlock(run)  # as the launch does when its run ends
 
 
 def test_resume_starts_from_the_runs_saved_config(tmp_path: Path) -> None:
@@ -181,25 +190,24 @@ def test_resume_starts_from_the_runs_saved_config(tmp_path: Path) -> None:
     a copied run dir resumes from its own model and data. (tests/e2e/test_readme.py runs it end to end.)"""
     import shutil
 
-    from colo.config import load_config, resolve
+    from colo.config import resolve_paths
     from colo.config.resume import load_resumed, saved_configs
-    from colo.launch import prepare_run
+    from colo.materialize import make_run_dir
+    from colo.prepare import prepare
 
     pattern = f"{tmp_path}/r/{{time}}"
-    cfg = load_config(str(ROOT / "configs" / "tiny-cpu.yaml"), [f"run.dir={pattern}", "loop.steps=3"],
-                      {"COLO_TRAINER__LR": "1e-3"})
-    run = Path(prepare_run(cfg).run.dir)
+    run = Path(make_run_dir(prepare(None, [f"run.dir={pattern}", "loop.steps=3"], {"COLO_TRAINER__LR": "1e-3"})).run.dir)
     first = (run / "config.yaml").read_text()
     # no env, no override: the saved run as it was (not tiny-cpu.yaml's lr 4e-4)
-    r = load_resumed(pattern, ["run.resume=true"], {})
-    assert r.cfg.trainer.lr == 1e-3 and r.cfg.loop.steps == 3 and r.cfg.run.resume
-    assert r.describe(resolve(r.cfg)) == f"colo: resume: {run / 'config.yaml'}, unchanged"
+    p = prepare(None, [f"run.dir={pattern}", "run.resume=true"], {})
+    assert p.cfg.trainer.lr == 1e-3 and p.cfg.loop.steps == 3 and p.cfg.run.resume
+    assert p.resumed.describe(p.cfg) == f"colo: resume: {run / 'config.yaml'}, unchanged"
     # env and command line on top, each change named once with where it came from
-    r = load_resumed(str(run), ["loop.steps=5", "run.resume=true", "loop.eval_every=10"],
-                     {"COLO_TRAINER__LR": "4e-4", "COLO_ROLLOUT__N": "8"})
-    resumed = prepare_run(r.cfg)
-    assert r.describe(resumed) == (f"colo: resume: {run / 'config.yaml'}; trainer.lr 0.001 -> 0.0004 (environment "
-                                   "COLO_TRAINER__LR); loop.steps 3 -> 5 (command line)")
+    p = prepare(None, [f"run.dir={run}", "loop.steps=5", "run.resume=true", "loop.eval_every=10"],
+                {"COLO_TRAINER__LR": "4e-4", "COLO_ROLLOUT__N": "8"})
+    resumed = make_run_dir(p)
+    assert p.resumed.describe(resumed) == (f"colo: resume: {run / 'config.yaml'}; trainer.lr 0.001 -> 0.0004 "
+                                           "(environment COLO_TRAINER__LR); loop.steps 3 -> 5 (command line)")
     assert (run / "config.yaml").read_text() == first
     assert saved_configs(run) == [run / "config.yaml", run / "config.resume-1.yaml"]
     # the next resume starts from the newest config
@@ -208,7 +216,7 @@ def test_resume_starts_from_the_runs_saved_config(tmp_path: Path) -> None:
     copy = tmp_path / "copy"
     shutil.copytree(run, copy)
     r = load_resumed(str(copy), ["run.resume=true"], {})
-    moved = r.changes(resolve(r.cfg))
+    moved = r.changes(resolve_paths(r.cfg))
     assert moved == [f"model.path {run}/model -> {copy}/model (moved with run.dir)",
                      f"data.path {run}/data/arith_train.jsonl -> {copy}/data/arith_train.jsonl (moved with run.dir)",
                      f"data.eval_path {run}/data/arith_eval.jsonl -> {copy}/data/arith_eval.jsonl (moved with run.dir)",
@@ -247,15 +255,16 @@ def test_resume_keeps_what_the_checkpoints_mean(tmp_path: Path) -> None:
     listed and applied; and a resume generates nothing."""
     import shutil
 
-    from colo.config import ConfigError, load_config, resolve
+    from colo.config import ConfigError, load_config
     from colo.config.resume import load_resumed
-    from colo.launch import prepare_run
+    from colo.materialize import make_run_dir
+    from colo.prepare import prepare
 
     tiny = str(ROOT / "configs" / "tiny-cpu.yaml")
     data = tmp_path / "train.jsonl"
     data.write_text("".join(f'{{"prompt": "Question: {i}+1=? Answer:", "answer": "{i + 1}"}}\n' for i in range(9)))
     cfg = load_config(tiny, [f"run.dir={tmp_path}/run", "trainer.lr=1e-3"], {})
-    run = Path(prepare_run(cfg, config_file=tiny).run.dir)
+    run = Path(make_run_dir(prepare(tiny, [f"run.dir={tmp_path}/run", "trainer.lr=1e-3"], {})).run.dir)
     model = run / "model"
     before = {p.name: p.stat().st_mtime_ns for p in model.iterdir()}
 
@@ -274,17 +283,17 @@ def test_resume_keeps_what_the_checkpoints_mean(tmp_path: Path) -> None:
     assert "run.seed" not in msg and "loop.steps" not in msg  # the same there, and safe
     assert "data.prompt_key" in refused([], env={"COLO_DATA__PROMPT_KEY": "question"})
     # the run's own file: nothing changes (its lr came from the command line at the start and stays)
-    r = load_resumed(str(run), ["run.resume=true"], {}, config_file=tiny)
-    assert r.cfg.trainer.lr == 1e-3 and r.describe(resolve(r.cfg)) == f"colo: resume: {run / 'config.yaml'}, unchanged"
+    p = prepare(tiny, [f"run.dir={run}", "run.resume=true"], {})
+    assert p.cfg.trainer.lr == 1e-3 and p.resumed.describe(p.cfg) == f"colo: resume: {run / 'config.yaml'}, unchanged"
     # safe changes: listed with their source, applied; the run's model named as it was given is the same model
     edited = tmp_path / "edited.yaml"
     edited.write_text(Path(tiny).read_text().replace(f"  steps: {cfg.loop.steps} ", "  steps: 7 ", 1))
-    r = load_resumed(str(run), ["run.resume=true", "loop.eval_every=3", "run.loggers=[jsonl]", "model.path=auto:tiny"],
-                     {}, config_file=str(edited))
-    changes = r.changes(resolve(r.cfg))
+    p = prepare(str(edited), [f"run.dir={run}", "run.resume=true", "loop.eval_every=3", "run.loggers=[jsonl]",
+                              "model.path=auto:tiny"], {})
+    changes = p.resumed.changes(p.cfg)
     assert f"loop.steps {cfg.loop.steps} -> 7 (config file {edited})" in changes, changes
     assert "loop.eval_every 10 -> 3 (command line)" in changes and "run.loggers" in " ".join(changes), changes
-    resumed = prepare_run(r.cfg)
+    resumed = make_run_dir(p)
     assert resumed.loop.steps == 7 and {p.name: p.stat().st_mtime_ns for p in model.iterdir()} == before
     # what changed on disk since the start: the tokenizer, a data file
     shutil.copy(model / "tokenizer.json", tmp_path / "tokenizer.json")
@@ -296,18 +305,16 @@ def test_resume_keeps_what_the_checkpoints_mean(tmp_path: Path) -> None:
     assert f"data.path ({run}/data/arith_train.jsonl) changed since the run started" in refused([])
     (run / "data" / "arith_train.jsonl").unlink()
     with pytest.raises(ConfigError, match="the run's data.path .* is gone"):
-        prepare_run(load_resumed(str(run), ["run.resume=true"], {}).cfg)
+        prepare(None, [f"run.dir={run}", "run.resume=true"], {})
 
 
 def test_resume_into_another_model_through_the_cli(tmp_path: Path) -> None:
     """The symptom as a user met it: `--resume model.path=auto:tiny-tools run.dir=X` on an auto:tiny run."""
-    from colo.config import load_config
-    from colo.launch import prepare_run
-
+    from colo.materialize import make_run_dir
+    from colo.prepare import prepare
     from colo.run.rundir import unlock
 
-    cfg = load_config(str(ROOT / "configs" / "tiny-cpu.yaml"), [f"run.dir={tmp_path}/run"], {})
-    run = Path(prepare_run(cfg).run.dir)
+    run = Path(make_run_dir(prepare(str(ROOT / "configs" / "tiny-cpu.yaml"), [f"run.dir={tmp_path}/run"], {})).run.dir)
     unlock(run)  # as the launch does when its run ends
     marker = (run / "model" / "colo_preset.json").read_text()
     r = run_cli("--resume", "model.path=auto:tiny-tools", f"run.dir={run}", cwd=tmp_path)

@@ -10,9 +10,9 @@ from pathlib import Path
 
 from colo import config as C
 from colo.config.checks import parse_gpu_memory
-from colo.plan.fitting import format_changes, ways_to_fit
-from colo.plan.job import tune
+from colo.plan.job import device_of, tune
 from colo.plan.memory import plan_memory
+from colo.plan.search import format_changes, ways_to_fit
 from colo.plan.settings import Settings
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -37,14 +37,15 @@ def test_dry_run_plans_a_gpu_job_here_and_refuses_what_cannot_fit() -> None:
     err = r.stderr.strip().splitlines()[-1]
     assert err.startswith("colo: error: the memory plan does not fit: the ") and "; fix: " in err
     # every suggestion, planned again, fits
-    cfg = tune(C.load_config(str(ROOT / name), too_big, {})).cfg  # the auto keys as the run resolved them
-    model = C.model_config_json(cfg)
-    ways = ways_to_fit(model, Settings.from_config(cfg), parse_gpu_memory("H100"))
+    cfg = C.load_config(str(ROOT / name), too_big, {})
+    model, device = C.model_config_json(cfg), device_of(cfg)
+    cfg = tune(cfg, model, device).cfg  # the auto keys as the run resolved them
+    ways = ways_to_fit(model, Settings.from_config(cfg), parse_gpu_memory("H100"), device.speeds)
     assert ways and all(p.fits for _, p in ways)
     for changes, _ in ways:
         assert format_changes(changes, cfg.placement.train_gpu_fraction) in err
         fix = format_changes(changes, cfg.placement.train_gpu_fraction).split()
-        fixed = tune(C.load_config(str(ROOT / name), too_big + fix, {})).cfg
+        fixed = tune(C.load_config(str(ROOT / name), too_big + fix, {}), model, device).cfg
         assert plan_memory(model, Settings.from_config(fixed), parse_gpu_memory("H100")).fits
 
 

@@ -38,15 +38,20 @@ def _ok(r, run_dir: Path) -> list[dict]:
     return rows
 
 
-def test_next_job_reuses_the_processes_reconfigured(warm_jobs, tmp_path: Path) -> None:
-    from conftest import _WARM
+def test_next_job_reuses_the_processes_reconfigured(warm_jobs, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """... and each job's driver resolves its config once (colo.plan.resolve), the actors never (they refuse a config
+    with an `auto` left: tests/unit/test_resolve.py)."""
+    from conftest import _WARM, count_resolves
 
+    calls = count_resolves(monkeypatch)
     first = _ok(warm_jobs(*JOB, f"run.dir={tmp_path / 'a'}"), tmp_path / "a")
+    assert calls == [1]
     c = _one_pair()
     pids, reused = _pids(c), _WARM[0].reused
     # another model (the tools preset: other tokens, another tokenizer) and learning rate, the same shape
     r = warm_jobs(*JOB, "model.path=auto:tiny-tools", "trainer.lr=1e-3", f"run.dir={tmp_path / 'b'}")
     second = _ok(r, tmp_path / "b")
+    assert calls == [1, 1]
     assert _one_pair() is c and _pids(c) == pids and _WARM[0].reused == reused + 1
     assert second[1]["trainer/lr"] == 1e-3 and first[1]["trainer/lr"] != 1e-3
     # each job's actors wrote to its own run dir's logs

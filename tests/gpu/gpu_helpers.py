@@ -21,19 +21,26 @@ from colo.host.net import free_port  # noqa: F401 (the tests import it from here
 
 
 def gpu_config(model_dir: str, num_gpus: int, **extra: Any) -> Any:
-    """A validated ColoConfig for the tiny model on `num_gpus` real GPUs (eager vLLM: fast start)."""
+    """A validated, resolved ColoConfig for the tiny model on `num_gpus` real GPUs (eager vLLM: fast start), its
+    trainer settings the plain ones the GPU tests were written for (colo.plan.settings.PLAIN: offloaded, eager),
+    not what auto would pick for this GPU."""
+    import tempfile
+
     from colo.config import load_config, validate
+    from colo.plan.resolve import resolve
+    from colo.plan.settings import PLAIN
 
     cfg = load_config(None, [], env={})  # defaults only: a COLO_* variable on the host must not leak in
     cfg.model.path, cfg.model.dummy_weights = model_dir, False
     cfg.placement.device, cfg.placement.num_gpus = "cuda", num_gpus
     cfg.rollout.max_model_len, cfg.rollout.max_tokens, cfg.rollout.enforce_eager = 256, 16, True
     cfg.rollout.temperature = 1.0  # the trainer's log-probs then compare with vLLM's greedy ones unscaled
-    for key, value in extra.items():
+    cfg.run.dir = tempfile.mkdtemp(prefix="run-")
+    for key, value in {**{k.replace(".", "__"): v for k, v in PLAIN.items()}, **extra}.items():
         section, _, leaf = key.partition("__")
         setattr(getattr(cfg, section), leaf, value)
     validate(cfg, check_resources=False)
-    return cfg
+    return resolve(cfg).cfg  # as colo.launch hands it to the actors: no `auto` left
 
 
 def gpu_trainer() -> type:

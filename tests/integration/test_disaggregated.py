@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 import ray
-from conftest import removed_after
+from conftest import removed_after, resolved
 from warm_clusters import WarmEngine, stop_cluster
 
 from colo.bench.engines import BenchTrainer
@@ -44,7 +44,7 @@ def padded(tmp_path_factory) -> Path:
 def sync_and_compare(model: Path, workdir: Path, overrides: list[str]) -> dict:
     """Start the job's actors, perturb the trainer weights, broadcast twice, export; then compare every
     engine's greedy output with a new vLLM engine (same TP size) loading the export."""
-    cfg = load_config(None, BASE + [f"model.path={model}", *overrides], {})
+    cfg = resolved(load_config(None, BASE + [f"model.path={model}", *overrides], {}))
     plan = plan_placement(cfg)
     init_ray(plan, log_to_driver=False)  # a no-op in the suite: the shared instance (ray_cluster) is up
     with removed_after():  # this test's groups and actors: the next test needs the logical GPUs

@@ -626,11 +626,13 @@ def test_param_digest_reads_live_weights(engines) -> None:
     assert ray.get(e.param_digest.remote()) == per_worker
 
 
-def test_missing_model_path_is_a_clear_error(ray_cluster, tmp_path: Path) -> None:
+def test_missing_model_path_is_a_clear_error(ray_cluster, tiny_model: Path, tmp_path: Path) -> None:
+    """A model dir gone after the driver resolved the config (the driver refuses one that is missing already)."""
     from colo.rollout.engine import RolloutEngine
 
-    bad = tmp_path / "no-such-model"
-    e = RolloutEngine.options(num_cpus=0).remote(_cfg(bad), 0, 1, 0)
+    cfg = _cfg(tiny_model)
+    cfg["model"]["path"] = str(tmp_path / "no-such-model")
+    e = RolloutEngine.options(num_cpus=0).remote(cfg, 0, 1, 0)
     with pytest.raises(ray.exceptions.RayActorError, match="is not a local directory"):
         ray.get(e.ready.remote())
 

@@ -29,6 +29,7 @@ from pathlib import Path
 
 import pytest
 import ray
+from conftest import resolved
 from warm_clusters import WarmEngine, WarmTrainer
 
 from colo.bench.sync import LOGPROB_ATOL, compare, greedy
@@ -228,8 +229,8 @@ class Rig:
 
     def cfg(self, family: str, *extra: str):
         path = make_family_model(self.root / family, family)
-        return load_config(None, BASE + [f"model.path={path}", f"data.path={self.data}",
-                                         f"run.dir={self.root / 'runs' / family}", *extra], {})
+        return resolved(load_config(None, BASE + [f"model.path={path}", f"data.path={self.data}",
+                                                  f"run.dir={self.root / 'runs' / family}", *extra], {}))
 
     @staticmethod
     def apart_cfg(cfg):

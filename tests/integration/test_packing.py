@@ -100,9 +100,9 @@ def test_packed_equals_padded_with_and_without_r3(workers) -> None:
 
 def _old_logprobs(trainer, mode: str | None) -> None:
     """trainer.old_logprobs = mode, counting the policy's forward-only passes (trainer.policy_passes); None: back to
-    the default, uncounted."""
+    what the fixture's one update per step resolves to (update), uncounted."""
     trainer.__dict__.pop("_logprobs", None)
-    trainer.cfg.trainer.old_logprobs = mode or "auto"
+    trainer.cfg.trainer.old_logprobs = mode or "update"
     if mode is None:
         return
     trainer.policy_passes = 0
@@ -115,7 +115,8 @@ def _old_logprobs(trainer, mode: str | None) -> None:
 
 
 def test_one_update_takes_the_old_logprobs_from_its_own_forward(workers) -> None:
-    """trainer.old_logprobs=auto, one update per step (epochs 1, mini_batches 1): the policy runs no forward-only
+    """trainer.old_logprobs=update (what auto resolves to for one update per step: epochs 1, mini_batches 1): the
+    policy runs no forward-only
     pass, and the loss, every metric (the trainer-vLLM gap, TIS, routing/mismatch among them) and the gradients
     are those of the step with the pass (old_logprobs=pass), R3 on and off: the ratio is 1 in both, exactly in
     one, up to two forwards' rounding in the other."""
@@ -123,7 +124,7 @@ def test_one_update_takes_the_old_logprobs_from_its_own_forward(workers) -> None
     got = {}
     try:
         for replay in ("off", "r3"):
-            for mode in ("pass", "auto"):
+            for mode in ("pass", "update"):
                 ray.get([w.__ray_call__.remote(_old_logprobs, mode) for w in workers])
                 got[mode, replay] = _step(workers, shards, True, replay)
                 passes = ray.get([w.__ray_call__.remote(lambda t: t.policy_passes) for w in workers])
@@ -132,13 +133,13 @@ def test_one_update_takes_the_old_logprobs_from_its_own_forward(workers) -> None
     finally:
         ray.get([w.__ray_call__.remote(_old_logprobs, None) for w in workers])
     for replay in ("off", "r3"):
-        (own, g_own), (passed, g_passed) = got["auto", replay], got["pass", replay]
+        (own, g_own), (passed, g_passed) = got["update", replay], got["pass", replay]
         for k in METRICS:
             assert own[k] == pytest.approx(passed[k], rel=1e-5, abs=1e-6), (replay, k, own[k], passed[k])
         for a, b in zip(g_own, g_passed):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
         assert own["logprob_diff/mean"] > 0.5  # the batch's rollout log-probs are noise: the gap is real
-    assert got["auto", "off"][0]["routing/mismatch"] > 0.5  # counted off the update's forward too
+    assert got["update", "off"][0]["routing/mismatch"] > 0.5  # counted off the update's forward too
 
 
 def _loss_in_lm_head(trainer, on: bool) -> None:
@@ -152,7 +153,7 @@ def test_loss_gradient_in_the_lm_head_equals_autograd(workers) -> None:
     shards = shard_batch(_batch(), 2)
     got = {}
     try:
-        for packing, replay, mode in ((True, "r3", "auto"), (False, "off", "pass")):
+        for packing, replay, mode in ((True, "r3", "update"), (False, "off", "pass")):
             ray.get([w.__ray_call__.remote(_old_logprobs, mode) for w in workers])
             for on in (False, True):
                 ray.get([w.__ray_call__.remote(_loss_in_lm_head, on) for w in workers])

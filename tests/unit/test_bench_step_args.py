@@ -9,8 +9,8 @@ from colo.bench.step import COMPARABLE, parse_args
 def test_compare_takes_one_setting_and_two_of_its_values() -> None:
     assert parse_args(["--compare"]).compare == ("trainer.packing", (True, False))  # bare: packed, then padded
     assert parse_args(["--compare", "loop.mode=async,sync"]).compare == ("loop.mode", ("async", "sync"))
-    assert parse_args(["--compare", "trainer.old_logprobs=auto,pass"]).compare == ("trainer.old_logprobs",
-                                                                                  ("auto", "pass"))
+    assert parse_args(["--compare", "trainer.old_logprobs=update,pass"]).compare == ("trainer.old_logprobs",
+                                                                                    ("update", "pass"))
     assert parse_args(["--compare", "trainer.gather_once=false,true", "--json"]).compare == (
         "trainer.gather_once", (False, True))
     assert parse_args([]).compare is None

@@ -346,9 +346,16 @@ def test_run_dir_rules(tmp_path: Path) -> None:
 # --------------------------------------------------------------------------------------- resolve
 
 
+def resolved(cfg: C.ColoConfig) -> C.ColoConfig:
+    """colo.plan.resolve of cfg on this machine (as colo.launch's prepare resolves it)."""
+    from colo.plan.resolve import resolve
+
+    return resolve(cfg, C.model_config_json(cfg)).cfg
+
+
 def test_resolve_fills_in_run_dir_and_generated_paths(tmp_path: Path) -> None:
     cfg = load_config(None, cpu(f"run.dir={tmp_path}/runs/{{time}}", "data.eval_path=auto:arith"), {})
-    r = C.resolve(cfg)
+    r = resolved(cfg)
     run = Path(r.run.dir)
     assert run.parent == tmp_path / "runs" and "{" not in r.run.dir and not run.exists()
     assert r.model.path == str(run / "model") and r.placement.device == "cpu"
@@ -358,7 +365,7 @@ def test_resolve_fills_in_run_dir_and_generated_paths(tmp_path: Path) -> None:
     # resume picks the newest earlier run of the pattern
     for stamp in ("20250101-000000", "20250102-000000"):
         write(tmp_path / "runs" / stamp / "config.yaml", "{}\n")
-    resumed = C.resolve(load_config(None, cpu(f"run.dir={tmp_path}/runs/{{time}}", "run.resume=true"), {}))
+    resumed = resolved(load_config(None, cpu(f"run.dir={tmp_path}/runs/{{time}}", "run.resume=true"), {}))
     assert resumed.run.dir == str(tmp_path / "runs" / "20250102-000000")
 
 
@@ -371,13 +378,13 @@ def test_loggers_checked_and_wandb_mode_resolved(tmp_path: Path) -> None:
     C.validate(cfg, check_resources=False)
     with pytest.MonkeyPatch.context() as mp:
         mp.delenv("WANDB_API_KEY", raising=False)
-        assert C.resolve(cfg, download=False).run.wandb_mode == "offline"  # no key: nothing is uploaded
+        assert resolved(cfg).run.wandb_mode == "offline"  # no key: nothing is uploaded
         mp.setenv("WANDB_API_KEY", "x" * 40)
-        assert C.resolve(cfg, download=False).run.wandb_mode == "online"
+        assert resolved(cfg).run.wandb_mode == "online"
     cfg.run.wandb_mode = "offline"
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("WANDB_API_KEY", "x" * 40)
-        assert C.resolve(cfg, download=False).run.wandb_mode == "offline"  # explicit wins
+        assert resolved(cfg).run.wandb_mode == "offline"  # explicit wins
 
 
 def test_ray_address_joins_a_cluster_whose_gpus_are_not_here() -> None:

@@ -81,8 +81,8 @@ def test_prompt_too_long_refused_at_data_read(tmp_path) -> None:
     the engine used to refuse it at the first rollout, after the warm-up."""
     import json
 
-    from colo.config import resolve
-    from colo.launch import check_user_data
+    from colo.config import resolve_paths
+    from colo.materialize import check_user_data
 
     data = tmp_path / "train.jsonl"
     rows = [{"prompt": "1+1=", "answer": "2"}] * 3 + [{"prompt": "1+1= " * 200, "answer": "2"}] * 2
@@ -91,7 +91,7 @@ def test_prompt_too_long_refused_at_data_read(tmp_path) -> None:
     def check(*overrides: str) -> None:
         cfg = load_config(None, ["placement.device=cpu", f"data.path={data}", f"run.dir={tmp_path}/run",
                                  "data.eval_path=null", *overrides], {})
-        check_user_data(cfg, resolve(cfg, download=False))
+        check_user_data(cfg, resolve_paths(cfg))
 
     with pytest.raises(ConfigError) as e:
         check("rollout.max_model_len=256", "rollout.max_tokens=32")

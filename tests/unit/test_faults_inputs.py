@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from colo.config import ConfigError, load_config, resolve, validate
+from colo.config import ConfigError, load_config, resolve_paths, validate
 from colo.config.weights import check_model_readable
 
 
@@ -130,14 +130,14 @@ def test_the_length_check_counts_the_environments_first_turn(tmp_path: Path) -> 
     """algo.environment=python with configs/tiny-cpu-tools.yaml died at the first rollout with vLLM's "maximum
     context length is 128 tokens ... 155 input tokens": reset()'s system message was not counted. Now the launch
     refuses it before the run dir exists, in the environment's own process; with room for it, it passes."""
-    from colo.launch import check_user_data
+    from colo.materialize import check_user_data
 
     root = Path(__file__).resolve().parents[2]
     base = [f"run.dir={tmp_path / 'run'}", "algo.environment=python"]
     cfg = load_config(str(root / "configs" / "tiny-cpu-tools.yaml"), base, {})
-    msg = refusal(check_user_data, cfg, resolve(cfg, download=False))
+    msg = refusal(check_user_data, cfg, resolve_paths(cfg))
     assert msg.startswith("data: auto:calc: row 0: its first turn (the environment's reset() messages) is 156 tokens, "
                           "longer than rollout.max_model_len=128; 2000 of 2000 rows are too long"), msg
     assert "fix: rollout.max_model_len=220" in msg and not (tmp_path / "run").exists()
     cfg = load_config(str(root / "configs" / "tiny-cpu-tools.yaml"), [*base, "rollout.max_model_len=220"], {})
-    check_user_data(cfg, resolve(cfg, download=False))
+    check_user_data(cfg, resolve_paths(cfg))

@@ -81,7 +81,7 @@ def checkpoint(run_dir: Path, step: int) -> Path:
 def test_damaged_newest_checkpoint_is_set_aside_or_refused(tmp_path: Path, capsys) -> None:
     """A truncated shard of the newest checkpoint: --resume goes back to the one before with one line; with no
     good one left it refuses naming the file. A step_*.tmp (a save cut off) is never a checkpoint."""
-    from colo.launch import set_aside_damaged
+    from colo.materialize import set_aside_damaged
 
     old, new = checkpoint(tmp_path, 3), checkpoint(tmp_path, 7)
     (tmp_path / "checkpoints" / "step_000009.tmp").mkdir()

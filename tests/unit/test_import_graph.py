@@ -99,7 +99,8 @@ FLOORS: list[tuple[str, ...]] = [
     ("colo.plan", "colo.sync"),  # whether it fits; the weight path
     ("colo.trainer", "colo.rollout"),  # the two actors
     ("colo.cluster",),  # where they run: placement, nodes, the actors started and their group handles
-    ("colo.loop", "colo.runlife", "colo.launch", "colo.__main__", "colo.bench"),  # the driver, the CLI, the benchmarks
+    ("colo.loop", "colo.runlife", "colo.prepare", "colo.materialize", "colo.launch", "colo.__main__",
+     "colo.bench"),  # the driver: the run and its life, the front door and the run dir, the CLI; the benchmarks
 ]
 
 

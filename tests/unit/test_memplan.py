@@ -9,7 +9,7 @@ import torch
 
 from colo import config as C
 from colo.config.checks import parse_gpu_memory
-from colo.plan.job import tune
+from colo.plan.job import device_of, tune
 from colo.plan.memory import GiB, model_shape, plan_memory
 from colo.plan.settings import Settings
 from colo.models.tiny import PRESETS
@@ -68,7 +68,7 @@ def test_shipped_config_fits_its_plan(path: Path) -> None:
     cfg = C.load_config(str(path), [], {})
     assert cfg.placement.gpu_memory != "auto", "a shipped GPU config names its GPU"
     model = C.model_config_json(cfg)  # offline here: colo's copy of the Hub config.json
-    cfg = tune(cfg, model).cfg  # its `auto` keys as a run resolves them (colo.plan.auto)
+    cfg = tune(cfg, model, device_of(cfg)).cfg  # its `auto` keys as a run resolves them (colo.plan.auto)
     plan = plan_memory(model, Settings.from_config(cfg), parse_gpu_memory(cfg.placement.gpu_memory))
     assert plan.fits, plan.table()
     # the KV cache holds a quarter of the step's sequences at full length (about all of them at the long tail's
@@ -81,7 +81,8 @@ def test_shipped_config_fits_its_plan(path: Path) -> None:
 
 
 def test_plan_without_gpu_size_says_how_to_check() -> None:
-    cfg = tune(C.load_config(str(ROOT / "configs/qwen3-30b-a3b-8xh100.yaml"), ["placement.gpu_memory=auto"], {})).cfg
+    cfg = C.load_config(str(ROOT / "configs/qwen3-30b-a3b-8xh100.yaml"), ["placement.gpu_memory=auto"], {})
+    cfg = tune(cfg, C.model_config_json(cfg), device_of(cfg)).cfg
     plan = plan_memory(C.model_config_json(cfg), Settings.from_config(cfg), None)
     assert plan.gpu_bytes is None and not plan.fits and "placement.gpu_memory=H100" in plan.table()
 

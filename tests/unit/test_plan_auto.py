@@ -1,20 +1,24 @@
 """colo.plan.auto: the `auto` trainer settings resolved per job and hardware. The L12 slice on one H200 gets the
 hand-tuned fast path of docs/benchmarks.md, a Qwen3-30B-A3B job on 8 H100s what fits there, a CPU job what CPU runs
 have always run; a value the user sets is kept; the resolved config holds concrete values; the cost model meets the
-measured figures it was built from. Pure: no GPU, no Ray."""
+measured figures it was built from, with the device's own speeds; a refusal ranks its ways to fit as auto ranks its
+choices. Pure: no GPU, no Ray."""
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
 
 from colo import config as C
 from colo.models.tiny import PRESETS
-from colo.plan.auto import resolve_auto
-from colo.plan.cost import step_seconds
-from colo.plan.job import check_fits, tune
-from colo.plan.memory import GiB, model_shape, plan_memory
-from colo.plan.settings import PLAIN, Settings, auto_keys, fill_plain, get
+from colo.plan.auto import Tuned, resolve_auto
+from colo.plan.cost import SPEEDS, speeds_for, step_seconds
+from colo.plan.job import device_of, memory_plan, refusal
+from colo.plan.job import tune as tune_for
+from colo.plan.memory import GiB, MemoryPlan, model_shape, plan_memory
+from colo.plan.search import trial, ways_to_fit
+from colo.plan.settings import PLAIN, Settings, auto_keys, get
 
 ROOT = Path(__file__).resolve().parents[2]
 # the L12 bench of docs/benchmarks.md (colo.bench.step --preset qwen3-30b-a3b-L12 --device cuda --max-tokens 4096
@@ -30,6 +34,20 @@ FAST_PATH = {"trainer.offload": False, "trainer.optimizer_offload": True, "train
 
 def _cfg(overrides: list[str], path: str | None = None) -> C.ColoConfig:
     return C.load_config(path, overrides, {})
+
+
+def tune(cfg: C.ColoConfig) -> Tuned:
+    """The `auto` trainer settings of cfg on the device it names (colo.plan.resolve's part of resolving)."""
+    return tune_for(cfg, C.model_config_json(cfg), device_of(cfg))
+
+
+def check_fits(cfg: C.ColoConfig) -> MemoryPlan:
+    """The plan of a tuned cfg; ConfigError (the refusal) when it does not fit."""
+    model, device = C.model_config_json(cfg), device_of(cfg)
+    plan = memory_plan(cfg, model, device)
+    if plan is not None and not plan.fits:
+        raise C.ConfigError(refusal(cfg, plan, model, device))
+    return plan
 
 
 def test_l12_on_one_h200_resolves_to_the_measured_fast_path() -> None:
@@ -67,7 +85,6 @@ def test_cpu_resolves_to_what_cpu_runs_have_run(path: str | None) -> None:
     tuned = tune(cfg)
     assert tuned.resolved == PLAIN and all(get(tuned.cfg, k) == v for k, v in PLAIN.items())
     assert all(c.why.startswith("CPU: ") for c in tuned.choices)
-    assert fill_plain(cfg) == tuned.cfg  # what a Trainer built from an unresolved config runs: the same
 
 
 def test_explicit_values_are_kept() -> None:
@@ -84,7 +101,7 @@ def test_explicit_values_are_kept() -> None:
 
 
 def test_resolved_config_holds_concrete_values(tmp_path: Path) -> None:
-    """The run dir's config.yaml (colo.launch.prepare_run saves the tuned config) has no auto left among the six,
+    """The run dir's config.yaml (colo.materialize saves the resolved config) has no auto left among the six,
     so --resume, which starts from it, runs the same settings; tuning it again changes nothing."""
     tuned = tune(_cfg(L12_H200))
     path = C.save_resolved(tuned.cfg, tmp_path)
@@ -166,7 +183,7 @@ def test_cost_model_meets_the_measured_figures(what: str, preset: str, trainer: 
                      "rollout.max_tokens": 4096, "rollout.n": 8, "data.prompts_per_step": 16,
                      "trainer.optimizer_dtype": "bfloat16", "trainer.offload": False,
                      **{f"trainer.{k}": v for k, v in trainer.items()}})
-    cost = step_seconds(model_shape(dict(PRESETS[preset])), s)
+    cost = step_seconds(model_shape(dict(PRESETS[preset])), s, SPEEDS["H200"])
     assert abs(cost["passes"] / passes - 1) < 0.15, (what, cost)
     assert abs(cost["optimizer"] / optim - 1) < 0.30, (what, cost)
 
@@ -175,8 +192,8 @@ def test_every_auto_choice_fits_with_headroom_and_is_the_fastest_planned() -> No
     """resolve_auto against a brute force over the same candidates: nothing that fits is faster."""
     cfg = _cfg(L12_H200)
     model = C.model_config_json(cfg)
-    tuned = resolve_auto(cfg, "cuda", model, 139.8 * GiB, "test")
-    best = sum(step_seconds(model_shape(model), Settings.from_config(tuned.cfg)).values())
+    tuned = resolve_auto(cfg, "cuda", model, 139.8 * GiB, "test", SPEEDS["H200"])
+    best = sum(step_seconds(model_shape(model), Settings.from_config(tuned.cfg), SPEEDS["H200"]).values())
     plan = plan_memory(model, Settings.from_config(tuned.cfg), 139.8 * GiB)
     assert plan.fits and plan.total("train") <= 0.9 * 139.8 * GiB
     import itertools
@@ -188,4 +205,49 @@ def test_every_auto_choice_fits_with_headroom_and_is_the_fastest_planned() -> No
                                                    "trainer.max_tokens_per_micro_batch": mb})
         p = plan_memory(model, s, 139.8 * GiB)
         if p.kv_ok and all(p.total(ph) <= 0.9 * 139.8 * GiB or ph == "start" for ph in p.phases):
-            assert sum(step_seconds(model_shape(model), s).values()) >= best - 1e-9
+            assert sum(step_seconds(model_shape(model), s, SPEEDS["H200"]).values()) >= best - 1e-9
+
+
+def test_the_cost_model_takes_the_devices_measured_speeds() -> None:
+    """The speeds are the device's row (colo.plan.cost.SPEEDS): an H100 gets the H100's, CPU its own, a GPU given by
+    its size the H200's figures, which the summary says; and they are an input of the choice: a device that compiles
+    a hundred times slower than the H200 runs the same L12 job eager."""
+    assert speeds_for("NVIDIA H100 80GB HBM3") is SPEEDS["H100"] and speeds_for("H200-141GB") is SPEEDS["H200"]
+    assert speeds_for("cpu") is SPEEDS["cpu"] and SPEEDS["cpu"].peak_flops < SPEEDS["H200"].peak_flops / 1000
+    assert device_of(_cfg(L12_H200[:-6] + ["placement.gpu_memory=H100"])).speeds is SPEEDS["H100"]
+    other = device_of(_cfg(L12_H200 + ["placement.gpu_memory=200GiB"])).speeds
+    assert "no row" in other.measured and other.peak_flops == SPEEDS["H200"].peak_flops and not other.measured_here
+    big = tune(_cfg(L12_H200 + ["placement.gpu_memory=200GiB"]))
+    assert "no row for a 200GiB GPU: the H200's figures" in big.summary
+    cfg = _cfg(L12_H200)
+    model = C.model_config_json(cfg)
+    fast = resolve_auto(cfg, "cuda", model, 139.8 * GiB, "test", SPEEDS["H200"])
+    assert fast.resolved["trainer.compile"] is True and "no row" not in fast.summary
+    slow_compile = dataclasses.replace(SPEEDS["H200"], compile_s=100 * SPEEDS["H200"].compile_s)
+    slow = resolve_auto(cfg, "cuda", model, 139.8 * GiB, "test", slow_compile)
+    assert slow.resolved["trainer.compile"] is False and "+" in dict((c.key, c.why) for c in slow.choices)[
+        "trainer.compile"]
+
+
+def test_a_refusal_ranks_its_ways_to_fit_as_auto_ranks_its_choices() -> None:
+    """One search, one cost model (colo.plan.search): the L12 slice on one H200 with the whole model gathered and no
+    recompute does not fit; the refusal's first way is gradient checkpointing, which the cost model puts 0.8 s/step
+    ahead of halving the micro-batch (the hand-weighted order before it put the micro-batch first), as auto, given
+    those two keys, chooses recompute with a larger micro-batch. Every way is in the one order: fewer GPUs first, then
+    the estimated seconds."""
+    set_ = ["placement.gpu_memory=H200", "trainer.offload=true", "trainer.optimizer_offload=true",
+            "trainer.gather_once=true", "trainer.compile=true"]
+    cfg = _cfg(L12_H200 + set_ + ["trainer.gradient_checkpointing=false", "trainer.max_tokens_per_micro_batch=16384"])
+    model, device = C.model_config_json(cfg), device_of(cfg)
+    plan = memory_plan(tune_for(cfg, model, device).cfg, model, device)
+    assert not plan.fits
+    ways = ways_to_fit(model, plan.settings, plan.gpu_bytes, device.speeds)
+    assert [c for c, _ in ways][:2] == [{"trainer.gradient_checkpointing": True},
+                                        {"trainer.max_tokens_per_micro_batch": 8192}]
+    trials = [trial(model, plan.settings, c, plan.gpu_bytes, device.speeds) for c, _ in ways]
+    assert [t.rank for t in trials] == sorted(t.rank for t in trials) and all(t.plan.fits for t in trials)
+    assert trials[0].seconds < trials[1].seconds
+    assert refusal(plan.settings.cfg, plan, model, device).split("fix: ")[1].startswith(
+        "trainer.gradient_checkpointing=true (")
+    chosen = tune_for(_cfg(L12_H200 + set_), model, device).resolved
+    assert chosen["trainer.gradient_checkpointing"] is True and chosen["trainer.max_tokens_per_micro_batch"] > 16384

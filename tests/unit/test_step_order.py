@@ -20,10 +20,11 @@ import torch
 
 from colo.algo.rewards import RewardRunner
 from colo.cluster.sides import Colocated, Disaggregated, side_for
-from colo.config import load_config
+from colo.config import load_config, model_config_json
 from colo.data.inputs import RunInputs
 from colo.data.prompts import PromptDataset
 from colo.loop import Job, rl_step
+from colo.plan.resolve import resolve
 from colo.rollout.generation import Generation
 from colo.rollout.sample import SampleArrays, Status, pack
 from colo.rollout.schedule import Ahead, Carried, Sync, rollout_seed, schedule_for
@@ -134,7 +135,9 @@ def _job(tmp_path: Path, tok, mode: str, placement: str, fail_collect: int | Non
                             for i in range(20)))
     cfg = load_config(None, ["placement.device=cpu", f"placement.mode={placement}", f"loop.mode={mode}",
                              f"data.prompts_per_step={K}", f"rollout.n={N}", "rollout.max_tokens=8",
-                             "trainer.offload=true", "loop.memory_stats=true", "rollout.oversample=1"], {})
+                             "trainer.offload=true", "loop.memory_stats=true", "rollout.oversample=1",
+                             f"run.dir={tmp_path}/run"], {})
+    cfg = resolve(cfg, model_config_json(cfg)).cfg  # as colo.launch hands it to the loop: no `auto` left
     data = PromptDataset(rows, tokenizer=tok, seed=0)
     c = RecordingCluster(placement == "colocated", fail_collect)
     inputs = RunInputs(tmp_path, tok, data, [], probe_vocab=len(tok))

@@ -55,6 +55,7 @@ def main(argv: list[str] | None = None) -> int:
     from colo.config import ColoConfig, to_dict
     from colo.host.net import free_port
     from colo.models.tiny import WITH_WEIGHTS, make_tiny_model
+    from colo.plan.resolve import resolve
     from colo.trainer.worker import Trainer
 
     model = make_tiny_model(Path(args.workdir) / f"{args.preset}-s0", args.preset, 0)
@@ -63,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg.model.dtype = "float32" if args.device == "cpu" else "bfloat16"
     cfg.placement.device, cfg.trainer.lr, cfg.algo.tis_cap = args.device, 0.0, 2.0
     cfg.run.dir = str(Path(args.workdir) / "stalebatch")
-    trainer = Trainer(to_dict(cfg), 0, 1, "127.0.0.1", free_port())
+    trainer = Trainer(to_dict(resolve(cfg).cfg), 0, 1, "127.0.0.1", free_port())  # resolved, as colo.launch does
     trainer.setup()
     g = torch.Generator().manual_seed(0)
     samples = []
