@@ -4,9 +4,9 @@
     step_seconds(model_shape(config_json), settings, speeds)    # {"passes": 4.1, "host copies": 0.0, ...}
 
 colo.plan.search ranks settings by the sum, for `auto` and for a refusal's ways to fit alike. It is an estimate for
-ranking, not a prediction: each figure is measured in one run on one card (docs/benchmarks.md, "The cost model's inputs"), and the absolute
-scale (tokens per step, achieved FLOP/s) only matters where a setting trades compute against copies over PCIe. Pure:
-no torch.
+ranking, not a prediction: each figure is measured in one run on one card (docs/benchmarks.md, "The cost model's
+inputs"), and the absolute scale (tokens per step, achieved FLOP/s) only matters where a setting trades compute
+against copies over PCIe. Pure: no torch.
 
 The train phase of one rank, per RL step:
     passes       forwards and backwards over the rank's tokens: model FLOPs / (peak x compute_mfu), times the
