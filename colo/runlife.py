@@ -27,7 +27,7 @@ import ray
 from colo.cluster.actors import Cluster, leave, shutdown_ray, start_cluster
 from colo.host.shm import sweep
 from colo.run import commands
-from colo.run.logs import log_of
+from colo.run.logs import log_of, note_end
 from colo.run.rundir import complete_checkpoints
 from colo.rollout.schedule import Position
 
@@ -194,7 +194,9 @@ def stopped(c: Cluster, inputs: RunInputs, pos: Position, stop: StopSignals, pro
                f"; newest checkpoint {newest}"
     else:
         what = "no RL step finished yet, nothing saved" if pos.step < 0 else f"step {pos.step} not saved"
-    print(f"colo: stopped by {stop.name}: {what}; {hint}", file=sys.stderr, flush=True)
+    line = f"colo: stopped by {stop.name}: {what}; {hint}"
+    print(line, file=sys.stderr, flush=True)
+    note_end(inputs.run_dir, line)  # SIGHUP: the terminal that shows the line is gone
     return stop.exit_status
 
 

@@ -4,7 +4,8 @@
     <run.dir>/logs/engine-<e>.log     engine e's, vLLM's included (and its worker processes' on CPU)
     <run.dir>/logs/ray-session_*/     Ray's own logs of the run, copied at its end from Ray's temp dir (which goes
                                       with the machine's /tmp), one per session (run, resume)
-    <run.dir>/error.log               the traceback of a failure that ended the run (colo.runlife.fail)
+    <run.dir>/error.log               the traceback of a failure that ended the run (colo.runlife.fail), and the
+                                      line of a stop signal that ended it (the terminal may be gone: SIGHUP)
 
 A log file that stayed empty (a trainer rank with nothing to say) is removed at the end: an empty file only
 makes a reader open it.
@@ -46,6 +47,18 @@ def actor_output(run_dir: str, verbose: bool, role: str, index: int) -> Path | N
     path = actor_log(run_dir, role, index)
     redirect_output(path)
     return path
+
+
+def note_end(run_dir: str | os.PathLike, line: str) -> None:
+    """Append `line` (how the run ended) to <run_dir>/error.log with the time: after a hangup the terminal that
+    would have shown it is gone. Never raises."""
+    import time
+
+    try:
+        with open(Path(run_dir) / "error.log", "a") as f:
+            f.write(f"==== {time.strftime('%Y-%m-%d %H:%M:%S')} {line}\n")
+    except OSError:
+        pass
 
 
 def redirect_output(path: Path) -> None:
