@@ -212,6 +212,9 @@ def prepare_run(cfg: ColoConfig, config_file: str | None = None) -> ColoConfig:
             if value and Path(value).is_relative_to(run_dir) and not Path(value).exists():
                 raise config.ConfigError(f"--resume: the run's {key} {value} is gone (it was generated at the run's "
                                          "start and is not generated again); fix: restore it from a copy of the run")
+        from colo.config.runfiles import check_resume_files
+
+        check_resume_files(resolved)  # the checkpoint's resume state and what it holds, metrics.jsonl: read only
     check_user_data(cfg, resolved)
     if not cfg.model.path.startswith(config.AUTO):  # presets are written by colo itself
         from colo.config.weights import check_model_readable

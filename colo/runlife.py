@@ -93,7 +93,7 @@ def save(c: Cluster, inputs: RunInputs, pos: Position, timeout: float | None = N
     path = inputs.run_dir / "checkpoints" / f"step_{pos.step:06d}"
     if (path / "extra.json").exists():  # a failure right after a periodic save: nothing new to write
         return path
-    extra: dict[str, Any] = {"step": pos.step, "data": pos.data}
+    extra: dict[str, Any] = {"step": pos.step, "data": pos.data, "holds": inputs.holds}  # colo.config.runfiles
     if pos.carry is not None:  # loop.mode=async: what the schedule carries into the next step
         extra["async_buffer"] = pos.carry
     tmp = path.with_name(path.name + ".tmp")
