@@ -59,7 +59,7 @@ import torch
 from colo.algo.advantages import step_advantages
 from colo.algo.batch import build_batch, shard_batch, torch_threads
 from colo.algo.rewards import RewardError, RewardRunner
-from colo.cluster.actors import ActorDied, ActorError, Cluster, node_loss
+from colo.cluster.actors import ActorDied, ActorError, ActorStalled, Cluster, node_loss
 from colo.cluster.head import HeadLost
 from colo.cluster.placement import init_ray, plan_placement
 from colo.cluster.sides import Colocated, Disaggregated, side_for
@@ -375,6 +375,9 @@ def run(cfg: ColoConfig, clusters: Clusters | None = None, phases: Phases | None
         return fail(cluster, inputs, at.position, e, keep_policy=True, progress=progress)
     except OSError as e:  # the driver's own writes (metrics, logs): a full or vanished disk
         return fail(cluster, inputs, at.position, e, keep_policy=True, progress=progress)
+    except ActorStalled as e:  # stopped or stuck (colo.cluster.liveness): saved only when the trainers are not in a call
+        healthy = False
+        return fail(cluster, inputs, at.position, e, keep_policy=e.callers_free, progress=progress)
     except (ActorDied, ActorError) as e:
         healthy = False
         # A lost node is the news, not the actor that noticed it first (a trainer whose gloo peer vanished).
