@@ -141,7 +141,10 @@ def _run(args: argparse.Namespace, clusters: Clusters | None = None) -> int:
     if clusters is not None:
         clusters.check(config.resolve(cfg, download=False))  # the concrete device: "auto" is resolved
     from colo.host.procs import sweep as sweep_processes
+    from colo.plan.preflight import check_host
     from colo.run.terminal import Phases
+
+    check_host(config.resolve(cfg, download=False))  # $HOME, TMPDIR and /dev/shm as Ray, vLLM and the sync need them
 
     sweep_processes()  # what a run killed with SIGKILL left running on this host, by pid (colo.host.procs)
     phases = Phases()  # the start-up phase begins here: the run dir, then Ray, the actors and their imports

@@ -24,10 +24,10 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import ray
 
-from colo.cluster.actors import Cluster, leave, shutdown_ray, start_cluster
+from colo.cluster.actors import ActorDied, Cluster, leave, shutdown_ray, start_cluster
 from colo.host.shm import sweep
 from colo.run import commands
-from colo.run.logs import log_of, note_end
+from colo.run.logs import died_of, log_of, note_end
 from colo.run.rundir import complete_checkpoints
 from colo.rollout.schedule import Position
 
@@ -142,7 +142,7 @@ def fail(c: Cluster, inputs: RunInputs, pos: Position, e: Exception, keep_policy
         where = f"traceback not written: {err.strerror or err}"
     actor_log = log_of(inputs.run_dir, getattr(e, "name", ""))  # ActorDied / ActorError name the actor
     what = (f"the disk of {inputs.run_dir} is full ({e}); fix: free space there, then continue the run"
-            if full else str(e))
+            if full else str(e) + (died_of(actor_log) if isinstance(e, ActorDied) else ""))
     lines = [f"colo: error: {what} ({where}" + (f"; its log: {actor_log})" if actor_log else ")")]
     if keep_policy and pos.step >= 0 and not full:  # a full disk would only fail the save a second time
         try:  # bounded: a rank stuck in a collective with a dead peer must not hang the exit

@@ -91,6 +91,13 @@ def env_overrides(env: Mapping[str, str]) -> list[tuple[str, str, str]]:
     return out
 
 
+def ray_temp_root(env: Mapping[str, str] | None = None) -> Path:
+    """The folder a local Ray puts its sessions under (as Ray picks it: RAY_TMPDIR, else TMPDIR, else /tmp), for
+    the host check before Ray starts (colo.plan.preflight)."""
+    env = os.environ if env is None else env
+    return Path(env.get("RAY_TMPDIR") or env.get("TMPDIR") or "/tmp")
+
+
 def from_dict(d: Mapping[str, Any]) -> ColoConfig:
     """Rebuild a ColoConfig from to_dict()/dataclasses.asdict() output (e.g. inside a Ray actor)."""
     merged = _merge(OmegaConf.structured(ColoConfig), OmegaConf.create(dict(d)), "dict")

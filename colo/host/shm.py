@@ -17,14 +17,26 @@ not visible from it, and unlinked them; that run died at its next sync. So the o
 time (clock ticks since boot: a reused pid is not the owner) and its scope, a digest of the boot id and the PID
 namespace: a sweep judges only segments of its own scope, where the owner's pid means what it says, and leaves
 every other one be (those of a process it cannot see; names of an older colo that carried the pid alone too).
+
+An engine's scratch folder, named the same way in the system's temporary folder, holds what vLLM writes there while
+the engine starts (its `vllm_dist_*` rendezvous file, sockets): every run left one such file per engine, for good.
+
+    with scratch():                 # tempfile's folder is <tmp>/colo_<pid>_<start>_<scope>_tmp meanwhile
+        llm = LLM(...)
+    remove_scratch()                # at the engine's end; sweep() removes those of dead owners
 """
 from __future__ import annotations
 
+import contextlib
 import functools
+import getpass
 import hashlib
 import json
 import os
 import re
+import shutil
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 SHM = Path("/dev/shm")
@@ -135,9 +147,48 @@ def register_mapped() -> list[str]:
     return names
 
 
+SCRATCH = "tmp"  # the suffix of a scratch folder's name
+
+
+def _scratch_path() -> Path:
+    return Path(tempfile.gettempdir()) / f"{_owner_tag()}{SCRATCH}"
+
+
+@contextlib.contextmanager
+def scratch() -> Iterator[Path]:
+    """tempfile's folder is this process's scratch folder while the block runs. TorchInductor's compile cache, whose
+    default lives in the temporary folder too, is pinned to that default first: it is meant to outlast runs."""
+    base = Path(tempfile.gettempdir())
+    path = _scratch_path()
+    path.mkdir(exist_ok=True)
+    try:
+        user = getpass.getuser()
+    except (KeyError, OSError):  # a uid without a passwd entry (containers)
+        user = str(os.getuid())
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(base / f"torchinductor_{user}"))
+    saved, tempfile.tempdir = tempfile.tempdir, str(path)
+    try:
+        yield path
+    finally:
+        tempfile.tempdir = saved
+
+
+def remove_scratch() -> None:
+    """This process's scratch folder, gone (at an engine's end)."""
+    shutil.rmtree(_scratch_path(), ignore_errors=True)
+
+
 def sweep() -> list[str]:
-    """Unlink colo segments, and segments registered by register_mapped, whose owner is provably dead."""
+    """Unlink colo segments, and segments registered by register_mapped, whose owner is provably dead; remove the
+    scratch folders of such owners from the temporary folder."""
     removed: list[str] = []
+    try:
+        for entry in Path(tempfile.gettempdir()).glob(f"{PREFIX}*_{SCRATCH}"):
+            if entry.is_dir() and provably_dead(entry.name):
+                shutil.rmtree(entry, ignore_errors=True)
+                removed.append(str(entry))
+    except OSError:
+        pass
     try:
         entries = sorted(SHM.iterdir())
     except OSError:  # no /dev/shm (not Linux): nothing of ours can be there

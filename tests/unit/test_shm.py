@@ -6,6 +6,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 import torch
@@ -93,3 +94,37 @@ def test_a_reused_pid_is_not_the_owner() -> None:
     me = os.getpid()
     assert not provably_dead(f"colo_{me}_{start_ticks(me)}_{scope()}_sync_0")  # this process: alive
     assert provably_dead(f"colo_{me}_{start_ticks(me) - 1}_{scope()}_sync_0")  # an earlier process with this pid
+
+
+ENGINE_START = """import os, sys, tempfile, time
+import torch.distributed as dist
+from colo.host.shm import remove_scratch, scratch
+with scratch():  # as colo.rollout.engine starts vLLM: its rendezvous file goes where tempfile says
+    store = dist.FileStore(os.path.join(tempfile.gettempdir(), "vllm_dist_colotest"), 1)
+print(store.path, tempfile.gettempdir(), flush=True)
+if sys.argv[1] == "shutdown":
+    remove_scratch()
+    print("done", flush=True)
+time.sleep(600)
+"""
+
+
+def test_vllms_rendezvous_file_goes_with_its_engine(tmp_path) -> None:
+    """Every run left one vllm_dist_* file per engine in TMPDIR (vLLM's file-store rendezvous, never removed). It is
+    made in the engine's scratch folder now, which the engine's shutdown removes, and a sweep once it was killed."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path), "TMPDIR": str(tmp_path)}
+    for how in ("shutdown", "killed"):
+        p = subprocess.Popen([sys.executable, "-c", ENGINE_START, how], stdout=subprocess.PIPE, text=True, env=env,
+                             start_new_session=True)
+        store, tmp = p.stdout.readline().split()
+        folder = Path(store).parent
+        assert folder.parent == tmp_path and folder.name.startswith(f"colo_{p.pid}_") and tmp == str(tmp_path)
+        if how == "shutdown":
+            assert p.stdout.readline().strip() == "done" and not folder.exists()
+        os.killpg(p.pid, signal.SIGKILL)
+        p.wait(timeout=60)
+        if how == "killed":
+            assert Path(store).exists()
+            r = subprocess.run([sys.executable, "-c", SWEEP], env=env, capture_output=True, text=True, timeout=120)
+            assert str(folder) in r.stdout.split() and not folder.exists(), r.stdout
+    assert list(tmp_path.iterdir()) == []
