@@ -144,7 +144,7 @@ def _run(args: argparse.Namespace, clusters: Clusters | None = None) -> int:
     from colo.plan.preflight import check_host
     from colo.run.terminal import Phases
 
-    check_host(config.resolve(cfg, download=False))  # $HOME, TMPDIR and /dev/shm as Ray, vLLM and the sync need them
+    check_host(cfg)  # $HOME, TMPDIR and /dev/shm as Ray, vLLM and the sync need them
 
     sweep_processes()  # what a run killed with SIGKILL left running on this host, by pid (colo.host.procs)
     phases = Phases()  # the start-up phase begins here: the run dir, then Ray, the actors and their imports

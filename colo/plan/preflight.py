@@ -2,6 +2,7 @@
 reported only after Ray had started, as their own traceback or a death without a cause.
 
     check_host(cfg)     # ConfigError (one line, the fix) or the host is fit; colo.launch calls it before the run dir
+                        # with the config as given (an auto: model is not generated yet)
 
 - $HOME writable: Ray keeps its session token in $HOME/.ray (a read-only $HOME gave Ray's OSError traceback).
 - Ray's temporary folder (RAY_TMPDIR, else TMPDIR, else /tmp) writable and short enough: Ray's unix sockets live
@@ -20,7 +21,7 @@ import shutil
 from pathlib import Path
 
 from colo.config import ColoConfig, ConfigError, model_config_json
-from colo.config.loading import ray_temp_root
+from colo.config.loading import ray_temp_root, resolve_device
 from colo.plan.disk import size
 from colo.plan.memory import model_shape
 
@@ -61,8 +62,9 @@ def check_host(cfg: ColoConfig, home: Path | None = None, ray_tmp: Path | None =
 def shm_need(cfg: ColoConfig) -> tuple[int, str]:
     """(bytes, what) the run maps in /dev/shm on this host: the colocated CPU sync's buffers, at most a bucket each
     and at most the model's weights each (a small model does not fill a 1 GiB bucket). (0, "") when it maps none
-    there (CUDA IPC on GPU; disaggregated buffers are private)."""
-    if cfg.placement.device != "cpu" or cfg.placement.mode != "colocated":
+    there (CUDA IPC on GPU; disaggregated buffers are private). `cfg` as given (model.path an auto: preset, or a
+    path that exists; placement.device may be auto)."""
+    if cfg.placement.mode != "colocated" or resolve_device(cfg) != "cpu":
         return 0, ""
     weights = model_shape(model_config_json(cfg)).numel * (4 if cfg.model.dtype == "float32" else 2)
     per = min(int(float(cfg.sync.bucket_mb) * 2**20), weights) * max(1, int(cfg.sync.buffers))

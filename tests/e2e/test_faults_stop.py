@@ -119,6 +119,10 @@ def assert_nothing_left(pids: list[int]) -> None:
     assert not left, f"processes of the run left behind: {left}"
     segments = [n for n in os.listdir(SHM) if owner_pid(n) in set(pids)]
     assert not segments, f"/dev/shm segments of the run left behind: {segments}"
+    import tempfile  # the engines' scratch folders, where vLLM's vllm_dist_* rendezvous files go (colo.host.shm)
+
+    scratch = [n for n in os.listdir(tempfile.gettempdir()) if n.endswith("_tmp") and owner_pid(n) in set(pids)]
+    assert not scratch, f"scratch folders of the run left behind: {scratch}"
 
 
 def stop_line(err: str, sig: str) -> str:
