@@ -35,7 +35,7 @@ from dataclasses import dataclass
 
 from colo.envs.base import Environment, Step, Turn
 from colo.envs.calculator import CALL, EXPRESSION
-from colo.envs.isolation import Budget, missing, runtime, sandbox_argv
+from colo.envs.isolation import Budget, missing, runtime, sandbox_argv, seccomp_fd
 
 MAX_OUTPUT = 2000  # characters of stdout kept; the call is stopped once more than 4x as many bytes came
 MAX_PROCS = 32  # processes of one call, its interpreter included
@@ -92,13 +92,18 @@ def run_python(code: str, timeout_s: float = 10.0, memory_mb: int = 1024, max_pr
     cmd = [python, "-I", "-c", PRELUDE, str(memory_mb), str(max(1, int(timeout_s) + 1))]
     budget = Budget(memory_mb, max_procs) if problem is None else None
     tmp = None if budget else tempfile.mkdtemp(prefix="colo-tool-")
-    argv = budget.join(sandbox_argv(cmd)) if budget else cmd
+    filt = seccomp_fd() if budget else None  # no ptrace of the sandbox's init (colo.envs.isolation)
+    argv = budget.join(sandbox_argv(cmd, filt)) if budget else cmd
     oom = False
     try:
-        proc = subprocess.Popen(argv, cwd=tmp or "/", stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, start_new_session=True,
-                                env={"PATH": "/usr/bin:/bin", "HOME": tmp or "/", "PYTHONHASHSEED": "0",
-                                     "OMP_NUM_THREADS": "1"})
+        try:
+            proc = subprocess.Popen(argv, cwd=tmp or "/", stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                    stderr=subprocess.PIPE, start_new_session=True, pass_fds=() if filt is None else
+                                    (filt,), env={"PATH": "/usr/bin:/bin", "HOME": tmp or "/", "PYTHONHASHSEED": "0",
+                                                  "OMP_NUM_THREADS": "1"})
+        finally:
+            if filt is not None:
+                os.close(filt)
         try:
             out, err, why = _communicate(proc, code.encode("utf-8", "replace"), time.monotonic() + timeout_s)
         finally:

@@ -151,6 +151,23 @@ def test_forks_are_bounded() -> None:
     assert _alive_with(token) == []
 
 
+def test_it_cannot_ptrace_the_sandboxs_init() -> None:
+    """PTRACE_ATTACH to PID 1 (bwrap's init: same uid, outside the interpreter's rlimits) succeeded and stopped it;
+    half of such calls then hung until their timeout. ptrace and process_vm_* are refused now (seccomp), and the
+    call ends at once."""
+    code = ("import ctypes, os\nlibc = ctypes.CDLL(None, use_errno=True)\n"
+            "print(libc.ptrace(16, 1, 0, 0), os.strerror(ctypes.get_errno()))\n"  # PTRACE_ATTACH
+            "buf = ctypes.create_string_buffer(8)\n"
+            "class iov(ctypes.Structure):\n    _fields_ = [('base', ctypes.c_void_p), ('len', ctypes.c_size_t)]\n"
+            "v = iov(ctypes.cast(buf, ctypes.c_void_p), 8)\n"
+            "print(libc.process_vm_readv(1, ctypes.byref(v), 1, ctypes.byref(v), 1, 0), "
+            "os.strerror(ctypes.get_errno()))")
+    t0 = time.monotonic()
+    r = run_python(code, timeout_s=20)
+    assert r.error is None and r.stdout == "-1 Operation not permitted\n-1 Operation not permitted\n", r
+    assert time.monotonic() - t0 < 15
+
+
 def test_output_is_bounded_while_it_is_read() -> None:
     """400 MB of output took the caller to 1.16 GiB: the bound applied after it had buffered all of it. Here a
     300 MB flood stops at the bound, and the caller's memory stays where a small call leaves it."""
