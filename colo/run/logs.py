@@ -6,6 +6,8 @@
                                       a dead actor is reported with it (died_of)
     <run.dir>/logs/ray-session_*/     Ray's own logs of the run, copied at its end from Ray's temp dir (which goes
                                       with the machine's /tmp), one per session (run, resume)
+    <run.dir>/logs/ray-errors.log     what Ray's raylets report to the driver ("A worker died or was killed ..."),
+                                      which Ray prints on the terminal whatever log_to_driver says (route_ray_errors)
     <run.dir>/error.log               the traceback of a failure that ended the run (colo.runlife.fail), and the
                                       line of a stop signal that ended it (the terminal may be gone: SIGHUP)
 
@@ -134,7 +136,35 @@ def note_ray_logs(run_dir: str | os.PathLike) -> Path | None:
     except Exception:  # noqa: BLE001 (a Ray without that attribute: the logs stay where Ray puts them)
         return None
     _RAY_LOGS[str(Path(run_dir))] = target
+    route_ray_errors(run_dir)
     return target
+
+
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
+def route_ray_errors(run_dir: str | os.PathLike) -> Path | None:
+    """In a run whose actors log to files (log_to_driver off: not --verbose), the errors Ray's raylets report to the
+    driver go to <run_dir>/logs/ray-errors.log, not the terminal: Ray's listener printed "(raylet) A worker died or
+    was killed ..." beside colo's own line for the same death. Ray has no setting for it: its listener looks up
+    ray._private.worker.print_to_stdstream at each message, and that name is pointed at the file (log_to_driver's
+    printer holds its own reference, so a verbose run prints as before). Returns the file, None when verbose."""
+    from ray._private import worker
+
+    if hasattr(worker.global_worker, "logger_thread"):  # log_to_driver: everything goes to the terminal
+        return None
+    path = Path(run_dir) / "logs" / "ray-errors.log"
+
+    def to_file(data: dict, ignore_prefix: bool = False) -> None:
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            with open(path, "a") as f:
+                f.writelines(f"{_ANSI.sub('', str(line))}\n" for line in data.get("lines", []))
+        except OSError:
+            pass
+
+    worker.print_to_stdstream = to_file
+    return path
 
 
 def keep_logs(run_dir: str | os.PathLike, ray_logs: bool = True) -> Path | None:
