@@ -54,7 +54,9 @@ def check_resume_files(cfg: ColoConfig) -> None:
     from colo.run.rundir import usable_checkpoint
 
     run_dir = Path(cfg.run.dir)
-    newest, _ = usable_checkpoint(run_dir)  # damaged newer ones are set aside later (colo.launch), with a line each
+    newest, damaged = usable_checkpoint(run_dir)  # damaged newer ones are set aside later (colo.launch), a line each
+    if newest is None and damaged:  # refused here, before the run dir is locked: a refusal writes nothing
+        raise ConfigError(none_usable(run_dir, damaged))
     logged = _check_metrics(run_dir / "metrics.jsonl")
     if newest is None:
         return
@@ -69,6 +71,13 @@ def check_resume_files(cfg: ColoConfig) -> None:
                           "checkpoint's files from a copy of the run, or move it out of checkpoints/ to resume from "
                           "the one before")
     _check_holds(newest, extra.get("holds"), cfg)
+
+
+def none_usable(run_dir: Path, damaged: list[tuple[Path, str]]) -> str:
+    """The refusal of a resume whose every checkpoint is damaged (colo.run.rundir.usable_checkpoint's list)."""
+    path, problem = damaged[0]  # the newest
+    return (f"--resume: every checkpoint in {run_dir / 'checkpoints'} is damaged; the newest, {path.name}: {problem}; "
+            "fix: restore the file, or move the step_* dirs away to start the run over from its warm-up")
 
 
 def _resume_state(ckpt: Path) -> dict[str, Any]:

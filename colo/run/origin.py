@@ -62,7 +62,9 @@ def write_origin(run_dir: str | os.PathLike, specs: dict[str, Any], config_file:
               "tokenizer": tokenizer_fingerprint(tokenizer_dir),
               "data": {key: fingerprint(path) if path else None for key, path in data_files.items()}}
     path = Path(run_dir) / NAME
-    path.write_text(json.dumps(record, indent=1, sort_keys=True) + "\n")
+    tmp = path.with_name(f".{NAME}.tmp")  # whole or not there: a torn record would refuse every resume
+    tmp.write_text(json.dumps(record, indent=1, sort_keys=True) + "\n")
+    tmp.replace(path)
     return path
 
 

@@ -194,3 +194,11 @@ def test_weights_digest_sees_a_large_file_swapped(tmp_path: Path, monkeypatch: p
     monkeypatch.setattr(origin, "SAMPLED", 1 << 20)  # the 6 MiB file counts as large
     assert origin.weights_digest(a) != origin.weights_digest(b)
     assert origin.weights_digest(a) == origin.weights_digest(a)
+
+
+def test_a_run_whose_every_checkpoint_is_damaged_is_refused_before_it_is_locked(run: Path) -> None:
+    """The refusal came after the run dir was locked, and left a .lock file behind."""
+    for ckpt in (run / "checkpoints").iterdir():
+        next(ckpt.glob("*.distcp")).unlink()
+    assert "every checkpoint in " in (msg := refused(run)) and "the newest, step_000002: " in msg, msg
+    assert not (run / ".lock").exists()
