@@ -27,7 +27,7 @@ import ray
 from colo.algo.batch import to_wire
 from colo.config import ColoConfig, to_dict
 from colo.cluster.head import check_head, unwatch_head
-from colo.cluster.liveness import HEARTBEAT_GROUP, PING_EVERY_S, Liveness, Watch
+from colo.cluster.liveness import HEARTBEAT_GROUP, Liveness, Watch
 from colo.host.procs import record, stop_recorded
 from colo.cluster.nodes import Lost, gpu_nodes, locate, lost_nodes, on_nodes
 from colo.cluster.placement import PlacementPlan, create_disaggregated_placement, create_placement, scheduling
@@ -263,7 +263,8 @@ def _gather(out: dict, pending: dict, who: list[str], timeout: float | None, eng
     deadline = None if timeout is None else time.monotonic() + timeout
     while pending:
         left = None if deadline is None else max(0.0, deadline - time.monotonic())
-        wait = left if watch is None else min(PING_EVERY_S, PING_EVERY_S if left is None else left)
+        every = None if watch is None else watch.live.ping_every_s
+        wait = left if every is None else min(every, every if left is None else left)
         done, _ = ray.wait(list(pending), num_returns=1, timeout=wait)
         if not done:
             if deadline is not None and time.monotonic() >= deadline:

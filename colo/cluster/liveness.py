@@ -3,7 +3,7 @@ driver on its trainers and engines (colo.cluster.actors.gather).
 
     live = Liveness(heartbeat_s=60, stall_s=600)       # run.heartbeat_s, run.stall_s; one per cluster
     watch = live.watch("train_step", [("trainer rank 0", t0), ...])
-    ...                                                # every PING_EVERY_S of waiting:
+    ...                                                # every ping_every_s (PING_EVERY_S) of waiting:
     problem = watch.check(pending=["trainer rank 1"])  # None, or Stalled(names, why, callers_free)
     live.measured("train_step", seconds)               # a call that returned: the deadline of its kind grows
 
@@ -49,6 +49,7 @@ class Stalled:
 class Liveness:
     heartbeat_s: float = 60.0
     stall_s: float = 600.0
+    ping_every_s: float = PING_EVERY_S  # how often a wait checks (tests check more often)
     longest: dict[str, float] = field(default_factory=dict)  # call kind -> the longest such call that returned
     lost: list[str] = field(default_factory=list)  # names of actors found stopped or stuck (the cluster's `lost`)
     pids: dict[str, int] = field(default_factory=dict)  # actor name -> its process id, as its heartbeats say
