@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from pathlib import Path
 
 import pytest
 
+from colo.host.shm import start_ticks
 from colo.run.metrics import read_metrics
 
 SMALL_JOB = ["loop.steps=4", "loop.sft_warmup_steps=2", "loop.eval_every=0", "loop.eval_samples=0",
@@ -27,6 +29,7 @@ from pathlib import Path
 import psutil
 
 from colo.algo.rewards import exact_match
+from colo.host.shm import start_ticks
 
 RUN_DIR = {run_dir!r}
 calls = 0
@@ -48,7 +51,7 @@ def stop_engine_0(responses, answers, prompts):
     calls += 1
     if calls == 3:
         pid = _pid_of("engine-0")
-        Path(RUN_DIR, "stopped.pid").write_text(str(pid))
+        Path(RUN_DIR, "stopped.pid").write_text(f"{{pid}} {{start_ticks(pid)}}")
         os.kill(pid, signal.SIGSTOP)
     return exact_match(responses, answers, prompts)
 '''
@@ -76,9 +79,11 @@ def test_a_stopped_engine_ends_the_run_with_a_checkpoint_and_the_resume_goes_on(
     assert extra["step"] == 0 and [x["step"] for x in read_metrics(run_dir / "metrics.jsonl")] == [-1, 0]
     assert f"colo: newest checkpoint {run_dir / 'checkpoints' / 'step_000000'}; continue with: " \
            f".venv/bin/python -m colo.launch --resume run.dir={run_dir}" in r.stderr, r.stderr[-2000:]
-    pid = int((run_dir / "stopped.pid").read_text())
-    assert not Path(f"/proc/{pid}").exists() or Path(f"/proc/{pid}/stat").read_text().split()[2] in "ZX", \
-        "the stopped engine's process outlived the run"
+    pid, ticks = map(int, (run_dir / "stopped.pid").read_text().split())
+    deadline = time.monotonic() + 30  # killed (SIGKILL) as the run ended: gone a moment later
+    while start_ticks(pid) == ticks and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert start_ticks(pid) != ticks, "the stopped engine's process outlived the run"
     r = warm_jobs("--resume", f"run.dir={run_dir}", "algo.rewards=[exact_match]", timeout=400)
     assert r.returncode == 0, (r.stdout[-2000:], r.stderr[-3000:])
     rows = read_metrics(run_dir / "metrics.jsonl")
