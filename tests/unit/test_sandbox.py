@@ -125,13 +125,15 @@ def test_a_setsid_child_does_not_outlive_the_call() -> None:
     assert _alive_with(token) == []
 
 
+FOUR_CHILDREN = ("import os, time\nkids = []\nfor i in range(4):\n    pid = os.fork()\n    if pid == 0:\n"
+                 "        x = b'x' * (150 * 2**20)\n        print('held', i, flush=True)\n        time.sleep(3)\n"
+                 "        os._exit(0)\n    kids.append(pid)\nprint([os.waitpid(k, 0)[1] for k in kids])")
+
+
 def test_memory_is_a_budget_of_the_whole_tree() -> None:
     """The limit was per process: 4 forked children held 4 x it. Here 4 children of 150 MiB each in a 256 MiB
     budget: the kernel kills what does not fit, and the call says so."""
-    code = ("import os, time\nkids = []\nfor i in range(4):\n    pid = os.fork()\n    if pid == 0:\n"
-            "        x = b'x' * (150 * 2**20)\n        print('held', i, flush=True)\n        time.sleep(3)\n"
-            "        os._exit(0)\n    kids.append(pid)\nprint([os.waitpid(k, 0)[1] for k in kids])")
-    r = run_python(code, timeout_s=30, memory_mb=256)
+    r = run_python(FOUR_CHILDREN, timeout_s=30, memory_mb=256)
     assert r.error == "memory limit: its processes together needed more than 256 MiB", r
     # never two at once: at most one child lived to its end; the kernel kills a child that already held its 150 MiB
     # (and had said so) as readily as the one asking for more, so "held" may show twice (seen under load)
@@ -219,6 +221,10 @@ def test_without_the_sandbox_the_tool_is_refused_unless_the_user_says_unsafe(mon
     try:
         r = run_python("import os; print(os.path.exists('/etc/passwd'))")
         assert (r.stdout, r.error) == ("True\n", None)  # unsafe indeed
+        # the rlimits are per process: 4 forked children of 150 MiB held 600 MiB of a 256 MiB budget; the tree's
+        # memory is watched as a whole there too
+        r = run_python(FOUR_CHILDREN, timeout_s=30, memory_mb=256)
+        assert r.error == "memory limit: its processes together needed more than 256 MiB", r
     finally:
         permit_unsandboxed(False)
 
