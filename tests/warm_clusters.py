@@ -203,7 +203,7 @@ def reconfigure(c: Cluster, cfg: ColoConfig) -> Cluster:
     c.setup["cluster_s"] = time.perf_counter() - t0
     c.lost.clear()  # in place: the liveness records into the same list
     c.liveness = Liveness(cfg.run.heartbeat_s, cfg.run.stall_s, lost=c.lost,  # this job's settings, nothing measured
-                          pids=c.liveness.pids, ping_every_s=c.liveness.ping_every_s)
+                          pids=c.liveness.pids, watched=c.liveness.watched, ping_every_s=c.liveness.ping_every_s)
     return c
 
 

@@ -53,6 +53,8 @@ class Liveness:
     longest: dict[str, float] = field(default_factory=dict)  # call kind -> the longest such call that returned
     lost: list[str] = field(default_factory=list)  # names of actors found stopped or stuck (the cluster's `lost`)
     pids: dict[str, int] = field(default_factory=dict)  # actor name -> its process id, as its heartbeats say
+    watched: set[str] = field(default_factory=set)  # the actors made with HEARTBEAT_GROUP (note_pids): only they
+    # are sent heartbeats, since a call into a concurrency group an actor lacks kills its worker process
     _pings: dict[str, tuple[Any, float]] = field(default_factory=dict)  # actor name -> (heartbeat ref, sent at)
 
     def deadline(self, kind: str) -> float:
@@ -66,8 +68,10 @@ class Liveness:
         return Watch(self, kind, actors, time.monotonic())
 
     def note_pids(self, actors: list[tuple[str, Any]], timeout_s: float = 60.0) -> None:
-        """One heartbeat to each actor of a cluster that just started: its pid, by which a stopped one is killed at
-        the end (a stopped process takes no part in its own shutdown)."""
+        """One heartbeat to each actor of a cluster that just started (made with HEARTBEAT_GROUP: from now on they are
+        watched): its pid, by which a stopped one is killed at the end (a stopped process takes no part in its own
+        shutdown)."""
+        self.watched |= {name for name, _ in actors}
         refs = {name: actor.__ray_call__.options(concurrency_group=HEARTBEAT_GROUP).remote(_pid)
                 for name, actor in actors}
         ray.wait(list(refs.values()), num_returns=len(refs), timeout=timeout_s)
@@ -84,6 +88,8 @@ class Liveness:
         been unanswered for heartbeat_s."""
         now = time.monotonic()
         for name, actor in actors:
+            if name not in self.watched:
+                continue
             if name in self._pings:
                 ref, sent = self._pings[name]
                 done, _ = ray.wait([ref], timeout=0)

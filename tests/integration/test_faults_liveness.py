@@ -42,6 +42,7 @@ def actors(ray_cluster):
 
 
 def wait(live: Liveness, kind: str, actor, seconds: float, name: str = "engine DP rank 0") -> float:
+    live.note_pids([(name, actor)])  # as start_cluster does for its actors: made with the heartbeat group
     return gather([actor.work.remote(seconds)], [name], watch=live.watch(kind, [(name, actor)]))[0]
 
 
@@ -84,6 +85,7 @@ def test_a_trainer_waiting_on_a_stopped_engine_names_the_engine(actors) -> None:
     engine is named, and the trainers are not free to save (they are inside the sync)."""
     (trainer, _), (engine, pid) = actors
     live = Liveness(heartbeat_s=5, stall_s=600, ping_every_s=0.5)
+    live.note_pids([("trainer rank 0", trainer), ("engine DP rank 0", engine)])
     ref = trainer.via.remote(engine, 15)
     time.sleep(1)  # the engine's call has begun
     os.kill(pid, signal.SIGSTOP)
@@ -95,3 +97,13 @@ def test_a_trainer_waiting_on_a_stopped_engine_names_the_engine(actors) -> None:
         os.kill(pid, signal.SIGCONT)
     assert e.value.name == "engine DP rank 0" and not e.value.callers_free, e.value
     assert "while the driver waited for its sync_weights" in str(e.value)
+
+
+def test_an_actor_made_without_the_heartbeat_group_is_not_sent_heartbeats(ray_cluster) -> None:
+    """A call into a concurrency group an actor lacks kills its worker process (Ray 2.60): actors that no cluster
+    start made (a test's own, a benchmark's) are waited for without heartbeats, and live on."""
+    plain = ray_cluster.remote(Worker).options(num_cpus=0).remote()
+    live = Liveness(heartbeat_s=5, stall_s=600, ping_every_s=0.5)
+    assert gather([plain.work.remote(2)], ["engine 9"], watch=live.watch("generate", [("engine 9", plain)])) == [2]
+    assert ray_cluster.get(plain.work.remote(0)) == 0
+    ray_cluster.kill(plain, no_restart=True)
