@@ -64,13 +64,13 @@ def test_a_stopped_engine_ends_the_run_with_a_checkpoint_and_the_resume_goes_on(
     run_dir = tmp_path / "run"
     (tmp_path / f"{name}.py").write_text(STOPPING_REWARDS.format(run_dir=str(run_dir)))
     monkeypatch.syspath_prepend(str(tmp_path))
-    r = warm_jobs(f"run.dir={run_dir}", *SMALL_JOB, f"algo.rewards=[{name}:stop_engine_0]", "run.heartbeat_s=15",
+    r = warm_jobs(f"run.dir={run_dir}", *SMALL_JOB, f"algo.rewards=[{name}:stop_engine_0]", "run.heartbeat_s=20",
                   timeout=400)
     assert r.returncode == 1, (r.stdout[-2000:], r.stderr[-3000:])
     errors = [ln for ln in r.stderr.splitlines() if ln.startswith("colo: error:")]
     assert len(errors) == 1 and errors[0].startswith("colo: error: engine DP rank 0 answered no heartbeat for "), \
         r.stderr[-3000:]
-    assert "(a stopped process: SIGSTOP, a frozen host, or one that holds Python's GIL; run.heartbeat_s=15)" in \
+    assert "(a stopped process: SIGSTOP, a frozen host, or one that holds Python's GIL; run.heartbeat_s=20)" in \
         errors[0] and errors[0].endswith(f"its log: {run_dir / 'logs' / 'engine-0.log'})"), errors[0]
     assert r.seconds < 300, f"took {r.seconds:.0f} s to end"
     assert "Traceback" not in r.stderr, r.stderr[-3000:]
