@@ -14,8 +14,8 @@ and in every actor (multi-node: each node sweeps itself), before it creates its 
 A pid alone proves nothing where /dev/shm is shared beyond one PID namespace (two containers with --ipc=host, the
 common case): a start in one container took the other's live run's sync buffers for dead, because their pids are
 not visible from it, and unlinked them; that run died at its next sync. So the owner is named by its pid, its start
-time (clock ticks since boot: a reused pid is not the owner) and its scope, a digest of the boot id and the PID
-namespace: a sweep judges only segments of its own scope, where the owner's pid means what it says, and leaves
+time (clock ticks since boot: a reused pid is not the owner) and its scope, a digest of the host name, the boot id
+and the PID namespace: a sweep judges only segments of its own scope, where the owner's pid means what it says, and leaves
 every other one be (those of a process it cannot see; names of an older colo that carried the pid alone too).
 
 An engine's scratch folder, named the same way in the system's temporary folder, holds what vLLM writes there while
@@ -35,6 +35,7 @@ import json
 import os
 import re
 import shutil
+import socket
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -47,8 +48,10 @@ _OWNER = re.compile(r"colo_(\d+)_(\d+)_([0-9a-f]{12})_")  # pid, start ticks, sc
 
 @functools.lru_cache(maxsize=1)
 def scope() -> str:
-    """Where a pid means a process: this boot of this host's kernel, this PID namespace (12 hex digits)."""
-    parts = []
+    """Where a pid means a process: this host (its name), this boot of its kernel, this PID namespace (12 hex
+    digits). The name only narrows it: two containers of one PID namespace under other host names leave each other's
+    segments be, which costs a leak, never a live segment."""
+    parts = [socket.gethostname()]
     for path in ("/proc/sys/kernel/random/boot_id", "/proc/self/ns/pid"):
         try:
             parts.append(Path(path).read_text().strip() if path.endswith("boot_id") else os.readlink(path))
