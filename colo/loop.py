@@ -375,7 +375,7 @@ def run(cfg: ColoConfig, clusters: Clusters | None = None, phases: Phases | None
         return fail(cluster, inputs, at.position, e, keep_policy=True, progress=progress)
     except OSError as e:  # the driver's own writes (metrics, logs): a full or vanished disk
         return fail(cluster, inputs, at.position, e, keep_policy=True, progress=progress)
-    except ActorStalled as e:  # stopped or stuck (colo.cluster.liveness): saved only when the trainers are not in a call
+    except ActorStalled as e:  # stopped or stuck (colo.cluster.liveness): saved when the trainers are not in a call
         healthy = False
         return fail(cluster, inputs, at.position, e, keep_policy=e.callers_free, progress=progress)
     except (ActorDied, ActorError) as e:

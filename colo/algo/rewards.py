@@ -27,8 +27,8 @@ A failing function raises `RewardError` naming the function and the sample; so d
 not returned after `timeout_s` (algo.reward_timeout_s), one that ends the process's way (`sys.exit()`, a
 `KeyboardInterrupt` of its own: a run must not end with status 0 halfway), one that returns a value float32 cannot
 hold (the rewards become a float32 tensor), and one that changes its inputs in place (each function gets its own
-copies, compared after the call: the next function would score changed data and take the blame). In the main thread (where the loop scores) a watchdog
-stops it with a signal, so it runs where signals work (math-verify's alarms, for one) and is really stopped;
+copies, compared after the call: the next function would score changed data and take the blame).
+In the main thread (where the loop scores) a watchdog stops it with a signal, so it runs where signals work (math-verify's alarms, for one) and is really stopped;
 elsewhere it runs in a daemon thread that is abandoned at the timeout. Built-ins bound themselves.
 """
 
@@ -202,8 +202,9 @@ class RewardRunner:
         for i, t in enumerate(total):
             if abs(t) > FLOAT32_MAX:
                 raise RewardError(f"the weighted sum of the reward functions is {t:g} for sample {i}, beyond float32's "
-                                  f"range (±{FLOAT32_MAX:.3g}) the rewards are kept in: response={_short(responses[i])};"
-                                  f" fix: scale the rewards down", "algo.rewards", i, responses[i])
+                                  f"range (±{FLOAT32_MAX:.3g}) the rewards are kept in: "
+                                  f"response={_short(responses[i])}; fix: scale the rewards down", "algo.rewards", i,
+                                  responses[i])
         return Scores(total, by_name)
 
     def submit(self, responses: list[str], answers: list[str], prompts: list[str],

@@ -15,7 +15,7 @@ driver on its trainers and engines (colo.cluster.actors.gather).
   returned long after calls of its kind did: its deadline is max(run.stall_s, FACTOR x the longest such call so far),
   UNMEASURED x run.stall_s for a kind not yet measured. Slow calls (a longer rollout, a loaded host) stay within it.
 
-The waits ended an engine that stopped mid-rollout never: the run waited without a word and went on after SIGCONT.
+Without them a stopped engine makes the run wait without a word, for ever.
 """
 from __future__ import annotations
 
@@ -130,8 +130,8 @@ class Watch:
             name, seconds = stopped
             self.live.lost.append(name)
             return Stalled([name], f"answered no heartbeat for {seconds:.0f} s while the driver waited for its "
-                                   f"{self.kind} (a stopped process: SIGSTOP, a frozen host, or one that holds Python's "
-                                   f"GIL; run.heartbeat_s={self.live.heartbeat_s:g})", callers_free)
+                                   f"{self.kind} (a stopped process: SIGSTOP, a frozen host, or one that holds "
+                                   f"Python's GIL; run.heartbeat_s={self.live.heartbeat_s:g})", callers_free)
         elapsed, limit = time.monotonic() - self.started, self.live.deadline(self.kind)
         if elapsed < limit:
             return None

@@ -140,8 +140,9 @@ def _describe(h: dict) -> str:
 
 
 def _check_metrics(path: Path) -> int | None:
-    """The last step metrics.jsonl records (-1: the warm-up's only; None: none, or no file); ConfigError naming the line of a record that
-    is not a JSON object with a whole-number step. A torn last line (a crash mid-write) is dropped on resume."""
+    """The last step metrics.jsonl records (-1: the warm-up's only; None: none, or no file); ConfigError naming the
+    line of a record that is not a JSON object with a whole-number step. A torn last line (a crash mid-write) is
+    dropped on resume."""
     try:
         lines = path.read_text().splitlines()
     except FileNotFoundError:

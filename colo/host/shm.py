@@ -15,8 +15,8 @@ A pid alone proves nothing where /dev/shm is shared beyond one PID namespace (tw
 common case): a start in one container took the other's live run's sync buffers for dead, because their pids are
 not visible from it, and unlinked them; that run died at its next sync. So the owner is named by its pid, its start
 time (clock ticks since boot: a reused pid is not the owner) and its scope, a digest of the host name, the boot id
-and the PID namespace: a sweep judges only segments of its own scope, where the owner's pid means what it says, and leaves
-every other one be (those of a process it cannot see; names of an older colo that carried the pid alone too).
+and the PID namespace: a sweep judges only segments of its own scope, where the owner's pid means what it says, and
+leaves every other one be (those of a process it cannot see; names of an older colo that carried the pid alone too).
 
 An engine's scratch folder, named the same way in the system's temporary folder, holds what vLLM writes there while
 the engine starts (its `vllm_dist_*` rendezvous file, sockets): every run left one such file per engine, for good.
