@@ -75,8 +75,10 @@ def _run(args: argparse.Namespace, life: RunLife) -> int:
     life.clusters.check(prepared.cfg)
     from colo.host.procs import sweep as sweep_processes
     from colo.materialize import make_run_dir
+    from colo.plan.preflight import check_host
     from colo.run.terminal import Phases
 
+    check_host(prepared.spec)  # $HOME, TMPDIR and /dev/shm as Ray, vLLM and the sync need them
     sweep_processes()  # what a run killed with SIGKILL left running on this host, by pid (colo.host.procs)
     phases = Phases()  # the start-up phase begins here: the run dir, then Ray, the actors and their imports
     cfg = make_run_dir(prepared)

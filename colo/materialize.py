@@ -107,14 +107,12 @@ def set_aside_damaged(run_dir: Path) -> None:
     look, out of --resume's way; their steps are redone and saved again), with one line each. Refuses, naming
     the file, when checkpoints exist but none is usable."""
     from colo import config
+    from colo.config.runfiles import none_usable
     from colo.run.rundir import usable_checkpoint
 
     good, damaged = usable_checkpoint(run_dir)
     if damaged and good is None:
-        path, problem = damaged[0]  # the newest
-        raise config.ConfigError(f"--resume: every checkpoint in {run_dir / 'checkpoints'} is damaged; the newest, "
-                                 f"{path.name}: {problem}; fix: restore the file, or move the step_* dirs away to "
-                                 "start the run over from its warm-up")
+        raise config.ConfigError(none_usable(run_dir, damaged))
     for path, problem in damaged:
         aside = next(path.with_name(f"{path.name}.damaged" + (f"-{i}" if i else "")) for i in range(1000)
                      if not path.with_name(f"{path.name}.damaged" + (f"-{i}" if i else "")).exists())

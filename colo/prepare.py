@@ -137,6 +137,10 @@ def prepare(config_file: str | None, overrides: list[str], env: Mapping[str, str
     model = config.model_config_json(spec)
     resolved = resolve(spec, model)  # the one resolve of this process
     cfg = resolved.cfg
+    if spec.run.resume:
+        from colo.config.runfiles import check_resume_files
+
+        check_resume_files(cfg)  # the checkpoint's resume state and what it holds, metrics.jsonl: read only
     placement, cluster_note = plan_placement(cfg), None
     if dry_run and cfg.run.ray_address:  # the node of every rank, from the cluster itself
         from colo.cluster.nodes import plan_on_cluster

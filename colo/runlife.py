@@ -32,7 +32,7 @@ from types import TracebackType
 from typing import TYPE_CHECKING, Any, Protocol
 
 from colo.run import commands
-from colo.run.logs import log_of
+from colo.run.logs import died_of, log_of, note_end
 from colo.run.rundir import complete_checkpoints
 from colo.run.signals import StopSignals
 
@@ -51,7 +51,7 @@ FULL_BELOW = 64 << 20  # free bytes under which a failed write is put down to a 
 
 # ---------------------------------------------------------------------------------------------- how a run ends
 
-SAVE, ENGINE_ONLY, UNLESS_HURRIED, NOTHING = "save", "engine only", "unless hurried", "nothing"
+SAVE, ENGINE_ONLY, IF_FREE, UNLESS_HURRIED, NOTHING = "save", "engine only", "if free", "unless hurried", "nothing"
 STOP_STATUS = -1  # Ending.status of a stop: the signal's own (130 SIGINT, 143 SIGTERM)
 
 
@@ -63,7 +63,8 @@ class Ending:
     checkpoint: str
     """What is saved on the way out. SAVE: the last trained step (the trainers hold a whole policy). ENGINE_ONLY: the
     same when an engine failed, not after a trainer did (its shards may be gone or half-updated, its peers sitting
-    in a collective) nor when the node of one is lost. UNLESS_HURRIED: the same unless a second signal came.
+    in a collective) nor when the node of one is lost. IF_FREE: the same when the trainers are not inside a call
+    (the exception's `callers_free`). UNLESS_HURRIED: the same unless a second signal came.
     NOTHING: a refusal, before anything trained."""
     healthy: bool = True
     """The cluster may serve another job (the test suite's warm clusters): False when an actor may be dead, broken or
@@ -86,6 +87,7 @@ ENDINGS: dict[str, Ending] = {
     "builtins.OSError": FAILED,  # the driver's own writes (metrics, logs): a full or vanished disk
     "colo.cluster.actors.ActorDied": Ending(1, ENGINE_ONLY, healthy=False),
     "colo.cluster.actors.ActorError": Ending(1, ENGINE_ONLY, healthy=False),
+    "colo.cluster.actors.ActorStalled": Ending(1, IF_FREE, healthy=False),  # stopped or stuck (colo.cluster.liveness)
 }
 """Exception -> Ending, the one place a run's ends are decided: a new failure kind is one line here. Named, not
 imported, so that this module stays light (tests/unit/test_runlife.py imports each name). An exception none names
@@ -233,7 +235,8 @@ class RunLife:
         else:
             if self.job is None:  # before the job's inputs exist: no run to report into
                 return False
-            err, keep = e, ending.checkpoint == SAVE
+            keep = ending.checkpoint == SAVE or ending.checkpoint == IF_FREE and getattr(e, "callers_free", False)
+            err = e
             if ending.checkpoint == ENGINE_ONLY:
                 from colo.cluster.actors import node_loss
 
@@ -278,7 +281,7 @@ def save(c: Cluster, inputs: RunInputs, pos: Position, timeout: float | None = N
     path = inputs.run_dir / "checkpoints" / f"step_{pos.step:06d}"
     if (path / "extra.json").exists():  # a failure right after a periodic save: nothing new to write
         return path
-    extra: dict[str, Any] = {"step": pos.step, "data": pos.data}
+    extra: dict[str, Any] = {"step": pos.step, "data": pos.data, "holds": inputs.holds}  # colo.config.runfiles
     if pos.carry is not None:  # loop.mode=async: what the schedule carries into the next step
         extra["async_buffer"] = pos.carry
     tmp = path.with_name(path.name + ".tmp")
@@ -327,9 +330,11 @@ def fail(c: Cluster, inputs: RunInputs, pos: Position, e: Exception, keep_policy
         where = f"traceback: {log_error(inputs.run_dir, e)}"
     except OSError as err:  # the disk that ended the run cannot take the traceback either
         where = f"traceback not written: {err.strerror or err}"
+    from colo.cluster.actors import ActorDied  # Ray is up by now: a failure of a running job
+
     actor_log = log_of(inputs.run_dir, getattr(e, "name", ""))  # ActorDied / ActorError name the actor
     what = (f"the disk of {inputs.run_dir} is full ({e}); fix: free space there, then continue the run"
-            if full else str(e))
+            if full else str(e) + (died_of(actor_log) if isinstance(e, ActorDied) else ""))
     lines = [f"colo: error: {what} ({where}" + (f"; its log: {actor_log})" if actor_log else ")")]
     if keep_policy and pos.step >= 0 and not full:  # a full disk would only fail the save a second time
         try:  # bounded: a rank stuck in a collective with a dead peer must not hang the exit
@@ -381,7 +386,9 @@ def stopped(c: Cluster, inputs: RunInputs, pos: Position, stop: StopSignals, pro
                f"; newest checkpoint {newest}"
     else:
         what = "no RL step finished yet, nothing saved" if pos.step < 0 else f"step {pos.step} not saved"
-    print(f"colo: stopped by {stop.name}: {what}; {hint}", file=sys.stderr, flush=True)
+    line = f"colo: stopped by {stop.name}: {what}; {hint}"
+    print(line, file=sys.stderr, flush=True)
+    note_end(inputs.run_dir, line)  # SIGHUP: the terminal that shows the line is gone
     return stop.exit_status
 
 

@@ -22,12 +22,15 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import os
+import signal
 import time
 from typing import Any
 
 import ray
 import torch
 
+from colo.cluster.liveness import Liveness
 from colo.cluster.actors import ActorDied, ActorError, Cluster, connect_weight_group, engine_name, gather, start_cluster
 from colo.cluster.placement import PlacementPlan
 from colo.config import ColoConfig, ConfigError, check_resolved, from_dict, to_dict
@@ -199,7 +202,9 @@ def reconfigure(c: Cluster, cfg: ColoConfig) -> Cluster:
         connect_weight_group(c.trainers[0], c.engines, 1)
         c.setup["weight_group_s"] = time.perf_counter() - t
     c.setup["cluster_s"] = time.perf_counter() - t0
-    c.lost = []
+    c.lost.clear()  # in place: the liveness records into the same list
+    c.liveness = Liveness(cfg.run.heartbeat_s, cfg.run.stall_s, lost=c.lost,  # this job's settings, nothing measured
+                          pids=c.liveness.pids, watched=c.liveness.watched, ping_every_s=c.liveness.ping_every_s)
     return c
 
 
@@ -212,6 +217,11 @@ def stop_cluster(c: Cluster, timeout_s: float = 30.0) -> None:
     ends = [a.shutdown.remote() for name, a in c.actors() if name not in gone]
     if ends:
         ray.wait(ends, num_returns=len(ends), timeout=timeout_s)
+    for name in gone:  # stopped or stuck (colo.cluster.liveness): ray.kill leaves a stopped process be
+        pid = c.liveness.pids.get(name)
+        if pid is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
     for _, a in c.actors():
         with contextlib.suppress(Exception):
             ray.kill(a, no_restart=True)

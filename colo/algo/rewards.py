@@ -24,8 +24,11 @@ Built-ins (names usable in `algo.rewards`):
                                                     slow function (sandbox, HTTP judge) runs while the
                                                     driver does other work; .result() re-raises
 A failing function raises `RewardError` naming the function and the sample; so does a user function that has
-not returned after `timeout_s` (algo.reward_timeout_s). In the main thread (where the loop scores) a watchdog
-stops it with a signal, so it runs where signals work (math-verify's alarms, for one) and is really stopped;
+not returned after `timeout_s` (algo.reward_timeout_s), one that ends the process's way (`sys.exit()`, a
+`KeyboardInterrupt` of its own: a run must not end with status 0 halfway), one that returns a value float32 cannot
+hold (the rewards become a float32 tensor), and one that changes its inputs in place (each function gets its own
+copies, compared after the call: the next function would score changed data and take the blame).
+In the main thread (where the loop scores) a watchdog stops it with a signal, so it runs where signals work (math-verify's alarms, for one) and is really stopped;
 elsewhere it runs in a daemon thread that is abandoned at the timeout. Built-ins bound themselves.
 """
 
@@ -42,9 +45,11 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 from colo.algo import math_reward
+from colo.run.signals import stop_signalled
 
 RewardFn = Callable[..., list[float]]
 
+FLOAT32_MAX = 3.4028234663852886e38  # the rewards become a float32 tensor (colo.loop.score): beyond this, inf
 NUMERIC_REL_TOL = 1e-6
 NUMERIC_ABS_TOL = 1e-6
 
@@ -187,9 +192,19 @@ class RewardRunner:
         for name, fn, w, takes in zip(self.names, self.fns, self.weights, self._takes):
             kw = {k: given[k] for k in takes if given[k] is not None}
             limit = None if fn in BUILTINS.values() else self.timeout_s
-            vals = _run_one(name, fn, responses, answers, prompts, kw, limit)
+            inputs = {"responses": responses, "answers": answers, "prompts": prompts, **kw}
+            mine = {k: _copy(v) for k, v in inputs.items()}  # the function's own: what it changes stays its own
+            vals = _run_one(name, fn, mine["responses"], mine["answers"], mine["prompts"],
+                            {k: mine[k] for k in kw}, limit)
+            _check_unchanged(name, inputs, mine)
             by_name[name] = vals
             total = [t + w * v for t, v in zip(total, vals)]
+        for i, t in enumerate(total):
+            if abs(t) > FLOAT32_MAX:
+                raise RewardError(f"the weighted sum of the reward functions is {t:g} for sample {i}, beyond float32's "
+                                  f"range (±{FLOAT32_MAX:.3g}) the rewards are kept in: "
+                                  f"response={_short(responses[i])}; fix: scale the rewards down", "algo.rewards", i,
+                                  responses[i])
         return Scores(total, by_name)
 
     def submit(self, responses: list[str], answers: list[str], prompts: list[str],
@@ -285,7 +300,9 @@ def _run_one(name: str, fn: RewardFn, responses: list[str], answers: list[str],
         vals = _bounded(fn, timeout_s, responses, answers, prompts, **kw)
     except _Timeout:
         raise _timed_out(name, timeout_s) from None
-    except Exception as e:
+    except BaseException as e:
+        if not _its_own(e):  # a stop signal (Ctrl-C, SIGTERM, SIGHUP) that came while it ran: the run stops
+            raise
         raise _locate(name, fn, responses, answers, prompts, kw, e, timeout_s) from e
     try:
         vals = [float(v) for v in vals]
@@ -298,11 +315,30 @@ def _run_one(name: str, fn: RewardFn, responses: list[str], answers: list[str],
         if not math.isfinite(v):
             raise RewardError(f"reward function {name!r} returned {v} for sample {i}: "
                               f"response={_short(responses[i])}", name, i, responses[i])
+        if abs(v) > FLOAT32_MAX:
+            raise RewardError(f"reward function {name!r} returned {v:g} for sample {i}, beyond float32's range "
+                              f"(±{FLOAT32_MAX:.3g}) the rewards are kept in: response={_short(responses[i])}; fix: "
+                              "return values of a sane scale", name, i, responses[i])
     return vals
 
 
+def _its_own(e: BaseException) -> bool:
+    """An exception the reward function raised itself: any Exception, SystemExit (sys.exit() ends a run with
+    status 0), and a KeyboardInterrupt no stop signal caused (colo.run.signals.stop_signalled)."""
+    if isinstance(e, KeyboardInterrupt):
+        return not stop_signalled()
+    return isinstance(e, (Exception, SystemExit))
+
+
+def _raised(e: BaseException) -> str:
+    """How a reward function's exception reads: "called sys.exit(0)" for a SystemExit, else "raised <Type>: ..."."""
+    if isinstance(e, SystemExit):
+        return f"called sys.exit({e.code!r}) (a reward function cannot end the run; return a value or raise)"
+    return f"raised {type(e).__name__}: {e}"
+
+
 def _locate(name: str, fn: RewardFn, responses: list[str], answers: list[str],
-            prompts: list[str], kw: dict, err: Exception, timeout_s: float | None = None) -> RewardError:
+            prompts: list[str], kw: dict, err: BaseException, timeout_s: float | None = None) -> RewardError:
     """Find the first sample that makes `fn` raise by calling it one sample at a time.
 
     Reward functions are meant to be pure scorers, so re-running them is safe; a function that
@@ -314,13 +350,35 @@ def _locate(name: str, fn: RewardFn, responses: list[str], answers: list[str],
             _bounded(fn, timeout_s, responses[i:i + 1], answers[i:i + 1], prompts[i:i + 1], **one_kw)
         except _Timeout:
             return _timed_out(name, timeout_s)
-        except Exception as e:
+        except BaseException as e:
+            if not _its_own(e):
+                raise
             return RewardError(
-                f"reward function {name!r} raised {type(e).__name__}: {e} on sample {i}: "
+                f"reward function {name!r} {_raised(e)} on sample {i}: "
                 f"response={_short(responses[i])} answer={_short(answers[i])}",
                 name, i, responses[i])
-    return RewardError(f"reward function {name!r} raised {type(err).__name__}: {err} on the batch "
+    return RewardError(f"reward function {name!r} {_raised(err)} on the batch "
                        f"of {len(responses)} (no single sample reproduces it)", name)
+
+
+def _copy(values: list) -> list:
+    """A list of strs as a new list; of lists (response_ids) as new lists too."""
+    return [list(v) if isinstance(v, list) else v for v in values]
+
+
+def _check_unchanged(name: str, inputs: dict[str, list], given: dict[str, list]) -> None:
+    """RewardError when the function changed the lists it was given (its copies, `given`) in place: a pure scorer
+    does not, and one that does would leave the next function, or its own retry on one sample, other data."""
+    for key, values in inputs.items():
+        got = given[key]
+        if len(got) != len(values):
+            raise RewardError(f"reward function {name!r} changed its input {key} in place (its length {len(values)} "
+                              f"-> {len(got)}); fix: copy what it changes (e.g. {key} = list({key}))", name)
+        for i, (a, b) in enumerate(zip(values, got)):
+            if a != b:
+                raise RewardError(f"reward function {name!r} changed its input {key}[{i}] in place, on sample {i}: "
+                                  f"{_short(str(a))} -> {_short(str(b))}; fix: copy what it changes (e.g. {key} = "
+                                  f"list({key}))", name, i)
 
 
 def _short(text: str, limit: int = 200) -> str:

@@ -27,6 +27,7 @@ import ray
 from colo.algo.batch import to_wire
 from colo.config import ColoConfig, to_dict
 from colo.cluster.head import check_head, unwatch_head
+from colo.cluster.liveness import HEARTBEAT_GROUP, Liveness, Watch
 from colo.host.procs import record, stop_recorded
 from colo.cluster.nodes import Lost, gpu_nodes, locate, lost_nodes, on_nodes
 from colo.cluster.placement import PlacementPlan, create_disaggregated_placement, create_placement, scheduling
@@ -48,7 +49,11 @@ class Cluster:
     setup: dict = field(default_factory=dict)  # start-up seconds: trainer_setup_s, engine_start_s, cluster_s
     mode: str = "colocated"
     ranks_by_node: dict = field(default_factory=dict)  # Ray node id -> (node IP, ["trainer rank 0", ...])
-    lost: list = field(default_factory=list)  # names of the actors on nodes found lost (node_loss)
+    lost: list = field(default_factory=list)  # names of the actors on nodes found lost (node_loss), stopped or stuck
+    liveness: Liveness = field(default_factory=Liveness)  # heartbeats and deadlines of its calls (run.heartbeat_s)
+
+    def __post_init__(self) -> None:
+        self.liveness.lost = self.lost  # one list: what the run's end does not wait for
 
     @property
     def colocated(self) -> bool:
@@ -61,11 +66,11 @@ class Cluster:
 
     @property
     def trainer_group(self) -> TrainerGroup:
-        return TrainerGroup(self.trainers, self.engines, self.colocated)
+        return TrainerGroup(self.trainers, self.engines, self.colocated, self.liveness)
 
     @property
     def engine_group(self) -> EngineGroup:
-        return EngineGroup(self.engines, self.colocated)
+        return EngineGroup(self.engines, self.colocated, self.liveness)
 
 
 def engine_name(e: int, colocated: bool) -> str:
@@ -94,7 +99,10 @@ def start_cluster(cfg: ColoConfig, plan: PlacementPlan, trainer_cls: type[Traine
     trainer_cls, engine_cls = trainer_cls or Trainer, engine_cls or Engine
     if not (issubclass(trainer_cls, Trainer) and issubclass(engine_cls, Engine)):
         raise TypeError(f"start_cluster takes subclasses of Trainer and Engine, got {trainer_cls} and {engine_cls}")
-    TrainWorker, RolloutEngine = ray.remote(trainer_cls), ray.remote(engine_cls)  # noqa: N806
+    # heartbeats run on a thread of their own beside each actor's calls (colo.cluster.liveness)
+    groups = {HEARTBEAT_GROUP: 1}
+    TrainWorker = ray.remote(concurrency_groups=groups)(trainer_cls)  # noqa: N806
+    RolloutEngine = ray.remote(concurrency_groups=groups)(engine_cls)  # noqa: N806
     t0 = time.perf_counter()
     colocated, cuda = plan.mode == "colocated", cfg.placement.device == "cuda"
     if not plan.node_order:  # ranks fill the cluster's GPU nodes in order (colo.cluster.nodes)
@@ -142,7 +150,10 @@ def start_cluster(cfg: ColoConfig, plan: PlacementPlan, trainer_cls: type[Traine
         pgs = trainer_pgs + engine_pgs
     setup["cluster_s"] = time.perf_counter() - t0
     record()  # the actors' processes, and what they started, stopped by id when the run ends (colo.host.procs)
-    return Cluster(trainers, engines, pgs, setup, mode=plan.mode, ranks_by_node=ranks_by_node)
+    c = Cluster(trainers, engines, pgs, setup, mode=plan.mode, ranks_by_node=ranks_by_node,
+                liveness=Liveness(cfg.run.heartbeat_s, cfg.run.stall_s))
+    c.liveness.note_pids(c.actors())
+    return c
 
 
 def check_alignment(setups: list[dict], readies: list[dict], colocated: bool) -> None:
@@ -175,22 +186,25 @@ def connect_weight_group(trainer0: Any, engines: list, tp_size: int) -> None:
 
 
 def gather(refs: list, who: list[str], timeout: float | None = None, engines: list | None = None,
-           paired: bool = True, colocated: bool = True) -> list:
+           paired: bool = True, colocated: bool = True, watch: Watch | None = None) -> list:
     """ray.get of all refs that fails on the first failure, naming the actor: ActorDied when it is gone,
-    ActorError when its method raised. `engines`: the engines the callees talk to (the sync), so an engine
-    that died or raised under a trainer's call is named by its index; `paired`: callee i talks to engine i
-    only (colocated), the fallback when Ray's error does not carry the dead engine's id; `colocated`: how
-    engines are named (colo.cluster.actors.engine_name).
+    ActorError when its method raised, ActorStalled when it stopped or is stuck (`watch`: colo.cluster.liveness;
+    the callees and `engines` are watched, and the call's time is measured when it returns). `engines`: the engines
+    the callees talk to (the sync), so an engine that died or raised under a trainer's call is named by its index;
+    `paired`: callee i talks to engine i only (colocated), the fallback when Ray's error does not carry the dead
+    engine's id; `colocated`: how engines are named (colo.cluster.actors.engine_name).
 
     Results are taken in completion order, not rank order: when rank 1 dies, rank 0 may be blocked in a
     collective waiting for it (gloo's default timeout is 30 min), so ray.get(rank 0) first would hang."""
     out, pending = {}, {ref: i for i, ref in enumerate(refs)}
     try:
         check_head()  # a lost head ends the run here, once (colo.cluster.head)
-        _gather(out, pending, who, timeout, engines, paired, colocated)
+        _gather(out, pending, who, timeout, engines, paired, colocated, watch)
     except BaseException:
         leave(list(pending))  # the other ranks' calls: collected when they end, never dropped unread
         raise
+    if watch is not None:
+        watch.live.measured(watch.kind, time.monotonic() - watch.started)
     return [out[i] for i in range(len(refs))]
 
 
@@ -245,14 +259,21 @@ def shutdown_ray() -> None:
 
 
 def _gather(out: dict, pending: dict, who: list[str], timeout: float | None, engines: list | None, paired: bool,
-            colocated: bool) -> None:
+            colocated: bool, watch: Watch | None) -> None:
     deadline = None if timeout is None else time.monotonic() + timeout
     while pending:
         left = None if deadline is None else max(0.0, deadline - time.monotonic())
-        done, _ = ray.wait(list(pending), num_returns=1, timeout=left)
+        every = None if watch is None else watch.live.ping_every_s
+        wait = left if every is None else min(every, every if left is None else left)
+        done, _ = ray.wait(list(pending), num_returns=1, timeout=wait)
         if not done:
-            late = ", ".join(who[i] for i in pending.values())
-            raise TimeoutError(f"{late} did not answer in {timeout:.0f} s")
+            if deadline is not None and time.monotonic() >= deadline:
+                late = ", ".join(who[i] for i in pending.values())
+                raise TimeoutError(f"{late} did not answer in {timeout:.0f} s")
+            stalled = watch.check([who[i] for i in pending.values()]) if watch is not None else None
+            if stalled is not None:
+                raise ActorStalled(stalled.names, stalled.why, stalled.callers_free)
+            continue
         i = pending.pop(done[0])
         try:
             out[i] = ray.get(done[0])
@@ -304,6 +325,16 @@ class ActorError(RuntimeError):
         self.name = name
 
 
+class ActorStalled(RuntimeError):
+    """An actor stopped answering (no heartbeat) or is stuck in a call (past its deadline): colo.cluster.liveness.
+    `name` is the first such actor; `callers_free`: the trainers are not inside a call, so they can still save."""
+
+    def __init__(self, names: list[str], why: str, callers_free: bool) -> None:
+        super().__init__(f"{' and '.join(names)} {why}")
+        self.name = names[0]
+        self.callers_free = callers_free
+
+
 class NodeLost(RuntimeError):
     """One or more of the job's nodes died or cannot be reached; `name` is "node <ip>" (the first one)."""
 
@@ -322,7 +353,7 @@ def node_loss(c: Cluster, err: Exception) -> NodeLost | None:
         return None
     if not lost:
         return None
-    c.lost = [r for n in lost for r in n.ranks]
+    c.lost[:] = [r for n in lost for r in n.ranks]  # in place: c.liveness records into the same list
     return NodeLost(lost, err)
 
 
@@ -338,58 +369,72 @@ class TrainerGroup:
     """Every trainer rank, called at once (the methods are collective); results in rank order. A failure
     raises ActorDied / ActorError naming the trainer, or the engine it was talking to in a sync."""
 
-    def __init__(self, trainers: list, engines: list, colocated: bool) -> None:
+    def __init__(self, trainers: list, engines: list, colocated: bool, liveness: Liveness | None = None) -> None:
         self.trainers, self.engines, self.colocated = trainers, engines, colocated
+        self.liveness = liveness
 
-    def _gather(self, refs: list, timeout: float | None = None) -> list:
-        return gather(refs, [f"trainer rank {r}" for r in range(len(refs))], timeout, engines=self.engines,
-                      paired=self.colocated, colocated=self.colocated)
+    def _gather(self, refs: list, kind: str, timeout: float | None = None, sync: bool = False) -> list:
+        """`kind`: the call, for its deadline (colo.cluster.liveness); `sync`: the engines are watched too."""
+        names = [f"trainer rank {r}" for r in range(len(refs))]
+        watched = list(zip(names, self.trainers)) + \
+            ([(engine_name(e, self.colocated), a) for e, a in enumerate(self.engines)] if sync else [])
+        watch = self.liveness.watch(kind, watched) if self.liveness is not None else None
+        return gather(refs, names, timeout, engines=self.engines, paired=self.colocated, colocated=self.colocated,
+                      watch=watch)
 
     def sync_engines(self) -> list[list]:
         """Per rank, the engines its sync writes: colocated, the one on its GPU; disaggregated, all."""
         return [[e] for e in self.engines] if self.colocated else [self.engines] * len(self.trainers)
 
     def memory(self) -> list[dict]:
-        return self._gather([t.memory.remote() for t in self.trainers])
+        return self._gather([t.memory.remote() for t in self.trainers], "memory")
 
     def onload(self) -> list[dict]:
-        return self._gather([t.onload.remote() for t in self.trainers])
+        return self._gather([t.onload.remote() for t in self.trainers], "onload")
 
     def offload(self) -> list[dict]:
-        return self._gather([t.offload.remote() for t in self.trainers])
+        return self._gather([t.offload.remote() for t in self.trainers], "offload")
 
     def sft_step(self, shards: list[dict]) -> list[dict]:
-        return self._gather([t.sft_step.remote(to_wire(b)) for t, b in zip(self.trainers, shards)])
+        return self._gather([t.sft_step.remote(to_wire(b)) for t, b in zip(self.trainers, shards)], "sft_step")
 
     def train_step(self, shards: list[dict]) -> list[dict]:
         """Each shard crosses Ray as numpy arrays (colo.algo.batch.to_wire: no pickling of the tensors)."""
-        return self._gather([t.train_step.remote(to_wire(b)) for t, b in zip(self.trainers, shards)])
+        return self._gather([t.train_step.remote(to_wire(b)) for t, b in zip(self.trainers, shards)], "train_step")
 
     def prepare_sync(self) -> list[dict]:
-        return self._gather([t.prepare_sync.remote(e) for t, e in zip(self.trainers, self.sync_engines())])
+        return self._gather([t.prepare_sync.remote(e) for t, e in zip(self.trainers, self.sync_engines())],
+                            "prepare_sync", sync=True)
 
     def sync_weights(self, probe: list[list[int]] | None = None) -> list[dict]:
         """Every rank's sync report; with `probe`, each also holds the policy's scores of those sequences."""
-        return self._gather([t.sync_weights.remote(e, probe) for t, e in zip(self.trainers, self.sync_engines())])
+        return self._gather([t.sync_weights.remote(e, probe) for t, e in zip(self.trainers, self.sync_engines())],
+                            "sync_weights", sync=True)
 
     def save_checkpoint(self, path: str, extra: dict, timeout: float | None = None) -> None:
-        self._gather([t.save_checkpoint.remote(path, extra) for t in self.trainers], timeout)
+        self._gather([t.save_checkpoint.remote(path, extra) for t in self.trainers], "save_checkpoint", timeout)
 
     def load_checkpoint(self, path: str) -> dict:
-        return self._gather([t.load_checkpoint.remote(path) for t in self.trainers])[0]
+        return self._gather([t.load_checkpoint.remote(path) for t in self.trainers], "load_checkpoint")[0]
 
     def export_hf(self, path: str) -> None:
-        self._gather([t.export_hf.remote(path) for t in self.trainers])
+        self._gather([t.export_hf.remote(path) for t in self.trainers], "export_hf")
 
 
 class EngineGroup:
     """Every engine, called at once; results in engine order; a failure names the engine."""
 
-    def __init__(self, engines: list, colocated: bool) -> None:
+    def __init__(self, engines: list, colocated: bool, liveness: Liveness | None = None) -> None:
         self.engines, self.colocated = engines, colocated
+        self.liveness = liveness
 
-    def _gather(self, refs: list) -> list:
-        return gather(refs, [engine_name(e, self.colocated) for e in range(len(refs))])
+    def _gather(self, refs: list, kind: str, which: list[int] | None = None) -> list:
+        """`kind`: the call, for its deadline (colo.cluster.liveness); `which`: the engines called (all)."""
+        which = list(range(len(refs))) if which is None else which
+        names = [engine_name(e, self.colocated) for e in which]
+        watch = (self.liveness.watch(kind, [(n, self.engines[e]) for n, e in zip(names, which)])
+                 if self.liveness is not None else None)
+        return gather(refs, names, watch=watch)
 
     def submit(self, gens: list[Generation]) -> list:
         """Engine e starts gens[e] (colo.rollout.generation: single-turn, multi-turn or partial); one Ray reference
@@ -398,16 +443,15 @@ class EngineGroup:
 
     def collect(self, refs: list) -> list[tuple[list[dict], dict]]:
         """Per engine, Engine.generate's (outputs, stats)."""
-        return self._gather(refs)
+        return self._gather(refs, "generate")
 
     def probe(self, seqs: list[list[int]], trace: bool = False, only: int | None = None) -> list[dict]:
         """Each engine's scores of `seqs` (colo.sync.probe; `trace`: with sublayer traces); `only`: that engine."""
-        which = range(len(self.engines)) if only is None else [only]
-        return gather([self.engines[e].probe.remote(seqs, trace) for e in which],
-                      [engine_name(e, self.colocated) for e in which])
+        which = list(range(len(self.engines))) if only is None else [only]
+        return self._gather([self.engines[e].probe.remote(seqs, trace) for e in which], "probe", which)
 
     def sleep(self, level: int) -> list[float]:
-        return self._gather([e.sleep.remote(level) for e in self.engines])
+        return self._gather([e.sleep.remote(level) for e in self.engines], "sleep")
 
     def wake_up(self, tags: list[str] | None) -> list[float]:
-        return self._gather([e.wake_up.remote(tags) for e in self.engines])
+        return self._gather([e.wake_up.remote(tags) for e in self.engines], "wake_up")

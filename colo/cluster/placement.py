@@ -172,6 +172,7 @@ def init_ray(plan: PlacementPlan, address: str = "", **kwargs: Any) -> None:
 
     from colo.cluster.head import watch_head
     from colo.host.procs import children, record
+    from colo.run.signals import hangup_blocked
 
     if ray.is_initialized():
         watch_head()
@@ -191,7 +192,8 @@ def init_ray(plan: PlacementPlan, address: str = "", **kwargs: Any) -> None:
         kwargs.setdefault("num_cpus", max(os.cpu_count() or 1, need))
         kwargs.setdefault("num_gpus", plan.num_gpus)
     before = set(children())
-    ray.init(**kwargs)
+    with hangup_blocked():  # Ray's head would die of a terminal's hangup before the driver saves (colo.run.signals)
+        ray.init(**kwargs)
     watch_head()  # a lost GCS or raylet ends the run with a checkpoint (colo.cluster.head)
     record([p for p in children() if p not in before])  # Ray's head: stopped by id at the end (colo.host.procs)
 

@@ -117,7 +117,8 @@ def _check_values(cfg: ColoConfig) -> None:
     if p.device in ("cpu", "cuda"):  # "auto" is checked once validate() has resolved it
         _check_tensor_parallel_device(cfg, p.device)
     for key, ok in (("trainer.lr", cfg.trainer.lr > 0), ("rollout.top_p", 0 < cfg.rollout.top_p <= 1),
-                    ("algo.reward_timeout_s", cfg.algo.reward_timeout_s > 0)):
+                    ("algo.reward_timeout_s", cfg.algo.reward_timeout_s > 0),
+                    ("run.heartbeat_s", cfg.run.heartbeat_s > 0), ("run.stall_s", cfg.run.stall_s > 0)):
         if not ok:
             raise ConfigError(f"{key}={get(key)} is out of range; fix: e.g. {key}={default_value(key)}")
     _check_loss(cfg)

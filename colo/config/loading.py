@@ -53,7 +53,11 @@ def load_config(config_path: str | None, overrides: list[str],
     try:
         cfg = OmegaConf.to_object(merged)
     except OmegaConfBaseException as e:  # e.g. a bad ${interpolation}
-        raise ConfigError(f"{_first_line(e)}; fix: check ${{...}} references in the config") from e
+        key = str(getattr(e, "full_key", None) or "")
+        where = next((src for src, layer, k in reversed(layers) if k == key or (not k and _sets(layer, key))), "")
+        named = f"{key} in {where}: " if key and where else f"{key}: " if key else ""
+        raise ConfigError(f"{named}{_first_line(e)}; fix: check the ${{...}} reference (it names a dotted key of "
+                          "the config, e.g. ${data.path})") from e
     _check_auto_words(cfg, {key: source for source, _, key in layers if key})  # type: ignore[arg-type]
     return cfg  # type: ignore[return-value]
 
@@ -87,6 +91,13 @@ def env_overrides(env: Mapping[str, str]) -> list[tuple[str, str, str]]:
     return out
 
 
+def ray_temp_root(env: Mapping[str, str] | None = None) -> Path:
+    """The folder a local Ray puts its sessions under (as Ray picks it: RAY_TMPDIR, else TMPDIR, else /tmp), for
+    the host check before Ray starts (colo.plan.preflight)."""
+    env = os.environ if env is None else env
+    return Path(env.get("RAY_TMPDIR") or env.get("TMPDIR") or "/tmp")
+
+
 def from_dict(d: Mapping[str, Any]) -> ColoConfig:
     """Rebuild a ColoConfig from to_dict()/dataclasses.asdict() output (e.g. inside a Ray actor)."""
     merged = _merge(OmegaConf.structured(ColoConfig), OmegaConf.create(dict(d)), "dict")
@@ -111,6 +122,75 @@ def save_resolved(cfg: ColoConfig, run_dir: str | os.PathLike, name: str = "conf
     return path
 
 
+def _sets(layer: Any, key: str) -> bool:
+    """Whether an OmegaConf layer sets the dotted `key` itself."""
+    try:
+        return OmegaConf.select(layer, key, throw_on_missing=False, throw_on_resolution_failure=False) is not None \
+            or key in _dotted(OmegaConf.to_container(layer, resolve=False))
+    except OmegaConfBaseException:
+        return False
+
+
+def _dotted(d: Any, prefix: str = "") -> set[str]:
+    if not isinstance(d, dict):
+        return set()
+    out: set[str] = set()
+    for k, v in d.items():
+        out |= {f"{prefix}{k}"} | _dotted(v, f"{prefix}{k}.")
+    return out
+
+
+class _StrictLoader(yaml.SafeLoader):
+    """yaml.safe_load, but a key given twice in one mapping is an error: PyYAML keeps the last silently, so a second
+    `lr:` overrode the first and a second `loop:` section dropped the first one's keys back to their defaults."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
+        seen: dict[Any, yaml.Mark] = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                first = seen[key]
+                raise _Duplicate(key, first.line + 1, key_node.start_mark.line + 1,
+                                 "section" if isinstance(_, yaml.MappingNode) else "key")
+            seen[key] = key_node.start_mark
+        return super().construct_mapping(node, deep=deep)
+
+
+class _Duplicate(yaml.YAMLError):
+    def __init__(self, key: Any, first: int, again: int, what: str) -> None:
+        super().__init__(f"{what} {key!r} given twice (line {first} and line {again})")
+        self.key, self.first, self.again, self.what = key, first, again, what
+
+
+def _undot(data: dict, path: str, line_of: dict | None = None) -> dict:
+    """Dotted keys in the YAML (`trainer.lr: 1e-6`, as on the command line) written out as sections; a key that is
+    then given twice (`trainer.lr` beside `trainer: {lr: ...}`) is refused naming both."""
+    out: dict = {}
+    for key, value in data.items():
+        if isinstance(value, dict):
+            value = _undot(value, path)
+        parts = key.split(".") if isinstance(key, str) and "." in key else [key]
+        node = out
+        for part in parts[:-1]:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"config file {path}: {key!r} puts a key under {part!r}, which is a value here; "
+                                  f"fix: write it once, as a section ({part}:) or as dotted keys")
+        leaf = parts[-1]
+        if leaf in node and not (isinstance(node[leaf], dict) and isinstance(value, dict)):
+            raise ConfigError(f"config file {path}: {key!r} sets a key that is set elsewhere in the file too; "
+                              "fix: set each key once (as a section or as a dotted key, not both)")
+        if leaf in node:  # two dicts: merged, each key still given once
+            for k in value:
+                if k in node[leaf]:
+                    raise ConfigError(f"config file {path}: '{key}.{k}' is set twice (as a dotted key and in a "
+                                      "section); fix: set each key once")
+            node[leaf].update(value)
+        else:
+            node[leaf] = value
+    return out
+
+
 def _read_yaml(path: str) -> Any:
     try:
         text = Path(path).read_text()
@@ -118,7 +198,11 @@ def _read_yaml(path: str) -> Any:
         raise ConfigError(f"cannot read config file {path}: {e.strerror}; "
                           "fix: pass an existing --config (ready ones are in configs/)") from e
     try:
-        data = yaml.safe_load(text)
+        data = yaml.load(text, Loader=_StrictLoader)  # noqa: S506 (a SafeLoader: no Python objects)
+    except _Duplicate as e:
+        raise ConfigError(f"config file {path}: {e}; fix: give each {e.what} once (the second one replaced the "
+                          "first" + (", and every key of the first section went back to its default)"
+                                     if e.what == "section" else ")")) from e
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
@@ -129,7 +213,7 @@ def _read_yaml(path: str) -> Any:
     if not isinstance(data, dict):
         raise ConfigError(f"config file {path} holds a {type(data).__name__}, not a mapping; "
                           "fix: write sections like 'trainer:' with 'lr: 1e-6' indented below")
-    return OmegaConf.create(data)
+    return OmegaConf.create(_undot(data, path))
 
 
 def _merge(base: Any, layer: Any, source: str, key_hint: str = "") -> Any:

@@ -15,7 +15,9 @@ keeps 1e-3. Another file, or the same file edited, brings the keys whose values 
 that differs from the saved run is named in one line, with its source.
 
 What the checkpoints mean is not changed on resume: the model, its tokenizer, the data (file and content, its
-fields and how prompts are rendered), the environment and the seed (MEANING). A resume that would change any of
+fields and how prompts are rendered), the environment, the seed and LoRA's adapters (on or off, rank, scale,
+targets: a LoRA checkpoint holds the adapters only) (MEANING). colo.config.runfiles checks the checkpoint's own
+record of what it holds, and the base weights on disk, before anything starts. A resume that would change any of
 them is refused with one line naming each (from whatever source: a key=value, a variable, another --config
 file, or a tokenizer or data file changed on disk since the run started, colo.run.origin); the rest (loop.steps,
 logging, the eval cadence, the learning rate, ...) is listed and applied. Nothing in the run dir is generated
@@ -37,7 +39,7 @@ from typing import Any
 
 from colo.config.loading import _read_yaml, env_overrides, load_config, resolve_run_dir, to_dict
 from colo.config.schema import AUTO, ColoConfig, ConfigError
-from colo.run.origin import origin_changes, read_origin
+from colo.run.origin import OriginError, origin_changes, read_origin
 
 FIRST = "config.yaml"
 RESUME_RE = re.compile(r"config\.resume-(\d+)\.yaml")
@@ -45,7 +47,7 @@ RUN_PATHS = ("model.path", "data.path", "data.eval_path")  # may lie inside the 
 NOT_COMPARED = ("run.resume",)  # true on every resume by definition
 # what gives the checkpoints their meaning besides the weights: never changed on resume
 MEANING = ("model.path", "data.path", "data.prompt_key", "data.answer_key", "data.chat_template", "data.system_prompt",
-           "algo.environment", "run.seed")
+           "algo.environment", "run.seed", "trainer.lora_rank", "trainer.lora_alpha", "trainer.lora_targets")
 
 
 def saved_configs(run_dir: str | os.PathLike) -> list[Path]:
@@ -114,7 +116,10 @@ def load_resumed(pattern: str, overrides: list[str], env: Mapping[str, str] | No
     run_dir = Path(resolve_run_dir(pattern, True)).resolve()
     base = saved_configs(run_dir)[-1]
     saved = load_config(str(base), [], {})
-    origin = read_origin(run_dir)
+    try:
+        origin = read_origin(run_dir)
+    except OriginError as e:
+        raise ConfigError(str(e)) from e
     sources = {key: f"environment {name}" for name, key, _ in env_overrides(env)}
     if env.get("RAY_ADDRESS"):  # a re-formed cluster may have a new head address
         sources["run.ray_address"] = "environment RAY_ADDRESS"

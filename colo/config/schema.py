@@ -416,6 +416,15 @@ class RunConfig(Section):
     and ranks are placed node by node over its GPU nodes (docs/architecture.md, "Several nodes"). The job's
     actors get the driver's PYTHONPATH (the cluster's workers were started by `ray start`, not by the driver),
     so the reward functions and environments the driver imports from it import there too."""
+    heartbeat_s: float = 60.0
+    """An actor (trainer or engine) that answers no heartbeat for this long while the driver waits on it has
+    stopped (SIGSTOP, a frozen host, a process holding Python's GIL): the run ends with one line naming it and a
+    checkpoint of the last finished step (colo.cluster.liveness). Heartbeats run beside the actor's calls, so a long
+    call still answers."""
+    stall_s: float = 600.0
+    """A call into the actors that has not returned after max(this, 10 x the longest call of its kind so far), or 3 x
+    this for the first of its kind, is stuck though its actor answers heartbeats (a hung CUDA kernel or collective):
+    the run ends as for a stopped actor. Slow calls (a longer rollout, a loaded host) stay within it."""
 
 
 @dataclass

@@ -32,6 +32,7 @@ class RunInputs:
     environment: str | None = None  # algo.environment
     probe_vocab: int = 0  # token ids valid for the model and the tokenizer alike (colo.sync.probe's sequences)
     unsafe_tools: bool = False  # algo.unsafe_unsandboxed_tools
+    holds: dict = field(default_factory=dict)  # what its checkpoints hold, recorded in each (colo.config.runfiles)
     _worker: Any = field(default=None, repr=False)  # colo.envs.offdriver.EnvWorker, made at the first demonstration
     _demos: dict = field(default_factory=dict, repr=False)  # (prompt, answer) -> demonstration
 
@@ -93,8 +94,10 @@ def open_inputs(cfg: ColoConfig) -> RunInputs:
     except (OSError, ValueError) as e:  # read_rows names the file, the row and the field
         raise ConfigError(f"data: {e}") from e
     vocab = min(len(tok), int(model_config_json(cfg).get("vocab_size") or len(tok)))
+    from colo.config.runfiles import holds
+
     return RunInputs(Path(cfg.run.dir), tok, train, evals, pairs, chat, cfg.run.seed, system, cfg.algo.environment,
-                     vocab, cfg.algo.unsafe_unsandboxed_tools)
+                     vocab, cfg.algo.unsafe_unsandboxed_tools, holds=holds(cfg))
 
 
 def check_first_turns(cfg: ColoConfig, tokenizer: Any, chat: bool, sources: list[tuple[str, list[dict]]]) -> None:

@@ -32,13 +32,20 @@ so the walls are local and the same as SandboxFusion's lite mode, built from two
 
 Per-process rlimits (address space, CPU seconds, file size, open files) stay inside, as a second line: a single
 huge allocation then fails with MemoryError instead of an OOM kill.
+
+- a seccomp filter (bwrap --seccomp, seccomp_program) refuses ptrace and process_vm_readv/writev with EPERM: the
+  tool's code could attach to the sandbox's init (PID 1 of its namespace, same uid, outside the interpreter's
+  rlimits) and stop it, and half of such calls then hung until their timeout. 32-bit and x32 system calls, which
+  would take other numbers past the filter, are refused too.
 """
 from __future__ import annotations
 
 import itertools
 import os
+import platform
 import shutil
 import signal
+import struct
 import subprocess
 import sys
 import threading
@@ -71,8 +78,46 @@ def runtime() -> tuple[str, list[str]]:
     return python, binds
 
 
-def sandbox_argv(command: list[str]) -> list[str]:
-    """bwrap around `command` (its argv[0] an absolute path inside the runtime); see the module docstring."""
+# seccomp (linux/seccomp.h, linux/filter.h): the filter sees struct seccomp_data {int nr; u32 arch; ...}
+_LD_W_ABS, _JEQ_K, _JGE_K, _RET_K = 0x20, 0x15, 0x35, 0x06
+_ALLOW, _ERRNO, _EPERM = 0x7FFF0000, 0x00050000, 1
+_X32 = 0x40000000  # x86-64's x32 ABI: the same calls at other numbers
+# machine -> (AUDIT_ARCH of its 64-bit ABI, the numbers of ptrace, process_vm_readv, process_vm_writev)
+_ARCHS = {"x86_64": (0xC000003E, (101, 310, 311)), "aarch64": (0xC00000B7, (117, 270, 271))}
+
+
+def seccomp_program() -> bytes | None:
+    """The compiled classic-BPF filter bwrap --seccomp loads (struct sock_filter[]): EPERM for ptrace and the
+    process_vm_* calls, and for any system call of another ABI than the machine's 64-bit one; None on a machine
+    not in _ARCHS."""
+    arch = _ARCHS.get(platform.machine())
+    if arch is None:
+        return None
+    audit, denied = arch
+    n = len(denied)
+    # 0: arch; 1: other ABI -> deny; 2: nr; 3: x32 -> deny; 4..4+n-1: a denied nr -> deny; then allow, deny
+    deny = 4 + n + 1
+    prog = [(_LD_W_ABS, 0, 0, 4), (_JEQ_K, 0, deny - 2, audit), (_LD_W_ABS, 0, 0, 0),
+            (_JGE_K, deny - 4, 0, _X32)]
+    prog += [(_JEQ_K, deny - (5 + i), 0, nr) for i, nr in enumerate(denied)]
+    prog += [(_RET_K, 0, 0, _ALLOW), (_RET_K, 0, 0, _ERRNO | _EPERM)]
+    return b"".join(struct.pack("=HBBI", *ins) for ins in prog)
+
+
+def seccomp_fd() -> int | None:
+    """A file descriptor holding seccomp_program(), for one bwrap (it reads it to the end); the caller closes it."""
+    prog = seccomp_program()
+    if prog is None:
+        return None
+    fd = os.memfd_create("colo-seccomp", 0)  # not close-on-exec: bwrap inherits it
+    os.write(fd, prog)
+    os.lseek(fd, 0, os.SEEK_SET)
+    return fd
+
+
+def sandbox_argv(command: list[str], seccomp: int | None = None) -> list[str]:
+    """bwrap around `command` (its argv[0] an absolute path inside the runtime); see the module docstring.
+    `seccomp`: a descriptor holding the filter (seccomp_fd), inherited by bwrap."""
     _, binds = runtime()
     env = {"PATH": "/usr/bin:/bin", "HOME": WORK, "TMPDIR": "/tmp", "LANG": "C.UTF-8", "PYTHONHASHSEED": "0",
            "OMP_NUM_THREADS": "1"}
@@ -83,6 +128,8 @@ def sandbox_argv(command: list[str]) -> list[str]:
         argv += ["--setenv", k, v]
     argv += binds + ["--proc", "/proc", "--dev", "/dev", "--size", str(TMPFS_BYTES), "--tmpfs", WORK,
                      "--size", str(TMPFS_BYTES), "--tmpfs", "/tmp", "--remount-ro", "/", "--chdir", WORK]
+    if seccomp is not None:
+        argv += ["--seccomp", str(seccomp)]
     return argv + command
 
 
@@ -278,13 +325,18 @@ def _probe() -> str | None:
                 f"none can be made here ({e}); fix: run colo where it may create cgroups (root, or a cgroup v2 "
                 "subtree delegated to it, e.g. systemd-run --user --scope -p Delegate=yes), or "
                 "algo.unsafe_unsandboxed_tools=true to run tool code without isolation")
+    filt = None
     try:
         python, _ = runtime()
-        r = subprocess.run(budget.join(sandbox_argv([python, "-I", "-S", "-c", "print('ok')"])), env={},
-                           stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=60)
+        filt = seccomp_fd()
+        r = subprocess.run(budget.join(sandbox_argv([python, "-I", "-S", "-c", "print('ok')"], filt)), env={},
+                           stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=60,
+                           pass_fds=() if filt is None else (filt,))
     except (OSError, subprocess.TimeoutExpired) as e:
         r = subprocess.CompletedProcess([], 1, "", str(e))
     finally:
+        if filt is not None:
+            os.close(filt)
         budget.kill()
         budget.remove()
     if r.returncode != 0 or r.stdout.strip() != "ok":

@@ -22,6 +22,7 @@ from concurrent.futures.process import BrokenProcessPool
 from typing import Any
 
 from colo.envs.base import EnvError
+from colo.run.signals import stop_signalled
 
 _STATE: dict[str, Any] = {}  # in the worker: the environment class and the framing
 
@@ -37,7 +38,7 @@ def _init(spec: str, tokenizer: Any, system_prompt: str | None, chat: bool, unsa
 
 
 def _first_prompts(rows: list[dict]) -> list[list[int] | str]:
-    from colo.envs.runner import EnvRunner
+    from colo.envs.runner import EnvRunner, ended_as
 
     out: list[list[int] | str] = []
     for row in rows:
@@ -45,6 +46,8 @@ def _first_prompts(rows: list[dict]) -> list[list[int] | str]:
             out.append(EnvRunner(_STATE["cls"], _STATE["framing"]).reset(row))
         except Exception as e:  # noqa: BLE001 (a user environment may raise anything: named with its row)
             out.append(f"{type(e).__name__}: {e}")
+        except (SystemExit, KeyboardInterrupt) as e:  # the environment's own: no signal reaches a pool worker's call
+            out.append(ended_as(e))
     return out
 
 
@@ -96,6 +99,12 @@ class EnvWorker:
             raise
         except Exception as e:  # noqa: BLE001 (raised by the environment: one line with its type)
             raise EnvError(f"environment {self.spec}: {type(e).__name__} while {what}: {e}") from e
+        except (SystemExit, KeyboardInterrupt) as e:  # the worker's, handed back: would end the driver as it says
+            if isinstance(e, KeyboardInterrupt) and stop_signalled():  # a stop signal while the driver waited
+                raise
+            from colo.envs.runner import ended_as
+
+            raise EnvError(f"environment {self.spec}: while {what}, {ended_as(e)}") from e
 
     def first_prompts(self, rows: list[dict]) -> list[list[int] | str]:
         """Each row's first-turn ids (reset() framed as the engine frames it), or the error reset() gave."""

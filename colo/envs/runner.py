@@ -44,6 +44,14 @@ class EnvRunner:
         return step, ids
 
 
+def ended_as(e: BaseException) -> str:
+    """An environment's SystemExit / KeyboardInterrupt in words: it must not end the run (a thread swallows a
+    SystemExit without a word, a process pool hands it to the driver, which would exit with its status)."""
+    if isinstance(e, SystemExit):
+        return f"called sys.exit({e.code!r}) (environment code cannot end the run; return a Step or raise)"
+    return "raised KeyboardInterrupt (environment code cannot end the run; return a Step or raise)"
+
+
 def guarded(calls: list[Callable[[], Any]], timeout_s: float) -> list[Any]:
     """Run every call at once; each result is its value or an EnvError: the call raised (the error names the
     exception), or had not returned timeout_s after the calls started."""
@@ -57,6 +65,8 @@ def guarded(calls: list[Callable[[], Any]], timeout_s: float) -> list[Any]:
             results[i] = e
         except Exception as e:  # noqa: BLE001 (a user environment may raise anything: that sample ends)
             results[i] = EnvError(f"{type(e).__name__}: {e}")
+        except (SystemExit, KeyboardInterrupt) as e:  # in a thread no signal raises them: the environment did
+            results[i] = EnvError(ended_as(e))
         done[i] = True
 
     threads = [threading.Thread(target=run, args=(i,), daemon=True, name=f"colo-env-{i}") for i in range(len(calls))]

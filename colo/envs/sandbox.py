@@ -15,7 +15,9 @@ printed (`47*12+35` answers 599).
 Where the sandbox cannot run (isolation.missing() says why: no bwrap, no cgroup, no user namespaces) a call
 raises SandboxUnavailable, unless the process allowed unsandboxed runs (permit_unsandboxed, from
 algo.unsafe_unsandboxed_tools): then the code runs as a plain subprocess under the rlimits, in its own session
-and a temporary folder, which contains mistakes but not a hostile program.
+and a temporary folder, which contains mistakes but not a hostile program. Its memory is watched as a whole there
+too (the resident memory of its process tree, read every WATCH_S): the rlimits alone are per process, and 4 forked
+children held 4 x the limit at once.
 
 The "python" environment (PythonEnv) runs the code of every <tool_call> and answers with its output:
 
@@ -31,15 +33,17 @@ import signal
 import subprocess
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from colo.envs.base import Environment, Step, Turn
 from colo.envs.calculator import CALL, EXPRESSION
-from colo.envs.isolation import Budget, missing, runtime, sandbox_argv
+from colo.envs.isolation import Budget, missing, runtime, sandbox_argv, seccomp_fd
 
 MAX_OUTPUT = 2000  # characters of stdout kept; the call is stopped once more than 4x as many bytes came
 MAX_PROCS = 32  # processes of one call, its interpreter included
 ERR_TAIL = 8192  # bytes of stderr kept (its end: a traceback's last line)
+WATCH_S = 0.05  # unsandboxed: how often the tree's resident memory is read
 
 
 @dataclass
@@ -92,15 +96,21 @@ def run_python(code: str, timeout_s: float = 10.0, memory_mb: int = 1024, max_pr
     cmd = [python, "-I", "-c", PRELUDE, str(memory_mb), str(max(1, int(timeout_s) + 1))]
     budget = Budget(memory_mb, max_procs) if problem is None else None
     tmp = None if budget else tempfile.mkdtemp(prefix="colo-tool-")
-    argv = budget.join(sandbox_argv(cmd)) if budget else cmd
+    filt = seccomp_fd() if budget else None  # no ptrace of the sandbox's init (colo.envs.isolation)
+    argv = budget.join(sandbox_argv(cmd, filt)) if budget else cmd
     oom = False
     try:
-        proc = subprocess.Popen(argv, cwd=tmp or "/", stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, start_new_session=True,
-                                env={"PATH": "/usr/bin:/bin", "HOME": tmp or "/", "PYTHONHASHSEED": "0",
-                                     "OMP_NUM_THREADS": "1"})
         try:
-            out, err, why = _communicate(proc, code.encode("utf-8", "replace"), time.monotonic() + timeout_s)
+            proc = subprocess.Popen(argv, cwd=tmp or "/", stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                    stderr=subprocess.PIPE, start_new_session=True, pass_fds=() if filt is None else
+                                    (filt,), env={"PATH": "/usr/bin:/bin", "HOME": tmp or "/", "PYTHONHASHSEED": "0",
+                                                  "OMP_NUM_THREADS": "1"})
+        finally:
+            if filt is not None:
+                os.close(filt)
+        try:
+            watch = None if budget else (lambda: _tree_rss(proc.pid) > memory_mb * 2**20)
+            out, err, why = _communicate(proc, code.encode("utf-8", "replace"), time.monotonic() + timeout_s, watch)
         finally:
             if proc.poll() is None:
                 _kill(proc, budget)
@@ -120,7 +130,7 @@ def run_python(code: str, timeout_s: float = 10.0, memory_mb: int = 1024, max_pr
         return Ran(text, f"timed out after {timeout_s:g} s", None)
     if why == "output":
         return Ran(text, f"output limit: more than {MAX_OUTPUT} characters; the program was stopped", None)
-    if oom:
+    if oom or why == "memory":
         return Ran(text, f"memory limit: its processes together needed more than {memory_mb} MiB", proc.returncode)
     rc = proc.returncode
     if rc == 0:
@@ -153,9 +163,25 @@ def _kill(proc: subprocess.Popen, budget: Budget | None) -> None:
         budget.kill()
 
 
-def _communicate(proc: subprocess.Popen, data: bytes, deadline: float) -> tuple[bytes, bytes, str | None]:
-    """Write `data` to stdin, read stdout and stderr as they come; stop at the deadline ("timeout") or once
-    stdout passed its bound ("output"). Never holds more than the bounds, however much the program writes."""
+def _tree_rss(pid: int) -> int:
+    """Resident bytes of `pid` and its descendants (Linux /proc; 0 where it cannot be read)."""
+    from colo.host.shm import process_tree
+
+    total = 0
+    for p in process_tree(pid):
+        try:
+            with open(f"/proc/{p}/statm") as f:
+                total += int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+        except (OSError, ValueError, IndexError):
+            continue
+    return total
+
+
+def _communicate(proc: subprocess.Popen, data: bytes, deadline: float,
+                 over: Callable[[], bool] | None = None) -> tuple[bytes, bytes, str | None]:
+    """Write `data` to stdin, read stdout and stderr as they come; stop at the deadline ("timeout"), once stdout
+    passed its bound ("output"), or once `over()` says the program's memory is past its budget ("memory", checked
+    every WATCH_S). Never holds more than the bounds, however much the program writes."""
     out, err, cap = bytearray(), bytearray(), 4 * MAX_OUTPUT
     sel = selectors.DefaultSelector()
     sel.register(proc.stdout, selectors.EVENT_READ, "out")
@@ -173,7 +199,10 @@ def _communicate(proc: subprocess.Popen, data: bytes, deadline: float) -> tuple[
             if left <= 0:
                 why = "timeout"
                 break
-            for key, _ in sel.select(left):
+            if over is not None and over():
+                why = "memory"
+                break
+            for key, _ in sel.select(left if over is None else min(left, WATCH_S)):
                 if key.data == "in":
                     try:
                         view = view[os.write(key.fd, view[:65536]):]

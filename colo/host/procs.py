@@ -25,20 +25,11 @@ import tempfile
 import time
 from pathlib import Path
 
-from colo.host.shm import process_tree
+from colo.host.shm import process_tree, start_ticks
 
 
 def records_dir() -> Path:
     return Path(tempfile.gettempdir()) / f"colo-procs-{os.getuid()}"
-
-
-def start_ticks(pid: int) -> int | None:
-    """When `pid` started (clock ticks since boot), None when it is gone or a zombie."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
-    except OSError:
-        return None
-    return None if fields[0] in ("Z", "X") else int(fields[19])
 
 
 def _own_record() -> Path:

@@ -50,7 +50,7 @@ from colo.rollout.extension import WorkerExtension, qualname
 from colo.rollout.generation import Generation
 from colo.rollout.sample import Sample, SampleArrays, pack
 from colo.rollout.quant import engine_quantization
-from colo.host.shm import register_mapped, sweep
+from colo.host.shm import register_mapped, remove_scratch, scratch, sweep
 
 if TYPE_CHECKING:
     from colo.rollout.engine_loop import Ask
@@ -146,7 +146,8 @@ class Engine:
         self._ids_dtype = ids_dtype(experts)
         self.__dict__.pop("_moe_layer_ids", None)  # the MoE layers of the model loaded before, if any
 
-        self.llm = LLM(**self._llm_kwargs())
+        with scratch():  # vLLM's rendezvous file (vllm_dist_*) and sockets: removed at shutdown (colo.host.shm)
+            self.llm = LLM(**self._llm_kwargs())
         if self.device == "cuda" or self.tp_size > 1:
             # vLLM's child processes (the GPU engine core, multiprocess executors) talk through psm_* queues in
             # /dev/shm that a killed engine leaves behind: colo takes them on, so the next sweep removes them
@@ -385,6 +386,7 @@ class Engine:
         """Stop vLLM's engine core (and its worker processes, unlinking their shared memory) before Ray ends
         this actor, which would run no cleanup."""
         self.llm.llm_engine.engine_core.shutdown()
+        remove_scratch()
 
     # ------------------------------------------------------------------ weight sync (receiver side)
 

@@ -2,9 +2,14 @@
 
     <run.dir>/logs/trainer-<r>.log    trainer rank r's stdout and stderr (FSDP, transformers, torch)
     <run.dir>/logs/engine-<e>.log     engine e's, vLLM's included (and its worker processes' on CPU)
+    <run.dir>/logs/<role>-<i>.crash.log  the fatal signal that ended that actor's process, if one did (faulthandler):
+                                      a dead actor is reported with it (died_of)
     <run.dir>/logs/ray-session_*/     Ray's own logs of the run, copied at its end from Ray's temp dir (which goes
                                       with the machine's /tmp), one per session (run, resume)
-    <run.dir>/error.log               the traceback of a failure that ended the run (colo.runlife.fail)
+    <run.dir>/logs/ray-errors.log     what Ray's raylets report to the driver ("A worker died or was killed ..."),
+                                      which Ray prints on the terminal whatever log_to_driver says (route_ray_errors)
+    <run.dir>/error.log               the traceback of a failure that ended the run (colo.runlife.fail), and the
+                                      line of a stop signal that ended it (the terminal may be gone: SIGHUP)
 
 A log file that stayed empty (a trainer rank with nothing to say) is removed at the end: an empty file only
 makes a reader open it.
@@ -45,7 +50,65 @@ def actor_output(run_dir: str, verbose: bool, role: str, index: int) -> Path | N
         return None
     path = actor_log(run_dir, role, index)
     redirect_output(path)
+    record_fatal(crash_log(path))
     return path
+
+
+def crash_log(log: Path) -> Path:
+    """Where an actor's fatal signal is written (beside its log)."""
+    return log.with_name(log.name.removesuffix(".log") + ".crash.log")
+
+
+_CRASH: list = []  # the open crash log: faulthandler writes to its descriptor when the process dies
+
+
+def record_fatal(path: Path) -> None:
+    """From now on a fatal signal (SIGSEGV, SIGBUS, SIGABRT, SIGFPE, SIGILL) writes its name and every thread's
+    stack to `path`, emptied now: what it holds was this process's death. A SIGKILL leaves nothing."""
+    import faulthandler
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    f = open(path, "w")  # noqa: SIM115 (kept open for the process's life: faulthandler writes to its fd)
+    faulthandler.enable(file=f, all_threads=True)
+    _CRASH[:] = [f]
+
+
+# faulthandler's names of the signals it handles -> (signal, what it usually means)
+FATAL = {"Bus error": ("SIGBUS", "memory it had mapped went away: usually /dev/shm full (a larger one: docker "
+                                 "--shm-size) or a mapped file truncated"),
+         "Segmentation fault": ("SIGSEGV", "a crash in native code: a CUDA, NCCL, torch or vLLM library, an extension"),
+         "Aborted": ("SIGABRT", "native code gave up: an uncaught C++ exception or a failed assertion (NCCL, CUDA, "
+                                "torch)"),
+         "Floating point exception": ("SIGFPE", "an integer division by zero in native code"),
+         "Illegal instruction": ("SIGILL", "a binary built for another CPU (an instruction this one lacks)")}
+
+
+def died_of(log: Path | None) -> str:
+    """How an actor whose log is `log` died, as a clause to add to "<actor> died": the fatal signal its crash log
+    holds and what it usually means, or that none was recorded (a SIGKILL). "" without a log (verbose runs)."""
+    if log is None:
+        return ""
+    try:
+        text = crash_log(log).read_text(errors="replace")
+    except OSError:
+        return ""
+    for name, (sig, means) in FATAL.items():
+        if f"Fatal Python error: {name}" in text:
+            return f" of {sig} ({means}; its stack: {crash_log(log)})"
+    return (" without a fatal signal recorded (a SIGKILL leaves none: usually the kernel's OOM killer, see dmesg or "
+            "/proc/vmstat oom_kill, or a kill -9)")
+
+
+def note_end(run_dir: str | os.PathLike, line: str) -> None:
+    """Append `line` (how the run ended) to <run_dir>/error.log with the time: after a hangup the terminal that
+    would have shown it is gone. Never raises."""
+    import time
+
+    try:
+        with open(Path(run_dir) / "error.log", "a") as f:
+            f.write(f"==== {time.strftime('%Y-%m-%d %H:%M:%S')} {line}\n")
+    except OSError:
+        pass
 
 
 def redirect_output(path: Path) -> None:
@@ -73,7 +136,35 @@ def note_ray_logs(run_dir: str | os.PathLike) -> Path | None:
     except Exception:  # noqa: BLE001 (a Ray without that attribute: the logs stay where Ray puts them)
         return None
     _RAY_LOGS[str(Path(run_dir))] = target
+    route_ray_errors(run_dir)
     return target
+
+
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
+def route_ray_errors(run_dir: str | os.PathLike) -> Path | None:
+    """In a run whose actors log to files (log_to_driver off: not --verbose), the errors Ray's raylets report to the
+    driver go to <run_dir>/logs/ray-errors.log, not the terminal: Ray's listener printed "(raylet) A worker died or
+    was killed ..." beside colo's own line for the same death. Ray has no setting for it: its listener looks up
+    ray._private.worker.print_to_stdstream at each message, and that name is pointed at the file (log_to_driver's
+    printer holds its own reference, so a verbose run prints as before). Returns the file, None when verbose."""
+    from ray._private import worker
+
+    if hasattr(worker.global_worker, "logger_thread"):  # log_to_driver: everything goes to the terminal
+        return None
+    path = Path(run_dir) / "logs" / "ray-errors.log"
+
+    def to_file(data: dict, ignore_prefix: bool = False) -> None:
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            with open(path, "a") as f:
+                f.writelines(f"{_ANSI.sub('', str(line))}\n" for line in data.get("lines", []))
+        except OSError:
+            pass
+
+    worker.print_to_stdstream = to_file
+    return path
 
 
 def keep_logs(run_dir: str | os.PathLike, ray_logs: bool = True) -> Path | None:

@@ -1,8 +1,9 @@
 """What a run started from, kept in its run dir so that a resume can tell it is the same run.
 
     write_origin(run_dir, specs, config_file, file_values, tokenizer_dir, data_files)   # at the start, once
-    origin = read_origin(run_dir)                                                      # at every --resume
+    origin = read_origin(run_dir)                  # at every --resume; OriginError when missing or damaged
     changed = origin_changes(origin, tokenizer_dir, data_files)   # ["the tokenizer of model.path ... changed", ...]
+    digest = weights_digest(model_dir)             # what a LoRA checkpoint's base was (colo.config.runfiles)
 
 <run.dir>/origin.json holds the model and data as they were given (`auto:tiny`: the saved config only has the
 folder it was generated into), the values of the --config file the run started with (so a resume given that same
@@ -61,16 +62,64 @@ def write_origin(run_dir: str | os.PathLike, specs: dict[str, Any], config_file:
               "tokenizer": tokenizer_fingerprint(tokenizer_dir),
               "data": {key: fingerprint(path) if path else None for key, path in data_files.items()}}
     path = Path(run_dir) / NAME
-    path.write_text(json.dumps(record, indent=1, sort_keys=True) + "\n")
+    tmp = path.with_name(f".{NAME}.tmp")  # whole or not there: a torn record would refuse every resume
+    tmp.write_text(json.dumps(record, indent=1, sort_keys=True) + "\n")
+    tmp.replace(path)
     return path
 
 
-def read_origin(run_dir: str | os.PathLike) -> dict[str, Any] | None:
-    """The record, or None for a run started before colo kept one."""
+KEYS = {"specs": dict, "config_file": dict, "tokenizer": dict, "data": dict}  # what a record holds, and as what
+
+
+class OriginError(ValueError):
+    """origin.json is missing or damaged: one line naming the file and the fix (a resume that cannot tell whether
+    the tokenizer and the data are the run's own is refused, never continued unchecked)."""
+
+
+def read_origin(run_dir: str | os.PathLike) -> dict[str, Any]:
+    """The record; OriginError when it is missing, unreadable or lacks a part (emptied or edited: a resume would
+    otherwise continue on changed data without a word)."""
+    path = Path(run_dir) / NAME
+    fix = ("fix: restore it from a copy of the run dir (it is written once, when the run starts); without it a "
+           "resume cannot tell whether the tokenizer and the data are the ones the run was trained on")
     try:
-        return json.loads((Path(run_dir) / NAME).read_text())
-    except (OSError, ValueError):
-        return None
+        record = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise OriginError(f"--resume: {path} is missing; {fix}") from None
+    except (OSError, ValueError) as e:
+        raise OriginError(f"--resume: {path} is unreadable ({type(e).__name__}: {e}); {fix}") from e
+    if not isinstance(record, dict):
+        raise OriginError(f"--resume: {path} holds a {type(record).__name__}, not colo's record; {fix}")
+    for key, kind in KEYS.items():
+        if not isinstance(record.get(key), kind):
+            raise OriginError(f"--resume: {path} lacks its {key!r} part (or it is not a {kind.__name__}); {fix}")
+    return record
+
+
+SAMPLED = 64 << 20  # a weights file up to this size is hashed whole; a larger one by SAMPLES pieces spread over it
+SAMPLES, PIECE = 16, 1 << 20
+
+
+def weights_digest(model_dir: str | os.PathLike) -> str:
+    """sha256 over a checkpoint's *.safetensors files: each file's name, size and header (names, shapes, dtypes,
+    offsets) and its data (whole up to SAMPLED bytes, else SAMPLES pieces of PIECE bytes spread evenly: ~16 MiB
+    per file, a second for a 30B model). Another checkpoint put in the same place is seen; an edit of one tensor
+    of a large file may not be."""
+    h = hashlib.sha256()
+    for f in sorted(Path(model_dir).glob("*.safetensors")):
+        size = f.stat().st_size
+        h.update(f"{f.name}:{size}\n".encode())
+        with open(f, "rb") as fh:
+            if size <= SAMPLED:
+                for block in iter(lambda: fh.read(1 << 20), b""):
+                    h.update(block)
+                continue
+            head = int.from_bytes(fh.read(8), "little")  # the safetensors header's length
+            h.update(fh.read(min(head, size - 8)))
+            for k in range(SAMPLES):
+                fh.seek((size - PIECE) * k // (SAMPLES - 1))
+                h.update(fh.read(PIECE))
+    return h.hexdigest()
 
 
 def origin_changes(origin: dict[str, Any], tokenizer_dir: str, data_files: dict[str, str | None]) -> list[str]:

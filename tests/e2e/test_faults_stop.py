@@ -1,21 +1,26 @@
-"""Stopping and breaking a real run (`python -m colo.launch`): Ctrl-C, SIGTERM, a second launch into the same run
-dir, a damaged newest checkpoint, a disk that fills mid-run. Each ends with one line, saves what the trainers
-hold, and leaves no process and no /dev/shm segment of the run behind.
+"""Stopping and breaking a real run (`python -m colo.launch`): Ctrl-C, a closed terminal (SIGHUP), a second launch
+into the same run dir, a damaged newest checkpoint, a disk that fills mid-run. Each ends with one line, saves what
+the trainers hold, and leaves no process and no /dev/shm segment of the run behind.
 
 Two small jobs on one trainer/engine pair (~1-2 min each on 2 cores): the first is stopped with Ctrl-C after
 step 1 (a second launch into its dir is refused meanwhile); its newest checkpoint is then truncated and the run
-resumed, which falls back to the checkpoint before and is stopped with SIGTERM. The full-disk job (root only: a
-tmpfs) is a third.
+resumed on a terminal of its own (a pty), which falls back to the checkpoint before and is stopped by closing that
+terminal: the pty hangs up and SIGHUP goes to the run's process group, Ray's head included, as a shell sends it
+(a SIGTERM takes the same path: colo.run.signals; tests/unit/test_faults_signals.py). The full-disk job (root only:
+a tmpfs) is a third.
 """
 from __future__ import annotations
 
 import contextlib
 import json
 import os
+import pty
+import select
 import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -34,6 +39,53 @@ JOB = ["loop.steps=8", "loop.sft_warmup_steps=2", "loop.eval_every=0", "loop.eva
 def launch(run_dir: Path, *args: str) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "colo.launch", f"run.dir={run_dir}", *JOB, *args], env=clean_env(),
                             start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+class OnTerminal:
+    """`python -m colo.launch ARGS` on a terminal of its own (a pty, the run its session leader), as from a shell;
+    what it shows is read as it comes (a full pty would block the run)."""
+
+    def __init__(self, run_dir: Path, *args: str) -> None:
+        pid, self.master = pty.fork()
+        if pid == 0:  # the child: exec at once
+            os.execve(sys.executable, [sys.executable, "-m", "colo.launch", f"run.dir={run_dir}", *JOB, *args],
+                      clean_env())
+        self.pid, self.returncode, self.shown = pid, None, b""
+        self._open = True
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        while self._open:
+            if select.select([self.master], [], [], 0.2)[0]:
+                try:
+                    self.shown += os.read(self.master, 65536)
+                except OSError:  # the run ended: its side of the pty is closed
+                    return
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            pid, status = os.waitpid(self.pid, os.WNOHANG)
+            if pid:
+                self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+    def communicate(self) -> tuple[str, str]:
+        return self.shown.decode(errors="replace"), ""
+
+    def hang_up(self) -> None:
+        """The terminal window closes (the pty hangs up), and its shell sends SIGHUP to the job's process group."""
+        self._open = False
+        self._reader.join()
+        os.close(self.master)
+        os.killpg(self.pid, signal.SIGHUP)
+
+    def wait(self, timeout: float) -> int:
+        deadline = time.monotonic() + timeout
+        while self.poll() is None:
+            assert time.monotonic() < deadline, f"the run did not end {timeout} s after the hangup"
+            time.sleep(0.3)
+        return self.returncode
 
 
 def steps(run_dir: Path) -> list[int]:
@@ -67,6 +119,10 @@ def assert_nothing_left(pids: list[int]) -> None:
     assert not left, f"processes of the run left behind: {left}"
     segments = [n for n in os.listdir(SHM) if owner_pid(n) in set(pids)]
     assert not segments, f"/dev/shm segments of the run left behind: {segments}"
+    import tempfile  # the engines' scratch folders, where vLLM's vllm_dist_* rendezvous files go (colo.host.shm)
+
+    scratch = [n for n in os.listdir(tempfile.gettempdir()) if n.endswith("_tmp") and owner_pid(n) in set(pids)]
+    assert not scratch, f"scratch folders of the run left behind: {scratch}"
 
 
 def stop_line(err: str, sig: str) -> str:
@@ -76,7 +132,7 @@ def stop_line(err: str, sig: str) -> str:
     return lines[0]
 
 
-def test_ctrl_c_second_launch_damaged_checkpoint_sigterm(tmp_path: Path) -> None:
+def test_ctrl_c_second_launch_damaged_checkpoint_closed_terminal(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     p = launch(run_dir)
     wait_for(p, lambda: 1 in steps(run_dir), "step 1")
@@ -99,19 +155,24 @@ def test_ctrl_c_second_launch_damaged_checkpoint_sigterm(tmp_path: Path) -> None
     # one shard of the newest checkpoint cut short: --resume says so and goes back to the one before
     shard = next(saved[-1].glob("*.distcp"))
     shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
-    p = launch(run_dir, "--resume")
+    t = OnTerminal(run_dir, "--resume")
     redone = run_dir / "checkpoints" / f"step_{last:06d}"  # once the damaged one is set aside, saved again
     aside = redone.with_name(redone.name + ".damaged")
-    wait_for(p, lambda: aside.is_dir() and (redone / "extra.json").exists(), f"step {last} redone and saved")
-    pids = process_tree(p.pid)
-    os.kill(p.pid, signal.SIGTERM)  # a scheduler's preemption: the driver alone
-    out, err = p.communicate(timeout=300)
-    assert p.returncode == 143, err[-3000:]
-    damaged = [ln for ln in out.splitlines() if "is damaged" in ln]
+    wait_for(t, lambda: aside.is_dir() and (redone / "extra.json").exists(), f"step {last} redone and saved")
+    pids = process_tree(t.pid)
+    shown = t.shown.decode(errors="replace")
+    t.hang_up()
+    assert t.wait(timeout=300) == 129, (shown[-2000:], (run_dir / "error.log").read_text()[-2000:])
+    damaged = [ln for ln in shown.splitlines() if "is damaged" in ln]
     assert len(damaged) == 1 and damaged[0].startswith(f"colo: checkpoint step_{last:06d} is damaged ({shard} is "
                                                        "truncated") and \
-        f"resuming from step_{last - 1:06d} instead" in damaged[0], out[-2000:]
-    line = stop_line(err, "SIGTERM")
+        f"resuming from step_{last - 1:06d} instead" in damaged[0], shown[-2000:]
+    # the terminal is gone: the line is in the run dir, and it says the last finished step was saved
+    ends = [ln.split(" ", 3)[3] for ln in (run_dir / "error.log").read_text().splitlines() if "stopped by" in ln]
+    assert [e.split(":")[1] for e in ends] == [" stopped by SIGINT", " stopped by SIGHUP"], ends  # each launch's end
+    line = stop_line(ends[-1], "SIGHUP")
+    last = max(steps(run_dir))
+    assert f"saved step {last} in {run_dir / 'checkpoints' / f'step_{last:06d}'}" in line, (line, steps(run_dir))
     assert "continue with: .venv/bin/python -m colo.launch --resume" in line
     assert_nothing_left(pids)
     assert not any(checkpoint_problem(c) for c in complete_checkpoints(run_dir))

@@ -83,3 +83,41 @@ def test_a_reference_left_in_an_earlier_ray_does_not_hide_the_next_failure() -> 
     lines = [ln for ln in p.stderr.splitlines() if ln.strip()]
     assert lines == ["colo: error: trainer rank 0 raised ValueError: bucket 3 does not fit"] * 2 + ["done"], \
         p.stderr[-5000:]
+
+
+KILLED = '''
+import logging, os, signal, sys, time
+import ray
+from colo.cluster.actors import ActorDied, gather, shutdown_ray
+from colo.run.logs import note_ray_logs
+
+ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, logging_level=logging.ERROR)
+note_ray_logs(sys.argv[1])  # as colo.loop.run does once Ray is up
+
+
+@ray.remote(num_cpus=0)
+class Engine:
+    def generate(self):
+        os.kill(os.getpid(), signal.SIGKILL)  # as the OOM killer would, mid-rollout
+
+
+try:
+    gather([Engine.remote().generate.remote()], ["engine DP rank 0"])
+except ActorDied as e:
+    print(f"colo: error: {e}", file=sys.stderr, flush=True)
+time.sleep(5)  # the raylet's report of the death reaches the driver meanwhile
+shutdown_ray()
+print("done", file=sys.stderr)
+'''
+
+
+def test_rays_worker_died_report_goes_to_the_run_log_not_the_terminal(tmp_path) -> None:
+    """An engine killed mid-rollout printed Ray's "(raylet) A worker died or was killed ..." on the terminal, beside
+    colo's own line for it; it goes to <run.dir>/logs/ray-errors.log now."""
+    p = subprocess.run([sys.executable, "-c", KILLED, str(tmp_path)], capture_output=True, text=True, timeout=180,
+                       env=clean_env())
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert [ln for ln in p.stderr.splitlines() if ln.strip()] == ["colo: error: engine DP rank 0 died", "done"], \
+        p.stderr[-3000:]
+    assert "worker died" not in p.stdout.lower() and "(raylet)" not in p.stdout, p.stdout[-3000:]
+    assert "A worker died or was killed" in (tmp_path / "logs" / "ray-errors.log").read_text()

@@ -2,6 +2,7 @@
 observations (token-in/token-out), the calculator and the Python sandbox. No Ray, no vLLM."""
 from __future__ import annotations
 
+import sys
 import time
 
 import pytest
@@ -187,3 +188,44 @@ def test_shipped_tool_configs_load() -> None:
         assert cfg.rollout.max_turns > 1
         validate(cfg, check_resources=False)
         _check_environment(cfg)
+
+
+EXITING_ENV = '''
+import sys
+
+from colo.envs.base import Environment
+
+
+class Exits(Environment):
+    def reset(self, row):
+        sys.exit(0)  # would end the driver with status 0, had the worker's SystemExit come through
+
+    def step(self, turn):
+        raise KeyboardInterrupt
+'''
+
+
+def test_environment_code_that_exits_is_its_error_not_the_end(tok, tmp_path, monkeypatch) -> None:
+    """sys.exit() / KeyboardInterrupt from environment code: in the engine's threads (guarded) a SystemExit ended the
+    thread without a word and read as a timeout; from the driver's environment process (EnvWorker) it came back to
+    the driver and ended the run with status 0. Each is an EnvError naming what the environment did."""
+    from colo.envs.offdriver import EnvWorker
+
+    def exits() -> None:
+        sys.exit(3)
+
+    def interrupts() -> None:
+        raise KeyboardInterrupt
+
+    t0 = time.monotonic()
+    gone, stopped = guarded([exits, interrupts], timeout_s=30)
+    assert time.monotonic() - t0 < 10  # answered at once, not at the deadline
+    assert isinstance(gone, EnvError) and str(gone).startswith("called sys.exit(3)"), gone
+    assert isinstance(stopped, EnvError) and str(stopped).startswith("raised KeyboardInterrupt"), stopped
+    (tmp_path / "exiting_env.py").write_text(EXITING_ENV)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with EnvWorker("exiting_env:Exits", tok) as w:
+        assert w.first_prompts([{"prompt": "p", "answer": "a"}]) == [
+            "called sys.exit(0) (environment code cannot end the run; return a Step or raise)"]
+        with pytest.raises(EnvError, match="while building the warm-up's demonstrations, called sys.exit\\(0\\)"):
+            w.demonstrations([{"prompt": "p", "answer": "a"}])

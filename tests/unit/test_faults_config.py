@@ -103,3 +103,32 @@ def test_prompt_too_long_refused_at_data_read(tmp_path) -> None:
         check(f"rollout.max_model_len={need - 1}", "rollout.max_tokens=32")  # the prompt fits, its response not
     check(f"rollout.max_model_len={need}", "rollout.max_tokens=32")  # the fix it names is enough
     assert not (tmp_path / "run").exists()
+
+
+def yaml_error(tmp_path, text: str) -> str:
+    path = tmp_path / "c.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError) as e:
+        load_config(str(path), [], {})
+    msg = str(e.value)
+    assert "\n" not in msg and "fix:" in msg and str(path) in msg, msg
+    return msg
+
+
+def test_yaml_is_read_strictly(tmp_path) -> None:
+    """A key given twice was taken silently (the second won), and a second `loop:` section dropped the first's keys
+    back to their defaults; a dotted key got "unknown 'trainer.lr' (did you mean 'trainer.lr'?)"; a missing
+    ${...} target was named without the key or the file that refers to it."""
+    assert "key 'lr' given twice (line 2 and line 3)" in yaml_error(tmp_path, "trainer:\n  lr: 1.0e-5\n  lr: 2.0e-5\n")
+    msg = yaml_error(tmp_path, "loop:\n  steps: 9\ntrainer:\n  lr: 1.0e-5\nloop:\n  eval_every: 3\n")
+    assert "section 'loop' given twice (line 1 and line 5)" in msg and "went back to its default" in msg, msg
+    path = tmp_path / "dotted.yaml"  # dotted keys are what key=value on the command line takes: accepted here too
+    path.write_text("trainer.lr: 3.0e-5\nloop:\n  steps: 7\nloop.eval_every: 2\n")
+    cfg = load_config(str(path), [], {})
+    assert (cfg.trainer.lr, cfg.loop.steps, cfg.loop.eval_every) == (3e-5, 7, 2)
+    assert "'trainer.lr' is set twice (as a dotted key and in a section)" in yaml_error(
+        tmp_path, "trainer.lr: 3.0e-5\ntrainer:\n  lr: 1.0e-5\n")
+    assert "unknown config key 'trainer.lrate'" in yaml_error(tmp_path, "trainer.lrate: 1.0\n")
+    msg = yaml_error(tmp_path, "data:\n  eval_path: ${data.nope}\n")
+    assert msg.startswith(f"data.eval_path in config file {tmp_path / 'c.yaml'}: Interpolation key 'data.nope' not "
+                          "found; fix:"), msg

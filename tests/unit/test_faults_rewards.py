@@ -91,3 +91,85 @@ def test_reward_timeout_in_config() -> None:
     assert load_config(None, [], {}).algo.reward_timeout_s == 600
     with pytest.raises(ConfigError, match="algo.reward_timeout_s"):
         validate(load_config(None, ["algo.reward_timeout_s=0"], {}), check_resources=False)
+
+
+UNRULY = '''
+import os
+import signal
+import sys
+
+
+def exits(responses, answers, prompts):
+    if "bad" in responses:
+        sys.exit(0)  # a script's habit: would end the run with status 0, halfway
+    return [1.0] * len(responses)
+
+
+def interrupts(responses, answers, prompts):
+    raise KeyboardInterrupt  # its own, not a Ctrl-C
+
+
+def stopped_meanwhile(responses, answers, prompts):
+    os.kill(os.getpid(), signal.SIGTERM)  # a scheduler's stop while the reward runs: the run stops, no blame
+    return [1.0] * len(responses)
+
+
+def huge(responses, answers, prompts):
+    return [1e39 if r == "big" else 1.0 for r in responses]  # finite in float64, inf in float32
+
+
+def pops(responses, answers, prompts):
+    answers.pop()  # changes the list it was given: the next function would score other data
+    return [0.0] * len(responses)
+
+
+def edits(responses, answers, prompts):
+    answers[1] = answers[1].upper()
+    return [0.0] * len(responses)
+'''
+
+
+@pytest.fixture
+def unruly(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> str:
+    (tmp_path / "unruly_rewards.py").write_text(UNRULY)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    return "unruly_rewards"
+
+
+def test_a_reward_that_exits_or_interrupts_is_an_error_not_the_end(unruly: str) -> None:
+    """sys.exit(0) in a reward function ended a run at step 3 of 5 with status 0; its own KeyboardInterrupt read as
+    Ctrl-C. Both are the function's error now, with the sample; a real stop signal still stops."""
+    from colo.run.signals import StopRequested, StopSignals
+
+    with pytest.raises(RewardError) as e:
+        RewardRunner([f"{unruly}:exits"])(["ok", "bad"], ["a", "b"], ["q", "q"])
+    assert str(e.value).startswith(f"reward function '{unruly}:exits' called sys.exit(0)") and \
+        "on sample 1: response='bad'" in str(e.value), e.value
+    stop = StopSignals()
+    stop.install()  # as in a run: the loop's handler holds SIGINT
+    try:
+        with pytest.raises(RewardError, match=f"'{unruly}:interrupts' raised KeyboardInterrupt"):
+            RewardRunner([f"{unruly}:interrupts"])(["a"], ["a"], ["q"])
+        with pytest.raises(StopRequested):
+            RewardRunner([f"{unruly}:stopped_meanwhile"])(["a"], ["a"], ["q"])
+        assert stop.name == "SIGTERM"
+    finally:
+        stop.restore()
+
+
+def test_a_reward_beyond_float32_is_named_with_its_sample(unruly: str) -> None:
+    with pytest.raises(RewardError) as e:
+        RewardRunner([f"{unruly}:huge"])(["a", "big"], ["a", "a"], ["q", "q"])
+    assert f"'{unruly}:huge' returned 1e+39 for sample 1, beyond float32's range" in str(e.value), e.value
+    with pytest.raises(RewardError, match="the weighted sum of the reward functions is 4e\\+38 for sample 0"):
+        RewardRunner(["exact_match"], weights=[4e38])(["a"], ["a"], ["q"])  # each fits, the sum does not
+
+
+def test_a_reward_that_changes_its_inputs_is_blamed_not_the_next(unruly: str) -> None:
+    """`pops` shortened the answers list, and exact_match, scored next on the same list, took the blame."""
+    for fn, what in (("pops", "changed its input answers in place (its length 2 -> 1)"),
+                     ("edits", "changed its input answers[1] in place, on sample 1: 'b' -> 'B'")):
+        with pytest.raises(RewardError) as e:
+            RewardRunner([f"{unruly}:{fn}", "exact_match"])(["a", "b"], ["a", "b"], ["q", "q"])
+        assert f"reward function '{unruly}:{fn}' {what}" in str(e.value), e.value
+    assert RewardRunner(["exact_match"])(["a", "b"], ["a", "b"], ["q", "q"]) == [1.0, 1.0]

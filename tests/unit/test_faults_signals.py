@@ -43,3 +43,61 @@ def test_first_signal_stops_unless_held_second_at_once() -> None:
         assert stop.count == 3
     finally:
         stop.restore()
+
+
+HUNG_UP = """import os, subprocess, sys, time
+from colo.run.signals import StopSignals, hangup_blocked
+stop = StopSignals()
+stop.install()
+with hangup_blocked():  # as colo.cluster.placement.init_ray starts Ray's head: in this process group
+    kid = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+try:
+    print("ready", kid.pid, flush=True)  # the test hangs up once it reads this: the stop may come inside print
+    while True:
+        print("a progress bar", flush=True)  # on a hung-up terminal: EIO, unless the output was detached
+        time.sleep(0.05)
+except KeyboardInterrupt:
+    print("colo: stopped by", stop.name, flush=True)
+    with open(sys.argv[1], "w") as f:
+        f.write(f"{stop.name} {kid.poll()}")
+    kid.kill()
+    sys.exit(stop.exit_status)
+"""
+
+
+def test_a_closed_terminal_stops_like_sigterm_and_spares_the_children(tmp_path) -> None:
+    """The terminal closes: its pty hangs up (writes to it fail with EIO, its session leader gets SIGHUP) and the
+    shell sends SIGHUP to the job's process group. The driver stops as on SIGTERM (status 129); a child started
+    under hangup_blocked() (Ray's head) lives on until the driver stops it; writing on never fails."""
+    import pty
+    import sys
+    import time
+
+    from conftest import clean_env
+
+    out = tmp_path / "out"
+    pid, master = pty.fork()  # the child: a session leader with the pty as its terminal
+    if pid == 0:
+        os.execve(sys.executable, [sys.executable, "-c", HUNG_UP, str(out)], clean_env())
+    seen = b""
+    deadline = time.monotonic() + 120
+    while b"ready" not in seen:
+        assert time.monotonic() < deadline, seen
+        seen += os.read(master, 1024)
+    os.close(master)  # the terminal window closes
+    os.killpg(pid, signal.SIGHUP)  # and its shell hangs up the job's process group
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 129, (status, out.read_text() if out.exists() else "")
+    assert out.read_text() == "SIGHUP None"  # the child was still running when the driver stopped
+
+
+def test_nohup_keeps_sighup_ignored() -> None:
+    before = signal.signal(signal.SIGHUP, signal.SIG_IGN)  # as `nohup` starts a run
+    stop = StopSignals()
+    stop.install()
+    try:
+        send(signal.SIGHUP)  # ignored: nothing raised
+        assert signal.getsignal(signal.SIGHUP) == signal.SIG_IGN and stop.count == 0
+    finally:
+        stop.restore()
+        signal.signal(signal.SIGHUP, before)

@@ -125,13 +125,15 @@ def test_a_setsid_child_does_not_outlive_the_call() -> None:
     assert _alive_with(token) == []
 
 
+FOUR_CHILDREN = ("import os, time\nkids = []\nfor i in range(4):\n    pid = os.fork()\n    if pid == 0:\n"
+                 "        x = b'x' * (150 * 2**20)\n        print('held', i, flush=True)\n        time.sleep(3)\n"
+                 "        os._exit(0)\n    kids.append(pid)\nprint([os.waitpid(k, 0)[1] for k in kids])")
+
+
 def test_memory_is_a_budget_of_the_whole_tree() -> None:
     """The limit was per process: 4 forked children held 4 x it. Here 4 children of 150 MiB each in a 256 MiB
     budget: the kernel kills what does not fit, and the call says so."""
-    code = ("import os, time\nkids = []\nfor i in range(4):\n    pid = os.fork()\n    if pid == 0:\n"
-            "        x = b'x' * (150 * 2**20)\n        print('held', i, flush=True)\n        time.sleep(3)\n"
-            "        os._exit(0)\n    kids.append(pid)\nprint([os.waitpid(k, 0)[1] for k in kids])")
-    r = run_python(code, timeout_s=30, memory_mb=256)
+    r = run_python(FOUR_CHILDREN, timeout_s=30, memory_mb=256)
     assert r.error == "memory limit: its processes together needed more than 256 MiB", r
     # never two at once: at most one child lived to its end; the kernel kills a child that already held its 150 MiB
     # (and had said so) as readily as the one asking for more, so "held" may show twice (seen under load)
@@ -149,6 +151,23 @@ def test_forks_are_bounded() -> None:
     assert r.error is None and r.stdout.splitlines()[0] == "BlockingIOError", r
     assert int(r.stdout.splitlines()[-1]) < MAX_PROCS, r
     assert _alive_with(token) == []
+
+
+def test_it_cannot_ptrace_the_sandboxs_init() -> None:
+    """PTRACE_ATTACH to PID 1 (bwrap's init: same uid, outside the interpreter's rlimits) succeeded and stopped it;
+    half of such calls then hung until their timeout. ptrace and process_vm_* are refused now (seccomp), and the
+    call ends at once."""
+    code = ("import ctypes, os\nlibc = ctypes.CDLL(None, use_errno=True)\n"
+            "print(libc.ptrace(16, 1, 0, 0), os.strerror(ctypes.get_errno()))\n"  # PTRACE_ATTACH
+            "buf = ctypes.create_string_buffer(8)\n"
+            "class iov(ctypes.Structure):\n    _fields_ = [('base', ctypes.c_void_p), ('len', ctypes.c_size_t)]\n"
+            "v = iov(ctypes.cast(buf, ctypes.c_void_p), 8)\n"
+            "print(libc.process_vm_readv(1, ctypes.byref(v), 1, ctypes.byref(v), 1, 0), "
+            "os.strerror(ctypes.get_errno()))")
+    t0 = time.monotonic()
+    r = run_python(code, timeout_s=20)
+    assert r.error is None and r.stdout == "-1 Operation not permitted\n-1 Operation not permitted\n", r
+    assert time.monotonic() - t0 < 15
 
 
 def test_output_is_bounded_while_it_is_read() -> None:
@@ -202,6 +221,10 @@ def test_without_the_sandbox_the_tool_is_refused_unless_the_user_says_unsafe(mon
     try:
         r = run_python("import os; print(os.path.exists('/etc/passwd'))")
         assert (r.stdout, r.error) == ("True\n", None)  # unsafe indeed
+        # the rlimits are per process: 4 forked children of 150 MiB held 600 MiB of a 256 MiB budget; the tree's
+        # memory is watched as a whole there too
+        r = run_python(FOUR_CHILDREN, timeout_s=30, memory_mb=256)
+        assert r.error == "memory limit: its processes together needed more than 256 MiB", r
     finally:
         permit_unsandboxed(False)
 
