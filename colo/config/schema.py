@@ -301,8 +301,11 @@ class SyncConfig:
     """Size of each reusable transfer buffer, MiB."""
     buffers: int = 2
     """Transfer buffers in flight (2 overlaps packing with loading)."""
-    digest: bool = False
-    """Also compare per-tensor checksums on both sides after every sync (slower; for debugging)."""
+    digest: bool = True
+    """Compare the bytes of every tensor on every sync: an exact integer checksum taken by the sender while it packs
+    and by the engine as it writes, in the destination's coordinates (colo.sync.checksum; on CUDA fused into the
+    copies). false leaves only the coverage check (names and element ranges): a debugging switch, and what
+    `python -m colo.bench.sync --checksum-ratio` times the checksum against."""
     fp8_in: str = "sender"
     """rollout.quantization=fp8: where bf16 becomes FP8. sender: on the trainer's GPU while packing (half the bytes
     travel; each rank quantizes its own experts, still never gathered). receiver: vLLM's own online quantization,
