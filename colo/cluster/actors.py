@@ -368,8 +368,9 @@ class TrainerGroup:
     def prepare_sync(self) -> list[dict]:
         return self._gather([t.prepare_sync.remote(e) for t, e in zip(self.trainers, self.sync_engines())])
 
-    def sync_weights(self, probe: list[list[int]] | None = None) -> list[dict]:
-        """Every rank's sync report; with `probe`, each also holds the policy's scores of those sequences."""
+    def sync_weights(self, probe: dict | None = None) -> list[dict]:
+        """Every rank's sync report; with `probe` (colo.sync.probe.ProbeSchedule's), each also holds the policy's
+        scores and layer check records."""
         return self._gather([t.sync_weights.remote(e, probe) for t, e in zip(self.trainers, self.sync_engines())])
 
     def save_checkpoint(self, path: str, extra: dict, timeout: float | None = None) -> None:
@@ -400,11 +401,9 @@ class EngineGroup:
         """Per engine, Engine.generate's (outputs, stats)."""
         return self._gather(refs)
 
-    def probe(self, seqs: list[list[int]], trace: bool = False, only: int | None = None) -> list[dict]:
-        """Each engine's scores of `seqs` (colo.sync.probe; `trace`: with sublayer traces); `only`: that engine."""
-        which = range(len(self.engines)) if only is None else [only]
-        return gather([self.engines[e].probe.remote(seqs, trace) for e in which],
-                      [engine_name(e, self.colocated) for e in which])
+    def probe(self, probe: dict) -> list[dict]:
+        """Each engine's scores and layer check records (Engine.probe), all at once (a DP group steps together)."""
+        return self._gather([e.probe.remote(probe) for e in self.engines])
 
     def sleep(self, level: int) -> list[float]:
         return self._gather([e.sleep.remote(level) for e in self.engines])

@@ -204,16 +204,35 @@ class SyncReceiver:
         return {"tensors": cov.tensors, "bytes": cov.bytes, "verified": not errors, "errors": errors, "digest": dig,
                 "refreshed": st.refreshed}
 
-    def colo_trace_start(self, tokens: int) -> None:
-        """Keep each sublayer's output of the next forward (colo.sync.probe.traced) for colo_trace_stop."""
-        from colo.sync.probe import traced
+    def colo_check_start(self, spec: dict) -> list[list[int]]:
+        """Install the layer check's hooks (colo.sync.forcing) for the next forward: every site's input fixed,
+        routing forced, every output recorded; returns the token ids that forward must run on (colo_check_stop
+        reads the records). The model's compiled forward is bypassed meanwhile: hooks run only in eager code."""
+        from colo.sync.forcing import Forcing
 
-        self._colo_trace = traced(self._colo_model(), int(tokens))
-        self._colo_traces = self._colo_trace.__enter__()
+        model = self._colo_model()
+        self._colo_forcing = Forcing(model, spec, "vllm", self.model_runner.model_config.hf_config).__enter__()  # type: ignore[attr-defined]
+        self._colo_compiled = [m for m in model.modules() if getattr(m, "do_not_compile", True) is False]
+        for m in self._colo_compiled:  # vLLM's support_torch_compile: eager forward while set (decorators.py)
+            m.do_not_compile = True
+        return self._colo_forcing.ids
 
-    def colo_trace_stop(self) -> dict[str, list[list[float]]]:
-        self._colo_trace.__exit__(None, None, None)
-        return self._colo_traces
+    @torch.no_grad()
+    def colo_check_stop(self) -> dict:
+        """The layer check's records (colo.sync.forcing.Forcing.records): the sites the forward reached, lm_head's
+        logits of the final norm's output and every embedding row, through vLLM's own modules."""
+        f = self._colo_forcing
+        f.__exit__()
+        for m in self._colo_compiled:
+            m.do_not_compile = False
+        self._colo_forcing, self._colo_compiled = None, []
+        model = self._colo_model()
+        if f.final is not None:
+            logits = model.compute_logits(f.final)  # (rows, V): vLLM's lm_head kernel (None off TP rank 0)
+            if logits is not None:
+                f.add_logits(logits)
+        f.add_embedding_rows(torch.device(self.device))  # type: ignore[attr-defined]
+        return f.records()
 
     def _colo_refresh(self, st: _ColoState) -> int:
         """vLLM's post-load step for what this sync wrote (colo.sync.refresh); tests skip it to show it matters."""

@@ -81,7 +81,7 @@ class FamilyTrainer(Recorder, WarmTrainer):
     def train_step(self, batch: dict) -> dict:
         return self._timed("train_step", super().train_step, batch)
 
-    def sync_weights(self, engines: list, probe: list[list[int]] | None = None) -> dict:
+    def sync_weights(self, engines: list, probe: dict | None = None) -> dict:
         return self._timed("sync_weights", super().sync_weights, engines, probe)
 
     def reload(self, cfg: dict) -> dict:
@@ -296,14 +296,15 @@ def test_family_syncs_equivalent_and_trains(rig: Rig, family: str) -> None:
     # colocated: shared memory into engines 1 and 2, every param covered exactly, digests equal, and the
     # functional check: the engines score the probe sequences as the trainers do (colo.sync.probe)
     cfg = from_dict(d)
-    seqs = ProbeSchedule(TOKENIZER_VOCAB, cfg.rollout.max_model_len, 1).next()
-    synced, policy = sync_all(c, seqs)
+    probe = ProbeSchedule(TOKENIZER_VOCAB, cfg.rollout.max_model_len, 1).next()
+    synced, policy = sync_all(c, probe)
     assert synced["sync/verified"] and synced["sync/bytes"] > 0
-    check_probe(c, cfg, seqs, policy, synced)
+    check_probe(c, cfg, probe, policy, synced)
     assert synced["sync/probe"] == 1.0 and synced["sync/probe_err"] < TOLERANCE["bfloat16"] / 2, synced
     for e, got in enumerate(greedy(c.engines)):
         _same(got, want, f"{family} colocated engine {e}")
-    print(f"{family}: probe error after a correct sync {synced['sync/probe_err']:.4f}")  # -s shows the margin
+    print(f"{family}: after a correct sync, probe error {synced['sync/probe_err']:.4f}, "
+          f"layer error {synced['sync/layer_err']:.4f}")  # -s shows the margins
 
     # reference mode (sync.mode=load_weights): noise in the engines' weights, then whole checkpoint tensors through
     # vLLM's own loaders into the same checkpoint-layout tensors, the same post-load refresh
@@ -353,31 +354,31 @@ def test_family_syncs_equivalent_and_trains(rig: Rig, family: str) -> None:
 
 def test_functional_check_fails_when_the_refresh_is_skipped(rig: Rig) -> None:
     """DeepSeek-V3 (the family whose engine computed wrong tokens after a "verified" sync on an AMX CPU): engines
-    with random weights get every byte of the trainers' weights (coverage and digests pass) but skip vLLM's
+    with random weights get every byte of the trainers' weights (coverage and checksums pass) but skip vLLM's
     post-load step, so they compute with what it derived from the random weights. The byte check cannot see it;
-    the functional check fails and names the first sublayer that differs. A sync that refreshes mends them."""
+    the functional check fails and names the modules that differ. A sync that refreshes mends them."""
     from colo.cluster.probing import SyncMismatch, check_probe
     from colo.loop import sync_all
 
     d = rig.load("deepseek_v3")
     c, cfg = rig.cluster, from_dict(d)
     ray.get([e.restart.remote(d, True) for e in c.engines])  # random weights: every derived weight from them
-    seqs = ProbeSchedule(TOKENIZER_VOCAB, cfg.rollout.max_model_len, 1).next()
+    probe = ProbeSchedule(TOKENIZER_VOCAB, cfg.rollout.max_model_len, 1).next()
     ray.get([e.skip_refresh.remote(True) for e in c.engines])
     try:
-        synced, policy = sync_all(c, seqs)
+        synced, policy = sync_all(c, probe)
         assert synced["sync/verified"]  # every byte arrived
         with pytest.raises(SyncMismatch) as err:
-            check_probe(c, cfg, seqs, policy, synced)
+            check_probe(c, cfg, probe, policy, synced)
     finally:
         ray.get([e.skip_refresh.remote(False) for e in c.engines])
     msg = str(err.value)
-    print(msg)  # -s shows the error and the sublayer it names
-    assert msg.startswith("engine 0 computes other log-probs than the trainer") and "error.log" in msg, msg
-    assert "the first sublayer that differs: layer 0 attention" in msg, msg
+    print(msg)  # -s shows the error and the modules it names
+    assert msg.startswith("engine 0 (engines 1 too) computes other outputs than the trainer") and "error.log" in msg
+    assert "model.layers.0.self_attn (relative error" in msg, msg  # MLA's W_UK_T / W_UV from the random weights
     assert synced["sync/verified"] is False  # what the step would log, had the run gone on
-    synced, policy = sync_all(c, seqs)
-    check_probe(c, cfg, seqs, policy, synced)  # raises if the refresh did not mend the engines
+    synced, policy = sync_all(c, probe)
+    check_probe(c, cfg, probe, policy, synced)  # raises if the refresh did not mend the engines
     assert synced["sync/probe_err"] < TOLERANCE["bfloat16"] / 2, synced
 
 
