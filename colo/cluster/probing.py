@@ -24,8 +24,8 @@ def check_probe(c: Cluster, cfg: ColoConfig, probe: dict | None, policy: dict | 
     comparisons per engine, each against model.dtype's tolerances (FP8's with rollout.quantization=fp8): every layer
     on fixed inputs (colo.sync.layercheck) and the end-to-end log-probs (colo.sync.probe). A disagreement raises
     SyncMismatch naming the engine and every module (and expert) that differs. Updates `synced` with sync/probe,
-    sync/probe_err (the worst engine's end-to-end median), sync/layer_err (its worst layer site) and, on a
-    mismatch, sync/verified false."""
+    sync/probe_err (the worst engine's end-to-end median), sync/layer_err (its worst layer site), sync/layer_decode
+    (1: every engine's decode step was checked too) and, on a mismatch, sync/verified false."""
     if probe is None:
         return
     if policy is None or "layers" not in policy:
@@ -33,14 +33,17 @@ def check_probe(c: Cluster, cfg: ColoConfig, probe: dict | None, policy: dict | 
                            "check (colo.sync.probe, colo.sync.layercheck) existed?")
     mine = ProbeScores(**policy["scores"])
     kind = tolerance_key(cfg.model.dtype, cfg.rollout.quantization)  # an FP8 engine: FP8's rounding is allowed
-    worst, worst_layer, bad = 0.0, 0.0, []
+    worst, worst_layer, decode, bad = 0.0, 0.0, 1.0, []
     for e, got in enumerate(c.engine_group.probe(probe)):
         res = check(mine, engine_scores(got["tables"]), kind)
         layers = layercheck.compare(policy["layers"], got["layers"], layercheck.TOLERANCE.get(kind, 0.05))
         worst, worst_layer = max(worst, res.err), max(worst_layer, layers.err)
+        decode = min(decode, 0.0 if layers.notes else 1.0)
         if not (res.ok and layers.ok):
             bad.append((e, res, layers))
-    synced.update({"sync/probe": 1.0, "sync/probe_err": worst, "sync/layer_err": worst_layer})
+    # sync/layer_decode 0: an engine replays CUDA graphs for decode, whose kernels the layer check then cannot see
+    synced.update({"sync/probe": 1.0, "sync/probe_err": worst, "sync/layer_err": worst_layer,
+                   "sync/layer_decode": decode})
     if not bad:
         return
     synced["sync/verified"] = False

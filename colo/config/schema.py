@@ -313,10 +313,10 @@ class SyncConfig:
     weight the engine holds while the sync runs, which the memory plan counts). The same bytes either way
     (colo.sync.fp8)."""
     probe_every: int = 10
-    """The functional check (colo.sync.probe): after the first sync and every this many syncs after it, each
-    engine and the trainer score the same few token sequences, and a disagreement beyond the dtype's tolerance
-    ends the run naming the first layer that differs. 0: the first sync only. Its cost is one forward of a few
-    dozen tokens on each side (docs/contract.md, "The functional check")."""
+    """The functional check (colo.sync.layercheck, colo.sync.probe): after the first sync and every this many syncs
+    after it, each engine runs every layer on fixed inputs (routing forced so every expert is exercised) and scores a
+    few fixed sequences, as the trainer does; a disagreement beyond the dtype's tolerance ends the run naming the
+    modules and experts that differ. 0: the first sync only. Its cost: docs/contract.md, "The functional check"."""
     lora: str = "merged"
     """With trainer.lora_rank > 0: merged (W + scale B A formed on the trainer's device, bucket by bucket, and
     synced like any weight; vLLM runs plain weights) | adapter (only the adapters travel, into vLLM's LoRA layers:

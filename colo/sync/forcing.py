@@ -89,7 +89,8 @@ class Forcing:
     prompts and the decode step after it (max_tokens=2), whose kernels differ: MLA's absorbed W_UK_T / W_UV, for one,
     serve only decode tokens. Each forward's rows map to trainer rows (`phases`)."""
 
-    def __init__(self, model: nn.Module, spec: dict, side: str, config: Any) -> None:
+    def __init__(self, model: nn.Module, spec: dict, side: str, config: Any, decode: bool = True) -> None:
+        """`decode` (vLLM): the decode step runs eagerly, so its hooks run (not where it replays a CUDA graph)."""
         self.model, self.spec, self.side = model, spec, side
         self.experts = num_experts(config)
         self.ids = sequences(spec, self.experts)  # (S, T): the prompts
@@ -100,7 +101,10 @@ class Forcing:
         self.prompt_rows = prompt
         # the decoded position's token is not compared (its embedding is replaced by the forced inputs): any id does
         self.hf_ids = [s + s[:1] for s in self.ids]  # (S, T + 1)
-        self.phases = [torch.arange(self.rows)] if side == "hf" else [prompt, decoded]
+        self.phases = [torch.arange(self.rows)] if side == "hf" else [prompt, decoded] if decode else [prompt]
+        self.notes = [] if side == "hf" or decode else [
+            "the decode step's kernels are not checked: the engine replays captured CUDA graphs for decode "
+            "(rollout.enforce_eager=false), where no hook runs"]
         self._expect = torch.tensor([t for s in (self.hf_ids if side == "hf" else self.ids) for t in s])
         self.crafted = (forced_logits(self.rows, self.experts, int(_get(config, "num_experts_per_tok") or 1),
                                       group_size(config)) if self.experts else None)
@@ -326,4 +330,5 @@ class Forcing:
             sites[label] = value.numpy()
             rows[label] = index.tolist() if label == "lm_head" else list(range(value.shape[0]))
         return {"order": list(self.order), "sites": sites, "rows": rows, "routing": dict(self.routing),
-                "problems": list(self.problems), "forwards": len(seen), "expected_forwards": len(self.phases)}
+                "problems": list(self.problems), "notes": list(self.notes), "forwards": len(seen),
+                "expected_forwards": len(self.phases)}

@@ -28,7 +28,7 @@ PROBE_LEN = 24  # tokens each (<= max_model_len - 1, checked by the caller)
 ENGINE_TOPK = 8  # the engine's top-k next tokens compared per position
 TRAINER_TOPR = 64  # the trainer's top-r next tokens sent to the driver (the engine's top-k lie inside them)
 
-TOLERANCE = {"float32": 1e-3, "bfloat16": 0.06, "float16": 0.06, "fp8": 0.3}
+TOLERANCE = {"float32": 1e-4, "bfloat16": 0.06, "float16": 0.06, "fp8": 0.3}
 """Median per-position relative error allowed. Measured on correct syncs: float32 1.1e-6 to 1.6e-6 (the nine CPU
 families and the tiny preset, this module's measure, AMD EPYC AVX512-BF16, 2026-12-07) and 3e-7 to 2.4e-6 (the
 default job); bfloat16 0.008 to 0.011 there, 0.013 and 0.018 on an H200 (the L12 slice; the whole Qwen3-30B-A3B with
@@ -37,7 +37,7 @@ LoRA, 2026-11-28); float16 is not measured (bfloat16's bound: float16 rounds fin
 measures 0.054-0.081 with the weights rounded and 0.074-0.096 with W8A8's activations rounded too (`python -m
 colo.bench.fp8probe`, the tiny and tiny-fp8 presets, 3 seeds each, CPU, 2026-11-28), a stale engine >= 2.5."""
 FEW = 4  # the statistic a few positions can fail: the FEW-th worst position
-FEW_TOLERANCE = {"float32": 1e-3, "bfloat16": 0.15, "float16": 0.15, "fp8": 0.6}
+FEW_TOLERANCE = {"float32": 2e-4, "bfloat16": 0.15, "float16": 0.15, "fp8": 0.6}
 """The FEW-th worst position's error allowed. Measured on the same correct syncs: float32 <= 4.4e-6; bfloat16 <= 0.026
 (the worst single positions 0.02-0.09: routing flips); FP8's is twice its median bound (not measured per position)."""
 

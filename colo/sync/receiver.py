@@ -208,10 +208,13 @@ class SyncReceiver:
         """Install the layer check's hooks (colo.sync.forcing) for the next forward: every site's input fixed,
         routing forced, every output recorded; returns the token ids that forward must run on (colo_check_stop
         reads the records). The model's compiled forward is bypassed meanwhile: hooks run only in eager code."""
+        from vllm.config import CUDAGraphMode
+
         from colo.sync.forcing import Forcing
 
-        model = self._colo_model()
-        self._colo_forcing = Forcing(model, spec, "vllm", self.model_runner.model_config.hf_config).__enter__()  # type: ignore[attr-defined]
+        model, runner = self._colo_model(), self.model_runner  # type: ignore[attr-defined]
+        eager = runner.vllm_config.compilation_config.cudagraph_mode == CUDAGraphMode.NONE  # decode runs Python
+        self._colo_forcing = Forcing(model, spec, "vllm", runner.model_config.hf_config, decode=eager).__enter__()
         self._colo_compiled = [m for m in model.modules() if getattr(m, "do_not_compile", True) is False]
         for m in self._colo_compiled:  # vLLM's support_torch_compile: eager forward while set (decorators.py)
             m.do_not_compile = True

@@ -99,7 +99,7 @@ ngpu=$(nvidia-smi -L | wc -l)
 if [ -n "${CUDA_VISIBLE_DEVICES:-}" ]; then ngpu=$(echo "$CUDA_VISIBLE_DEVICES" | tr ',' '\n' | grep -c .); fi
 
 STEPS=${STEPS:-colocated ipc dpep routing bench loop}  # and: attention, rollout, decode, step, async, gather, compile,
-# one, optim, fp8, fp8step
+# one, optim, fp8, fp8step, checksum, layers
 want() { case " $STEPS " in *" $1 "*) return 0;; *) return 1;; esac; }
 
 # attention = the packed-row attention kernels against per-sample SDPA (test + colo.bench.packed_attention; no vLLM)
@@ -112,6 +112,16 @@ want colocated && step pytest-colocated 420 "$PY" -m pytest tests/gpu/test_coloc
 want ipc && step pytest-ipc 90 "$PY" -m pytest tests/gpu/test_ipc_alloc.py -x -q -s -p no:cacheprovider
 want dpep && step pytest-dpep 240 "$PY" -m pytest tests/gpu/test_dpep.py -x -q -s -p no:cacheprovider
 want routing && step pytest-routing 300 "$PY" -m pytest tests/gpu/test_routing_gpu.py -x -q -s -p no:cacheprovider
+# checksum = the sync's checksum kernel (tests/gpu/test_checksum_gpu.py: exactness, its cost against copy_), then
+# colo.bench.sync --checksum-ratio on CHECKSUM_ARGS (default the L4 slice, one GPU): syncs without and with it
+# (only when named; the whole model: CHECKSUM_ARGS="--preset qwen3-30b-a3b --ranks 4" on 4 GPUs)
+want checksum && step checksum 540 bash -c "'$PY' -m pytest --noconftest tests/gpu/test_checksum_gpu.py -q -s \
+    -p no:cacheprovider && COLO_VLLM_GPU_FRACTION=\${COLO_VLLM_GPU_FRACTION:-0.3} '$PY' -m colo.bench.sync \
+    ${CHECKSUM_ARGS:---preset qwen3-30b-a3b-L4 --ranks 1} --device cuda --reps 6 --checksum-ratio --no-vllm-ipc --json \
+    | tail -n 1 > '$OUT/checksum.json'"
+# layers = the functional check on GPU (tests/gpu/test_layercheck_gpu.py: its noise on the tiny and L4 models, a
+# compiled engine's prefill hooks, its cost) (only when named)
+want layers && step layers 540 "$PY" -m pytest tests/gpu/test_layercheck_gpu.py -x -q -s -p no:cacheprovider
 want fp8 && step pytest-fp8 540 "$PY" -m pytest tests/gpu/test_fp8_gpu.py tests/gpu/test_fp8_loop_gpu.py -x -q -s \
     -p no:cacheprovider
 
