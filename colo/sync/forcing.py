@@ -1,12 +1,11 @@
-"""The layer check's hooks: one forward of a transformers or a vLLM model with every site's input fixed.
+"""The layer check's hooks: forwards of a transformers or a vLLM model with every site's input fixed.
 
-    with Forcing(model, spec, "hf", model.config) as f:      # the trainer (transformers, FSDP2 or not)
-        logits = model.colo_probe(torch.tensor(f.ids))       # (S, T, V)
-        f.add_logits(logits)
+    with Forcing(model, spec, "hf", model.config) as f:       # the trainer (transformers, FSDP2 or not)
+        f.add_logits(model.colo_probe(torch.tensor(f.hf_ids)))  # (S, T + 1, V): one forward of every row
     trainer = f.records()
 
-    f = Forcing(model, spec, "vllm", hf_config).__enter__()  # the engine's worker (colo_check_start)
-    llm.generate(f.ids ...)                                  # one prefill through vLLM's own forward and kernels
+    f = Forcing(model, spec, "vllm", hf_config).__enter__()   # the engine's worker (colo_check_start)
+    llm.generate(f.ids, max_tokens=2)                         # a prefill and one decode step, vLLM's own kernels
     f.__exit__(); f.add_logits(model.compute_logits(f.final)); f.add_embedding_rows(...)   # colo_check_stop
     engine = f.records()
 
@@ -16,10 +15,10 @@ a router (transformers: a `*Router` module whose F.linear gives the logits; vLLM
 What differs is handled here: vLLM's norms take and return (hidden, residual) (the residual is set to zeros, so
 the norm sees exactly the forced input), vLLM runs padded or several sequences as rows of one (N, H) batch, and
 vLLM's forward may be a dummy batch of its data-parallel group (the hooks act only on the forward whose token ids
-are the check's: the embedding's pre-hook says which).
+are the check's, and the decode step after it: the embedding's pre-hook says which).
 
-Inputs and designed routing come from colo.sync.layercheck; records are bucketed there too. A site the hooks
-never saw (a compiled engine runs no Python hooks) is missing from the records, which the comparison reports.
+Inputs and designed routing come from colo.sync.layercheck; records are bucketed there too. A site or a forward the
+hooks never saw (a captured CUDA graph runs no Python) is missing from the records, which the comparison reports.
 """
 from __future__ import annotations
 
