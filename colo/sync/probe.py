@@ -119,7 +119,8 @@ def check(trainer: ProbeScores, engine: ProbeScores, dtype: str) -> ProbeResult:
         raise ValueError("the probe compared no position: empty sequences")
     ranked = sorted(errs)
     med, few = ranked[len(ranked) // 2], ranked[-min(FEW, len(ranked))]
-    ok = med <= TOLERANCE.get(dtype, TOLERANCE["bfloat16"]) and few <= FEW_TOLERANCE.get(dtype, FEW_TOLERANCE["bfloat16"])
+    tol, few_tol = TOLERANCE.get(dtype, TOLERANCE["bfloat16"]), FEW_TOLERANCE.get(dtype, FEW_TOLERANCE["bfloat16"])
+    ok = med <= tol and few <= few_tol
     return ProbeResult(ok, med, ranked[-1], len(errs), errs, few)
 
 

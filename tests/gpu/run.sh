@@ -43,6 +43,9 @@
 # FP8 engine synced both ways, the loop with R3/TIS, async, multi-turn, and disaggregated on 2 GPUs) (only when named).
 # fp8step = colo.bench.step --compare=rollout.quantization=fp8,none: FP8 rollout against bf16, one cluster each, on
 # BENCH_PRESET (FP8STEP_ARGS adds overrides) (only when named).
+# checksum = the sync's checksum kernel (test_checksum_gpu.py), then colo.bench.sync --checksum-ratio on CHECKSUM_ARGS
+# (default the L4 slice on one GPU); its JSON line lands in $OUT/checksum.json (only when named).
+# layers = the functional check on GPU, test_layercheck_gpu.py: noise, a compiled engine, seconds (only when named).
 # CUDA_VISIBLE_DEVICES limits the GPUs it counts and uses; SHARED_HOST=1 leaves Ray running after a failed step
 # (tests/gpu/streams.sh runs two of these at once, one per GPU).
 # Everything this script leaves in $OUT is at most 8 files, one level deep: what a device call brings back.
