@@ -10,11 +10,12 @@ Each GPU holds a trainer (FSDP2 rank r) and a vLLM engine (vLLM DP rank r). Per 
     sleep    vLLM sleeps                     level 2: its weights are overwritten by the sync anyway
     train    trainer onloads                 log-prob recompute → PPO-clip update with TIS correction
     wait     the schedule's hook             generate-ahead: the rest of the next batch; else nothing
-    sync     vLLM wake_up(["weights"])       trainer pushes weights over IPC (colo.sync), every byte verified
+    sync     vLLM wake_up(["weights"])       trainer pushes weights over IPC (colo.sync), every byte checksummed
     offload  trainer offloads                its params, grads and optimizer state to the host
     wake     vLLM wake_up(["kv_cache", "scheduling"])
-    probe    engines score probe sequences   on the syncs sync.probe_every picks, the functional check: what the
-                                             engines compute equals what the trainers do (colo.cluster.probing)
+    probe    engines run the probe           on the syncs sync.probe_every picks, the functional check: every layer on
+                                             fixed inputs and the log-probs of fixed sequences equal the trainers'
+                                             (colo.cluster.probing)
 
 The order matters: the trainer needs the GPU memory vLLM frees in `sleep`, and the weights must be back
 in vLLM's memory before the push, while the KV cache is only re-allocated after the trainer has left.
@@ -184,14 +185,14 @@ def rl_step(step: int, job: Job, stop: StopSignals | None = None) -> dict:
         schedule.trained(step)  # a failure from here on saves this step
     with t("sync"):
         side.wake_weights()
-        seqs = job.probes.next()  # None: no functional check on this sync
-        synced, policy = sync_all(c, seqs)
+        probe = job.probes.next()  # None: no functional check on this sync
+        synced, policy = sync_all(c, probe)
     with t("offload"):
         side.offload()
     with t("wake"):
         side.wake_kv()
     with t("probe"):
-        check_probe(c, cfg, seqs, policy, synced)  # once the engines can generate
+        check_probe(c, cfg, probe, policy, synced)  # once the engines can generate
     samples = got.samples
     lens = torch.tensor([len(s.response_ids) for s in samples], dtype=torch.float32)
     metrics = {"step": step, "reward/mean": reward.mean().item(), "reward/std": reward.std().item(),
@@ -222,18 +223,20 @@ def check_skipped(metrics: dict, limit: int) -> None:
 
 
 def sync_metrics(reports: list[dict]) -> dict:
-    """sync/verified: every byte landed where the engine expects it (Sender.push raises otherwise) and, where the
-    functional check ran on this sync (sync/probe 1), the engines computed what the trainer computes
+    """sync/verified: every element landed exactly once where the engine expects it and its bytes are the sender's
+    (coverage and checksums: Sender.push raises otherwise; false with sync.digest=false, which compares no bytes),
+    and, where the functional check ran on this sync (sync/probe 1), the engines computed what the trainer computes
     (check_probe sets it false, then raises)."""
+    senders = [r for r in reports if "role" not in r]  # a disaggregated rank > 0 only gathers
     return {"sync/tensors": sum(r["tensors"] for r in reports), "sync/bytes": sum(r["bytes"] for r in reports),
-            "sync/verified": all(r["verified"] for r in reports), "sync/seconds": max(r["seconds"] for r in reports),
-            "sync/probe": 0.0}
+            "sync/verified": all(r["verified"] for r in reports) and all(r["digest_checked"] for r in senders),
+            "sync/seconds": max(r["seconds"] for r in reports), "sync/probe": 0.0}
 
 
-def sync_all(c: Cluster, probe: list[list[int]] | None = None) -> tuple[dict, dict | None]:
+def sync_all(c: Cluster, probe: dict | None = None) -> tuple[dict, dict | None]:
     """Push the trainers' weights into the (awake) engines: colocated, each rank into the engine on its GPU;
     disaggregated, rank 0 broadcasts to every engine while the other ranks take part in the gathers. With `probe`
-    (colo.sync.probe) the trainers also score those sequences: returns (metrics, the policy's scores) for
+    (colo.sync.probe.ProbeSchedule's) the trainers also run it: returns (metrics, the policy's records) for
     check_probe once the engines can generate."""
     reports = c.trainer_group.sync_weights(probe)
     return sync_metrics(reports), reports[0].get("probe")
@@ -335,9 +338,9 @@ def begin(job: Job, life: RunLife, phases: Phases) -> None:
         life.progress = ProgressLine(cfg.loop.sft_warmup_steps, desc="warm-up", disable=not cfg.loop.sft_warmup_steps)
         first = warm_up(c, cfg, job.inputs, life.progress)
         life.progress.close()
-    seqs = job.probes.next()  # the first sync of every run (and of every resume) is checked
-    synced, policy = sync_all(c, seqs)
-    check_probe(c, cfg, seqs, policy, synced)  # the engines are awake: they start so
+    probe = job.probes.next()  # the first sync of every run (and of every resume) is checked
+    synced, policy = sync_all(c, probe)
+    check_probe(c, cfg, probe, policy, synced)  # the engines are awake: they start so
     if restored:
         phases.end(f"ready in {{s}}, at step {job.schedule.position.step + 1} of {cfg.loop.steps}")
     else:

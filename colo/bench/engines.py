@@ -23,7 +23,7 @@ from colo.rollout.engine_loop import Ask
 from colo.rollout.generation import Generation
 from colo.rollout.extension import WorkerExtension
 from colo.rollout.sample import Sample, SampleArrays, Status, pack
-from colo.sync.verify import tensor_digest
+from colo.sync.checksum import checksum
 from colo.trainer.worker import Trainer
 
 
@@ -42,6 +42,10 @@ class BenchTrainer(Trainer):
         """vLLM's own packed CUDA-IPC weight transfer into every engine (rank 0 sends the handles)."""
         self._check_ready()
         return push_weights_vllm_ipc(self.model, engines, self.cfg.sync)
+
+    def set_digest(self, on: bool) -> None:
+        """sync.digest for the next syncs (colo.bench.sync --checksum-ratio): the Sender reads it at every push."""
+        self.cfg.sync.digest = bool(on)
 
     @torch.no_grad()
     def perturb_weights(self, seed: int, scale: float) -> int:
@@ -63,9 +67,9 @@ class BenchTrainer(Trainer):
 class BenchWorkerExtension(WorkerExtension):
     """colo's worker extension plus what only the benchmark reads back from vLLM's workers."""
 
-    def colo_param_digest(self) -> dict[str, float]:
-        """tensor_digest of every live vLLM parameter (whatever layout vLLM keeps it in)."""
-        return {n: tensor_digest(p.data) for n, p in self.model_runner.model.named_parameters()}  # type: ignore[attr-defined]
+    def colo_param_digest(self) -> dict[str, int]:
+        """The checksum (colo.sync.checksum) of every live vLLM parameter, whatever layout vLLM keeps it in."""
+        return {n: checksum(p.data) for n, p in self.model_runner.model.named_parameters()}  # type: ignore[attr-defined]
 
     def colo_load_transient(self, pieces: list[dict], handle: dict) -> dict:
         """The straightforward baseline's bucket (colo.bench.yardsticks): its own fresh buffer, opened for this
@@ -90,7 +94,7 @@ class BenchEngine(Engine):
         results = self._rpc_all("colo_load_transient", pieces, handle)
         return {"tensors": sum(r["tensors"] for r in results), "bytes": sum(r["bytes"] for r in results)}
 
-    def param_digest(self) -> list[dict[str, float]]:
+    def param_digest(self) -> list[dict[str, int]]:
         """Per worker, a checksum of every vLLM parameter as it is now: tells whether two sync paths wrote
         the same values (colo.bench.sync checks vLLM's IPC engine against colo's sync with it)."""
         return self._rpc_all("colo_param_digest")

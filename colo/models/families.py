@@ -101,7 +101,8 @@ FAMILIES: dict[str, Family] = {
         "GptOssForCausalLM", "GptOssConfig",
         dict(vocab_size=339, num_hidden_layers=2, head_dim=64, intermediate_size=96, num_local_experts=4,
              num_experts_per_tok=2, sliding_window=16, layer_types=["sliding_attention", "full_attention"],
-             attention_bias=True, max_position_embeddings=131072, tie_word_embeddings=False),
+             attention_bias=True, max_position_embeddings=131072, tie_word_embeddings=False,
+             rms_norm_eps=1e-5),  # vLLM 0.32's GPT-OSS hard-codes its norms' eps at 1e-5 (the real model's)
         "vocab 339, expert biases, HF's (E, in, out) expert layout with interleaved gate/up, attention sinks, "
         "sliding + full attention layers, router bias, top-2 of 4"),
     "qwen3": Family(

@@ -338,10 +338,11 @@ class Engine:
             self._moe_layer_ids = self._rpc("colo_moe_layers")
         return self._moe_layer_ids
 
-    def probe(self, seqs: list[list[int]], trace: bool = False) -> dict:
-        """The sync's functional check (colo.sync.probe): vLLM's log-probs of every position of `seqs` (its top
-        ENGINE_TOPK next tokens and the actual one), and with `trace` the sublayer traces of the last sequence
-        (module hooks: an eager engine only; a compiled one returns none)."""
+    def probe(self, probe: dict) -> dict:
+        """The sync's functional check (colo.sync.probe, colo.sync.layercheck): the layer check's forwards (its hooks
+        installed on every worker, a prefill of the ids they give and one decode step, their records read back), then
+        vLLM's log-probs of every position of probe["seqs"] (its top ENGINE_TOPK next tokens and the actual one).
+        {"tables": per sequence and position, "layers": TP worker 0's records}."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
@@ -349,22 +350,21 @@ class Engine:
 
         if self.sleeping:
             raise RuntimeError(f"probe() on rank {self.rank} while {sorted(self.sleeping)} still sleep")
+        ids = self._rpc_all("colo_check_start", probe["layers"])[0]
+        try:  # a prefill, then one decode step (its kernels differ: MLA's absorbed projections serve decode only)
+            self.llm.generate([TokensPrompt(prompt_token_ids=list(map(int, s))) for s in ids],
+                              SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True, detokenize=False),
+                              use_tqdm=False)
+        finally:
+            layers = self._rpc_all("colo_check_stop")[0]
+            self._drop_prefix_cache()  # the forced forward's KV blocks must never serve a prompt
         # prompt log-probs never read the prefix cache (vLLM's default for them): every position is computed now
         params = SamplingParams(max_tokens=1, temperature=1.0, prompt_logprobs=ENGINE_TOPK, detokenize=False)
-        outs = self.llm.generate([TokensPrompt(prompt_token_ids=list(map(int, s))) for s in seqs], params,
+        outs = self.llm.generate([TokensPrompt(prompt_token_ids=list(map(int, s))) for s in probe["seqs"]], params,
                                  use_tqdm=False)
         tables = [[None if p is None else {int(t): float(lp.logprob) for t, lp in p.items()}
                    for p in o.prompt_logprobs] for o in outs]
-        out: dict = {"tables": tables, "trace": {}}
-        if trace:
-            self._rpc_all("colo_trace_start", len(seqs[-1]))
-            try:
-                self.llm.generate([TokensPrompt(prompt_token_ids=list(map(int, seqs[-1])))],
-                                  SamplingParams(max_tokens=1, detokenize=False, skip_reading_prefix_cache=True),
-                                  use_tqdm=False)
-            finally:
-                out["trace"] = self._rpc("colo_trace_stop")
-        return out
+        return {"tables": tables, "layers": layers}
 
     # ------------------------------------------------------------------------------------ sleep/wake
 

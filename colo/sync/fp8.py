@@ -14,7 +14,8 @@ each expert quantized as its own matrix. quantize_blocks is vLLM's `per_block_ca
 (vllm/utils/deep_gemm.py, what its online `fp8_per_block` quantization calls per linear and per expert) written for
 a batch of matrices: the same operations in the same order (the amax of each block clamped at 1e-4, the scale =
 amax / 448 as a division by the Python float, then x * (1 / scale) in float32 cast to e4m3), so each element comes
-out bit for bit what vLLM computes (tests/unit/test_sync_fp8.py, on CPU; tests/gpu/test_fp8_gpu.py on CUDA).
+out bit for bit what vLLM computes on CPU (tests/unit/test_sync_fp8.py); on CUDA, against vLLM's compiled function,
+untested until tests/gpu/test_fp8_gpu.py runs on a GPU.
 
 Who quantizes (sync.fp8_in): "sender" (the default) quantizes here, on the trainer's GPU while packing: half the
 bytes travel, the expert fast path still holds (each rank quantizes the experts it owns, never gathered), and the

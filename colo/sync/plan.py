@@ -205,7 +205,9 @@ def pack_segments(segs: list[Segment], dtypes: dict[str, str], bucket_bytes: int
             buckets[-1].append({"dst": s.dst, "dst_offset": s.dst_offset, "numel": s.numel, "dtype": dtype,
                                 "fill": 0, "src": s.src, "src_offset": 0})
             continue
-        unit = s.layout[0] * s.layout[1] if s.layout else (max(1, s.numel) if whole else 1)  # smallest piece
+        # smallest piece: whole expert blocks (layout), whole tensors (reference), else 16 bytes, so that a split
+        # leaves both parts' starts 16-byte aligned where the tensor's are (the fused CUDA copy vectorizes then)
+        unit = s.layout[0] * s.layout[1] if s.layout else (max(1, s.numel) if whole else max(1, 16 // esize))
         if unit * esize > bucket_bytes:
             what = "one expert" if s.layout else "it"
             raise ValueError(f"{s.dst}: {unit * esize} bytes ({what}) does not fit a {bucket_bytes}-byte "

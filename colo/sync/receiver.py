@@ -38,7 +38,8 @@ relays each call to every worker with collective_rpc):
 
     colo_begin_sync(handles, expect)     open the sender's buffers once (transport.ReceiverBuffers), reset coverage
     colo_load_bucket(k, pieces) x N      [broadcast: receive bucket k]; copy each piece into its param / staging
-    colo_end_sync(digest)                coverage (+ digests); vLLM's post-load step again (colo.sync.refresh)
+    colo_end_sync(digest)                coverage + checksums of what was written (colo.sync.checksum); vLLM's
+                                         post-load step again (colo.sync.refresh)
 """
 from __future__ import annotations
 
@@ -49,7 +50,8 @@ import torch
 from colo.models.dtypes import dtype_name, torch_dtype
 from colo.sync.refresh import Refresher, Target, build_targets
 from colo.sync.transport import ReceiverBuffers, WeightGroup, device_uuid, join_group
-from colo.sync.verify import Coverage, tensor_digest
+from colo.sync.checksum import CopySums
+from colo.sync.verify import Coverage
 
 
 @dataclass
@@ -60,8 +62,7 @@ class _ColoState:
     coverage: Coverage | None = None
     touched: set[str] = field(default_factory=set)  # modules whose params this sync wrote (direct mode)
     reference: bool = False  # this sync's buckets went to vLLM's load_weights
-    digest: bool = False
-    ref_digest: dict[str, float] = field(default_factory=dict)
+    sums: CopySums | None = None  # this sync's checksums of what was written (sync.digest), per destination
     group: WeightGroup | None = None  # disaggregated: the broadcast group with trainer rank 0
     derived: dict[str, list[str]] = field(default_factory=dict)  # module -> params its post-load step creates
     refused: list[str] = field(default_factory=list)  # pieces not written (reported at end_sync)
@@ -123,7 +124,8 @@ class SyncReceiver:
         st.refresher.stage()  # transient staging (vLLM's online FP8) gets its storage for this sync
         st.coverage = Coverage(expect)
         st.touched = set()
-        st.reference, st.digest, st.ref_digest = False, bool(digest), {}
+        st.reference = False
+        st.sums = CopySums(st.buffers.device) if digest else None
         st.refused = []
 
     def colo_load_bucket(self, buffer_id: int, pieces: list[dict]) -> dict:
@@ -145,9 +147,9 @@ class SyncReceiver:
             n = int(p.get("numel") or torch.Size(p.get("shape", [])).numel())
             size = n * dtype.itemsize
             src = None if "fill" in p else buf[p["buf_offset"]: p["buf_offset"] + size].view(dtype)  # (n,)
-            if "name" in p:  # reference mode: a whole checkpoint tensor
-                if st.digest:
-                    st.ref_digest[p["name"]] = tensor_digest(src)
+            if "name" in p:  # reference mode: a whole checkpoint tensor, summed as it arrived (vLLM's loader cuts it)
+                if st.sums is not None:
+                    st.sums.add(src, p["name"], 0)
                 loads.append((p["name"], src.view(p["shape"])))
                 st.coverage.add(p["name"], 0, n, size)
             else:
@@ -163,6 +165,10 @@ class SyncReceiver:
                         continue
                     t.tensor[off: off + n].zero_()
                     size = 0
+                    if st.sums is not None:
+                        st.sums.note(p["dst"])
+                elif st.sums is not None:  # the copy also sums what it writes, at the destination's positions
+                    st.sums.copy(t.tensor[off: off + n], src, p["dst"], off)
                 else:
                     t.tensor[off: off + n].copy_(src, non_blocking=True)
                 st.coverage.add(p["dst"], off, n, size)
@@ -174,6 +180,8 @@ class SyncReceiver:
                 st.refresher.open(set(st.refresher.post_load_modules()))
                 st.reference = True
             self._colo_model().load_weights(weights=loads)  # vLLM's loaders: TP slicing, q/k/v and gate/up fusing
+        if st.sums is not None:
+            st.sums.flush()  # CUDA: the batched copies of this bucket, before the buffer is handed back
         if buf.device.type == "cuda":
             torch.cuda.current_stream().synchronize()  # the sender may overwrite this buffer next
         return {"tensors": len(pieces), "bytes": nbytes}
@@ -184,28 +192,50 @@ class SyncReceiver:
         cov = st.coverage
         assert cov is not None, "colo_end_sync before colo_begin_sync"
         st.coverage = None
+        dig = st.sums.totals() if st.sums is not None and digest else None
+        st.sums = None
         if st.reference:
             errors = cov.errors(dict(cov.expect) if cov.expect is not None else {})
-            dig = dict(st.ref_digest) if digest else None
         else:
             errors = st.refused + cov.errors({n: t.tensor.numel() for n, t in st.targets.items()})
-            dig = {n: tensor_digest(st.targets[n].tensor) for n in cov.runs if n in st.targets} if digest else None
             st.refresher.open(st.touched)
         st.refreshed = self._colo_refresh(st)
         st.reference, st.touched = False, set()
         return {"tensors": cov.tensors, "bytes": cov.bytes, "verified": not errors, "errors": errors, "digest": dig,
                 "refreshed": st.refreshed}
 
-    def colo_trace_start(self, tokens: int) -> None:
-        """Keep each sublayer's output of the next forward (colo.sync.probe.traced) for colo_trace_stop."""
-        from colo.sync.probe import traced
+    def colo_check_start(self, spec: dict) -> list[list[int]]:
+        """Install the layer check's hooks (colo.sync.forcing) for the next forward: every site's input fixed,
+        routing forced, every output recorded; returns the token ids that forward must run on (colo_check_stop
+        reads the records). The model's compiled forward is bypassed meanwhile: hooks run only in eager code."""
+        from vllm.config import CUDAGraphMode
 
-        self._colo_trace = traced(self._colo_model(), int(tokens))
-        self._colo_traces = self._colo_trace.__enter__()
+        from colo.sync.forcing import Forcing
 
-    def colo_trace_stop(self) -> dict[str, list[list[float]]]:
-        self._colo_trace.__exit__(None, None, None)
-        return self._colo_traces
+        model, runner = self._colo_model(), self.model_runner  # type: ignore[attr-defined]
+        eager = runner.vllm_config.compilation_config.cudagraph_mode == CUDAGraphMode.NONE  # decode runs Python
+        self._colo_forcing = Forcing(model, spec, "vllm", runner.model_config.hf_config, decode=eager).__enter__()
+        self._colo_compiled = [m for m in model.modules() if getattr(m, "do_not_compile", True) is False]
+        for m in self._colo_compiled:  # vLLM's support_torch_compile: eager forward while set (decorators.py)
+            m.do_not_compile = True
+        return self._colo_forcing.ids
+
+    @torch.no_grad()
+    def colo_check_stop(self) -> dict:
+        """The layer check's records (colo.sync.forcing.Forcing.records): the sites the forward reached, lm_head's
+        logits of the final norm's output and every embedding row, through vLLM's own modules."""
+        f = self._colo_forcing
+        f.__exit__()
+        for m in self._colo_compiled:
+            m.do_not_compile = False
+        self._colo_forcing, self._colo_compiled = None, []
+        model = self._colo_model()
+        if f.final is not None:
+            logits = model.compute_logits(f.final)  # (rows, V): vLLM's lm_head kernel (None off TP rank 0)
+            if logits is not None:
+                f.add_logits(logits)
+        f.add_embedding_rows(torch.device(self.device))  # type: ignore[attr-defined]
+        return f.records()
 
     def _colo_refresh(self, st: _ColoState) -> int:
         """vLLM's post-load step for what this sync wrote (colo.sync.refresh); tests skip it to show it matters."""

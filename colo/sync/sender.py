@@ -14,7 +14,8 @@ expert fast path (an all-reduce) and allocates its buffers once. Every push() th
       ──pack_piece: copy+cast into buffer k % B──▶
     link.send(k): colocated, engine.load_bucket reads our buffer in place (transport: shm / CUDA IPC);
       disaggregated, every engine posts load_bucket and we broadcast the bucket (transport.WeightGroup)
-    ──▶ end_sync on every engine: coverage (+ digests) ──▶ report
+    ──▶ end_sync on every engine: coverage + checksums (colo.sync.checksum: the sender's, taken as it packs,
+      against the receiver's, taken as it writes) ──▶ report
 
 Two plans, one path: "direct" copies element runs into vLLM's own (fused) tensors; "reference"
 (sync.mode=load_weights, or tensor-parallel engines) sends whole checkpoint-named tensors (experts
@@ -48,7 +49,7 @@ from colo.sync.fp8 import FP8_DTYPE, Fp8Plan, Fp8PlanError
 from colo.sync.merge import merged
 from colo.sync.plan import MappingError, build_plan, build_reference_plan, direct_mapping
 from colo.sync.transport import SenderBuffers, WeightGroup, align_up
-from colo.sync.verify import compare_digests, piece_digest
+from colo.sync.checksum import CopySums, compare
 
 
 class SyncError(RuntimeError):
@@ -209,9 +210,11 @@ class ParamSource:
 
 
 def pack_piece(buf: torch.Tensor, piece: dict, src: tuple[torch.Tensor, int],
-               full_shape: tuple[int, ...]) -> torch.Tensor:
-    """Copy one piece's elements (cast to the engine's dtype) into `buf` at its offset; returns that view.
-    A "layout" piece is whole expert blocks stored (A, B) here and (B, A) in the engine: copied transposed."""
+               full_shape: tuple[int, ...], sums: CopySums | None = None) -> torch.Tensor:
+    """Copy one piece's elements (cast to the engine's dtype) into `buf` at its offset; returns that view. With
+    `sums` the copy also adds the piece's checksum (in its destination's coordinates) to its destination's total,
+    in the same pass on CUDA (colo.sync.checksum; batched: the caller flushes). A "layout" piece is whole expert
+    blocks stored (A, B) here and (B, A) in the engine: copied transposed, then summed."""
     tensor, row_start = src
     row = 1
     for s in full_shape[1:]:
@@ -227,6 +230,10 @@ def pack_piece(buf: torch.Tensor, piece: dict, src: tuple[torch.Tensor, int],
     if "layout" in piece:
         a, b = piece["layout"]
         out.view(-1, b, a).copy_(flat[s: s + n].view(-1, a, b).transpose(1, 2))  # (k, B, A) <- (k, A, B)
+        if sums is not None:
+            sums.add(out, piece["dst"], piece["dst_offset"])
+    elif sums is not None:
+        sums.copy(out, flat[s: s + n], piece["dst"], piece["dst_offset"])  # casts to the engine's dtype
     else:
         out.copy_(flat[s: s + n])  # casts to the engine's dtype while packing
     return out
@@ -349,7 +356,7 @@ class Sender:
         ray.get([e.begin_sync.remote(bufs.handles(), plan.expect, digest) for e in link.engines])
         inflight: dict[int, list] = {}  # buffer index -> ObjectRefs of the loads reading it
         loaded = {"tensors": 0, "bytes": 0}
-        sent_digest: dict[str, float] | None = {} if digest else None
+        sums = CopySums(bufs.device) if digest else None
 
         def wait(slot: int) -> None:
             refs = inflight.pop(slot, None)
@@ -363,18 +370,19 @@ class Sender:
         def send(k: int, slot: int) -> None:
             inflight[slot] = link.send(slot, plan.wire(k), plan.bucket_used[k])
 
-        self.pack(timings, reuse=wait, send=send, sent_digest=sent_digest)
+        self.pack(timings, reuse=wait, send=send, sums=sums)
         for slot in list(inflight):
             wait(slot)
 
         t = time.perf_counter()
         results = ray.get([e.end_sync.remote(digest) for e in link.engines])
+        sent = sums.totals() if sums is not None else None
         errors: list[str] = []
         for e, res in enumerate(results):
             where = f"engine {e}: " if len(results) > 1 else ""
             errors += [where + x for x in res.get("errors", [])]
-            if sent_digest is not None:
-                errors += [where + x for x in compare_digests(sent_digest, res.get("digest") or {})]
+            if sent is not None:
+                errors += [where + x for x in compare(sent, res.get("digest") or {})]
         verify_s = time.perf_counter() - t
         report = {"seconds": time.perf_counter() - t_start, "gather_s": timings["gather"], "pack_s": timings["pack"],
                   "quantize_s": timings.get("quantize", 0.0),
@@ -392,11 +400,11 @@ class Sender:
         return report
 
     def pack(self, timings: dict[str, float], *, reuse: Callable[[int], None], send: Callable[[int, int], None],
-             sent_digest: dict[str, float] | None = None) -> None:
+             sums: CopySums | None = None) -> None:
         """Walk the FSDP units and pack the plan's buckets in order: `reuse(slot)` before bucket k starts
         overwriting buffer slot = k % B (push: wait for the loads still reading it), `send(k, slot)` once
         bucket k is packed. Adds to timings' "gather" and "pack" (time spent in `reuse` is not packing).
-        `sent_digest`: per destination, the digest of what was packed (fills count 0)."""
+        `sums`: each destination's checksum of what was packed (fills count 0), taken in the packing copies."""
         plan, bufs = self.plan, self.buffers
         cuda = bufs.device.type == "cuda"
         flat = [(k, i) for k, b in enumerate(plan.buckets) for i in range(len(b))]
@@ -413,21 +421,22 @@ class Sender:
                     reuse(slot)  # the load that last read this buffer must be done before we overwrite it
                     t += time.perf_counter() - t_reuse
                 piece = plan.buckets[k][i]
-                if "fill" in piece:  # zeros into the engine's declared pad rows: no bytes, digest contribution 0
-                    if sent_digest is not None:
-                        sent_digest.setdefault(piece["dst"], 0.0)
+                if "fill" in piece:  # zeros into the engine's declared pad rows: no bytes, checksum 0
+                    if sums is not None:
+                        sums.note(piece["dst"])
                 else:
-                    out = pack_piece(bufs.tensors[slot], piece, tensors[piece["src"]], self.shapes[piece["src"]])
-                    if sent_digest is not None:
-                        part = piece_digest(out, piece["dst_offset"])
-                        sent_digest[piece["dst"]] = sent_digest.get(piece["dst"], 0.0) + part
+                    pack_piece(bufs.tensors[slot], piece, tensors[piece["src"]], self.shapes[piece["src"]], sums)
                 pos += 1
                 if i == len(plan.buckets[k]) - 1:
+                    if sums is not None:
+                        sums.flush()  # the bucket's batched copies (CUDA) before anyone reads it
                     if cuda:
                         torch.cuda.current_stream(bufs.device).synchronize()  # the receiver reads on its own stream
                     timings["pack"] = timings.get("pack", 0.0) + time.perf_counter() - t
                     send(k, slot)
                     t = time.perf_counter()
+            if sums is not None:
+                sums.flush()  # this unit's tensors go (reshard) once the source moves on
             timings["pack"] = timings.get("pack", 0.0) + time.perf_counter() - t
         if pos != len(flat):
             p = plan.buckets[flat[pos][0]][flat[pos][1]]

@@ -1,53 +1,10 @@
-"""Coverage and digest checks for one sync (pure functions; the receiver and sender both use them).
+"""Coverage of one sync (pure; the receiver keeps one per sync and checks it at the end).
 
-Coverage: every destination param must be written exactly once, element by element. Intervals are
-recorded per piece and merged at the end, so a dropped piece shows up as a gap and a duplicated piece
-as an overlap, each reported with the param's name and the element range.
-
-Digest: one float64 per tensor, sum(x_i * w_i) with w_i a fixed pseudo-random weight of the element's
-index in the destination, so it catches wrong values and also rows landing in the wrong place (a plain
-sum would not see swapped experts). The sender sums per piece, the receiver per tensor; the two differ
-only by float64 summation order, far below any real difference (one bf16 ulp moves it by ~1e-3 relative
-to a single element, compared with a 1e-9 relative tolerance on the total).
+Every destination param must be written exactly once, element by element. Intervals are recorded per piece and
+merged at the end, so a dropped piece shows up as a gap and a duplicated piece as an overlap, each reported with
+the param's name and the element range. The bytes themselves are compared by colo.sync.checksum.
 """
 from __future__ import annotations
-
-import torch
-
-DIGEST_RTOL = 1e-9
-
-
-def _weights(start: int, n: int, device: torch.device) -> torch.Tensor:
-    idx = torch.arange(start, start + n, device=device, dtype=torch.int64)
-    return 1.0 + ((idx * 2654435761) % 1024).to(torch.float64) / 1024.0  # (n,) in [1, 2)
-
-
-CHUNK = 1 << 24  # elements per step: float64 temporaries of a whole 3 GB expert tensor would need ~10 GB
-
-
-def piece_digest(values: torch.Tensor, dst_offset: int) -> float:
-    """Digest contribution of `values` (1-D) written at element `dst_offset` of its destination."""
-    v = values.reshape(-1)
-    total = torch.zeros((), dtype=torch.float64, device=v.device)
-    for i in range(0, v.numel(), CHUNK):
-        c = v[i: i + CHUNK]
-        total += (c.to(torch.float64) * _weights(dst_offset + i, c.numel(), v.device)).sum()
-    return float(total)
-
-
-def tensor_digest(t: torch.Tensor) -> float:
-    return piece_digest(t.reshape(-1), 0)
-
-
-def compare_digests(sent: dict[str, float], received: dict[str, float]) -> list[str]:
-    errors = []
-    for name in sorted(set(sent) | set(received)):
-        a, b = sent.get(name), received.get(name)
-        if a is None or b is None:
-            errors.append(f"{name}: digest only on the {'receiver' if a is None else 'sender'} side")
-        elif abs(a - b) > DIGEST_RTOL * max(1.0, abs(a), abs(b)):
-            errors.append(f"{name}: digest sent {a!r} != received {b!r}")
-    return errors
 
 
 class Coverage:

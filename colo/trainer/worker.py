@@ -22,6 +22,7 @@ gradient checkpointing, which only acts while training).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import os
 import time
@@ -41,6 +42,8 @@ from colo.models.dtypes import torch_dtype
 from colo.run.commands import merged_export
 from colo.run.logs import actor_output
 from colo.host.shm import sweep
+from colo.sync.forcing import Forcing
+from colo.sync.probe import trainer_scores
 from colo.sync.sender import Sender
 from colo.sync.transport import WeightGroup, WeightGroupHost, device_uuid
 from colo.trainer import checkpoint
@@ -509,10 +512,9 @@ class Trainer:
                 self.sender = Sender.broadcast(self.model, self.cfg.sync, engines, self._weight_group)
         return self.sender.summary()
 
-    def sync_weights(self, engines: list, probe: list[list[int]] | None = None) -> dict:
-        """Push this rank's weights: the sync report (raises colo.sync.sender.SyncError when unverified). With
-        `probe` (token sequences, colo.sync.probe) the report also holds this policy's scores of them, which the
-        driver compares with what each engine computes from the weights just pushed (collective: every rank)."""
+    def sync_weights(self, engines: list, probe: dict | None = None) -> dict:
+        """Push this rank's weights: the sync report (raises colo.sync.sender.SyncError when unverified); with `probe`
+        (colo.sync.probe) also the policy's scores and layer records for the driver's check. Collective."""
         self.prepare_sync(engines)
         report = self.sender.push()
         if probe is not None:
@@ -520,27 +522,25 @@ class Trainer:
         return report
 
     @torch.no_grad()
-    def _probe(self, seqs: list[list[int]]) -> dict:
-        """The policy's log-probs of `seqs` (colo.sync.probe.trainer_scores) and its sublayer traces of the last
-        one: eager (a compiled layer would compile again for these shapes), in eval mode, no routing replay."""
-        from dataclasses import asdict
-
-        from colo.sync.probe import trainer_scores, traced
-
+    def _probe(self, probe: dict) -> dict:
+        """The policy's log-probs of probe["seqs"] and its layer check records (colo.sync.probe, colo.sync.forcing):
+        eager (a compiled layer would compile again for these shapes), in eval mode, no routing replay."""
         self._check_ready()
-        ids = torch.tensor(seqs, dtype=torch.long, device=self.device)  # (S, T)
+        ids = torch.tensor(probe["seqs"], dtype=torch.long, device=self.device)  # (S, T)
         training = self.model.training
         self.model.eval()
         self.routing.set(None, replay=False)
         try:
-            with torch.compiler.set_stance("force_eager"), traced(self.model, ids.shape[1]) as trace:
-                logits = self.model.colo_probe(ids)  # (S, T, V) float32
+            with torch.compiler.set_stance("force_eager"), Forcing(self.model, probe["layers"], "hf",
+                                                                   self.model.config) as forced:
+                logits = self.model.colo_probe(ids)  # (S, T, V) float32: not the layer check's ids, so not forced
+                forced.add_logits(self.model.colo_probe(torch.tensor(forced.hf_ids, device=self.device)))
         finally:
             self.model.train(training)
         for m in self.model.modules():  # as after any forward-only pass (_logprobs): shards for the next sync
             if isinstance(m, FSDPModule):
                 m.reshard()
-        return {"scores": asdict(trainer_scores(logits, ids)), "trace": trace}
+        return {"scores": dataclasses.asdict(trainer_scores(logits, ids)), "layers": forced.records()}
 
     # Disaggregated: rank 0 opens a broadcast group (colo.sync.transport) that every engine worker joins;
     # the driver calls open_weight_group, then join_weight_group here and on the engines at the same time.

@@ -33,7 +33,7 @@ def test_help_imports_nothing_heavy_and_needs_a_model() -> None:
 @pytest.mark.slow
 def test_tiny_two_ranks_check_json(tmp_path) -> None:
     p = _bench("--preset", "tiny", "--ranks", "2", "--check", "--json", "--device", "cpu", "--reps", "4",
-               "--workdir", str(tmp_path), timeout=900)
+               "--checksum-ratio", "--workdir", str(tmp_path), timeout=900)
     assert p.returncode == 0, p.stderr[-4000:]
     r = json.loads(p.stdout.strip().splitlines()[-1])
     for key in ("seconds", "baseline_seconds", "speedup", "verified", "equivalent", "phases", "baseline_phases",
@@ -52,4 +52,8 @@ def test_tiny_two_ranks_check_json(tmp_path) -> None:
     assert r["speedup"] == pytest.approx(r["baseline_seconds"] / r["seconds"]), r
     assert r["first_speedup"] == pytest.approx(r["baseline_seconds"] / r["first_seconds"]), r
     assert r["vllm_ipc"]["status"] == "skipped"  # CUDA IPC only
+    # the checksum's cost: syncs without and with it in this run, alternating, as a ratio per pair
+    c = r["checksum"]
+    assert len(c["all_off"]) == len(c["all_on"]) == 4 and c["pairs"] == 4
+    assert c["ratio"]["n"] == 4 and c["ratio"]["min"] <= c["ratio"]["median"] <= c["ratio"]["max"]
     assert not list(tmp_path.glob("export-*")), "the --check export must be removed"

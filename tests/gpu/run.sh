@@ -50,6 +50,9 @@
 # FP8 engine synced both ways, the loop with R3/TIS, async, multi-turn, and disaggregated on 2 GPUs) (only when named).
 # fp8step = colo.bench.step --compare=rollout.quantization=fp8,none: FP8 rollout against bf16, one cluster each, on
 # BENCH_PRESET (FP8STEP_ARGS adds overrides) (only when named).
+# checksum = the sync's checksum kernel (test_checksum_gpu.py), then colo.bench.sync --checksum-ratio on CHECKSUM_ARGS
+# (default the L4 slice on one GPU); its JSON line lands in $OUT/checksum.json (only when named).
+# layers = the functional check on GPU, test_layercheck_gpu.py: noise, a compiled engine, seconds (only when named).
 # CUDA_VISIBLE_DEVICES limits the GPUs it counts and uses; SHARED_HOST=1 leaves Ray running after a failed step
 # (tests/gpu/streams.sh runs two of these at once, one per GPU).
 # Everything this script leaves in $OUT is at most 8 files, one level deep: what a device call brings back.
@@ -106,7 +109,7 @@ ngpu=$(nvidia-smi -L | wc -l)
 if [ -n "${CUDA_VISIBLE_DEVICES:-}" ]; then ngpu=$(echo "$CUDA_VISIBLE_DEVICES" | tr ',' '\n' | grep -c .); fi
 
 STEPS=${STEPS:-colocated ipc dpep routing lora bench loop}  # and: attention, rollout, decode, step, async, gather, compile,
-# one, optim, fp8, fp8step
+# one, optim, fp8, fp8step, checksum, layers
 want() { case " $STEPS " in *" $1 "*) return 0;; *) return 1;; esac; }
 
 # attention = the packed-row attention kernels against per-sample SDPA (test + tools.experiments.packed_attention; no vLLM)
@@ -120,6 +123,16 @@ want ipc && step pytest-ipc 90 "$PY" -m pytest tests/gpu/test_ipc_alloc.py -x -q
 want dpep && step pytest-dpep 240 "$PY" -m pytest tests/gpu/test_dpep.py -x -q -s -p no:cacheprovider
 want routing && step pytest-routing 300 "$PY" -m pytest tests/gpu/test_routing_gpu.py -x -q -s -p no:cacheprovider
 want lora && step pytest-lora 300 "$PY" -m pytest tests/gpu/test_lora_gpu.py -x -q -s -p no:cacheprovider
+# checksum = the sync's checksum kernel (tests/gpu/test_checksum_gpu.py: exactness, its cost against copy_), then
+# colo.bench.sync --checksum-ratio on CHECKSUM_ARGS (default the L4 slice, one GPU): syncs without and with it
+# (only when named; the whole model: CHECKSUM_ARGS="--preset qwen3-30b-a3b --ranks 4" on 4 GPUs)
+want checksum && step checksum 540 bash -c "'$PY' -m pytest --noconftest tests/gpu/test_checksum_gpu.py -q -s \
+    -p no:cacheprovider && COLO_VLLM_GPU_FRACTION=\${COLO_VLLM_GPU_FRACTION:-0.3} '$PY' -m colo.bench.sync \
+    ${CHECKSUM_ARGS:---preset qwen3-30b-a3b-L4 --ranks 1} --device cuda --reps 6 --checksum-ratio --no-vllm-ipc --json \
+    | tail -n 1 > '$OUT/checksum.json'"
+# layers = the functional check on GPU (tests/gpu/test_layercheck_gpu.py: its noise on the tiny and L4 models, a
+# compiled engine's prefill hooks, its cost) (only when named)
+want layers && step layers 540 "$PY" -m pytest tests/gpu/test_layercheck_gpu.py -x -q -s -p no:cacheprovider
 want fp8 && step pytest-fp8 540 "$PY" -m pytest tests/gpu/test_fp8_gpu.py tests/gpu/test_fp8_loop_gpu.py -x -q -s \
     -p no:cacheprovider
 

@@ -8,9 +8,9 @@ covers the packing into vLLM's FP8 params as vLLM's code creates them):
 1. colo's quantization on CUDA is vLLM's compiled per_block_cast_to_fp8 bit for bit (inductor's Triton code
    multiplies by the scale's reciprocal, as eager CUDA does);
 2. for each sync.fp8_in (sender, receiver), a TrainWorker and a real FP8 RolloutEngine of the tiny-fp8 preset on one
-   GPU: the engine holds e4m3 weights with float32 scales and a bf16 router; a sync is verified with digests (the
+   GPU: the engine holds e4m3 weights with float32 scales and a bf16 router; a sync is verified with checksums (the
    e4m3 bytes and scales as written), changes the greedy tokens after the trainer's weights move, and passes the
-   functional check within TOLERANCE["fp8"] (the measured error is printed);
+   functional check (end to end and layer by layer) within the "fp8" tolerances (the measured errors are printed);
 3. tests/gpu/test_fp8_loop_gpu.py: the loop with FP8 rollout (R3 and TIS, async, multi-turn, disaggregated).
 The `[gpu]` lines carry the figures for docs/benchmarks.md.
 """
@@ -23,6 +23,7 @@ import torch
 from gpu_helpers import PERTURB_SCALE, greedy, gpu_cluster, gpu_config
 
 pytestmark = pytest.mark.gpu
+FEW_LABEL = "4th-worst position"
 
 
 def _cuda() -> None:
@@ -78,23 +79,29 @@ def test_engine_holds_e4m3_weights_and_a_bf16_router(pair) -> None:
 
 
 def test_sync_is_verified_real_and_within_fp8s_tolerance(pair) -> None:
-    from colo.sync.probe import TOLERANCE, ProbeScores, check, engine_scores, probe_sequences
+    from colo.sync import layercheck
+    from colo.sync.probe import TOLERANCE, ProbeSchedule, ProbeScores, check, engine_scores
 
     trainer, engine = pair["trainer"], pair["engine"]
-    seqs = probe_sequences(512)
-    rep = ray.get(trainer.sync_weights.remote([engine], seqs))
+    probe = ProbeSchedule(512, 256, 1).next()
+
+    def checked(rep: dict) -> tuple:
+        got = ray.get(engine.probe.remote(probe))
+        return (check(ProbeScores(**rep["probe"]["scores"]), engine_scores(got["tables"]), "fp8"),
+                layercheck.compare(rep["probe"]["layers"], got["layers"], layercheck.TOLERANCE["fp8"]))
+
+    rep = ray.get(trainer.sync_weights.remote([engine], probe))
     assert rep["verified"] and rep["digest_checked"], rep["errors"][:5]
     before = greedy([engine])[0]
-    res = check(ProbeScores(**rep["probe"]["scores"]), engine_scores(ray.get(engine.probe.remote(seqs))["tables"]),
-                "fp8")
+    res, layers = checked(rep)
     print(f"\n[gpu] fp8 {pair['fp8_in']}: sync {rep['seconds'] * 1e3:.1f} ms ({rep['bytes']} bytes, quantize "
-          f"{rep['quantize_s'] * 1e3:.1f} ms), functional check error {res.err:.3f} (tolerance {TOLERANCE['fp8']})")
-    assert res.ok, res
+          f"{rep['quantize_s'] * 1e3:.1f} ms), functional check error {res.err:.3f} (tolerance {TOLERANCE['fp8']}), "
+          f"{FEW_LABEL} {res.few:.3f}, layer check worst site {layers.err:.3f} (tolerance {layercheck.TOLERANCE['fp8']})")
+    assert res.ok and layers.ok, (res, layers.summary())
     assert ray.get(trainer.perturb_weights.remote(1, PERTURB_SCALE)) > 0
-    rep2 = ray.get(trainer.sync_weights.remote([engine], seqs))
+    rep2 = ray.get(trainer.sync_weights.remote([engine], probe))
     assert rep2["verified"], rep2["errors"][:5]
     after = greedy([engine])[0]
     assert [t for t, _ in after] != [t for t, _ in before], "the sync changed nothing: the test could not fail"
-    res2 = check(ProbeScores(**rep2["probe"]["scores"]), engine_scores(ray.get(engine.probe.remote(seqs))["tables"]),
-                 "fp8")
-    assert res2.ok, res2
+    res2, layers2 = checked(rep2)
+    assert res2.ok and layers2.ok, (res2, layers2.summary())

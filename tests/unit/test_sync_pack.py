@@ -14,7 +14,7 @@ from colo.sync.plan import Segment
 from colo.sync.plan import SyncPlan, pack_segments
 from colo.sync.sender import pack_piece
 from colo.sync.transport import ALIGN, ReceiverBuffers, SenderBuffers
-from colo.sync.verify import Coverage, compare_digests, piece_digest, tensor_digest
+from colo.sync.verify import Coverage
 
 SHAPES = {"a.bf16": ((37, 5), torch.bfloat16), "b.fp32": ((1000,), torch.float32),
           "c.i64": ((3, 7, 2), torch.int64), "big.bf16": ((50, 100), torch.bfloat16),  # 10000 B > bucket
@@ -73,6 +73,7 @@ def test_plan_splits_and_aligns() -> None:
     for b in plan.buckets:
         for p in b:
             assert p["buf_offset"] % ALIGN == 0
+            assert p["dst_offset"] * torch_dtype(p["dtype"]).itemsize % 16 == 0  # splits keep 16-byte starts
             assert p["buf_offset"] + p["numel"] * torch_dtype(p["dtype"]).itemsize <= BUCKET
 
 
@@ -129,18 +130,6 @@ def test_coverage_names_dropped_and_duplicated() -> None:
     ok.add("w", 0, 2, 4)
     ok.add("w", 2, 2, 4)
     assert ok.errors({"w": 4}) == []
-
-
-def test_digest_sees_values_and_positions() -> None:
-    t = torch.randn(1000).to(torch.bfloat16)
-    whole = tensor_digest(t)
-    parts = piece_digest(t[:300], 0) + piece_digest(t[300:], 300)
-    assert compare_digests({"x": parts}, {"x": whole}) == []
-    swapped = torch.cat([t[500:], t[:500]])
-    assert compare_digests({"x": whole}, {"x": tensor_digest(swapped)})
-    bumped = t.clone()
-    bumped[7] += 0.5
-    assert compare_digests({"x": whole}, {"x": tensor_digest(bumped)})
 
 
 def test_cuda_ipc_args_pin_torchs_rebuild_layout() -> None:

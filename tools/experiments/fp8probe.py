@@ -1,4 +1,5 @@
-"""The functional check's error that FP8's rounding alone causes: where colo.sync.probe.TOLERANCE["fp8"] comes from.
+"""The functional check's error that FP8's rounding alone causes: where the "fp8" tolerances come from
+(colo.sync.probe.TOLERANCE, FEW_TOLERANCE; colo.sync.layercheck.TOLERANCE).
 
     python -m tools.experiments.fp8probe --json                    # CPU, ~1 min: the tiny presets, 3 seeds each
     python -m tools.experiments.fp8probe --preset qwen3-30b-a3b-L2 --seeds 1 --device cuda --json    # a real width
@@ -11,10 +12,12 @@ with every weight colo quantizes replaced by dequantize(quantize(w)) (colo.sync.
 the experts; router, embeddings, lm_head and norms untouched), and, with --activations (the default), each
 quantized linear's input also rounded as vLLM's W8A8 block kernels round it (e4m3 per token and 128 channels,
 dynamic scales; inside the experts, their input). For contrast it also measures the error of a stale engine: the
-bf16 weights of another seed (what a sync that wrote nothing would leave).
+bf16 weights of another seed (what a sync that wrote nothing would leave). The layer check (colo.sync.layercheck)
+is measured the same way: the worst site's error of each model against the bf16 one, on the check's fixed inputs.
 
-Its JSON line: per model and seed the weight-only and W8A8 errors, and "max_w8a8", "stale_min". The tolerance is
-set with margin above max_w8a8 and far below stale_min (docs/vllm-notes.md, "FP8 rollout").
+Its JSON line: per model and seed the weight-only and W8A8 errors (the median, the FEW-th worst position, the layer
+check's worst site), and their maxima ("max_w8a8", "max_few_w8a8", "max_layer_w8a8") and the stale engine's minima.
+The tolerances are set with margin above the maxima and below the stale minima (docs/vllm-notes.md, "FP8 rollout").
 Arguments are parsed before torch is imported.
 """
 from __future__ import annotations
@@ -99,7 +102,14 @@ def _model(args: argparse.Namespace, preset: str, seed: int, dev):
 def measure(args: argparse.Namespace) -> dict:
     import torch
 
+    from colo.sync.forcing import Forcing
+    from colo.sync.layercheck import compare, layer_spec
     from colo.sync.probe import check, engine_scores, probe_sequences, trainer_scores
+
+    def layers(model):  # the layer check's records of a transformers model (as the trainer takes them)
+        with torch.no_grad(), Forcing(model, layer_spec(model.config.vocab_size, 128), "hf", model.config) as f:
+            f.add_logits(model(torch.tensor(f.hf_ids, device=dev)).logits.float())
+        return f.records()
 
     def scores(model, ids):
         with torch.no_grad():
@@ -123,31 +133,40 @@ def measure(args: argparse.Namespace) -> dict:
         for seed in range(args.seeds):
             ref = _model(args, preset, seed, dev)
             ids = torch.tensor(probe_sequences(ref.config.vocab_size), device=dev)  # (2, 24): the loop's sequences
-            mine = trainer_scores(scores(ref, ids), ids)
+            mine, base = trainer_scores(scores(ref, ids), ids), layers(ref)
             row = {"preset": preset, "seed": seed}
-            for tag, act in (("weights", False), ("w8a8", True)):
+            for tag, act in (("weights", False), ("w8a8", True), ("stale", None)):
                 if act and not args.activations:
                     continue
-                eng = fp8_model(_model(args, preset, seed, dev), act)
-                row[tag] = check(mine, engine_view(scores(eng, ids), ids), "bfloat16").err
+                eng = _model(args, preset, seed + 100, dev) if act is None else fp8_model(_model(args, preset, seed,
+                                                                                                  dev), act)
+                res = check(mine, engine_view(scores(eng, ids), ids), "bfloat16")
+                row[tag], row[f"few_{tag}"] = res.err, res.few
+                row[f"layer_{tag}"] = compare(base, layers(eng), float("inf")).err
                 del eng
-            stale = _model(args, preset, seed + 100, dev)
-            row["stale"] = check(mine, engine_view(scores(stale, ids), ids), "bfloat16").err
-            del ref, stale
+            del ref
             rows.append(row)
             print(f"[fp8probe] {row}", file=sys.stderr, flush=True)
     key = "w8a8" if args.activations else "weights"
-    return {"rows": rows, "max_weights": max(r["weights"] for r in rows),
-            f"max_{key}": max(r[key] for r in rows), "stale_min": min(r["stale"] for r in rows)}
+    out = {"rows": rows, "max_weights": max(r["weights"] for r in rows), "stale_min": min(r["stale"] for r in rows),
+           "few_stale_min": min(r["few_stale"] for r in rows), "layer_stale_min": min(r["layer_stale"] for r in rows)}
+    for k in {"weights", key}:
+        out.update({f"max_{k}": max(r[k] for r in rows), f"max_few_{k}": max(r[f"few_{k}"] for r in rows),
+                    f"max_layer_{k}": max(r[f"layer_{k}"] for r in rows)})
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    from colo.sync.probe import FEW
+
     out = measure(args)
     print(json.dumps(out, sort_keys=True) if args.json else
-          f"FP8 probe error: weights only <= {out['max_weights']:.3f}, "
-          f"W8A8 <= {out.get('max_w8a8', float('nan')):.3f}; "
-          f"a stale engine >= {out['stale_min']:.3f}", flush=True)
+          f"FP8 probe error (median, {FEW}th worst position, layer check's worst site): weights only <= "
+          f"{out['max_weights']:.3f}, {out['max_few_weights']:.3f}, {out['max_layer_weights']:.3f}; W8A8 <= "
+          f"{out.get('max_w8a8', float('nan')):.3f}, {out.get('max_few_w8a8', float('nan')):.3f}, "
+          f"{out.get('max_layer_w8a8', float('nan')):.3f}; a stale engine >= {out['stale_min']:.3f}, "
+          f"{out['few_stale_min']:.3f}, {out['layer_stale_min']:.3f}", flush=True)
     return 0
 
 

@@ -1,0 +1,92 @@
+"""The sync's checksum kernel on CUDA (colo.sync.checksum): exact copies, the torch path's integers, and its cost.
+
+    PYTHONPATH=. python -m pytest --noconftest tests/gpu/test_checksum_gpu.py -q -s      (~1 min; no vLLM, no Ray)
+
+The CPU suite runs the same kernel in Triton's interpreter (tests/unit/test_sync_checksum.py); on a GPU:
+1. copy + checksum in one launch: bit-exact copies (bf16, float32, e4m3; float32 -> bf16 rounded as torch rounds),
+   sums equal to the torch path's, for batched, unaligned and split pieces;
+2. its cost: a 1 GiB bucket of bf16 pieces packed from float32 shards (the expert fast path's copy) with torch's
+   copy_ against the fused kernel, and the receiver's bf16 -> bf16 copy the same way: `[gpu] checksum` lines with
+   both times and their ratio (the sync-level ratio is colo.bench.sync --checksum-ratio: tests/gpu/run.sh step
+   `checksum`).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+
+
+def _cuda() -> None:
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+
+
+def test_kernel_copies_exactly_and_sums_as_the_torch_path() -> None:
+    _cuda()
+    from colo.sync.checksum import CopySums, checksum
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    src32 = torch.randn(3_000_001, generator=g, device="cuda")
+    src32[:4] = torch.tensor([0.0, -0.0, float("inf"), 1e-40])  # signed zero, infinity, a denormal
+    srcbf = torch.randn(1_234_567, generator=g, device="cuda").to(torch.bfloat16)
+    src8 = torch.randn(777_777, generator=g, device="cuda").to(torch.float8_e4m3fn)
+    buf = torch.zeros(16 << 20, dtype=torch.uint8, device="cuda")
+    sums = CopySums("cuda")
+    assert sums.fused, "Triton is needed on CUDA (the GPU bundle brings Triton 3.7)"
+    want, at = {}, 0
+    pieces = [("cast", src32, torch.bfloat16, 0), ("cast", src32[7:1_000_007], torch.bfloat16, 7),  # unaligned src
+              ("same", srcbf, torch.bfloat16, 3), ("e4m3", src8, torch.float8_e4m3fn, 11), ("fp32", src32, torch.float32, 5)]
+    for name, src, dt, pos in pieces:
+        n = src.numel()
+        at = (at + 255) // 256 * 256 + (2 if name == "same" else 0)  # one destination 2 bytes off alignment
+        out = buf[at: at + n * dt.itemsize].view(dt)
+        at += n * dt.itemsize
+        sums.copy(out, src, name, pos)
+        want[name] = (out, src.to(dt), pos)
+    got = sums.totals()
+    for name, (out, ref, pos) in want.items():
+        assert torch.equal(out.view(torch.uint8), ref.contiguous().view(torch.uint8)), name  # torch's rounding
+        assert got[name] == checksum(ref, pos), name
+
+
+def _time(fn, reps: int = 20) -> float:
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    fn()
+    start.record()
+    for _ in range(reps):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / reps / 1e3  # seconds
+
+
+@pytest.mark.parametrize("src_dtype", [torch.float32, torch.bfloat16])
+def test_fused_checksum_costs_little_over_the_copy(src_dtype) -> None:
+    """1 GiB of bf16 destination in 64 pieces (a bucket), from float32 (the sender's expert shards) or bf16 (the
+    receiver's buffer): torch's copy_ per piece against the fused copy + checksum, one launch per batch."""
+    _cuda()
+    from colo.sync.checksum import CopySums
+
+    n, parts = (1 << 29), 64  # bf16 elements of the bucket
+    src = torch.randn(n, device="cuda", dtype=src_dtype)
+    dst = torch.empty(n, device="cuda", dtype=torch.bfloat16)
+    step = n // parts
+
+    def plain() -> None:
+        for i in range(parts):
+            dst[i * step:(i + 1) * step].copy_(src[i * step:(i + 1) * step])
+
+    def fused() -> None:
+        sums = CopySums("cuda")
+        for i in range(parts):
+            sums.copy(dst[i * step:(i + 1) * step], src[i * step:(i + 1) * step], f"p{i % 8}", i * step)
+        sums.totals()  # the one read back, as at end_sync
+
+    a, b = _time(plain), _time(fused)
+    print(f"\n[gpu] checksum {str(src_dtype).removeprefix('torch.')} -> bf16, 1 GiB in {parts} pieces: copy_ "
+          f"{a * 1e3:.2f} ms ({n * (src.element_size() + 2) / a / 1e9:.0f} GB/s), fused copy + checksum "
+          f"{b * 1e3:.2f} ms: {b / a:.3f}x")
+    assert b / a < 2.0, "far off the copy's bandwidth: the kernel did not vectorize?"

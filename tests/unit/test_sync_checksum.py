@@ -1,0 +1,125 @@
+"""The sync's exact checksum (colo.sync.checksum): what it sees, that pieces add up to the whole, and that the CUDA
+kernel computes the same integers as the torch path (run here by Triton's interpreter on CPU tensors).
+
+    .venv/bin/python -m pytest tests/unit/test_sync_checksum.py -q
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from colo.sync.checksum import MASK64, CopySums, checksum, combine, compare
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _bf16(n: int, seed: int = 0) -> torch.Tensor:
+    return torch.randn(n, generator=torch.Generator().manual_seed(seed)).to(torch.bfloat16)
+
+
+def test_pieces_in_any_order_add_up_to_the_whole() -> None:
+    t = _bf16(1000)
+    whole = checksum(t)
+    assert 0 <= whole <= MASK64
+    assert combine(checksum(t[300:], 300), checksum(t[:300], 0)) == whole
+    sums = CopySums("cpu")
+    for a, b in ((700, 1000), (0, 300), (300, 700)):  # the receiver sees buckets in any order
+        sums.add(t[a:b], "x", a)
+    assert compare({"x": whole}, sums.totals()) == []
+
+
+def test_every_single_changed_element_is_seen() -> None:
+    """One element's bit pattern changed in any bit, at any position: always a different checksum (the weight of a
+    position is odd, so the product of a nonzero change and it is nonzero mod 2^32)."""
+    t = _bf16(257)
+    whole = checksum(t)
+    bits = t.view(torch.int16)
+    for pos in (0, 1, 100, 256):
+        for bit in range(16):
+            bad = bits.clone()
+            bad[pos] ^= (1 << bit) if bit < 15 else -(1 << 15)
+            assert checksum(bad.view(torch.bfloat16)) != whole, (pos, bit)
+    f = torch.randn(64)
+    for bit in range(32):  # float32 too, including the sign bit
+        bad = f.view(torch.int32).clone()
+        bad[5] ^= (1 << bit) if bit < 31 else -(1 << 31)
+        assert checksum(bad.view(torch.float32)) != checksum(f), bit
+
+
+def test_rows_in_the_wrong_place_are_seen() -> None:
+    """The same values at other positions: swapped rows, rows shifted by one, a piece written at the wrong offset."""
+    t = _bf16(64 * 32).view(64, 32)
+    whole = checksum(t)
+    assert checksum(t[torch.tensor([1, 0] + list(range(2, 64)))]) != whole  # two rows swapped
+    assert checksum(torch.roll(t, 1, 0)) != whole
+    assert checksum(t[:32], 0) != checksum(t[:32], 32 * 32)  # the same bytes at another offset
+    same = t.clone()
+    same[[3, 9]] = 0.0
+    assert checksum(same) != whole
+
+
+def test_every_dtype_the_sync_carries() -> None:
+    g = torch.Generator().manual_seed(1)
+    for dt in (torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn, torch.int64):
+        x = torch.randn(333, generator=g).to(dt) if dt != torch.int64 else torch.randint(-2**62, 2**62, (333,),
+                                                                                          generator=g)
+        y = x.clone()
+        y.view(torch.uint8)[7] ^= 1
+        assert checksum(x) == checksum(x.clone()) and checksum(x) != checksum(y), dt
+    assert checksum(torch.zeros(100, dtype=torch.bfloat16)) == 0  # the vocabulary fill's zeros count 0
+
+
+def test_copy_sums_copies_and_sums_what_it_wrote() -> None:
+    src = torch.randn(500)
+    dst = torch.zeros(800, dtype=torch.bfloat16)
+    sums = CopySums("cpu")
+    sums.copy(dst[100:600], src, "w", 100)
+    sums.note("pad")
+    got = sums.totals()
+    assert torch.equal(dst[100:600], src.to(torch.bfloat16))
+    assert got == {"w": checksum(src.to(torch.bfloat16), 100), "pad": 0}
+    assert compare(got, {"w": got["w"] ^ 1, "pad": 0}) == [f"w: bytes differ (checksum sent {got['w']:#018x}, "
+                                                          f"written {got['w'] ^ 1:#018x})"]
+    assert compare(got, {"w": got["w"]}) == ["pad: checksum only on the sender side"]
+
+
+KERNEL = textwrap.dedent("""
+    import torch
+    from colo.sync import checksum as C
+
+    g = torch.Generator().manual_seed(0)
+    src = torch.randn(5000, generator=g).to(torch.bfloat16)
+    buf = torch.zeros(6000, dtype=torch.bfloat16)
+    sums = torch.zeros(4, dtype=torch.int64)
+    # a vectorized group (16-byte starts) and an unaligned one, several pieces per launch, two destinations
+    C._launch_group([(buf[8:1008], src[0:1000], 0, 1), (buf[1016:5016], src[1000:5000], 1000, 1)], sums, True, 3)
+    C._launch_group([(buf[5017:5021], src[3:7], 7, 2)], sums, False, 3)
+    assert torch.equal(buf[8:1008], src[:1000]) and torch.equal(buf[1016:5016], src[1000:])
+    assert torch.equal(buf[5017:5021], src[3:7])
+    assert int(sums[1]) & C.MASK64 == C.checksum(src, 0)
+    assert int(sums[2]) & C.MASK64 == C.checksum(src[3:7], 7)
+    for dt in (torch.float32, torch.float8_e4m3fn):
+        x = torch.randn(3001, generator=g).to(dt)
+        out, s = torch.zeros(3001, dtype=dt), torch.zeros(1, dtype=torch.int64)
+        C._launch_group([(out, x, 11, 0)], s, True, 2)
+        assert torch.equal(out.view(torch.uint8), x.view(torch.uint8)), dt
+        assert int(s[0]) & C.MASK64 == C.checksum(x, 11), dt
+    print("kernel ok")
+""")
+
+
+def test_the_cuda_kernel_computes_the_torch_checksum() -> None:
+    """colo.sync.checksum's Triton kernel, run by Triton's CPU interpreter (TRITON_INTERPRET=1, set before Triton is
+    imported: a process of its own): the copies are exact and the sums equal the torch path's for bf16, float32 and
+    e4m3 pieces, batched and unaligned. Casts inside the kernel (float32 -> bf16) need a GPU's rounding:
+    tests/gpu/test_checksum_gpu.py."""
+    pytest.importorskip("triton")
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
+    p = subprocess.run([sys.executable, "-c", KERNEL], env=env, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0 and "kernel ok" in p.stdout, p.stderr[-3000:]
