@@ -14,8 +14,7 @@ import pytest
 import torch
 from conftest import run_cli
 
-from colo.config import ConfigError, load_config
-from colo.config.resume import load_resumed
+from colo.config import ConfigError
 from colo.run.rundir import unlock
 
 JOB = ["loop.steps=6", "loop.sft_warmup_steps=0", "placement.num_gpus=1", "placement.device=cpu"]
@@ -31,9 +30,10 @@ def make_run(run_dir: Path, *overrides: str, steps: tuple[int, ...] = (1, 2)) ->
     import torch.distributed.checkpoint as dcp
 
     from colo.config.runfiles import holds
-    from colo.launch import prepare_run
+    from colo.materialize import make_run_dir
+    from colo.prepare import prepare
 
-    cfg = prepare_run(load_config(None, [*JOB, f"run.dir={run_dir}", *overrides], {}))
+    cfg = make_run_dir(prepare(None, [*JOB, f"run.dir={run_dir}", *overrides], {}))
     unlock(run_dir)
     rows = len((run_dir / "data").glob("*_train.jsonl").__next__().read_text().splitlines())
     records = [{"step": -1, "eval/reward": 0.1}] + [{"step": s, "reward/mean": 0.2} for s in range(max(steps) + 1)]
@@ -47,11 +47,12 @@ def make_run(run_dir: Path, *overrides: str, steps: tuple[int, ...] = (1, 2)) ->
 
 
 def resume(run_dir: Path, *overrides: str) -> None:
-    """--resume as colo.launch runs it, up to where Ray would start: the saved config, then prepare_run."""
-    from colo.launch import prepare_run
+    """--resume as colo.launch runs it, up to where Ray would start: prepare (the saved config), then the run dir."""
+    from colo.materialize import make_run_dir
+    from colo.prepare import prepare
 
     try:
-        prepare_run(load_resumed(str(run_dir), list(overrides), {}).cfg)
+        make_run_dir(prepare(None, [f"run.dir={run_dir}", "run.resume=true", *overrides], {}))
     finally:
         unlock(run_dir)
 
