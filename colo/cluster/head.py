@@ -37,6 +37,7 @@ class _Watch:
     address: tuple[str, int] | None = None  # a joined cluster's GCS
     next_probe: float = 0.0
     reported: bool = False
+    gcs: str = ""  # the GCS address of the Ray the watch was made in: a later Ray of this process is not its head
 
 
 _WATCH: list[_Watch] = []
@@ -55,8 +56,9 @@ def watch_head() -> None:
         for name in ("gcs_server", "raylet"):
             if cmd.endswith(f"/{name}") and name not in w.local:
                 w.local[name] = (pid, start_ticks(pid))
+    w.gcs = ray.get_runtime_context().gcs_address
     if not w.local:  # not our own head: a cluster this driver joined
-        host, _, port = ray.get_runtime_context().gcs_address.rpartition(":")
+        host, _, port = w.gcs.rpartition(":")
         w.address = (host, int(port))
     _WATCH[:] = [w]
 
@@ -71,6 +73,11 @@ def check_head() -> None:
     if not _WATCH or _WATCH[0].reported:
         return
     w = _WATCH[0]
+    import ray
+
+    if not ray.is_initialized() or ray.get_runtime_context().gcs_address != w.gcs:  # Ray ended without shutdown_ray
+        _WATCH.clear()  # (a plain ray.shutdown, then another ray.init): the head watched is not this Ray's
+        return
     gone = [f"{name} (pid {pid})" for name, (pid, ticks) in sorted(w.local.items()) if start_ticks(pid) != ticks]
     if not gone and w.address is not None and time.monotonic() >= w.next_probe:
         w.next_probe = time.monotonic() + PROBE_EVERY_S

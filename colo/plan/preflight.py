@@ -66,7 +66,10 @@ def shm_need(cfg: ColoConfig) -> tuple[int, str]:
     path that exists; placement.device may be auto)."""
     if cfg.placement.mode != "colocated" or resolve_device(cfg) != "cpu":
         return 0, ""
-    weights = model_shape(model_config_json(cfg)).numel * (4 if cfg.model.dtype == "float32" else 2)
+    try:
+        weights = model_shape(model_config_json(cfg)).numel * (4 if cfg.model.dtype == "float32" else 2)
+    except (KeyError, TypeError, ValueError):  # a config.json transformers cannot read: the run dir's check names it
+        return 0, ""
     per = min(int(float(cfg.sync.bucket_mb) * 2**20), weights) * max(1, int(cfg.sync.buffers))
     ranks = int(cfg.placement.num_gpus)
     return per * ranks, (f"the weight sync ({ranks} trainer rank{'s' * (ranks != 1)} x {cfg.sync.buffers} buffers "

@@ -15,7 +15,7 @@ import gc, logging, os, sys, time
 import ray
 from colo.cluster.actors import ActorDied, gather, shutdown_ray
 
-ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, logging_level=logging.ERROR)
+ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False, logging_level=logging.ERROR)
 
 
 @ray.remote(num_cpus=0)
@@ -63,7 +63,7 @@ class Rank:
 
 
 for attempt in range(2):  # the second Ray is fresh: its first job is numbered 01000000 again
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, logging_level=logging.ERROR)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False, logging_level=logging.ERROR)
     ranks = [Rank.remote(), Rank.remote()]
     try:
         gather([ranks[0].step.remote(0), ranks[1].step.remote(30)], ["trainer rank 0", "trainer rank 1"])
@@ -91,7 +91,7 @@ import ray
 from colo.cluster.actors import ActorDied, gather, shutdown_ray
 from colo.run.logs import note_ray_logs
 
-ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, logging_level=logging.ERROR)
+ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False, logging_level=logging.ERROR)
 note_ray_logs(sys.argv[1])  # as colo.loop.run does once Ray is up
 
 
