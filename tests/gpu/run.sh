@@ -52,6 +52,9 @@
 # BENCH_PRESET (FP8STEP_ARGS adds overrides) (only when named).
 # checksum = the sync's checksum kernel (test_checksum_gpu.py), then colo.bench.sync --checksum-ratio on CHECKSUM_ARGS
 # (default the L4 slice on one GPU); its JSON line lands in $OUT/checksum.json (only when named).
+# fp8sync = the fused FP8 packing kernel (test_fp8_gpu.py -k fused: bit for bit quantize_blocks, its `[gpu] fp8 pack`
+# cost against bf16's copy), then colo.bench.sync --fp8-ratio on FP8SYNC_ARGS (default the L4 slice, one GPU): syncs
+# into a bf16 engine, then a block-FP8 one; JSON line ($OUT/fp8sync.json) with fp8_ratio (only when named; ~5 min).
 # layers = the functional check on GPU, test_layercheck_gpu.py: noise, a compiled engine, seconds (only when named).
 # CUDA_VISIBLE_DEVICES limits the GPUs it counts and uses; SHARED_HOST=1 leaves Ray running after a failed step
 # (tests/gpu/streams.sh runs two of these at once, one per GPU).
@@ -104,12 +107,17 @@ step() {  # step NAME MAX_SECONDS CMD...
   clean_after $rc
 }
 
-{ nvidia-smi -L; "$PY" -c "import torch, vllm, ray; print('torch', torch.__version__, 'vllm', vllm.__version__, 'ray', ray.__version__)"; } 2>&1 | tee "$OUT/host.txt"
+{ nvidia-smi -L; "$PY" -c "import torch, vllm, ray; print('torch', torch.__version__, 'vllm', vllm.__version__, 'ray', ray.__version__)"
+  # DeepGEMM's run-time JIT (rollout.fp8_kernels=deep_gemm) compiles with nvcc (or NVRTC): is either here?
+  echo "nvcc: $(command -v nvcc || ls /usr/local/cuda*/bin/nvcc 2>/dev/null | head -1 || true)"
+  "$PY" -c "import glob, site; print('nvrtc:', [p for d in site.getsitepackages() + ['/tmp/site', '/usr/local/cuda*']
+    for p in glob.glob(d + '/nvidia/*/lib/libnvrtc.so*') + glob.glob(d + '/lib64/libnvrtc.so*')][:3] or 'none')"
+} 2>&1 | tee "$OUT/host.txt"
 ngpu=$(nvidia-smi -L | wc -l)
 if [ -n "${CUDA_VISIBLE_DEVICES:-}" ]; then ngpu=$(echo "$CUDA_VISIBLE_DEVICES" | tr ',' '\n' | grep -c .); fi
 
 STEPS=${STEPS:-colocated ipc dpep routing lora bench loop}  # and: attention, rollout, decode, step, async, gather, compile,
-# one, optim, fp8, fp8step, checksum, layers
+# one, optim, fp8, fp8step, fp8sync, checksum, layers
 want() { case " $STEPS " in *" $1 "*) return 0;; *) return 1;; esac; }
 
 # attention = the packed-row attention kernels against per-sample SDPA (test + tools.experiments.packed_attention; no vLLM)
@@ -135,6 +143,10 @@ want checksum && step checksum 540 bash -c "'$PY' -m pytest --noconftest tests/g
 want layers && step layers 540 "$PY" -m pytest tests/gpu/test_layercheck_gpu.py -x -q -s -p no:cacheprovider
 want fp8 && step pytest-fp8 540 "$PY" -m pytest tests/gpu/test_fp8_gpu.py tests/gpu/test_fp8_loop_gpu.py -x -q -s \
     -p no:cacheprovider
+# fp8sync = the fused FP8 packing (kernel test and cost), then a sync into FP8 against one into bf16 (only when named)
+want fp8sync && step fp8sync 420 bash -c "'$PY' -m pytest tests/gpu/test_fp8_gpu.py -k fused -q -s -p no:cacheprovider \
+    && COLO_VLLM_GPU_FRACTION=\${COLO_VLLM_GPU_FRACTION:-0.3} '$PY' -m colo.bench.sync \
+    ${FP8SYNC_ARGS:---preset qwen3-30b-a3b-L4 --ranks 1} --device cuda --reps 6 --fp8-ratio --json | tail -n 1 > '$OUT/fp8sync.json'"
 
 if [ "$ngpu" -ge 4 ]; then default_bench="--preset qwen3-30b-a3b --ranks $ngpu"  # the goal: <= 1.0 s per sync
 else default_bench="--preset qwen3-30b-a3b-L12 --ranks $((ngpu < 2 ? ngpu : 2))"; fi
