@@ -55,6 +55,10 @@
 # fp8sync = the fused FP8 packing kernel (test_fp8_gpu.py -k fused: bit for bit quantize_blocks, its `[gpu] fp8 pack`
 # cost against bf16's copy), then colo.bench.sync --fp8-ratio on FP8SYNC_ARGS (default the L4 slice, one GPU): syncs
 # into a bf16 engine, then a block-FP8 one; JSON line ($OUT/fp8sync.json) with fp8_ratio (only when named; ~5 min).
+# moecfg = colo.bench.rollout, vLLM alone on a rollout's requests (MOECFG_PRESET, default qwen3-30b-a3b-L4;
+# MOECFG_PROMPTS x 8, default 64; 2k tokens) at every combination of MOECFG_COMPARE (default rollout.quantization=fp8,none
+# and rollout.moe_configs=colo,vllm: FP8 against bf16, colo's fused-MoE tiles against vLLM's defaults); JSON line
+# ($OUT/moecfg.json) with `compare` (only when named; ~8-9 min for the four engines of the default).
 # layers = the functional check on GPU, test_layercheck_gpu.py: noise, a compiled engine, seconds (only when named).
 # CUDA_VISIBLE_DEVICES limits the GPUs it counts and uses; SHARED_HOST=1 leaves Ray running after a failed step
 # (tests/gpu/streams.sh runs two of these at once, one per GPU).
@@ -117,7 +121,7 @@ ngpu=$(nvidia-smi -L | wc -l)
 if [ -n "${CUDA_VISIBLE_DEVICES:-}" ]; then ngpu=$(echo "$CUDA_VISIBLE_DEVICES" | tr ',' '\n' | grep -c .); fi
 
 STEPS=${STEPS:-colocated ipc dpep routing lora bench loop}  # and: attention, rollout, decode, step, async, gather, compile,
-# one, optim, fp8, fp8step, fp8sync, checksum, layers
+# one, optim, fp8, fp8step, fp8sync, moecfg, checksum, layers
 want() { case " $STEPS " in *" $1 "*) return 0;; *) return 1;; esac; }
 
 # attention = the packed-row attention kernels against per-sample SDPA (test + tools.experiments.packed_attention; no vLLM)
@@ -183,6 +187,16 @@ fi
 if want decode; then  # vLLM's decode step time against batch size and sampling variant (colo.bench.decode)
   step decode 560 bash -c "'$PY' -m colo.bench.decode --preset qwen3-30b-a3b-L4 --device cuda \
       --variants ${DECODE_VARIANTS:-colo,detok,bare} --json ${DECODE_ARGS:-} | grep '^{' > '$OUT/decode.json'"
+fi
+if want moecfg; then  # vLLM alone, FP8 against bf16 and colo's MoE tiles against vLLM's defaults (colo.bench.rollout)
+  step moecfg 580 bash -c "'$PY' -m colo.bench.rollout --preset ${MOECFG_PRESET:-qwen3-30b-a3b-L4} --device cuda \
+      --prompts ${MOECFG_PROMPTS:-64} --n 8 --max-tokens 2048 --phases vllm --toggles none --json \
+      ${MOECFG_COMPARE:---compare rollout.quantization=fp8,none --compare rollout.moe_configs=colo,vllm} ${MOECFG_ARGS:-} \
+      | grep '^{' > '$OUT/moecfg.json'"
+  [ -s "$OUT/moecfg.json" ] && "$PY" -c "import json, sys; r = json.loads(open(sys.argv[1]).read().splitlines()[-1]); \
+[print('[gpu] moecfg', k, row['at'], 'ratio %.3f, per rep %.3f-%.3f' % (row['ratio'], row['per_rep']['min'], row['per_rep']['max'])) \
+ for k, rows in r['compare'].items() for row in rows]; \
+[print('[gpu] moecfg cell', c['settings'], '%.0f tok/s' % c['vllm']['plain']['tokens_per_s'], c['vllm']['moe_configs']) for c in r['cells']]" "$OUT/moecfg.json"
 fi
 if want rollout; then  # colo's rollout phase against vLLM alone on the same requests (colo.bench.rollout)
   step rollout 580 bash -c "'$PY' -m colo.bench.rollout --preset ${ROLLOUT_PRESET:-qwen3-30b-a3b-L4} --device cuda \
