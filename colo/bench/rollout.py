@@ -311,6 +311,7 @@ def run_colo(args: argparse.Namespace, cfg: Any, phase: str) -> dict:
         model = LengthModel.of(args.lengths)
         ray.get([e.set_lengths.remote(model.kind, model.rho) for e in engines])
         out["start_s"] = time.perf_counter() - t0
+        out["moe_configs"] = ray.get(engines[0].ready.remote())["moe_configs"]  # the same tiles as the vllm phase's?
         runs: dict[str, list] = {"colo": [], **({"no_routing": []} if "routing" in args.toggles else {})}
         if phase == "colocated" and "wake_sleep" in args.toggles:  # the engine as it started, before any cycle
             colo_call(engines, args, 0, True)  # warm-up
