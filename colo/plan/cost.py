@@ -2,6 +2,7 @@
 
     speeds = speeds_for("NVIDIA H200")                          # SPEEDS["H200"]; a device without a row: Hopper's
     step_seconds(model_shape(config_json), settings, speeds)    # {"passes": 4.1, "host copies": 0.0, ...}
+    fp8_measured(shape, "H100", 512)                            # FP8_MEASURED: FP8's step against bf16's, or None
 
 colo.plan.search ranks settings by the sum, for `auto` and for a refusal's ways to fit alike. It is an estimate for
 ranking, not a prediction: each figure is measured in one run on one card (docs/benchmarks.md, "The cost model's
