@@ -63,12 +63,21 @@ class Prepared:
                   self.placement.table() + (f"\n{self.cluster_note}" if self.cluster_note else ""),
                   self.choices.table()]
         blocks += [self.memory.table()] if self.memory is not None else []
+        blocks += self.warnings()
         blocks += [_prompt_preview(self.spec)]  # auto: paths as given: a preset is built in memory
         blocks += [self.resumed.describe(self.cfg)] if self.resumed else []
         blocks += [self.disk.line() if self.disk else
                    "disk: not estimated (the model config.json lacks sizes the plan needs)"]
         blocks += [self.gpu_note] if self.gpu_note else []
         return "\n\n".join(blocks)
+
+    def warnings(self) -> list[str]:
+        """One line per setting asked for that colo measured to lose on this job's model and card (FP8 rollout:
+        colo.plan.job.fp8_warning); --dry-run and a run's start print them."""
+        from colo.plan.job import fp8_warning
+
+        line = fp8_warning(self.cfg, self.model, self.memory, self.device)
+        return [line] if line else []
 
     def refusal(self) -> str | None:
         """Why the job cannot run here, in one line with the fix: its memory plan does not fit the GPU, or its
@@ -101,6 +110,7 @@ class Prepared:
         lines = ["colo: auto: " + " ".join(f"{k}={show(v)}" for k, v in changed.items()) + " (--dry-run says why)"
                  ] if changed else []
         lines += [self.resumed.describe(self.cfg)] if self.resumed else []
+        lines += [f"colo: {w}" for w in self.warnings()]
         return lines + [f"colo: run dir {self.cfg.run.dir}"]
 
     def start_up(self) -> str:

@@ -24,6 +24,12 @@ Phases, each in a child process of its own (its GPU memory certainly free when t
   standalone  (only in --phases) colo's engine alone on the GPU at --standalone-fraction, no trainer: what
               colocation's smaller KV room costs.
 
+--compare KEY=A,B (repeatable; config keys the engine is built with, e.g. rollout.quantization=fp8,none and
+rollout.moe_configs=colo,vllm): the phases above run once per combination of the values, each in children of its
+own; `compare` holds, per KEY, A over B at each setting of the other keys: the best calls' ratio and the per-rep
+ratios' spread (rep i of A over rep i of B), the throughput being vllm's plain (else colocated's colo). Config
+overrides (KEY=VALUE after the flags) apply to every phase.
+
 Throughput: output tokens per second of wall time of a timed call, best of --reps after one warm-up call; variants
 interleaved per rep, so a drift of the machine hits them alike. The JSON line's `vs_vllm` is colocated over vllm's
 plain; `where` holds each toggle's factor (its speed over its reference, so the factors multiply: vs_vllm =
@@ -82,12 +88,25 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs (the GPU configs use them)")
     ap.add_argument("--json", action="store_true", help="print one JSON object (last stdout line)")
     ap.add_argument("--workdir", default=os.path.join(tempfile.gettempdir(), "colo-bench"))
+    ap.add_argument("--compare", action="append", default=[], metavar="KEY=A,B",
+                    help="run the phases at each value of these engine settings (repeatable: every combination)")
+    ap.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="config overrides for every phase")
     ap.add_argument("--phase", choices=PHASES, help=argparse.SUPPRESS)  # a child process
     args = ap.parse_args(argv)
     if min(args.prompts, args.n, args.prompt_len, args.max_tokens, args.reps, args.warmup_tokens) < 1:
         ap.error("--prompts, --n, --prompt-len, --max-tokens, --reps and --warmup-tokens must be >= 1")
     if not 0 < args.standalone_fraction <= 1:
         ap.error("--standalone-fraction must be in (0, 1]")
+    compared = {}
+    for spec in args.compare:
+        key, _, values = spec.partition("=")
+        vals = [v for v in values.split(",") if v]
+        if "." not in key or len(vals) != 2 or vals[0] == vals[1] or key in compared:
+            ap.error(f"--compare {spec}: KEY=A,B with a dotted config key, once, and two different values")
+        compared[key] = vals
+    if any(o.partition("=")[0] in compared for o in args.overrides):
+        ap.error("--compare sets its keys itself; drop their overrides")
+    args.compare = compared
     args.phases = [p for p in args.phases.split(",") if p]
     args.toggles = {"all": list(TOGGLES), "none": []}.get(args.toggles, [t for t in args.toggles.split(",") if t])
     bad = [p for p in args.phases if p not in PHASES] + [t for t in args.toggles if t not in TOGGLES]
@@ -125,7 +144,7 @@ def make_config(args: argparse.Namespace, model_dir: str, standalone: bool = Fal
     from colo.config import load_config, validate
     from colo.plan.resolve import resolve
 
-    cfg = load_config(args.config, [])  # + COLO_* env: COLO_TRAIN_GPU_FRACTION / COLO_VLLM_GPU_FRACTION apply
+    cfg = load_config(args.config, args.overrides)  # + COLO_* env (COLO_VLLM_GPU_FRACTION, ...), then the overrides
     cfg.model.path, cfg.model.dummy_weights = model_dir, args.preset != "tiny"
     cfg.placement.device, cfg.placement.num_gpus = args.device, 1
     cfg.rollout.max_model_len = args.prompt_len + args.max_tokens
@@ -148,9 +167,10 @@ def best(runs: list[tuple[float, int]]) -> dict:
 
 # ------------------------------------------------------------------------------------------------ vllm alone
 
-def vllm_kwargs(cfg: Any) -> dict[str, Any]:
-    """vllm.LLM's arguments: the engine settings of colo's engine (colo.rollout.engine.Engine._llm_kwargs) that are
-    not colo's own machinery (its Ray executor, sleep mode, worker extension, processed log-probs, routing capture)."""
+def vllm_kwargs(cfg: Any) -> tuple[dict[str, Any], str | None]:
+    """(vllm.LLM's arguments, the fused-MoE tiles it runs): the engine settings of colo's engine
+    (colo.rollout.engine.Engine._llm_kwargs) that are not colo's own machinery (its Ray executor, sleep mode, worker
+    extension, processed log-probs, routing capture); its environment (FP8 kernels, the MoE tiles) set here."""
     from colo.rollout.quant import engine_quantization
 
     m, ro = cfg.model, cfg.rollout
@@ -158,14 +178,22 @@ def vllm_kwargs(cfg: Any) -> dict[str, Any]:
                               max_model_len=ro.max_model_len)
     if m.dummy_weights:
         kw["load_format"] = "dummy"
-    quant, env = engine_quantization(cfg, json.loads((Path(m.path) / "config.json").read_text()))
+    config_json = json.loads((Path(m.path) / "config.json").read_text())
+    quant, env = engine_quantization(cfg, config_json)
     os.environ.update(env)
     kw.update(quant)
+    tiles = None
+    if cfg.placement.device == "cuda":  # one engine, no expert parallelism: as colo's engine on one GPU
+        from colo.rollout.moe_tuning import MoeLookup, cuda_device_name, moe_config_env
+
+        lookup = MoeLookup.of(config_json, ro.quantization == "fp8", 1, 1)
+        moe_env, tiles = moe_config_env(cfg, lookup, cuda_device_name(), os.environ.get("VLLM_TUNED_CONFIG_FOLDER"))
+        os.environ.update(moe_env)
     if cfg.placement.device == "cpu":  # colo's CPU engine: its KV room, no chunked prefill (seeded CPU generators)
         kw.update(kv_cache_memory_bytes=ro.kv_cache_mb * 2**20, enable_chunked_prefill=False)
     else:
         kw["gpu_memory_utilization"] = cfg.placement.vllm_gpu_fraction
-    return kw
+    return kw, tiles
 
 
 def cpu_env(enforce_eager: bool) -> None:
@@ -194,7 +222,8 @@ def run_vllm(args: argparse.Namespace, cfg: Any) -> dict:
     from colo.rollout.turns import Budget
 
     t0 = time.perf_counter()
-    llm = LLM(**vllm_kwargs(cfg))
+    kwargs, tiles = vllm_kwargs(cfg)
+    llm = LLM(**kwargs)
     start_s = time.perf_counter() - t0
     variants = ["plain"] + [v for t in args.toggles for v in NEEDS.get(t, ())]
 
@@ -226,8 +255,9 @@ def run_vllm(args: argparse.Namespace, cfg: Any) -> dict:
     for k in range(1, args.reps + 1):
         for v in variants:
             runs[v].append(call(k, v))
-    return {"phase": "vllm", "start_s": start_s, "vllm_fraction": cfg.placement.vllm_gpu_fraction,
-            **{v: best(r) for v, r in runs.items()}}
+    return {"phase": "vllm", "start_s": start_s, "vllm_fraction": cfg.placement.vllm_gpu_fraction, "moe_configs": tiles,
+            "kv_cache_tokens": int(llm.llm_engine.vllm_config.cache_config.num_gpu_blocks or 0)
+            * int(llm.llm_engine.vllm_config.cache_config.block_size), **{v: best(r) for v, r in runs.items()}}
 
 
 # ---------------------------------------------------------------------------------------------------- colo
@@ -281,6 +311,7 @@ def run_colo(args: argparse.Namespace, cfg: Any, phase: str) -> dict:
         model = LengthModel.of(args.lengths)
         ray.get([e.set_lengths.remote(model.kind, model.rho) for e in engines])
         out["start_s"] = time.perf_counter() - t0
+        out["moe_configs"] = ray.get(engines[0].ready.remote())["moe_configs"]  # the same tiles as the vllm phase's?
         runs: dict[str, list] = {"colo": [], **({"no_routing": []} if "routing" in args.toggles else {})}
         if phase == "colocated" and "wake_sleep" in args.toggles:  # the engine as it started, before any cycle
             colo_call(engines, args, 0, True)  # warm-up
@@ -355,11 +386,70 @@ def run_phase(args: argparse.Namespace) -> dict:
     return run_vllm(args, cfg) if args.phase == "vllm" else run_colo(args, cfg, args.phase)
 
 
+def without_compare(argv: list[str]) -> list[str]:
+    """argv less its --compare flags (a child runs one setting of them, given as overrides)."""
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a == "--compare":
+            skip = True
+        elif not a.startswith("--compare="):
+            out.append(a)
+    return out
+
+
+def throughput(cell: dict) -> dict:
+    """A cell's headline figures: vLLM alone's plain calls, else colo's colocated ones."""
+    return cell["vllm"]["plain"] if "vllm" in cell else cell["colocated"]["colo"]
+
+
+def compare_grid(args: argparse.Namespace, argv: list[str]) -> dict:
+    """--compare: the phases at every combination of the compared values (module docstring), and per key A over B."""
+    import itertools
+
+    from colo.bench.spread import spread
+
+    keys = list(args.compare)
+    cells = []
+    for values in itertools.product(*(args.compare[k] for k in keys)):
+        setting = dict(zip(keys, values))
+        child = without_compare(argv) + [f"{k}={v}" for k, v in setting.items()]
+        cells.append({"settings": setting, **{p: run_child(p, child) for p in PHASES if p in args.phases}})
+        print(f"[bench.rollout] {setting}: {throughput(cells[-1])['tokens_per_s']:.0f} tok/s", file=sys.stderr,
+              flush=True)
+    ratios: dict[str, list] = {}
+    for key, (a, b) in args.compare.items():
+        for ca in (c for c in cells if c["settings"][key] == a):
+            cb = next(c for c in cells if c["settings"][key] == b and
+                      all(c["settings"][k] == v for k, v in ca["settings"].items() if k != key))
+            ta, tb = throughput(ca), throughput(cb)
+            ratios.setdefault(key, []).append({
+                "at": {k: v for k, v in ca["settings"].items() if k != key},
+                "ratio": ta["tokens_per_s"] / tb["tokens_per_s"],
+                "per_rep": spread(x / y for x, y in zip(ta["all_tokens_per_s"], tb["all_tokens_per_s"]))})
+    return {"cells": cells, "compare": ratios}
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
     if args.phase:
         print(json.dumps(run_phase(args), sort_keys=True), flush=True)
+        return 0
+    if args.compare:
+        result = {"bench": "rollout", **compare_grid(args, argv), "preset": args.preset, "device": args.device,
+                  "prompts": args.prompts, "n": args.n, "prompt_len": args.prompt_len, "max_tokens": args.max_tokens,
+                  "lengths": args.lengths, "reps": args.reps, "overrides": args.overrides,
+                  "date": time.strftime("%Y-%m-%d")}
+        if args.json:
+            print(json.dumps(result, sort_keys=True), flush=True)
+        else:
+            for key, rows in result["compare"].items():
+                for r in rows:
+                    q = r["per_rep"]
+                    print(f"{key} {'/'.join(args.compare[key])} at {r['at']}: {r['ratio']:.3f}x (per rep: median "
+                          f"{q['median']:.3f}, min {q['min']:.3f}, max {q['max']:.3f})", flush=True)
         return 0
     got = {p: run_child(p, argv) for p in PHASES if p in args.phases}
     result: dict[str, Any] = {"bench": "rollout", **got, "preset": args.preset, "device": args.device,

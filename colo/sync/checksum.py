@@ -3,6 +3,7 @@
     sums = CopySums(device)                                 # one per sync and side
     sums.copy(dst, src, "model.norm.weight", dst_offset)   # dst.copy_(src), and its checksum into that name's total
     sums.add(values, "model.norm.weight", dst_offset)       # the checksum alone (values already where they go)
+    sums.device_total("w13_weight")                         # CUDA: (totals, slot) for a kernel that adds its own
     sums.totals()                                           # {name: int}: one read from the device, at the end
 
 Per tensor: sum over its elements of  bits(x_i) * w(i)  mod 2^64, where bits(x_i) is the element's raw bit pattern
@@ -120,6 +121,14 @@ class CopySums:
             self.sums[slot] += _checksum_tensor(values.reshape(-1), dst_offset)
         else:
             self.host[name] = combine(self.host.get(name, 0), checksum(values, dst_offset))
+
+    def device_total(self, name: str) -> tuple[torch.Tensor, int]:
+        """(the device tensor of totals, `name`'s slot in it), for a kernel that adds its own terms
+        (colo.sync.fp8_pack); CUDA with Triton only. The tensor may be regrown by a later name: take it per launch."""
+        if not self.fused:
+            raise RuntimeError("CopySums.device_total: the totals live on the host here (no CUDA with Triton)")
+        slot = self._slot(name)
+        return self.sums, slot
 
     def note(self, name: str) -> None:
         """A destination whose pieces carry no bytes (vocabulary fill): total 0, present on both sides."""

@@ -3,6 +3,7 @@
     plan = Fp8Plan.of(arch, trainer_shapes, engine.describe())   # None: the engine holds no FP8 weight
     shapes = plan.shapes                                         # trainer shapes + each `<name>_scale_inv`
     tensors = plan.quantize(unit_tensors, timings)               # per FSDP unit, after the source (and LoRA's merge)
+    tensors = fp8_pack.quantize_unit(plan, unit_tensors, timings)  # CUDA: quantized as the pieces are packed
     q, s = quantize_blocks(w)                                    # (..., N, K) -> fp8 (..., N, K), fp32 (..., n, k)
     w_approx = dequantize_blocks(q, s)
 
@@ -20,7 +21,9 @@ untested until tests/gpu/test_fp8_gpu.py runs on a GPU.
 Who quantizes (sync.fp8_in): "sender" (the default) quantizes here, on the trainer's GPU while packing: half the
 bytes travel, the expert fast path still holds (each rank quantizes the experts it owns, never gathered), and the
 engine, created as for a block-FP8 checkpoint (colo.rollout.quant), receives e4m3 bytes and scales it writes as they
-are; vLLM's post-load step (kernel layouts of weights and scales) is then re-run by colo.sync.refresh. "receiver":
+are; vLLM's post-load step (kernel layouts of weights and scales) is then re-run by colo.sync.refresh. On CUDA the
+sender's quantization is fused into the packing copy (colo.sync.fp8_pack: one pass from the shard to the buffer's
+e4m3 bytes, the same bytes as quantize_blocks on CUDA); on CPU quantize_blocks runs per unit before packing. "receiver":
 the engine runs vLLM's own online FP8 (`fp8_per_block`), receives bf16 into staging tensors and quantizes them in
 that post-load step. Both give the same bytes: vLLM quantizes a fused qkv_proj (or gate_up_proj) whole, colo each
 of its parts, which is the same blocks when every part but the last has a multiple of 128 rows (vLLM refuses a
@@ -151,7 +154,8 @@ class Fp8Plan:
     def quantize(self, tensors: dict[str, tuple[torch.Tensor, int]], timings: dict[str, float]
                  ) -> dict[str, tuple[torch.Tensor, int]]:
         """One unit's {name: (tensor, first row)} with every quantized tensor replaced by its e4m3 bytes and its scale
-        added as `<name>_scale_inv` (an expert shard's rows are whole experts: the scale starts at the same row)."""
+        added as `<name>_scale_inv` (an expert shard's rows are whole experts: the scale starts at the same row).
+        On CUDA the sender calls colo.sync.fp8_pack.quantize_unit instead (quantized as the pieces are packed)."""
         t = time.perf_counter()
         out = dict(tensors)
         for name in [n for n in tensors if n in self.quantized]:

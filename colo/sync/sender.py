@@ -10,8 +10,8 @@ for its describe(), builds the SyncPlan (plan.py, from the family's table in col
 expert fast path (an all-reduce) and allocates its buffers once. Every push() then replays the plan:
 
     FSDP unit ──unshard() (1 all-gather/unit; expert units ──to_local(), no all-gather, when the
-      shard is exactly the engine's experts)──▶ tensors ──[FP8 engine: fp8.py quantizes: e4m3 + scales]
-      ──pack_piece: copy+cast into buffer k % B──▶
+      shard is exactly the engine's experts)──▶ tensors ──[FP8 engine: fp8.py quantizes: e4m3 + scales;
+      on CUDA fp8_pack.py does it inside pack_piece]──pack_piece: copy+cast into buffer k % B──▶
     link.send(k): colocated, engine.load_bucket reads our buffer in place (transport: shm / CUDA IPC);
       disaggregated, every engine posts load_bucket and we broadcast the bucket (transport.WeightGroup)
     ──▶ end_sync on every engine: coverage + checksums (colo.sync.checksum: the sender's, taken as it packs,
@@ -45,7 +45,8 @@ from torch.distributed.tensor import DTensor
 from colo.config import SyncConfig
 from colo.models.dtypes import torch_dtype
 from colo.models.archs import Arch, arch_for, architecture, expert_shard_range
-from colo.sync.fp8 import FP8_DTYPE, Fp8Plan, Fp8PlanError
+from colo.sync.fp8 import FP8_DTYPE, SCALE, Fp8Plan, Fp8PlanError
+from colo.sync.fp8_pack import Deferred, VIAS, quantize_unit, uncovered_scales
 from colo.sync.merge import merged
 from colo.sync.plan import MappingError, build_plan, build_reference_plan, direct_mapping
 from colo.sync.transport import SenderBuffers, WeightGroup, align_up
@@ -214,19 +215,23 @@ def pack_piece(buf: torch.Tensor, piece: dict, src: tuple[torch.Tensor, int],
     """Copy one piece's elements (cast to the engine's dtype) into `buf` at its offset; returns that view. With
     `sums` the copy also adds the piece's checksum (in its destination's coordinates) to its destination's total,
     in the same pass on CUDA (colo.sync.checksum; batched: the caller flushes). A "layout" piece is whole expert
-    blocks stored (A, B) here and (B, A) in the engine: copied transposed, then summed."""
+    blocks stored (A, B) here and (B, A) in the engine: copied transposed, then summed. A Deferred source (FP8 on
+    CUDA, colo.sync.fp8_pack) is quantized into the buffer by the piece's own launch."""
     tensor, row_start = src
     row = 1
     for s in full_shape[1:]:
         row *= int(s)
-    flat = tensor.reshape(-1)
     s = piece["src_offset"] - row_start * row
     n = piece["numel"]
-    if s < 0 or s + n > flat.numel():
+    if s < 0 or s + n > tensor.numel():
         raise SyncError(f"{piece['src']}: elements [{piece['src_offset']}, +{n}) are not in this rank's "
                         f"rows [{row_start}, ...): the expert fast path does not match the plan")
     dtype = torch_dtype(piece["dtype"])
     out = buf[piece["buf_offset"]: piece["buf_offset"] + n * dtype.itemsize].view(dtype)  # (n,)
+    if isinstance(tensor, Deferred):  # FP8 on CUDA: quantized straight into the buffer, checksum in the same pass
+        tensor.pack(out, s, n, sums.device_total(piece["dst"]) if sums is not None else None, piece["dst_offset"])
+        return out
+    flat = tensor.reshape(-1)
     if "layout" in piece:
         a, b = piece["layout"]
         out.view(-1, b, a).copy_(flat[s: s + n].view(-1, a, b).transpose(1, 2))  # (k, B, A) <- (k, A, B)
@@ -313,6 +318,22 @@ class Sender:
             self.buffers = SenderBuffers(size, nbuf, device, shared=placement == "colocated")
             self.link = (IpcLink(engines[0], self.buffers) if placement == "colocated"
                          else BroadcastLink(engines, self.buffers, group))
+        self.fp8_fused, self.fp8_fused_reason = self._fused_fp8()
+
+    def _fused_fp8(self) -> tuple[bool, str]:
+        """Whether this sender quantizes inside the packing copy (colo.sync.fp8_pack), and why (summary())."""
+        if self.fp8 is None:
+            return False, "no FP8 engine"
+        if self.buffers is None or self.buffers.device.type != "cuda" or not CopySums(self.buffers.device).fused:
+            return False, "not CUDA with Triton: quantize_blocks per unit, then the packing copy"
+        if torch_dtype(self.fp8.dtype) not in VIAS:
+            return False, f"engine dtype {self.fp8.dtype}: the fused kernel rounds through bf16 or float32 only"
+        if any("layout" in p for b in self.plan.buckets for p in b if p["src"] in self.fp8.quantized):
+            return False, "a quantized tensor is packed transposed"
+        errors = uncovered_scales(self.plan.buckets, self.fp8.quantized, SCALE)
+        if errors:  # the plan order the kernel relies on does not hold: the torch path does not rely on it
+            return False, "scale pieces ahead of their blocks: " + "; ".join(errors[:3])
+        return True, "quantized inside the packing copy (colo.sync.fp8_pack)"
 
     @classmethod
     def colocated(cls, model: nn.Module, cfg: SyncConfig, engine: Any) -> Sender:
@@ -330,6 +351,7 @@ class Sender:
         return {"plan": plan.mode, "buckets": len(plan.buckets), "bytes": plan.total_bytes,
                 "pieces": sum(len(b) for b in plan.buckets), "vllm_params": len(plan.expect),
                 "fp8_tensors": 0 if self.fp8 is None else len(self.fp8.quantized),
+                "fp8_fused": self.fp8_fused, "fp8_fused_reason": self.fp8_fused_reason,
                 "expert_fast_path": self.expert_fast, "expert_fast_reason": self.expert_fast_reason}
 
     def close(self) -> None:
@@ -385,7 +407,7 @@ class Sender:
                 errors += [where + x for x in compare(sent, res.get("digest") or {})]
         verify_s = time.perf_counter() - t
         report = {"seconds": time.perf_counter() - t_start, "gather_s": timings["gather"], "pack_s": timings["pack"],
-                  "quantize_s": timings.get("quantize", 0.0),
+                  "quantize_s": timings.get("quantize", 0.0), "fp8_fused": self.fp8_fused,
                   "load_s": timings["load"], "verify_s": verify_s, "tensors": sum(r["tensors"] for r in results),
                   "bytes": sum(r["bytes"] for r in results), "engines": len(results),
                   "loaded_tensors": loaded["tensors"], "loaded_bytes": loaded["bytes"], "buckets": len(plan.buckets),
@@ -411,7 +433,8 @@ class Sender:
         pos = 0
         for tensors in self.source.iter_units(self.expert_fast, timings):
             if self.fp8 is not None:  # after the source (and LoRA's merge, in it): merge, then quantize
-                tensors = self.fp8.quantize(tensors, timings)
+                tensors = quantize_unit(self.fp8, tensors, timings) if self.fp8_fused else \
+                    self.fp8.quantize(tensors, timings)
             t = time.perf_counter()
             while pos < len(flat) and plan.buckets[flat[pos][0]][flat[pos][1]]["src"] in tensors:
                 k, i = flat[pos]

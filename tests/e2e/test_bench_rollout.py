@@ -27,3 +27,21 @@ def test_bench_rollout_against_vllm_alone_on_cpu(tmp_path) -> None:
     assert math.isclose(where["params"] * where["scheduling"] * where["engine"], out["vs_vllm"], rel_tol=1e-9)
     assert math.isclose(where["routing"] * where["wake_sleep"] * where["rest"], where["engine"], rel_tol=1e-9)
     assert colo["sync_verified"] is True and all(v > 0 for v in where.values())
+
+
+def test_bench_rollout_compares_engine_settings_on_cpu(tmp_path) -> None:
+    """--compare KEY=A,B: the phases once per value, each engine built with it (model.dtype here: float32's KV cache
+    holds half bf16's tokens in the same rollout.kv_cache_mb), and A over B from the cells' own figures."""
+    res = run_cli("--preset", "tiny", "--device", "cpu", "--prompts", "2", "--n", "2", "--prompt-len", "8",
+                  "--max-tokens", "12", "--reps", "2", "--phases", "vllm", "--toggles", "none",
+                  "--compare", "model.dtype=bfloat16,float32", "--json", "--workdir", str(tmp_path), timeout=900,
+                  module="colo.bench.rollout")
+    assert res.returncode == 0, res.stderr[-3000:]
+    out = json.loads([x for x in res.stdout.splitlines() if x.startswith("{")][-1])
+    bf16, fp32 = out["cells"]
+    assert (bf16["settings"], fp32["settings"]) == ({"model.dtype": "bfloat16"}, {"model.dtype": "float32"})
+    assert bf16["vllm"]["kv_cache_tokens"] == 2 * fp32["vllm"]["kv_cache_tokens"] > 0
+    (row,) = out["compare"]["model.dtype"]
+    a, b = bf16["vllm"]["plain"], fp32["vllm"]["plain"]
+    assert row["at"] == {} and math.isclose(row["ratio"], a["tokens_per_s"] / b["tokens_per_s"])
+    assert row["per_rep"]["n"] == len(a["all_tokens_per_s"]) == len(b["all_tokens_per_s"]) == 2

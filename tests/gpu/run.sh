@@ -52,6 +52,13 @@
 # BENCH_PRESET (FP8STEP_ARGS adds overrides) (only when named).
 # checksum = the sync's checksum kernel (test_checksum_gpu.py), then colo.bench.sync --checksum-ratio on CHECKSUM_ARGS
 # (default the L4 slice on one GPU); its JSON line lands in $OUT/checksum.json (only when named).
+# fp8sync = the fused FP8 packing kernel (test_fp8_gpu.py -k fused: bit for bit quantize_blocks, its `[gpu] fp8 pack`
+# cost against bf16's copy), then colo.bench.sync --fp8-ratio on FP8SYNC_ARGS (default the L4 slice, one GPU): syncs
+# into a bf16 engine, then a block-FP8 one; JSON line ($OUT/fp8sync.json) with fp8_ratio (only when named; ~5 min).
+# moecfg = colo.bench.rollout, vLLM alone on a rollout's requests (MOECFG_PRESET, default qwen3-30b-a3b-L4;
+# MOECFG_PROMPTS x 8, default 64; 2k tokens) at every combination of MOECFG_COMPARE (default rollout.quantization=fp8,none
+# and rollout.moe_configs=colo,vllm: FP8 against bf16, colo's fused-MoE tiles against vLLM's defaults); JSON line
+# ($OUT/moecfg.json) with `compare` (only when named; ~8-9 min for the four engines of the default).
 # layers = the functional check on GPU, test_layercheck_gpu.py: noise, a compiled engine, seconds (only when named).
 # CUDA_VISIBLE_DEVICES limits the GPUs it counts and uses; SHARED_HOST=1 leaves Ray running after a failed step
 # (tests/gpu/streams.sh runs two of these at once, one per GPU).
@@ -104,12 +111,17 @@ step() {  # step NAME MAX_SECONDS CMD...
   clean_after $rc
 }
 
-{ nvidia-smi -L; "$PY" -c "import torch, vllm, ray; print('torch', torch.__version__, 'vllm', vllm.__version__, 'ray', ray.__version__)"; } 2>&1 | tee "$OUT/host.txt"
+{ nvidia-smi -L; "$PY" -c "import torch, vllm, ray; print('torch', torch.__version__, 'vllm', vllm.__version__, 'ray', ray.__version__)"
+  # DeepGEMM's run-time JIT (rollout.fp8_kernels=deep_gemm) compiles with nvcc (or NVRTC): is either here?
+  echo "nvcc: $(command -v nvcc || ls /usr/local/cuda*/bin/nvcc 2>/dev/null | head -1 || true)"
+  "$PY" -c "import glob, site; print('nvrtc:', [p for d in site.getsitepackages() + ['/tmp/site', '/usr/local/cuda*']
+    for p in glob.glob(d + '/nvidia/*/lib/libnvrtc.so*') + glob.glob(d + '/lib64/libnvrtc.so*')][:3] or 'none')"
+} 2>&1 | tee "$OUT/host.txt"
 ngpu=$(nvidia-smi -L | wc -l)
 if [ -n "${CUDA_VISIBLE_DEVICES:-}" ]; then ngpu=$(echo "$CUDA_VISIBLE_DEVICES" | tr ',' '\n' | grep -c .); fi
 
 STEPS=${STEPS:-colocated ipc dpep routing lora bench loop}  # and: attention, rollout, decode, step, async, gather, compile,
-# one, optim, fp8, fp8step, checksum, layers
+# one, optim, fp8, fp8step, fp8sync, moecfg, checksum, layers
 want() { case " $STEPS " in *" $1 "*) return 0;; *) return 1;; esac; }
 
 # attention = the packed-row attention kernels against per-sample SDPA (test + tools.experiments.packed_attention; no vLLM)
@@ -135,6 +147,10 @@ want checksum && step checksum 540 bash -c "'$PY' -m pytest --noconftest tests/g
 want layers && step layers 540 "$PY" -m pytest tests/gpu/test_layercheck_gpu.py -x -q -s -p no:cacheprovider
 want fp8 && step pytest-fp8 540 "$PY" -m pytest tests/gpu/test_fp8_gpu.py tests/gpu/test_fp8_loop_gpu.py -x -q -s \
     -p no:cacheprovider
+# fp8sync = the fused FP8 packing (kernel test and cost), then a sync into FP8 against one into bf16 (only when named)
+want fp8sync && step fp8sync 420 bash -c "'$PY' -m pytest tests/gpu/test_fp8_gpu.py -k fused -q -s -p no:cacheprovider \
+    && COLO_VLLM_GPU_FRACTION=\${COLO_VLLM_GPU_FRACTION:-0.3} '$PY' -m colo.bench.sync \
+    ${FP8SYNC_ARGS:---preset qwen3-30b-a3b-L4 --ranks 1} --device cuda --reps 6 --fp8-ratio --json | tail -n 1 > '$OUT/fp8sync.json'"
 
 if [ "$ngpu" -ge 4 ]; then default_bench="--preset qwen3-30b-a3b --ranks $ngpu"  # the goal: <= 1.0 s per sync
 else default_bench="--preset qwen3-30b-a3b-L12 --ranks $((ngpu < 2 ? ngpu : 2))"; fi
@@ -171,6 +187,16 @@ fi
 if want decode; then  # vLLM's decode step time against batch size and sampling variant (colo.bench.decode)
   step decode 560 bash -c "'$PY' -m colo.bench.decode --preset qwen3-30b-a3b-L4 --device cuda \
       --variants ${DECODE_VARIANTS:-colo,detok,bare} --json ${DECODE_ARGS:-} | grep '^{' > '$OUT/decode.json'"
+fi
+if want moecfg; then  # vLLM alone, FP8 against bf16 and colo's MoE tiles against vLLM's defaults (colo.bench.rollout)
+  step moecfg 580 bash -c "'$PY' -m colo.bench.rollout --preset ${MOECFG_PRESET:-qwen3-30b-a3b-L4} --device cuda \
+      --prompts ${MOECFG_PROMPTS:-64} --n 8 --max-tokens 2048 --phases vllm --toggles none --json \
+      ${MOECFG_COMPARE:---compare rollout.quantization=fp8,none --compare rollout.moe_configs=colo,vllm} ${MOECFG_ARGS:-} \
+      | grep '^{' > '$OUT/moecfg.json'"
+  [ -s "$OUT/moecfg.json" ] && "$PY" -c "import json, sys; r = json.loads(open(sys.argv[1]).read().splitlines()[-1]); \
+[print('[gpu] moecfg', k, row['at'], 'ratio %.3f, per rep %.3f-%.3f' % (row['ratio'], row['per_rep']['min'], row['per_rep']['max'])) \
+ for k, rows in r['compare'].items() for row in rows]; \
+[print('[gpu] moecfg cell', c['settings'], '%.0f tok/s' % c['vllm']['plain']['tokens_per_s'], c['vllm']['moe_configs']) for c in r['cells']]" "$OUT/moecfg.json"
 fi
 if want rollout; then  # colo's rollout phase against vLLM alone on the same requests (colo.bench.rollout)
   step rollout 580 bash -c "'$PY' -m colo.bench.rollout --preset ${ROLLOUT_PRESET:-qwen3-30b-a3b-L4} --device cuda \

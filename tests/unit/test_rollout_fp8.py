@@ -142,3 +142,45 @@ def test_bench_step_compares_fp8_on_gpus_only(capsys: pytest.CaptureFixture) -> 
         with pytest.raises(SystemExit):
             parse_args(bad)
         assert why in capsys.readouterr().err
+
+
+L4_JOB = ["placement.device=cuda", "placement.num_gpus=1", "model.path=auto:qwen3-30b-a3b-L4", "model.dtype=bfloat16",
+          "model.dummy_weights=true", "rollout.n=8", "rollout.max_tokens=2048", "rollout.max_model_len=2304"]
+
+
+def _prepared(tmp_path: Path, *overrides: str):
+    from colo.prepare import prepare
+
+    return prepare(None, [*L4_JOB, f"run.dir={tmp_path}/r", *overrides], env={}, dry_run=True)
+
+
+def test_dry_run_warns_where_fp8_was_measured_to_lose(tmp_path: Path) -> None:
+    """The L4 slice on an H100, where FP8's step measured 0.95-0.96x bf16's: --dry-run says so in one line, with the
+    nearest measured batch, where the figures are, the KV room FP8 buys here (the memory plan's, against bf16
+    weights) and the fix; a run prints it at its start. Not where nothing was measured, nor without FP8."""
+    job = _prepared(tmp_path, "placement.gpu_memory=H100", "rollout.quantization=fp8", "data.prompts_per_step=64")
+    lines = [x for x in job.report().splitlines() if "rollout.quantization=fp8" in x and x.startswith("warning:")]
+    assert len(lines) == 1 and job.warnings() == lines, job.report()
+    line = lines[0]
+    assert "qwen3-30b-a3b-L4 on 1xH100, 64x8 at 2048 tokens: step 0.96x, rollout 0.93x, sync 1.89x as long" in line
+    assert 'docs/benchmarks.md, "FP8 against bf16"' in line and line.endswith("fix: rollout.quantization=none")
+    bf16 = _prepared(tmp_path, "placement.gpu_memory=H100", "data.prompts_per_step=64")
+    fp8_kv, bf16_kv = job.memory.kv_tokens, bf16.memory.kv_tokens
+    assert fp8_kv > bf16_kv and bf16.warnings() == []
+    assert (f"KV room: {fp8_kv:,.0f} tokens per engine = {fp8_kv / 2304:,.0f} sequences of max_model_len 2304, "
+            f"against {bf16_kv:,.0f} = {bf16_kv / 2304:,.0f} with bf16 weights, for the step's 512 sequences") in line
+    assert f"colo: {line}" in job.start_lines()
+    assert "16x8 at 2048 tokens: step 0.95x" in _prepared(tmp_path, "placement.gpu_memory=H100",
+                                                          "rollout.quantization=fp8", "data.prompts_per_step=16"
+                                                          ).warnings()[0]
+    assert _prepared(tmp_path, "placement.gpu_memory=H200", "rollout.quantization=fp8").warnings() == []
+
+
+def test_memory_plan_shows_the_batch_fp8s_kv_room_allows() -> None:
+    """The plan's FP8 note: sequences of max_model_len the KV cache holds per engine, against bf16 weights and KV."""
+    L4 = PRESETS["qwen3-30b-a3b-L4"]
+    fp8 = _plan(L4, "rollout.quantization=fp8", "rollout.max_model_len=2304", "rollout.max_tokens=2048")
+    bf16 = _plan(L4, "rollout.max_model_len=2304", "rollout.max_tokens=2048")
+    note = next(n for n in fp8.notes if n.startswith("FP8 rollout"))
+    assert (f": {fp8.kv_tokens / 2304:,.0f} sequences of max_model_len 2304 per engine against "
+            f"{bf16.kv_tokens / 2304:,.0f} with bf16 weights and KV cache") in note
