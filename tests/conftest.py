@@ -57,6 +57,23 @@ def pytest_itemcollected(item: pytest.Item) -> None:
     item.add_marker(pytest.mark.xdist_group(_shared_group(item)))
 
 
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """A test marked `sandbox` runs the Python tool's sandbox (bubblewrap in user namespaces, a cgroup of its own),
+    which a container or a non-root machine may lack: there it is skipped with what is missing and how to install
+    it (colo.envs.isolation.missing()), and every other test runs. TESTS_REQUIRE_SANDBOX=1 (.ci/run) fails it
+    instead, so a CI machine without the sandbox cannot hide a regression of it behind a skip."""
+    if item.get_closest_marker("sandbox") is None:
+        return
+    from colo.envs.isolation import missing
+
+    problem = missing()
+    if problem is None:
+        return
+    if os.environ.get("TESTS_REQUIRE_SANDBOX") == "1":
+        pytest.fail(f"the sandbox is missing here and TESTS_REQUIRE_SANDBOX=1: {problem}", pytrace=False)
+    pytest.skip(f"needs the Python tool's sandbox: {problem}")
+
+
 def pytest_collection_finish(session: pytest.Session) -> None:
     """Under `--dist loadgroup` every test's id must carry its group (xdist appends `@group`): where it does not
     (pytest 9 with xdist 3.8), the default job and each module's engines would start once per worker."""
