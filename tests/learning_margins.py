@@ -8,8 +8,10 @@ must not pass, rewrite tests/learning_table.json, and print each assertion's mar
 Run it when a learning test is added, or a default, a config or the sampling streams change. Each job runs as its
 test runs it (the same arguments, JOBS[...].args) through the real CLI (`python -m colo.launch`, a process of its
 own), with run.seed=S, and with the kernels torch and oneDNN choose held or not (KERNELS: ATEN_CPU_CAPABILITY,
-ONEDNN_MAX_CPU_ISA): each setting computes in other float32 kernels, so it is another trajectory on any CPU (the
-script warns where two settings gave one trajectory). Controls, the same job with a policy that does not learn:
+ONEDNN_MAX_CPU_ISA). A setting changes the float32 results' last bits; it is another trajectory only where that
+flips a sampled token, which a short RL run from a cached base may never do (the script warns where two settings
+gave one trajectory: the same training rewards step by step); seeds always give another (other prompts, other
+samples, and another tiny model and warm-up). Controls, the same job with a policy that does not learn:
 - frozen: trainer.lr=1e-30, below every weight's rounding step (trainer.lr must be > 0), so the policy stays the
   warm-up's; its sampled evals repeat the warm-up's exactly and its training reward moves only by the batches;
 - drift: the job's own learning rate on exact_match's scores shuffled across each batch (shuffled_exact_match):
@@ -48,8 +50,9 @@ KERNELS = {  # a setting's name -> the variables it sets (unset: the library pic
     "onednn-avx2": {"ONEDNN_MAX_CPU_ISA": "AVX2"},
 }
 CONTROLS = {"frozen": ("trainer.lr=1e-30",), "drift": ("algo.rewards=[learning_margins:shuffled_exact_match]",)}
-# (role, seeds, kernel settings) measured by default: 5 seeds under each of two settings, and the controls
-PLAN = [("learns", (0, 1, 2, 3, 4), ("default", "avx2")),
+# (role, seeds, kernel settings) measured by default: seven seeds, three of them under AVX2 kernels too, and the
+# controls under both
+PLAN = [("learns", (0, 1, 2, 3, 4, 5, 6), ("default",)), ("learns", (0, 1, 2), ("avx2",)),
         ("frozen", (0,), ("default",)), ("frozen", (1,), ("avx2",)),
         ("drift", (0, 1), ("default", "avx2"))]
 JOB_TIMEOUT_S = 3600
