@@ -245,11 +245,16 @@ def main(argv: list[str] | None = None) -> int:
                         t0 = time.monotonic()
                         config, rows, cpu_s = measure(job, role, seed, setting, work)
                         stats = statistics(rows)
-                        rewards = json.dumps([r["reward/mean"] for r in rows[1:]])
+                        rewards = [r["reward/mean"] for r in rows[1:]]
                         record(table, job, config, {
                             "role": role, "seed": seed, "setting": setting, "kernels": kernels, "cpu": model,
                             "isa": isa, "stats": {k: round(v, 6) for k, v in stats.items()},
-                            "digest": hashlib.sha256(rewards.encode()).hexdigest()[:12],
+                            "digest": hashlib.sha256(json.dumps(rewards).encode()).hexdigest()[:12],
+                            # the run itself, so a shorter job's statistics can be read off it (no lr schedule: an
+                            # L-step job is the first L steps of this one)
+                            "rewards": [round(x, 6) for x in rewards],
+                            "evals": [[r["step"], round(r["eval/sampled_reward"], 6), round(r["eval/reward"], 6)]
+                                      for r in rows if "eval/sampled_reward" in r],
                             "cpu_s": None if cpu_s is None else round(cpu_s),
                             "date": datetime.date.today().isoformat(), "commit": commit()})
                         print(f"learning_margins: {job} {role} seed {seed} {setting}: "
