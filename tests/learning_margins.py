@@ -168,6 +168,25 @@ def record(table: dict, job: str, config: dict, row: dict) -> None:
     TABLE.write_text(json.dumps(table, indent=1) + "\n")
 
 
+def shortened(table: dict, steps: int) -> dict:
+    """The table as if each job ran its first `steps` steps: each trajectory's statistics from its kept series (an
+    L-step job is the first L steps of a longer one); trajectories without series, or shorter ones, are left out."""
+    out = {"jobs": {}}
+    for job, entry in table["jobs"].items():
+        kept = []
+        for t in entry["trajectories"]:
+            if len(t.get("rewards", [])) < steps:
+                continue
+            (_, sampled, greedy), evals = t["evals"][0], [e for e in t["evals"][1:] if e[0] < steps]
+            rows = [{"step": -1, "eval/sampled_reward": sampled, "eval/reward": greedy}]
+            rows += [{"step": i, "reward/mean": r} for i, r in enumerate(t["rewards"][:steps])]
+            for step, sampled, greedy in evals:
+                rows[step + 1].update({"eval/sampled_reward": sampled, "eval/reward": greedy})
+            kept.append({**t, "stats": statistics(rows)})
+        out["jobs"][job] = {**entry, "args": [*entry["args"], f"(first {steps} steps)"], "trajectories": kept}
+    return out
+
+
 def report(table: dict, jobs: list[str]) -> int:
     """Print each trajectory's margins (value minus bound) for each asserted statistic; 1 when a learner is below a
     bound or a control is not, else 0."""
@@ -219,6 +238,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--jobs", default=",".join(JOBS), help=f"comma-separated, of {', '.join(JOBS)}")
     ap.add_argument("--print", action="store_true", help="print the margins from the table; run nothing")
     ap.add_argument("--keep", action="store_true", help="skip trajectories this CPU has in the table already")
+    ap.add_argument("--at", type=int, default=None, metavar="STEPS",
+                    help="with --print: the margins had each job run its first STEPS steps (read off the table)")
     ap.add_argument("--plan", default=None, help="ROLE:SEEDS:SETTINGS;... instead of the default plan, e.g. "
                     "'learns:0-4:default,avx2;drift:0:default' (settings: " + ", ".join(KERNELS) + ")")
     a = ap.parse_args(argv)
@@ -228,7 +249,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"unknown job(s) {unknown}; the jobs: {', '.join(JOBS)}")
     table = load_table()
     if a.print:
-        return report(table, jobs)
+        return report(table if a.at is None else shortened(table, a.at), jobs)
     plan = PLAN if a.plan is None else [_plan_item(p) for p in a.plan.split(";") if p]
     model, isa = cpu()
     work = Path(tempfile.mkdtemp(prefix="learning-"))
