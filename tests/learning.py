@@ -3,9 +3,9 @@
     assert_learns("default", run_dir, rows)        # in the test that owns JOBS["default"]
     .venv/bin/python tests/learning_margins.py     # re-measures every job below, rewrites TABLE, prints margins
 
-A tiny job's learning curve is one trajectory among many: each seed, and each choice of kernels torch and oneDNN make
-(the CPU kind, or ATEN_CPU_CAPABILITY / ONEDNN_MAX_CPU_ISA), gives another, so a bound read off one run turns the
-suite red on the next machine (issues 43, 52). Hence:
+A tiny job's learning curve is one trajectory among many: each seed gives another, and so may each choice of kernels
+torch and oneDNN make (the CPU kind, or ATEN_CPU_CAPABILITY / ONEDNN_MAX_CPU_ISA), so a bound read off one run turns
+the suite red on the next machine (issues 43, 52). Hence:
 
 - What is asserted: the two quantities GRPO maximizes, each averaged so that one lucky or unlucky batch does not
   decide it.
@@ -24,7 +24,9 @@ suite red on the next machine (issues 43, 52). Hence:
 - What it must reject: learning_margins.py also runs controls, the same job with a policy that does not learn
   (`frozen`: trainer.lr below every weight's rounding step; `drift`: the job's own learning rate on rewards
   shuffled across each batch, so the logged rewards are the task's but the samples they are assigned to carry no
-  signal). Every control fails every asserted statistic there; its margins are printed beside the learners'.
+  signal). The rule fails every control, the sampled eval alone rejects each (tests/unit/test_learning_rule.py);
+  the training reward alone need not, since a frozen policy's 10-step means move with the prompts by about as much
+  as its bound. The margins of both are printed beside the learners'.
 - The table holds the job's resolved config as it was measured; a test whose run was configured otherwise fails
   and names the keys that differ, since its bounds were not measured for it: re-run learning_margins.py.
 """

@@ -31,6 +31,7 @@ import hashlib
 import json
 import os
 import random
+import re
 import shutil
 import subprocess
 import sys
@@ -166,7 +167,14 @@ def record(table: dict, job: str, config: dict, row: dict) -> None:
     entry["trajectories"] = [t for t in entry["trajectories"] if any(t[k] != row[k] for k in key)] + [row]
     entry["trajectories"].sort(key=lambda t: (t["role"] != "learns", t["role"], t["cpu"], sorted(t["kernels"].items()),
                                               t["seed"]))
-    TABLE.write_text(json.dumps(table, indent=1) + "\n")
+    TABLE.write_text(dump(table))
+
+
+def dump(table: dict) -> str:
+    """The table as JSON, one line per list of numbers (a trajectory's series stay readable in a diff)."""
+    text = json.dumps(table, indent=1)
+    return re.sub(r"\[\s*(-?[\d.e+-]+(?:,\s*-?[\d.e+-]+)*)\s*\]",
+                  lambda m: "[" + ", ".join(x.strip() for x in m.group(1).split(",")) + "]", text) + "\n"
 
 
 def shortened(table: dict, steps: int) -> dict:
