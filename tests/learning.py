@@ -136,9 +136,10 @@ def assert_learns(job: str, run_dir: Path, rows: list[dict]) -> dict[str, float]
     stats, limit = statistics(rows), bounds(job, table)
     low = {k: stats[k] for k in ASSERTED if stats[k] < limit[k]}
     seen = ", ".join(f"{k} {stats[k]:+.3f} (bound {limit[k]:+.3f})" for k in ASSERTED)
+    evals = [(r["step"], r["eval/sampled_reward"], r["eval/reward"]) for r in rows if "eval/sampled_reward" in r]
     assert not low, (f"job {job!r} did not learn: {seen}; the bounds are half the smallest rise over the trajectories "
                      f"of {TABLE.name}. Training reward {[round(r['reward/mean'], 3) for r in rows[1:]]}; evals "
-                     f"(step, sampled, greedy) {[(r['step'], r['eval/sampled_reward'], r['eval/reward']) for r in rows if 'eval/sampled_reward' in r]}")
+                     f"(step, sampled, greedy) {evals}")
     return stats
 
 

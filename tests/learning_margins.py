@@ -222,7 +222,8 @@ def report(table: dict, jobs: list[str]) -> int:
             margins = {k: s[k] - limit[k] for k in ASSERTED}
             passes = all(m >= 0 for m in margins.values())
             bad |= passes != learns
-            cells = [f"{s[k]:+.4f} ({m:+.4f}){' over' if m >= 0 and not learns else '     '}" for k, m in margins.items()]
+            cells = [f"{s[k]:+.4f} ({m:+.4f}){' over' if m >= 0 and not learns else '     '}"
+                     for k, m in margins.items()]
             verdict = ("passes" if passes else "FAILS") if learns else ("PASSES" if passes else "fails")
             print(f"  {t['role']:7} {t['seed']:>4} {t['setting']:12} " + " ".join(f"{c:>26}" for c in cells)
                   + f" {verdict:>6} {s['greedy_eval']:>+11.4f} {s['training_trend']:>+7.4f} {t['cpu_s'] or 0:>6.0f}  "
