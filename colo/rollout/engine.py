@@ -454,7 +454,7 @@ class Engine:
         import torch
 
         if self.cores and torch.get_num_threads() != len(self.cores):
-            torch._C._set_num_threads(len(self.cores))
+            torch._C.set_num_threads(len(self.cores))
 
     def _rpc_all(self, method: str, *args: Any) -> list:
         self._own_threads()

@@ -52,6 +52,7 @@ class StopSignals:
         self.held = False
         self._pending = False
         self.closing = False  # shutting down: signals are only counted (a second one shortens the waits)
+        self.hung_up = False  # SIGHUP came: it stays ignored from then on, restore() included
         self._previous: dict[int, object] = {}
         self._streams: list[tuple[str, object]] = []  # (sys attribute, the stream it held before install)
 
@@ -85,7 +86,7 @@ class StopSignals:
 
     def restore(self) -> None:
         for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
+            signal.signal(sig, signal.SIG_IGN if sig == signal.SIGHUP and self.hung_up else handler)
         self._previous.clear()
         for name, stream in reversed(self._streams):
             if isinstance(getattr(sys, name), HangupSafe) and getattr(sys, name).stream is stream:
@@ -93,11 +94,15 @@ class StopSignals:
         self._streams.clear()
 
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
+        if signum == signal.SIGHUP:
+            # a closed terminal hangs up twice (the pty's own SIGHUP and the shell's to the job): the second says
+            # nothing new, so it neither hurries the stop nor, once Python's exit has put SIG_DFL back, kills it
+            signal.signal(signal.SIGHUP, signal.SIG_IGN)
+            self.hung_up = True
+            detach_terminal()
         self.count += 1
         if self.signum is None:
             self.signum = signum
-        if signum == signal.SIGHUP:
-            detach_terminal()
         if self.closing:
             return
         if self.held and not self.hurry:
