@@ -32,6 +32,22 @@ STEP_KEYS = ["step", "reward/mean", "reward/std", "response_len/mean", "loss", "
     f"timing/{p}_s" for p in ("rollout", "reward", "sleep", "train", "wait", "sync", "offload", "wake", "probe", "step")]
 
 
+ACTOR_PID = '''
+def _pid_of(role_rank):
+    log = str(Path(RUN_DIR) / "logs" / f"{{role_rank}}.log")
+    for p in psutil.process_iter():
+        try:
+            if p.cmdline()[:1] and p.cmdline()[0].startswith("ray::") and os.readlink(f"/proc/{{p.pid}}/fd/1") == log:
+                return p.pid
+        except (psutil.Error, OSError):
+            continue
+    raise LookupError(f"no actor process writes {{log}}")
+'''
+"""For a reward module written by a fault test (str.format'ed with run_dir; it imports os, psutil and Path, and sets
+RUN_DIR): _pid_of("engine-0"), the pid of the running job's actor whose output goes to <run dir>/logs/engine-0.log
+(colo.run.logs.actor_output), whichever cluster started it."""
+
+
 # wider than one test, but every test process has its own: a test that uses one shares nothing with its module
 PER_PROCESS = frozenset({"shared_ray"})
 

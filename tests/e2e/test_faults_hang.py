@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import ACTOR_PID
 
 from colo.host.shm import start_ticks
 from colo.run.metrics import read_metrics
@@ -34,17 +35,7 @@ from colo.host.shm import start_ticks
 RUN_DIR = {run_dir!r}
 calls = 0
 
-
-def _pid_of(role_rank):
-    log = str(Path(RUN_DIR) / "logs" / f"{{role_rank}}.log")
-    for p in psutil.process_iter():
-        try:
-            if p.cmdline()[:1] and p.cmdline()[0].startswith("ray::") and os.readlink(f"/proc/{{p.pid}}/fd/1") == log:
-                return p.pid
-        except (psutil.Error, OSError):
-            continue
-    raise LookupError(f"no actor process writes {{log}}")
-
+''' + ACTOR_PID + '''
 
 def stop_engine_0(responses, answers, prompts):
     global calls

@@ -29,7 +29,7 @@ import shutil
 from pathlib import Path
 
 import pytest
-from conftest import DEFAULT_JOB_STEPS, STEP_KEYS, clean_env, run_cli
+from conftest import ACTOR_PID, DEFAULT_JOB_STEPS, STEP_KEYS, clean_env, run_cli
 from learning import assert_learns
 
 from colo.host.shm import SHM
@@ -220,17 +220,7 @@ from colo.algo.rewards import exact_match
 RUN_DIR = {run_dir!r}
 calls = 0
 
-
-def _pid_of(role_rank):
-    log = str(Path(RUN_DIR) / "logs" / f"{{role_rank}}.log")
-    for p in psutil.process_iter():
-        try:
-            if p.cmdline()[:1] and p.cmdline()[0].startswith("ray::") and os.readlink(f"/proc/{{p.pid}}/fd/1") == log:
-                return p.pid
-        except (psutil.Error, OSError):
-            continue
-    raise LookupError(f"no actor process writes {{log}}")
-
+''' + ACTOR_PID + '''
 
 def _nth_call():
     global calls
