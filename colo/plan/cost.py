@@ -171,7 +171,7 @@ class AsyncMeasured:
 
 ASYNC_MEASURED = (
     AsyncMeasured("qwen3-30b-a3b-L4", L4_SHAPE, "H100", 1, 16, 8, 2048, oversample=3.0, max_staleness=3, ratio=1.31,
-                  spread="median of 3 repeats, 1.27-1.41", date="2026-12-07"),
+                  spread="median of 3 repeats, 1.27-1.41, compiled trainer", date="2026-12-07"),
     AsyncMeasured("qwen3-30b-a3b-L4", L4_SHAPE, "H200", 1, 16, 8, 2048, oversample=3.0, max_staleness=3, ratio=1.30,
                   spread="the lower of two calls, 1.48 and 1.30", date="2026-11-26, 2026-11-28"),
     AsyncMeasured("qwen3-30b-a3b-L4", L4_SHAPE, "H100", 1, 16, 8, 4096, oversample=1.5, max_staleness=1, ratio=1.035,
@@ -182,8 +182,8 @@ ASYNC_MEASURED = (
 """The measured async steps on GPUs, one per row of docs/benchmarks.md's "Async against sync" table that ran
 colocated with independent long-tail lengths (per-prompt correlated lengths measured 0.99x at the defaults, a row
 auto cannot match: a job's length distribution is its task's); a new measurement replaces its row. colo.plan.loopmode
-reads them for loop.mode=auto. No CPU rows: the default CPU job ran 42.7 RL-seconds async against 40.5 sync (the
-same table's "Does async learn as sync does?"), and the CPU keeps sync."""
+reads them for loop.mode=auto. No CPU rows: the CPU keeps sync, what the suite's learning bounds were measured on (there
+the tiny bench measured async 1.117x, and the default job ran 42.7 RL-seconds async against 40.5 sync)."""
 ASYNC_NEAR = 1.5
 """A row answers for a job whose sequences per step (prompts x n) and rollout.max_tokens are each within this factor
 of its own: 16x8 at 2k answers for 11-24 prompts x 8 at 1,366-3,072 tokens; 32x8 or 4k is another workload (at

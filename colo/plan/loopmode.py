@@ -1,6 +1,6 @@
 """loop.mode=auto: async where a measured row says it pays on this setup, sync everywhere else, and why.
 
-    extra = loop_mode(cfg, config_json, device, "Qwen/Qwen3-30B-A3B")   # () unless loop.mode=auto
+    extra = loop_mode(cfg, config_json, device, "auto:qwen3-30b-a3b-L4")   # () unless loop.mode=auto
     tuned.also(extra)    # colo.plan.resolve: in the resolved config, --dry-run's table and the run's `colo: auto:` line
 
 Async changes the algorithm (samples carried across weight versions, decoupled PPO, loop.max_staleness), so sync stays
@@ -9,35 +9,35 @@ setup that measured at least ASYNC_PAYS: colocated, one turn, the same model sha
 (prompts x n) and rollout.max_tokens within ASYNC_NEAR of the row's. With async, rollout.oversample and
 loop.max_staleness left at their defaults take the row's values (the gain was measured at those); values the user set
 are kept, and the reason says what the row ran. Everywhere else sync, with the reason: CPU, disaggregated, an
-environment, a GPU of unknown kind, no row (the line says so, and how to measure one), or a row where async lost.
+environment, a GPU of unknown kind, no row (the reason says so, and how to measure one), or a row where async lost.
 The rows are measured with the bench's independent long-tail lengths; a task whose long responses cluster on some
-prompts gains less (docs/benchmarks.md, Async against sync). Pure: no torch, no files.
+prompts gains less (docs/benchmarks.md, "Async against sync"). Pure: no torch, no files.
 """
 from __future__ import annotations
 
 from typing import Any
 
-from colo.config.schema import ColoConfig, LoopConfig, RolloutConfig
+from colo.config.schema import AUTO, ColoConfig, LoopConfig, RolloutConfig
 from colo.plan.auto import Choice, show
 from colo.plan.cost import ASYNC_MEASURED, ASYNC_NEAR, ASYNC_PAYS, AsyncMeasured, async_measured
 from colo.plan.job import Device
 from colo.plan.memory import model_shape
 
-WHERE = "docs/benchmarks.md, Async against sync"
-CPU_WHY = f"CPU: as CPU runs have always run (the default job took 42.7 RL-seconds async against 40.5 sync: {WHERE})"
-MEASURE = ("to add one: colo.bench.step --compare loop.mode=async,sync (tests/gpu/run.sh's async step) into "
-           "colo.plan.cost.ASYNC_MEASURED")
+WHERE = 'docs/benchmarks.md, "Async against sync"'
+CPU_WHY = ("CPU: what CPU runs and the suite's learning bounds have always run (on CPU async measured 1.117x on the "
+           f"tiny bench's 8x4 and 42.7 RL-seconds against sync's 40.5 on the default job: {WHERE})")
 DEFAULTS = {"rollout.oversample": RolloutConfig.oversample, "loop.max_staleness": LoopConfig.max_staleness}
 """The async settings auto sets to the measured row's when they are left at these (the schema's defaults)."""
 
 
-def loop_mode(cfg: ColoConfig, config_json: dict[str, Any] | None, device: Device, name: str) -> tuple[Choice, ...]:
+def loop_mode(cfg: ColoConfig, config_json: dict[str, Any], device: Device, model: str) -> tuple[Choice, ...]:
     """loop.mode=auto resolved for this job on `device` (the module docstring): its Choice, then those of the async
-    settings it sets; () when loop.mode is set. `name`: the model as the user gave it, for the reason."""
+    settings it sets; () when loop.mode is set. `model`: model.path as the user gave it (an auto: preset or a path),
+    for the reason."""
     if cfg.loop.mode != "auto":
         return ()
-    row, why = _decide(cfg, config_json, device, name)
-    if row is None or row.ratio < ASYNC_PAYS:
+    row, why = _decide(cfg, config_json, device, model)
+    if row is None:
         return (Choice("loop.mode", "sync", why, True),)
     measured = {"rollout.oversample": row.oversample, "loop.max_staleness": row.max_staleness}
     job = {"rollout.oversample": cfg.rollout.oversample, "loop.max_staleness": cfg.loop.max_staleness}
@@ -49,32 +49,37 @@ def loop_mode(cfg: ColoConfig, config_json: dict[str, Any] | None, device: Devic
     return (Choice("loop.mode", "async", why, True), *sets)
 
 
-def _decide(cfg: ColoConfig, config_json: dict[str, Any] | None, device: Device,
-            name: str) -> tuple[AsyncMeasured | None, str]:
-    """The row that answers for this job (None: none does) and the reason for the mode it gives."""
-    if device.kind != "cuda" or config_json is None:
+def _decide(cfg: ColoConfig, config_json: dict[str, Any], device: Device,
+            model: str) -> tuple[AsyncMeasured | None, str]:
+    """The row that makes this job async (None: sync) and the reason."""
+    if device.kind != "cuda":
         return None, CPU_WHY
     if cfg.placement.mode != "colocated":
-        return None, (f"disaggregated: no GPU row (async against sync was measured colocated; on CPU, disaggregated, "
-                      f"0.94x: {WHERE})")
+        return None, (f"disaggregated: no GPU row (async against sync was measured colocated on GPUs; on CPU, "
+                      f"disaggregated, 0.94x: {WHERE})")
     if cfg.algo.environment:
         return None, f"algo.environment: no row (async against sync was measured on one-turn responses: {WHERE})"
-    if device.gpu_bytes is None:
-        return None, (f"GPU unknown ({device.source}): the rows are per card (placement.gpu_memory=H100 or H200 plans "
-                      "for one)")
+    card = device.speeds.name
+    if device.gpu_bytes is None or not device.speeds.measured_here:  # no GPU here, or a card without a SPEEDS row
+        return None, (f"GPU kind unknown ({device.source}): the rows are per card, measured on "
+                      f"{' and '.join(sorted({r.card for r in ASYNC_MEASURED}))} (placement.gpu_memory=H100 or H200 "
+                      "plans for one)")
     m = model_shape(config_json)
-    seqs, tokens, card, gpus = (cfg.data.prompts_per_step * cfg.rollout.n, cfg.rollout.max_tokens, device.speeds.name,
-                                cfg.placement.num_gpus)
-    row = async_measured((m.architecture, m.layers, m.hidden, m.experts, m.moe_intermediate), card, gpus, seqs, tokens)
+    p, n, tokens, gpus = cfg.data.prompts_per_step, cfg.rollout.n, cfg.rollout.max_tokens, cfg.placement.num_gpus
+    row = async_measured((m.architecture, m.layers, m.hidden, m.experts, m.moe_intermediate), card, gpus, p * n, tokens)
     if row is None:
-        here = f"{name}, {cfg.data.prompts_per_step}x{cfg.rollout.n}, {_tokens(tokens)}, {gpus}x{card}"
-        return None, (f"no measured row for this setup ({here}); the rows: {_rows()}, each for a batch and length "
-                      f"within {ASYNC_NEAR:g}x of its own ({WHERE}); {MEASURE}")
+        name = model.removeprefix(AUTO)
+        which = f"--preset {name}" if model.startswith(AUTO) else f"--model {model} --dummy-weights"
+        return None, (f"no measured row for this setup ({name}, {p}x{n}, {_tokens(tokens)}, {gpus}x{card}); the rows: "
+                      f"{_rows()}, each answering for a batch and length within {ASYNC_NEAR:g}x of its own ({WHERE}); "
+                      f"measure one: python -m colo.bench.step {which} --device cuda --gpus {gpus} --prompts {p} "
+                      f"--n {n} --max-tokens {tokens} --repeats 3 --compare loop.mode=async,sync, and add its row "
+                      "there and to colo.plan.cost.ASYNC_MEASURED")
     measured = (f"{_ratio(row.ratio)}x sync's tokens/s/GPU measured on {row.name}, {row.prompts}x{row.n}, "
                 f"{_tokens(row.max_tokens)}, {row.gpus}x{row.card} at oversample {row.oversample:g}, staleness "
-                f"{row.max_staleness} ({row.spread}; {WHERE})")
+                f"{row.max_staleness} ({row.spread}, {row.date}; {WHERE})")
     if row.ratio < ASYNC_PAYS:
-        return row, f"async {measured}, under the {ASYNC_PAYS:.2f}x auto asks"
+        return None, f"async {measured}, under the {ASYNC_PAYS:.2f}x auto asks"
     return row, measured
 
 

@@ -28,7 +28,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from colo.config import ColoConfig, freeze, model_config_json, resolve_paths, wandb_online
-from colo.config.schema import AUTO
 from colo.plan.auto import Tuned
 from colo.plan.job import Device, device_of, tune
 from colo.plan.loopmode import loop_mode
@@ -53,5 +52,5 @@ def resolve(cfg: ColoConfig, config_json: dict[str, Any] | None = None) -> Resol
     if cfg.run.wandb_mode == "auto":
         derived["run.wandb_mode"] = "online" if wandb_online() else "offline"
     choices = tune(with_values(out, derived), config_json, device)
-    choices = choices.also(loop_mode(choices.cfg, config_json, device, cfg.model.path.removeprefix(AUTO)))
+    choices = choices.also(loop_mode(choices.cfg, config_json, device, cfg.model.path))
     return Resolved(freeze(choices.cfg), choices, device)
