@@ -186,8 +186,9 @@ reads them for loop.mode=auto. No CPU rows: the CPU keeps sync, what the suite's
 the tiny bench measured async 1.117x, and the default job ran 42.7 RL-seconds async against 40.5 sync)."""
 ASYNC_NEAR = 1.5
 """A row answers for a job whose sequences per step (prompts x n) and rollout.max_tokens are each within this factor
-of its own: 16x8 at 2k answers for 11-24 prompts x 8 at 1,366-3,072 tokens; 32x8 or 4k is another workload (at
-64x8 and at 4k the defaults measured 0.95x and 1.035x)."""
+of its own, the nearest where several do: 16x8 at 2k answers for 11-24 prompts x 8 at 1,366-3,072 tokens (from 2,897
+tokens on an H100, the 4k row is nearer); 32x8 or 4k is another workload (at 64x8 and at 4k the defaults measured 0.95x
+and 1.035x)."""
 ASYNC_PAYS = 1.10
 """The ratio from which auto picks async: a ratio of one call moves with the rollout by up to ~20% between calls
 (docs/benchmarks.md, Method), so a 1.035x call is no evidence that async pays."""
