@@ -391,8 +391,8 @@ class LoopConfig(Section):
     auto (opt-in: async changes the algorithm): async where a measured row says it pays on this setup (colocated, the
     model, card, GPU count, batch and response length of a row of docs/benchmarks.md, "Async against sync":
     colo.plan.cost.ASYNC_MEASURED), with that row's rollout.oversample and loop.max_staleness where those are left at
-    their defaults; sync everywhere else (CPU, disaggregated, multi-turn, no row). Checked as async is; --dry-run and
-    the run's `colo: auto:` line say which and why; config.yaml holds the value chosen."""
+    their defaults; sync everywhere else (CPU, disaggregated, an environment, another card, no row). Checked as async
+    is; --dry-run and the run's `colo: auto:` line say which and why; config.yaml holds the value chosen."""
     max_staleness: int = 1
     """loop.mode=async: the most weight versions a trained token may lag the policy being updated; a group
     holding an older token is dropped (counted in async/dropped) before it is resumed. 0: nothing is carried.
