@@ -101,14 +101,19 @@ class Prepared:
             raise ConfigError(why)
 
     def start_lines(self) -> list[str]:
-        """What a run says once its run dir exists: the `auto` values other than before auto, a resume's changes,
-        where the run dir is."""
+        """What a run says once its run dir exists: the `auto` trainer values other than before auto, loop.mode=auto's
+        choice with its reason, a resume's changes, where the run dir is."""
         from colo.plan.auto import show
         from colo.plan.settings import PLAIN
 
-        changed = {k: v for k, v in self.choices.resolved.items() if v != PLAIN[k]}
+        resolved = self.choices.resolved
+        changed = {k: v for k, v in resolved.items() if k in PLAIN and v != PLAIN[k]}
         lines = ["colo: auto: " + " ".join(f"{k}={show(v)}" for k, v in changed.items()) + " (--dry-run says why)"
                  ] if changed else []
+        mode = next((c for c in self.choices.choices if c.key == "loop.mode" and c.auto), None)
+        if mode:  # it changes the algorithm: the run says which and why
+            lines.append("colo: auto: " + " ".join(f"{k}={show(v)}" for k, v in resolved.items() if k not in PLAIN)
+                         + f": {mode.why}")
         lines += [self.resumed.describe(self.cfg)] if self.resumed else []
         lines += [f"colo: {w}" for w in self.warnings()]
         return lines + [f"colo: run dir {self.cfg.run.dir}"]

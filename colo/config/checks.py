@@ -55,10 +55,10 @@ def validate(cfg: ColoConfig, *, check_resources: bool = True, check_gpus: bool 
     check_quantization(cfg, device, model)  # FP8 rollout (colo.config.quantization)
     _check_routing_replay(cfg, model)
     _check_lora(cfg, architecture(model) or "")
-    if cfg.loop.mode == "async" and device == "cuda" and cfg.algo.routing_replay == "r3" and cfg.algo.environment:
-        raise ConfigError("algo.routing_replay=r3 with loop.mode=async and algo.environment runs on CPU engines only "
-                          "(a carried conversation's routing is not read from the GPU engines' capture); fix: "
-                          "algo.routing_replay=off, loop.mode=sync, or drop algo.environment")
+    if cfg.loop.mode != "sync" and device == "cuda" and cfg.algo.routing_replay == "r3" and cfg.algo.environment:
+        raise ConfigError(f"algo.routing_replay=r3 with loop.mode={cfg.loop.mode} and algo.environment runs on CPU "
+                          "engines only (a carried conversation's routing is not read from the GPU engines' capture); "
+                          "fix: algo.routing_replay=off, loop.mode=sync, or drop algo.environment")
     check_weights(cfg)
     for key in ("data.path", "data.eval_path"):
         _check_data(cfg, key)
@@ -151,24 +151,28 @@ def _check_values(cfg: ColoConfig) -> None:
 
 def _check_async(cfg: ColoConfig) -> None:
     """loop.mode=async: colocated, the step with carried samples; disaggregated, the next batch generated while
-    this one trains, one step off policy (docs/config.md, "Async")."""
+    this one trains, one step off policy (docs/config.md, "Async"). loop.mode=auto is checked as async is: it may
+    resolve to async (colo.plan.loopmode), and whether a config is valid does not depend on the measured rows."""
     if cfg.rollout.oversample < 1:
         raise ConfigError(f"rollout.oversample={cfg.rollout.oversample} must be >= 1 (prompts in flight per "
                           "data.prompts_per_step); fix: rollout.oversample=1.5")
-    if cfg.loop.mode != "async":
+    mode = cfg.loop.mode
+    if mode == "sync":
         return
     if cfg.placement.mode == "disaggregated" and cfg.loop.max_staleness < 1:
-        raise ConfigError("loop.mode=async with placement.mode=disaggregated trains every batch one weight version "
+        raise ConfigError(f"loop.mode={mode} with placement.mode=disaggregated trains every batch one weight version "
                           f"behind (it was generated during the step before), but loop.max_staleness="
                           f"{cfg.loop.max_staleness}; fix: loop.max_staleness=1, or loop.mode=sync")
     if cfg.algo.environment and cfg.placement.mode == "disaggregated":
-        raise ConfigError(f"loop.mode=async with algo.environment={cfg.algo.environment} runs colocated (conversations "
-                          "carried across weight updates, colo.rollout.turns); generating whole conversations "
-                          "ahead on disaggregated engines is not tested; fix: placement.mode=colocated, or "
-                          "loop.mode=sync")
+        raise ConfigError(f"loop.mode={mode} with algo.environment={cfg.algo.environment} runs colocated "
+                          "(conversations carried across weight updates, colo.rollout.turns); generating whole "
+                          "conversations ahead on disaggregated engines is not tested; fix: placement.mode=colocated, "
+                          "or loop.mode=sync")
     if cfg.algo.tis_cap == 0:
-        raise ConfigError("loop.mode=async trains on tokens sampled by older weights, which needs the truncated "
-                          "behaviour-to-trainer importance weight that algo.tis_cap=0 turns off; fix: algo.tis_cap=2.0")
+        picks = " (where it picks async)" if mode == "auto" else ""
+        raise ConfigError(f"loop.mode={mode} trains on tokens sampled by older weights{picks}, which needs the "
+                          "truncated behaviour-to-trainer importance weight that algo.tis_cap=0 turns off; fix: "
+                          "algo.tis_cap=2.0, or loop.mode=sync")
 
 
 def _check_loss(cfg: ColoConfig) -> None:

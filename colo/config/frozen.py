@@ -21,7 +21,7 @@ from colo.config.schema import AUTO, ColoConfig
 
 COLO_AUTO = ("placement.device", "rollout.sleep_level", "trainer.old_logprobs", "trainer.offload",
              "trainer.optimizer_offload", "trainer.compile", "trainer.gradient_checkpointing", "trainer.gather_once",
-             "trainer.max_tokens_per_micro_batch", "run.wandb_mode")
+             "trainer.max_tokens_per_micro_batch", "loop.mode", "run.wandb_mode")
 """The keys whose `auto` colo.plan.resolve decides (its docstring says how)."""
 
 

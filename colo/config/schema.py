@@ -17,7 +17,7 @@ CHOICES = {  # must match the consumers: colo.algo.loss.LOSS_AGGS, colo.sync, co
     "model.dtype": ("bfloat16", "float16", "float32"),
     "placement.device": ("auto", "cpu", "cuda"),
     "placement.mode": ("colocated", "disaggregated"),
-    "loop.mode": ("sync", "async"),
+    "loop.mode": ("sync", "async", "auto"),
     "rollout.sleep_level": ("auto", 1, 2),
     "algo.loss_agg": ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean"),
     "algo.overlong": ("none", "filter", "penalty"),
@@ -232,7 +232,8 @@ class RolloutConfig(Section):
     rewrites every weight anyway)."""
     oversample: float = 1.5
     """loop.mode=async only: prompts in flight per step, as a multiple of data.prompts_per_step (>= 1). The
-    rollout stops once data.prompts_per_step whole groups have finished; the rest are carried to the next step."""
+    rollout stops once data.prompts_per_step whole groups have finished; the rest are carried to the next step.
+    Left at 1.5, loop.mode=auto choosing async sets the oversample its measured row ran (colo.plan.loopmode)."""
     max_turns: int = 1
     """With algo.environment: most model turns per conversation (each followed by the environment's step);
     rollout.max_tokens is then the budget of the whole response, model and environment tokens together."""
@@ -386,10 +387,16 @@ class LoopConfig(Section):
     """sync: every step trains on samples of the weights it starts with, waiting for its longest response.
     async, colocated: rollout.oversample x prompts in flight, the rollout stops once enough whole groups
     finished, unfinished samples continue next step under the new weights; async, disaggregated: the engines
-    generate the next batch while the trainers train (one step off policy) (docs/config.md, "Async")."""
+    generate the next batch while the trainers train (one step off policy) (docs/config.md, "Async").
+    auto (opt-in: async changes the algorithm): async where a measured row says it pays on this setup (colocated, the
+    model, card, GPU count, batch and response length of a row of docs/benchmarks.md, "Async against sync":
+    colo.plan.cost.ASYNC_MEASURED), with that row's rollout.oversample and loop.max_staleness where those are left at
+    their defaults; sync everywhere else (CPU, disaggregated, an environment, another card, no row). Checked as async
+    is; --dry-run and the run's `colo: auto:` line say which and why; config.yaml holds the value chosen."""
     max_staleness: int = 1
     """loop.mode=async: the most weight versions a trained token may lag the policy being updated; a group
-    holding an older token is dropped (counted in async/dropped) before it is resumed. 0: nothing is carried."""
+    holding an older token is dropped (counted in async/dropped) before it is resumed. 0: nothing is carried.
+    Left at 1, loop.mode=auto choosing async sets the staleness its measured row ran (colo.plan.loopmode)."""
 
 
 @dataclass

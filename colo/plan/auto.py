@@ -60,7 +60,8 @@ class Choice:
 
 @dataclass(frozen=True)
 class Tuned:
-    """A config with its auto trainer keys resolved (and those settled), and what was chosen and why."""
+    """A config with its auto trainer keys resolved (and those settled), and what was chosen and why; after them, the
+    keys loop.mode=auto set (colo.plan.loopmode), where it was given."""
     cfg: ColoConfig
     choices: tuple[Choice, ...]
     summary: str
@@ -69,6 +70,10 @@ class Tuned:
     def resolved(self) -> dict[str, Any]:
         """{key: value} of the keys auto chose."""
         return {c.key: c.value for c in self.choices if c.auto}
+
+    def also(self, extra: tuple[Choice, ...]) -> Tuned:
+        """These choices after the trainer's, in the config and the table (loop.mode=auto's)."""
+        return Tuned(with_values(self.cfg, {c.key: c.value for c in extra}), self.choices + extra, self.summary)
 
     def table(self) -> str:
         width = max(len(f"{c.key}={show(c.value)}") for c in self.choices)

@@ -3,6 +3,7 @@
     speeds = speeds_for("NVIDIA H200")                          # SPEEDS["H200"]; a device without a row: Hopper's
     step_seconds(model_shape(config_json), settings, speeds)    # {"passes": 4.1, "host copies": 0.0, ...}
     fp8_measured(shape, "H100", 512)                            # FP8_MEASURED: FP8's step against bf16's, or None
+    async_measured(shape, "H100", 1, 128, 2048)                 # ASYNC_MEASURED: async's step against sync's, or None
 
 colo.plan.search ranks settings by the sum, for `auto` and for a refusal's ways to fit alike. It is an estimate for
 ranking, not a prediction: each figure is measured in one run on one card (docs/benchmarks.md, "The cost model's
@@ -140,6 +141,70 @@ def fp8_measured(model: tuple[str, int, int, int, int], card: str, seqs: int) ->
     """The measurement of this model shape on this card nearest the step's sequences (prompts x n); None if none."""
     rows = [r for r in FP8_MEASURED if r.shape == model and r.card == card]
     return min(rows, key=lambda r: abs(r.prompts * r.n - seqs)) if rows else None
+
+
+@dataclass(frozen=True)
+class AsyncMeasured:
+    """One measured async-against-sync comparison of colo's RL step (colo.bench.step --compare loop.mode=async,sync,
+    colocated, one turn, the bench's long-tail lengths): docs/benchmarks.md, "Async against sync", the row of the same
+    workload, card and date."""
+    name: str
+    """The model as the row names it (a colo.models.tiny preset)."""
+    shape: tuple[str, int, int, int, int]
+    """(architecture, layers, hidden size, experts, moe_intermediate_size): how a job's model is matched."""
+    card: str
+    """The SPEEDS row of the card it ran on."""
+    gpus: int
+    prompts: int
+    n: int
+    max_tokens: int
+    oversample: float
+    """The row's rollout.oversample."""
+    max_staleness: int
+    """The row's loop.max_staleness."""
+    ratio: float
+    """Async's tokens/s/GPU over sync's (below 1: async lost)."""
+    spread: str
+    """How the ratio was taken: repeats or calls, and their range."""
+    date: str
+
+
+ASYNC_MEASURED = (
+    AsyncMeasured("qwen3-30b-a3b-L4", L4_SHAPE, "H100", 1, 16, 8, 2048, oversample=3.0, max_staleness=3, ratio=1.31,
+                  spread="median of 3 repeats, 1.27-1.41, compiled trainer", date="2026-12-07"),
+    AsyncMeasured("qwen3-30b-a3b-L4", L4_SHAPE, "H200", 1, 16, 8, 2048, oversample=3.0, max_staleness=3, ratio=1.30,
+                  spread="the lower of two calls, 1.48 and 1.30", date="2026-11-26, 2026-11-28"),
+    AsyncMeasured("qwen3-30b-a3b-L4", L4_SHAPE, "H100", 1, 16, 8, 4096, oversample=1.5, max_staleness=1, ratio=1.035,
+                  spread="one call, eager trainer", date="2026-11-26"),
+    AsyncMeasured("qwen3-30b-a3b-L4", L4_SHAPE, "H100", 1, 64, 8, 2048, oversample=1.5, max_staleness=1, ratio=0.95,
+                  spread="one call, eager trainer", date="2026-11-26"),
+)
+"""The measured async steps on GPUs, one per row of docs/benchmarks.md's "Async against sync" table that ran
+colocated with independent long-tail lengths (per-prompt correlated lengths measured 0.99x at the defaults, a row
+auto cannot match: a job's length distribution is its task's); a new measurement replaces its row. colo.plan.loopmode
+reads them for loop.mode=auto. No CPU rows: the CPU keeps sync, what the suite's learning bounds were measured on (there
+the tiny bench measured async 1.117x, and the default job ran 42.7 RL-seconds async against 40.5 sync)."""
+ASYNC_NEAR = 1.5
+"""A row answers for a job whose sequences per step (prompts x n) and rollout.max_tokens are each within this factor
+of its own, the nearest where several do: 16x8 at 2k answers for 11-24 prompts x 8 at 1,366-3,072 tokens (from 2,897
+tokens on an H100, the 4k row is nearer); 32x8 or 4k is another workload (at 64x8 and at 4k the defaults measured 0.95x
+and 1.035x)."""
+ASYNC_PAYS = 1.10
+"""The ratio from which auto picks async: a ratio of one call moves with the rollout by up to ~20% between calls
+(docs/benchmarks.md, Method), so a 1.035x call is no evidence that async pays."""
+
+
+def async_measured(model: tuple[str, int, int, int, int], card: str, gpus: int, seqs: int,
+                   max_tokens: int) -> AsyncMeasured | None:
+    """The measurement of this model shape on this card and GPU count nearest the step's sequences (prompts x n) and
+    response length, among those within ASYNC_NEAR of both; None if none."""
+    def off(r: AsyncMeasured) -> tuple[float, float]:
+        return abs(math.log(seqs / (r.prompts * r.n))), abs(math.log(max_tokens / r.max_tokens))
+
+    near = math.log(ASYNC_NEAR) + 1e-9
+    rows = [r for r in ASYNC_MEASURED if r.shape == model and r.card == card and r.gpus == gpus
+            and max(off(r)) <= near]
+    return min(rows, key=lambda r: sum(off(r))) if rows else None
 
 
 def speeds_for(device: str) -> Speeds:
