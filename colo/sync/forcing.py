@@ -30,7 +30,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from colo.models.archs import num_experts
-from colo.sync.layercheck import bucket, forced_logits, group_size, row_vector, sequences, site_inputs
+from colo.sync.layercheck import bucket, forced_logits, group_size, packed, row_vector, sequences, site_inputs
 
 ATTENTION = ("self_attn", "attn", "linear_attn")
 MLP = ("mlp", "block_sparse_moe", "feed_forward")
@@ -313,8 +313,8 @@ class Forcing:
         self.extra[EMBED_ROWS] = torch.cat(out)[:, None]
 
     def records(self) -> dict:
-        """Plain data for the driver: each site's (rows, D) float32 numpy array with the trainer rows it holds
-        (`index`: the phases seen; the embedding, its prompt rows only), in this side's forward order."""
+        """Plain data for the driver: each site's (rows, D) float32 values (layercheck.packed) with the trainer rows
+        it holds (`index`: the phases seen; the embedding, its prompt rows only), in this side's forward order."""
         seen = sorted({p for parts in self.parts.values() for p in parts})
         index = torch.cat([self.phases[p] for p in seen]) if seen else torch.zeros(0, dtype=torch.long)
         sites, rows = {}, {}
@@ -324,9 +324,9 @@ class Forcing:
                 continue
             value = torch.cat([parts[p] for p in seen])
             keep = torch.isin(index, self.prompt_rows) if label == EMBED else torch.ones(len(index), dtype=torch.bool)
-            sites[label], rows[label] = value[keep].numpy(), index[keep].tolist()
+            sites[label], rows[label] = packed(value[keep]), index[keep].tolist()
         for label, value in self.extra.items():
-            sites[label] = value.numpy()
+            sites[label] = packed(value)
             rows[label] = index.tolist() if label == "lm_head" else list(range(value.shape[0]))
         return {"order": list(self.order), "sites": sites, "rows": rows, "routing": dict(self.routing),
                 "problems": list(self.problems), "notes": list(self.notes), "forwards": len(seen),

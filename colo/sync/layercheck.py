@@ -161,6 +161,22 @@ _BLOCKS = {"input_layernorm": ("attention", 0), "self_attn": ("attention", 1),
            "post_attention_layernorm": ("mlp", 0), "mlp.gate": ("mlp", 1), "mlp": ("mlp", 1)}
 
 
+def packed(values: torch.Tensor) -> dict:
+    """A site's records as they cross process boundaries: float32 bytes and the shape. Not a numpy array: the
+    engine's records come back through vLLM's collective_rpc, whose msgpack encoder turns an array into an untyped
+    (dtype, shape, buffer) triple on GPU (the engine core is a process of its own there)."""
+    values = values.detach().to(torch.float32).contiguous().cpu()
+    return {"shape": list(values.shape), "float32": values.numpy().tobytes()}
+
+
+def unpacked(site: dict) -> torch.Tensor:
+    """packed()'s tensor again."""
+    data = site["float32"]
+    if not data:
+        return torch.zeros(site["shape"], dtype=torch.float32)
+    return torch.frombuffer(bytearray(data), dtype=torch.float32).reshape(site["shape"])
+
+
 def _block(label: str) -> tuple[str, int]:
     """(block, position in it): a failing norm explains the failures after it in its block (module doc)."""
     if label.startswith("model.layers."):
@@ -190,8 +206,8 @@ def compare(trainer: dict, engine: dict, tol: float) -> LayerResult:
         if any(r not in at for r in rows):
             problems.append(f"{label}: the engine recorded rows the trainer did not")
             continue
-        a = torch.tensor(engine["sites"][label])
-        b = torch.tensor(trainer["sites"][label])[[at[r] for r in rows]]
+        a = unpacked(engine["sites"][label])
+        b = unpacked(trainer["sites"][label])[[at[r] for r in rows]]
         if a.shape != b.shape:
             problems.append(f"{label}: engine {tuple(a.shape)}, trainer {tuple(b.shape)}")
             continue

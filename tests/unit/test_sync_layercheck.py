@@ -107,3 +107,20 @@ def test_a_weight_one_step_stale_is_named(model, fault, names, index, named) -> 
         assert "model.layers.0.self_attn" not in res.summary()
     if fault == "one expert":  # the other experts' tokens are clean
         assert "expert 5 " in res.summary() + " " and "every token" not in res.summary()
+
+
+def test_records_cross_vllms_rpc_encoding_intact() -> None:
+    """The engine's records come back through vLLM's collective_rpc, msgpack-encoded (the engine core is a process of
+    its own on GPU): a numpy array arrives as an untyped (dtype, shape, buffer) triple there, so records carry each
+    site as layercheck.packed's bytes and shape, which arrive as they left."""
+    import numpy as np
+    from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
+
+    from colo.sync.layercheck import packed, unpacked
+
+    values = torch.randn(37, 64)  # above vLLM's inline threshold: its buffer travels out of band
+    values[0, :3] = torch.tensor([float("inf"), -0.0, 1e-40])
+    wire = MsgpackDecoder().decode(MsgpackEncoder().encode({"sites": {"a": packed(values), "e": packed(values[:0])}}))
+    assert torch.equal(unpacked(wire["sites"]["a"]), values) and unpacked(wire["sites"]["e"]).shape == (0, 64)
+    raw = MsgpackDecoder().decode(MsgpackEncoder().encode({"a": values.numpy()}))["a"]
+    assert not isinstance(raw, np.ndarray)  # why packed: an array does not survive the trip
