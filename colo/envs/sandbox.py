@@ -126,12 +126,12 @@ def run_python(code: str, timeout_s: float = 10.0, memory_mb: int = 1024, max_pr
         else:
             shutil.rmtree(tmp, ignore_errors=True)
     text = out.decode("utf-8", "replace")[:MAX_OUTPUT]
+    if oom or why == "memory":  # first: a kill for memory is why a call that then ran out of time got stuck
+        return Ran(text, f"memory limit: its processes together needed more than {memory_mb} MiB", proc.returncode)
     if why == "timeout":
         return Ran(text, f"timed out after {timeout_s:g} s", None)
     if why == "output":
         return Ran(text, f"output limit: more than {MAX_OUTPUT} characters; the program was stopped", None)
-    if oom or why == "memory":
-        return Ran(text, f"memory limit: its processes together needed more than {memory_mb} MiB", proc.returncode)
     rc = proc.returncode
     if rc == 0:
         return Ran(text, None, 0)
