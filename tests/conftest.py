@@ -48,6 +48,19 @@ RUN_DIR): _pid_of("engine-0"), the pid of the running job's actor whose output g
 (colo.run.logs.actor_output), whichever cluster started it."""
 
 
+@contextlib.contextmanager
+def tmpfs(path: Path, options: str) -> Iterator[Path]:
+    """A small tmpfs at path (root only: skips elsewhere)."""
+    path.mkdir()
+    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(path)],
+                                           capture_output=True).returncode:
+        pytest.skip("needs root to mount a tmpfs")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)], check=False)
+
+
 # wider than one test, but every test process has its own: a test that uses one shares nothing with its module
 PER_PROCESS = frozenset({"shared_ray"})
 

@@ -4,29 +4,15 @@ or socket-path traceback, or trainers dying of SIGBUS reported as "trainer rank 
 anything is written or started. A small tmpfs stands in for each place (root only: skipped elsewhere)."""
 from __future__ import annotations
 
-import contextlib
-import os
 import subprocess
 import tempfile
 from pathlib import Path
 
 import pytest
-from conftest import clean_env, run_cli
+from conftest import clean_env, run_cli, tmpfs
 
 from colo.config import ConfigError, load_config
 from colo.plan.preflight import check_host, shm_need
-
-
-@contextlib.contextmanager
-def tmpfs(path: Path, options: str):
-    path.mkdir()
-    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(path)],
-                                           capture_output=True).returncode:
-        pytest.skip("needs root to mount a tmpfs")
-    try:
-        yield path
-    finally:
-        subprocess.run(["umount", "-l", str(path)], check=False)
 
 
 SHORT = Path(tempfile.gettempdir())  # the session's temporary folder: short (tests/conftest.py)

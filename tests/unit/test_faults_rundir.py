@@ -1,33 +1,18 @@
 """The run dir: writable before anything starts, one run at a time, checkpoints whole or set aside."""
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import clean_env
+from conftest import clean_env, tmpfs
 
 from colo.config import ConfigError
 from colo.run.rundir import RunDirError, check_writable, checkpoint_problem, held_by, lock, usable_checkpoint
-
-
-@contextlib.contextmanager
-def tmpfs(path: Path, options: str):
-    """A small tmpfs at path (root only: skips elsewhere)."""
-    path.mkdir()
-    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(path)],
-                                           capture_output=True).returncode:
-        pytest.skip("needs root to mount a tmpfs")
-    try:
-        yield path
-    finally:
-        subprocess.run(["umount", "-l", str(path)], check=False)
 
 
 def test_unwritable_run_dir_refused(tmp_path: Path) -> None:
