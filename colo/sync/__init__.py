@@ -18,7 +18,8 @@
 
 Data beside them: plan.py (the SyncPlan: the HF -> vLLM name rules applied to the family's table from
 colo.models.archs, and which element runs go into which bucket at which offset, built once), verify.py (coverage),
-checksum.py (the exact checksum of every tensor's bytes, taken in the sender's and the receiver's copies),
+checksum.py (the exact checksum of every tensor's bytes, taken in the sender's and the receiver's copies; on CUDA
+checksum_cuda.py's kernel does copy and checksum in one pass),
 refresh.py (what vLLM derives from the weights, made again from the new bytes), probe.py (whether the engine computes what the trainer computes), fp8.py (FP8 rollout: the sender's
 block quantization and the scales the plan carries beside each quantized tensor). The yardsticks the benchmark
 compares with live in colo.bench.yardsticks, not here.

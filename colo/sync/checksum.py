@@ -172,106 +172,16 @@ def _triton_available() -> bool:
     return True
 
 
-_KERNELS: dict = {}
-
-
-def _kernel():
-    """The Triton kernel, compiled on first use (Triton is imported only on CUDA)."""
-    if "copy_sum" in _KERNELS:
-        return _KERNELS["copy_sum"]
-    import triton
-    import triton.language as tl
-
-    @triton.jit
-    def _copy_sum(src_base, dst_base, table, n_pieces, sums, COPY: tl.constexpr, BITS: tl.constexpr,
-                  VEC: tl.constexpr, BLOCK: tl.constexpr):
-        # table: (n_pieces, 5) int64: source element offset from src_base, destination element offset from
-        # dst_base, elements, the destination index of the first element (the checksum's position), slot
-        pid = tl.program_id(0)
-        nprog = tl.num_programs(0)
-        k1 = tl.full([BLOCK], 0x9E3779B1, tl.uint32)
-        k2 = tl.full([BLOCK], 0x85EBCA77, tl.uint32)
-        for p in range(n_pieces):
-            so = tl.load(table + p * 5)
-            do = tl.load(table + p * 5 + 1)
-            n = tl.load(table + p * 5 + 2)
-            pos = tl.load(table + p * 5 + 3)
-            slot = tl.load(table + p * 5 + 4)
-            so = tl.multiple_of(so, VEC)
-            do = tl.multiple_of(do, VEC)
-            acc = tl.zeros([BLOCK], tl.int64)
-            for start in range(pid * BLOCK, n, nprog * BLOCK):
-                o = start + tl.arange(0, BLOCK).to(tl.int64)
-                m = o < n
-                if COPY:
-                    x = tl.load(src_base + so + o, mask=m)
-                    y = x.to(dst_base.dtype.element_ty, fp_downcast_rounding="rtne")
-                    tl.store(dst_base + do + o, y, mask=m)
-                else:
-                    y = tl.load(dst_base + do + o, mask=m)
-                if BITS == 8:
-                    b = y.to(tl.int8, bitcast=True).to(tl.int32).to(tl.uint32, bitcast=True)
-                elif BITS == 16:
-                    b = y.to(tl.int16, bitcast=True).to(tl.int32).to(tl.uint32, bitcast=True)
-                else:
-                    b = y.to(tl.uint32, bitcast=True)
-                h = (pos + o).to(tl.uint32) * k1  # uint32 products wrap: mod 2^32, as the torch path's & M32
-                h = h ^ (h >> 15)
-                w = (h * k2) | 1
-                acc += tl.where(m, (b * w).to(tl.int64), 0)
-            tl.atomic_add(sums + slot, tl.sum(acc, axis=0))
-
-    _KERNELS["copy_sum"] = _copy_sum
-    return _copy_sum
-
-
-_PROGRAMS: dict[int, int] = {}  # device index -> programs per launch (a few per SM: the loop strides over them)
-BLOCK = 2048
-
-
-def _programs(device: torch.device) -> int:
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _PROGRAMS:
-        _PROGRAMS[index] = 4 * torch.cuda.get_device_properties(index).multi_processor_count
-    return _PROGRAMS[index]
-
-
 def _launch(pending: list[tuple[torch.Tensor, torch.Tensor, int, int]], sums: torch.Tensor) -> None:
-    """The pending copies, one launch per (source dtype, destination dtype, 16-byte alignment) group. Addresses are
-    element offsets from the group's first tensors (one flat address space), so a launch takes any number of
-    tensors; where every offset is a multiple of 16 bytes the kernel is told so and vectorizes."""
-    groups: dict[tuple, list] = {}
-    for dst, src, pos, slot in pending:
-        aligned = dst.data_ptr() % 16 == 0 and src.data_ptr() % 16 == 0
-        groups.setdefault((src.dtype, dst.dtype, aligned), []).append((dst, src, pos, slot))
-    for (_, _, aligned), rows in groups.items():
-        _launch_group(rows, sums, aligned, _programs(sums.device))
-
-
-def _launch_group(rows: list, sums: torch.Tensor, aligned: bool, programs: int) -> None:
-    dst0, src0 = rows[0][0], rows[0][1]
-    ds, ss = dst0.element_size(), src0.element_size()
-    table = []
-    for dst, src, pos, slot in rows:
-        if dst.numel() != src.numel():
-            raise ValueError(f"copy of {src.numel()} elements into {dst.numel()}")
-        table.append([(src.data_ptr() - src0.data_ptr()) // ss, (dst.data_ptr() - dst0.data_ptr()) // ds,
-                      dst.numel(), pos, slot])
-    t = torch.tensor(table, dtype=torch.int64)  # (P, 5)
-    if dst0.device.type == "cuda":
-        t = t.pin_memory().to(dst0.device, non_blocking=True)
-    vec = max(1, 16 // max(ds, ss)) if aligned else 1
-    _kernel()[(programs,)](src0, dst0, t, len(rows), sums, COPY=True, BITS=8 * ds, VEC=vec, BLOCK=BLOCK)
+    from colo.sync.checksum_cuda import launch
+    launch(pending, sums)
 
 
 def _checksum_tensor(values: torch.Tensor, pos: int) -> torch.Tensor:
-    """CUDA: the checksum of `values` (1-D) as a 0-dim int64 device tensor, without a host sync."""
+    """CUDA: the checksum of `values` (1-D) as a 0-dim int64 device tensor, without a host sync where the kernel
+    takes it."""
     if values.element_size() not in (1, 2, 4) or not values.is_contiguous():
         c = checksum(values, pos)
         return torch.tensor(c - (1 << 64) if c >> 63 else c, dtype=torch.int64).to(values.device)
-    out = torch.zeros(1, dtype=torch.int64, device=values.device)
-    t = torch.tensor([[0, 0, values.numel(), pos, 0]], dtype=torch.int64).to(values.device)
-    vec = max(1, 16 // values.element_size()) if values.data_ptr() % 16 == 0 else 1
-    _kernel()[(_programs(values.device),)](values, values, t, 1, out, COPY=False, BITS=8 * values.element_size(),
-                                           VEC=vec, BLOCK=BLOCK)
-    return out[0]
+    from colo.sync.checksum_cuda import checksum_tensor
+    return checksum_tensor(values, pos)

@@ -90,3 +90,17 @@ def test_fused_checksum_costs_little_over_the_copy(src_dtype) -> None:
           f"{a * 1e3:.2f} ms ({n * (src.element_size() + 2) / a / 1e9:.0f} GB/s), fused copy + checksum "
           f"{b * 1e3:.2f} ms: {b / a:.3f}x")
     assert b / a < 2.0, "far off the copy's bandwidth: the kernel did not vectorize?"
+    from colo.sync import checksum_cuda as K
+
+    keep = K.BLOCK, K.WARPS, K.PER_SM
+    try:  # the launch settings around the module's, to tune them from one run: `[gpu] checksum sweep` lines
+        swept = []
+        for K.BLOCK in (1024, 2048, 4096):
+            for K.WARPS in (4, 8):
+                for K.PER_SM in (2, 4, 8):
+                    swept.append((_time(fused, reps=10) / a, K.BLOCK, K.WARPS, K.PER_SM))
+    finally:
+        K.BLOCK, K.WARPS, K.PER_SM = keep
+    for ratio, block, warps, per_sm in sorted(swept)[:4]:
+        print(f"[gpu] checksum sweep {str(src_dtype).removeprefix('torch.')}: BLOCK {block} WARPS {warps} "
+              f"PER_SM {per_sm}: {ratio:.3f}x the copy")

@@ -91,23 +91,23 @@ def test_copy_sums_copies_and_sums_what_it_wrote() -> None:
 
 KERNEL = textwrap.dedent("""
     import torch
-    from colo.sync import checksum as C
+    from colo.sync import checksum as C, checksum_cuda as K
 
     g = torch.Generator().manual_seed(0)
     src = torch.randn(5000, generator=g).to(torch.bfloat16)
     buf = torch.zeros(6000, dtype=torch.bfloat16)
     sums = torch.zeros(4, dtype=torch.int64)
     # a vectorized group (16-byte starts) and an unaligned one, several pieces per launch, two destinations
-    C._launch_group([(buf[8:1008], src[0:1000], 0, 1), (buf[1016:5016], src[1000:5000], 1000, 1)], sums, True, 3)
-    C._launch_group([(buf[5017:5021], src[3:7], 7, 2)], sums, False, 3)
+    K._launch_group([(buf[8:1008], src[0:1000], 0, 1), (buf[1016:5016], src[1000:5000], 1000, 1)], sums, True, 3)
+    K._launch_group([(buf[5017:5021], src[3:7], 7, 2)], sums, False, 3)
     assert torch.equal(buf[8:1008], src[:1000]) and torch.equal(buf[1016:5016], src[1000:])
     assert torch.equal(buf[5017:5021], src[3:7])
     assert int(sums[1]) & C.MASK64 == C.checksum(src, 0)
     assert int(sums[2]) & C.MASK64 == C.checksum(src[3:7], 7)
-    for dt in (torch.float32, torch.float8_e4m3fn):
-        x = torch.randn(3001, generator=g).to(dt)
-        out, s = torch.zeros(3001, dtype=dt), torch.zeros(1, dtype=torch.int64)
-        C._launch_group([(out, x, 11, 0)], s, True, 2)
+    for dt, n in ((torch.float32, 3001), (torch.float8_e4m3fn, 3001), (torch.bfloat16, 20_000)):
+        x = torch.randn(n, generator=g).to(dt)  # 20,000: more whole blocks than programs, then a partial one
+        out, s = torch.zeros(n, dtype=dt), torch.zeros(1, dtype=torch.int64)
+        K._launch_group([(out, x, 11, 0)], s, True, 2)
         assert torch.equal(out.view(torch.uint8), x.view(torch.uint8)), dt
         assert int(s[0]) & C.MASK64 == C.checksum(x, 11), dt
     print("kernel ok")

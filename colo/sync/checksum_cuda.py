@@ -1,0 +1,119 @@
+"""The checksum's CUDA path (colo.sync.checksum): copy and checksum in one Triton kernel, a batch of pieces per launch.
+
+Imported only where CopySums runs fused (CUDA with Triton): this module imports Triton at the top, so its jit
+functions are module globals that Triton's compiler (and its CPU interpreter, tests/unit/test_sync_checksum.py) can
+resolve. The integers are the module doc's of colo.sync.checksum; tests/gpu/test_checksum_gpu.py checks them and
+the kernel's cost on a GPU.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _terms(y, idx, k1, k2, BITS: tl.constexpr):
+    # each element's bits times w(idx), as uint32 (the products wrap mod 2^32, as the torch path's & M32)
+    if BITS == 8:
+        b = y.to(tl.int8, bitcast=True).to(tl.int32).to(tl.uint32, bitcast=True)
+    elif BITS == 16:
+        b = y.to(tl.int16, bitcast=True).to(tl.int32).to(tl.uint32, bitcast=True)
+    else:
+        b = y.to(tl.uint32, bitcast=True)
+    h = idx.to(tl.uint32) * k1
+    h = h ^ (h >> 15)
+    return b * ((h * k2) | 1)
+
+@triton.jit
+def _copy_sum(src_base, dst_base, table, n_pieces, sums, COPY: tl.constexpr, BITS: tl.constexpr,
+              VEC: tl.constexpr, BLOCK: tl.constexpr):
+    # table: (n_pieces, 5) int64: source element offset from src_base, destination element offset from
+    # dst_base, elements, the destination index of the first element (the checksum's position), slot.
+    # A piece's whole blocks go unmasked (a mask over a run-time length would keep Triton from vectorizing the
+    # 2-byte loads and stores); its last partial block, masked, goes to the program after the last whole one.
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    k1 = tl.full([BLOCK], 0x9E3779B1, tl.uint32)
+    k2 = tl.full([BLOCK], 0x85EBCA77, tl.uint32)
+    lane = tl.arange(0, BLOCK).to(tl.int64)
+    for p in range(n_pieces):
+        so = tl.load(table + p * 5)
+        do = tl.load(table + p * 5 + 1)
+        n = tl.load(table + p * 5 + 2)
+        pos = tl.load(table + p * 5 + 3)
+        slot = tl.load(table + p * 5 + 4)
+        so = tl.multiple_of(so, VEC)
+        do = tl.multiple_of(do, VEC)
+        whole = n // BLOCK
+        acc = tl.zeros([BLOCK], tl.int64)
+        for blk in range(pid, whole, nprog):
+            o = tl.multiple_of(blk * BLOCK, BLOCK) + lane  # int64, as `whole` is (the table)
+            if COPY:
+                y = tl.load(src_base + so + o).to(dst_base.dtype.element_ty, fp_downcast_rounding="rtne")
+                tl.store(dst_base + do + o, y)
+            else:
+                y = tl.load(dst_base + do + o)
+            acc += _terms(y, pos + o, k1, k2, BITS).to(tl.int64)
+        if pid == whole % nprog:
+            o = whole * BLOCK + lane
+            m = o < n
+            if COPY:
+                y = tl.load(src_base + so + o, mask=m).to(dst_base.dtype.element_ty, fp_downcast_rounding="rtne")
+                tl.store(dst_base + do + o, y, mask=m)
+            else:
+                y = tl.load(dst_base + do + o, mask=m)
+            acc += tl.where(m, _terms(y, pos + o, k1, k2, BITS).to(tl.int64), 0)
+        tl.atomic_add(sums + slot, tl.sum(acc, axis=0))
+
+
+BLOCK = 2048  # elements per program per loop step
+WARPS = 4
+PER_SM = 4  # programs per SM in a launch: the loop strides over a piece's blocks
+_SMS: dict[int, int] = {}  # device index -> its SM count
+
+
+def _programs(device: torch.device) -> int:
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _SMS:
+        _SMS[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return PER_SM * _SMS[index]
+
+
+def launch(pending: list[tuple[torch.Tensor, torch.Tensor, int, int]], sums: torch.Tensor) -> None:
+    """The pending copies, one launch per (source dtype, destination dtype, 16-byte alignment) group. Addresses are
+    element offsets from the group's first tensors (one flat address space), so a launch takes any number of
+    tensors; where every offset is a multiple of 16 bytes the kernel is told so and vectorizes."""
+    groups: dict[tuple, list] = {}
+    for dst, src, pos, slot in pending:
+        aligned = dst.data_ptr() % 16 == 0 and src.data_ptr() % 16 == 0
+        groups.setdefault((src.dtype, dst.dtype, aligned), []).append((dst, src, pos, slot))
+    for (_, _, aligned), rows in groups.items():
+        _launch_group(rows, sums, aligned, _programs(sums.device))
+
+
+def _launch_group(rows: list, sums: torch.Tensor, aligned: bool, programs: int) -> None:
+    dst0, src0 = rows[0][0], rows[0][1]
+    ds, ss = dst0.element_size(), src0.element_size()
+    table = []
+    for dst, src, pos, slot in rows:
+        if dst.numel() != src.numel():
+            raise ValueError(f"copy of {src.numel()} elements into {dst.numel()}")
+        table.append([(src.data_ptr() - src0.data_ptr()) // ss, (dst.data_ptr() - dst0.data_ptr()) // ds,
+                      dst.numel(), pos, slot])
+    t = torch.tensor(table, dtype=torch.int64)  # (P, 5)
+    if dst0.device.type == "cuda":
+        t = t.pin_memory().to(dst0.device, non_blocking=True)
+    vec = max(1, 16 // max(ds, ss)) if aligned else 1
+    _copy_sum[(programs,)](src0, dst0, t, len(rows), sums, COPY=True, BITS=8 * ds, VEC=vec, BLOCK=BLOCK, num_warps=WARPS)
+
+
+def checksum_tensor(values: torch.Tensor, pos: int) -> torch.Tensor:
+    """The checksum of `values` (1-D, contiguous, 1-, 2- or 4-byte elements) as a 0-dim int64 device tensor,
+    without a host sync."""
+    out = torch.zeros(1, dtype=torch.int64, device=values.device)
+    t = torch.tensor([[0, 0, values.numel(), pos, 0]], dtype=torch.int64).to(values.device)
+    vec = max(1, 16 // values.element_size()) if values.data_ptr() % 16 == 0 else 1
+    _copy_sum[(_programs(values.device),)](values, values, t, 1, out, COPY=False, BITS=8 * values.element_size(),
+                                           VEC=vec, BLOCK=BLOCK, num_warps=WARPS)
+    return out[0]
