@@ -47,7 +47,8 @@ class OnTerminal:
 
     def __init__(self, run_dir: Path, *args: str) -> None:
         pid, self.master = pty.fork()
-        if pid == 0:  # the child: exec at once
+        if pid == 0:  # the child: exec at once, SIGHUP as a terminal's shell leaves it (`nohup pytest` ignores it)
+            signal.signal(signal.SIGHUP, signal.SIG_DFL)
             os.execve(sys.executable, [sys.executable, "-m", "colo.launch", f"run.dir={run_dir}", *JOB, *args],
                       clean_env())
         self.pid, self.returncode, self.shown = pid, None, b""

@@ -78,7 +78,8 @@ def test_a_closed_terminal_stops_like_sigterm_and_spares_the_children(tmp_path) 
 
     out = tmp_path / "out"
     pid, master = pty.fork()  # the child: a session leader with the pty as its terminal
-    if pid == 0:
+    if pid == 0:  # a shell's job: SIGHUP as a terminal leaves it (not as `nohup pytest` would pass it on: ignored)
+        signal.signal(signal.SIGHUP, signal.SIG_DFL)
         os.execve(sys.executable, [sys.executable, "-c", HUNG_UP, str(out)], clean_env())
     seen = b""
     deadline = time.monotonic() + 120
