@@ -13,30 +13,14 @@ import triton.language as tl
 
 
 @triton.jit
-def _terms(y, idx, k1, k2, BITS: tl.constexpr):
-    # each element's bits times w(idx), as uint32 (the products wrap mod 2^32, as the torch path's & M32)
-    if BITS == 8:
-        b = y.to(tl.int8, bitcast=True).to(tl.int32).to(tl.uint32, bitcast=True)
-    elif BITS == 16:
-        b = y.to(tl.int16, bitcast=True).to(tl.int32).to(tl.uint32, bitcast=True)
-    else:
-        b = y.to(tl.uint32, bitcast=True)
-    h = idx.to(tl.uint32) * k1
-    h = h ^ (h >> 15)
-    return b * ((h * k2) | 1)
-
-@triton.jit
 def _copy_sum(src_base, dst_base, table, n_pieces, sums, COPY: tl.constexpr, BITS: tl.constexpr,
               VEC: tl.constexpr, BLOCK: tl.constexpr):
     # table: (n_pieces, 5) int64: source element offset from src_base, destination element offset from
-    # dst_base, elements, the destination index of the first element (the checksum's position), slot.
-    # A piece's whole blocks go unmasked (a mask over a run-time length would keep Triton from vectorizing the
-    # 2-byte loads and stores); its last partial block, masked, goes to the program after the last whole one.
+    # dst_base, elements, the destination index of the first element (the checksum's position), slot
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     k1 = tl.full([BLOCK], 0x9E3779B1, tl.uint32)
     k2 = tl.full([BLOCK], 0x85EBCA77, tl.uint32)
-    lane = tl.arange(0, BLOCK).to(tl.int64)
     for p in range(n_pieces):
         so = tl.load(table + p * 5)
         do = tl.load(table + p * 5 + 1)
@@ -45,25 +29,26 @@ def _copy_sum(src_base, dst_base, table, n_pieces, sums, COPY: tl.constexpr, BIT
         slot = tl.load(table + p * 5 + 4)
         so = tl.multiple_of(so, VEC)
         do = tl.multiple_of(do, VEC)
-        whole = n // BLOCK
         acc = tl.zeros([BLOCK], tl.int64)
-        for blk in range(pid, whole, nprog):
-            o = tl.multiple_of(blk * BLOCK, BLOCK) + lane  # int64, as `whole` is (the table)
-            if COPY:
-                y = tl.load(src_base + so + o).to(dst_base.dtype.element_ty, fp_downcast_rounding="rtne")
-                tl.store(dst_base + do + o, y)
-            else:
-                y = tl.load(dst_base + do + o)
-            acc += _terms(y, pos + o, k1, k2, BITS).to(tl.int64)
-        if pid == whole % nprog:
-            o = whole * BLOCK + lane
+        for start in range(pid * BLOCK, n, nprog * BLOCK):
+            o = start + tl.arange(0, BLOCK).to(tl.int64)
             m = o < n
             if COPY:
-                y = tl.load(src_base + so + o, mask=m).to(dst_base.dtype.element_ty, fp_downcast_rounding="rtne")
+                x = tl.load(src_base + so + o, mask=m)
+                y = x.to(dst_base.dtype.element_ty, fp_downcast_rounding="rtne")
                 tl.store(dst_base + do + o, y, mask=m)
             else:
                 y = tl.load(dst_base + do + o, mask=m)
-            acc += tl.where(m, _terms(y, pos + o, k1, k2, BITS).to(tl.int64), 0)
+            if BITS == 8:
+                b = y.to(tl.int8, bitcast=True).to(tl.int32).to(tl.uint32, bitcast=True)
+            elif BITS == 16:
+                b = y.to(tl.int16, bitcast=True).to(tl.int32).to(tl.uint32, bitcast=True)
+            else:
+                b = y.to(tl.uint32, bitcast=True)
+            h = (pos + o).to(tl.uint32) * k1  # uint32 products wrap: mod 2^32, as the torch path's & M32
+            h = h ^ (h >> 15)
+            w = (h * k2) | 1
+            acc += tl.where(m, (b * w).to(tl.int64), 0)
         tl.atomic_add(sums + slot, tl.sum(acc, axis=0))
 
 
