@@ -210,6 +210,12 @@ def cpu_env(enforce_eager: bool) -> None:
                       VLLM_CPU_OMP_THREADS_BIND=",".join(map(str, cores)))
 
 
+def progress(phase: str, variant: str, k: int, dt: float, tokens: int) -> None:
+    """One stderr line per call (k 0 is the warm-up): a run cut short by its time limit still shows what it timed."""
+    print(f"[bench.rollout] {phase} {variant} call {k}: {tokens} tokens in {dt:.2f} s, {tokens / dt:.0f} tok/s",
+          file=sys.stderr, flush=True)
+
+
 def run_vllm(args: argparse.Namespace, cfg: Any) -> dict:
     """The vllm phase: plain LLM.generate, then colo's request settings and scheduling on the same engine."""
     if args.device == "cpu":
@@ -225,6 +231,7 @@ def run_vllm(args: argparse.Namespace, cfg: Any) -> dict:
     kwargs, tiles = vllm_kwargs(cfg)
     llm = LLM(**kwargs)
     start_s = time.perf_counter() - t0
+    print(f"[bench.rollout] vllm: engine started in {start_s:.0f} s", file=sys.stderr, flush=True)
     variants = ["plain"] + [v for t in args.toggles for v in NEEDS.get(t, ())]
 
     def params(length: int, seed: int, variant: str) -> Any:
@@ -248,6 +255,7 @@ def run_vllm(args: argparse.Namespace, cfg: Any) -> dict:
         dt = time.perf_counter() - t
         if got != [length for _, _, length in reqs]:
             raise RuntimeError(f"vllm phase, {variant}: {sum(got)} tokens generated, {sum(r[2] for r in reqs)} imposed")
+        progress("vllm", variant, k, dt, sum(got))
         return dt, sum(got)
 
     call(0, "plain")  # warm-up: kernels compiled for the batch's shapes
@@ -277,6 +285,7 @@ def colo_call(engines: list, args: argparse.Namespace, k: int, routing: bool) ->
     if got != [length for _, _, length in reqs]:
         raise RuntimeError(f"colo's engine generated {sum(got)} tokens, vLLM's requests impose "
                            f"{sum(r[2] for r in reqs)} (the two sides' lengths must be the same requests')")
+    progress("colo", "routing" if routing else "no_routing", k, dt, sum(got))
     return dt, sum(got)
 
 
