@@ -90,7 +90,8 @@ def _launch_group(rows: list, sums: torch.Tensor, aligned: bool, programs: int) 
     if dst0.device.type == "cuda":
         t = t.pin_memory().to(dst0.device, non_blocking=True)
     vec = max(1, 16 // max(ds, ss)) if aligned else 1
-    _copy_sum[(programs,)](src0, dst0, t, len(rows), sums, COPY=True, BITS=8 * ds, VEC=vec, BLOCK=BLOCK, num_warps=WARPS)
+    _copy_sum[(programs,)](src0, dst0, t, len(rows), sums, COPY=True, BITS=8 * ds, VEC=vec, BLOCK=BLOCK,
+                           num_warps=WARPS)
 
 
 def checksum_tensor(values: torch.Tensor, pos: int) -> torch.Tensor:

@@ -37,7 +37,8 @@ def test_kernel_copies_exactly_and_sums_as_the_torch_path() -> None:
     assert sums.fused, "Triton is needed on CUDA (the GPU bundle brings Triton 3.7)"
     want, at = {}, 0
     pieces = [("cast", src32, torch.bfloat16, 0), ("cast unaligned", src32[7:1_000_007], torch.bfloat16, 7),
-              ("same", srcbf, torch.bfloat16, 3), ("e4m3", src8, torch.float8_e4m3fn, 11), ("fp32", src32, torch.float32, 5)]
+              ("same", srcbf, torch.bfloat16, 3), ("e4m3", src8, torch.float8_e4m3fn, 11),
+              ("fp32", src32, torch.float32, 5)]
     for name, src, dt, pos in pieces:
         n = src.numel()
         at = (at + 255) // 256 * 256 + (2 if name == "same" else 0)  # one destination 2 bytes off alignment
@@ -47,9 +48,10 @@ def test_kernel_copies_exactly_and_sums_as_the_torch_path() -> None:
         want[name] = (out, src.to(dt), pos)
     got = sums.totals()
     for name, (out, ref, pos) in want.items():
-        bad = (out.view(torch.uint8) != ref.contiguous().view(torch.uint8)).nonzero().flatten()  # torch's rounding
+        a, b = out.view(torch.uint8), ref.contiguous().view(torch.uint8)
+        bad = (a != b).nonzero().flatten()  # torch's rounding, byte for byte
         assert bad.numel() == 0, (name, f"{bad.numel()} bytes differ, first at {bad[:4].tolist()} of {out.nbytes}",
-                                  out.view(torch.uint8)[bad[:4]].tolist(), ref.contiguous().view(torch.uint8)[bad[:4]].tolist())
+                                  a[bad[:4]].tolist(), b[bad[:4]].tolist())
         assert got[name] == checksum(ref, pos), name
 
 

@@ -9,7 +9,7 @@ One trainer and one colocated vLLM engine per case, bf16:
 2. the tiny preset, compiled with CUDA graphs (rollout.enforce_eager=false, vLLM's default): the prefill's hooks run
    (colo bypasses torch.compile for the check's forward), the decode step is noted as unchecked (sync/layer_decode 0);
 3. qwen3-30b-a3b-L4 (4 layers of the real width, 128 experts, random weights): the noise of a correct sync at
-   that width, and the check's seconds on each side.
+   that width, and the check's seconds on each side, the first time and again (warm: what a later check costs).
 `[gpu] layers` lines carry the figures for docs/benchmarks.md: each case's worst site, its end-to-end median and
 4th-worst position, against their tolerances, and the seconds.
 """
@@ -69,10 +69,14 @@ def test_a_correct_sync_passes_and_a_stale_engine_fails(pair) -> None:
     trainer_s = time.perf_counter() - t0 - sync_s  # the policy's two probe forwards, inside its sync call
     assert rep["verified"] and rep["digest_checked"], rep["errors"][:5]
     res, layers, engine_s = _check(pair, probe, rep)
+    t0 = time.perf_counter()  # the same check again, warm: what each later check (1 sync in 10) costs
+    again = ray.get(trainer.sync_weights.remote([pair["engine"]], probe))
+    trainer_again_s = time.perf_counter() - t0 - sync_s
+    *_, engine_again_s = _check(pair, probe, again)
     print(f"\n[gpu] layers {pair['case']}: worst site {layers.err:.4f} (tolerance {layercheck.TOLERANCE['bfloat16']}), "
           f"end to end median {res.err:.4f} (tolerance {TOLERANCE['bfloat16']}), 4th-worst position {res.few:.4f} "
-          f"(tolerance {FEW_TOLERANCE['bfloat16']}); check {trainer_s:.2f} s trainer + {engine_s:.2f} s engine, a sync "
-          f"{sync_s:.3f} s; notes {layers.notes}")
+          f"(tolerance {FEW_TOLERANCE['bfloat16']}); check {trainer_s:.2f} s trainer + {engine_s:.2f} s engine, again "
+          f"{trainer_again_s:.2f} + {engine_again_s:.2f} s, a sync {sync_s:.3f} s; notes {layers.notes}")
     assert res.ok and layers.ok, (res.err, res.few, layers.summary())
     compiled = not pair["cfg"].rollout.enforce_eager
     assert bool(layers.notes) == compiled, layers.notes  # a graph-replayed decode is named, never silently passed
