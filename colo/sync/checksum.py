@@ -16,9 +16,9 @@ weight of the element's index i in the destination tensor, and the product taken
   swap or a shift is not a permutation of the same terms);
 - cheap: a few 32-bit integer operations per element, no float64 temporaries.
 
-On CUDA the copy and the checksum are one Triton kernel (`_copy_sum`): the bytes are read once, as the copy reads
-them anyway, and the pieces of one batch (a bucket's run from one source group) go in one launch from a small
-table, so a sync of hundreds of pieces costs a few dozen launches. On CPU plain torch: the copy, then the checksum
+On CUDA the copy and the checksum are one Triton kernel (colo.sync.checksum_cuda): the bytes are read once, as the
+copy reads them anyway, and the pieces of one batch (a bucket's run from one source group) go in one launch from a
+small table, so a sync of hundreds of pieces costs a few dozen launches. On CPU plain torch: the copy, then the checksum
 of what was written. Both compute the same integers (tests/unit/test_sync_checksum.py; tests/gpu/test_checksum_gpu.py
 on CUDA).
 """
