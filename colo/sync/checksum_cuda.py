@@ -1,9 +1,9 @@
 """The checksum's CUDA path (colo.sync.checksum): copy and checksum in one Triton kernel, a batch of pieces per launch.
 
-Imported only where CopySums runs fused (CUDA with Triton): this module imports Triton at the top, so its jit
-functions are module globals that Triton's compiler (and its CPU interpreter, tests/unit/test_sync_checksum.py) can
-resolve. The integers are the module doc's of colo.sync.checksum; tests/gpu/test_checksum_gpu.py checks them and
-the kernel's cost on a GPU.
+Imported only where CopySums runs fused (CUDA with Triton), so a machine without Triton never imports it; the CPU
+suite runs the kernel in Triton's interpreter (tests/unit/test_sync_checksum.py). The integers are the module doc's
+of colo.sync.checksum; tests/gpu/test_checksum_gpu.py checks them on a GPU and times the kernel against `copy_` at
+the launch settings below and around them (BLOCK, WARPS, PER_SM).
 """
 from __future__ import annotations
 

@@ -75,7 +75,8 @@ def attacks(engine: int, gcs_host: str, gcs_port: int, token: str) -> dict:
     }}
     out = {{}}
     for name, code in codes.items():
-        r = run_python(code, timeout_s=30 if name == "forks" else 8, memory_mb=1024)  # forks: reclaim is slow on a busy host
+        # forks: the memory kill's reclaim is slow on a busy host
+        r = run_python(code, timeout_s=30 if name == "forks" else 8, memory_mb=1024)
         out[name] = {{"stdout": r.stdout[:300], "error": r.error}}
     time.sleep(0.5)
     out["left"] = [p for p in os.listdir("/proc") if p.isdigit() and _has(p, token)]
