@@ -17,8 +17,12 @@ def _copy_sum(src_base, dst_base, table, n_pieces, sums, COPY: tl.constexpr, BIT
               VEC: tl.constexpr, BLOCK: tl.constexpr):
     # table: (n_pieces, 5) int64: source element offset from src_base, destination element offset from
     # dst_base, elements, the destination index of the first element (the checksum's position), slot
+    # Index arithmetic in 32 bits: the position mix is mod 2^32 anyway, and a block's lanes and remaining count fit;
+    # only the pointers and the sum are 64-bit.
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
+    lane = tl.arange(0, BLOCK)
+    ulane = lane.to(tl.uint32)
     k1 = tl.full([BLOCK], 0x9E3779B1, tl.uint32)
     k2 = tl.full([BLOCK], 0x85EBCA77, tl.uint32)
     for p in range(n_pieces):
@@ -27,28 +31,27 @@ def _copy_sum(src_base, dst_base, table, n_pieces, sums, COPY: tl.constexpr, BIT
         n = tl.load(table + p * 5 + 2)
         pos = tl.load(table + p * 5 + 3)
         slot = tl.load(table + p * 5 + 4)
-        so = tl.multiple_of(so, VEC)
-        do = tl.multiple_of(do, VEC)
+        src = src_base + tl.multiple_of(so, VEC)
+        dst = dst_base + tl.multiple_of(do, VEC)
         acc = tl.zeros([BLOCK], tl.int64)
         for start in range(pid * BLOCK, n, nprog * BLOCK):
-            o = start + tl.arange(0, BLOCK).to(tl.int64)
-            m = o < n
+            m = lane < tl.minimum(n - start, BLOCK).to(tl.int32)
             if COPY:
-                x = tl.load(src_base + so + o, mask=m)
+                x = tl.load(src + start + lane, mask=m)
                 y = x.to(dst_base.dtype.element_ty, fp_downcast_rounding="rtne")
-                tl.store(dst_base + do + o, y, mask=m)
+                tl.store(dst + start + lane, y, mask=m)
             else:
-                y = tl.load(dst_base + do + o, mask=m)
+                y = tl.load(dst + start + lane, mask=m)
             if BITS == 8:
                 b = y.to(tl.int8, bitcast=True).to(tl.int32).to(tl.uint32, bitcast=True)
             elif BITS == 16:
                 b = y.to(tl.int16, bitcast=True).to(tl.int32).to(tl.uint32, bitcast=True)
             else:
                 b = y.to(tl.uint32, bitcast=True)
-            h = (pos + o).to(tl.uint32) * k1  # uint32 products wrap: mod 2^32, as the torch path's & M32
+            h = ((pos + start).to(tl.uint32) + ulane) * k1  # uint32 products wrap: mod 2^32, as the torch path's
             h = h ^ (h >> 15)
             w = (h * k2) | 1
-            acc += tl.where(m, (b * w).to(tl.int64), 0)
+            acc += tl.where(m, b * w, 0).to(tl.int64)
         tl.atomic_add(sums + slot, tl.sum(acc, axis=0))
 
 
