@@ -18,7 +18,9 @@ def _copy_sum(src_base, dst_base, table, n_pieces, sums, COPY: tl.constexpr, BIT
     # table: (n_pieces, 5) int64: source element offset from src_base, destination element offset from
     # dst_base, elements, the destination index of the first element (the checksum's position), slot
     # Index arithmetic in 32 bits: the position mix is mod 2^32 anyway, and a block's lanes and remaining count fit;
-    # only the pointers and the sum are 64-bit.
+    # only the pointers and the sum are 64-bit. Vectorized (VEC > 1: the host guarantees every offset and count of the
+    # launch is a multiple of VEC), the offsets and the mask are known to move in runs of VEC elements, so each thread
+    # loads and stores 16 bytes at once; without the hints a 2-byte load stayed 2 bytes wide (the mask's runs unknown).
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     lane = tl.arange(0, BLOCK)
@@ -31,17 +33,16 @@ def _copy_sum(src_base, dst_base, table, n_pieces, sums, COPY: tl.constexpr, BIT
         n = tl.load(table + p * 5 + 2)
         pos = tl.load(table + p * 5 + 3)
         slot = tl.load(table + p * 5 + 4)
-        src = src_base + tl.multiple_of(so, VEC)
-        dst = dst_base + tl.multiple_of(do, VEC)
         acc = tl.zeros([BLOCK], tl.int64)
         for start in range(pid * BLOCK, n, nprog * BLOCK):
-            m = lane < tl.minimum(n - start, BLOCK).to(tl.int32)
+            m = lane < tl.multiple_of(tl.minimum(n - start, BLOCK).to(tl.int32), VEC)
+            d = dst_base + tl.multiple_of(do + start, VEC) + lane
             if COPY:
-                x = tl.load(src + start + lane, mask=m)
+                x = tl.load(src_base + tl.multiple_of(so + start, VEC) + lane, mask=m)
                 y = x.to(dst_base.dtype.element_ty, fp_downcast_rounding="rtne")
-                tl.store(dst + start + lane, y, mask=m)
+                tl.store(d, y, mask=m)
             else:
-                y = tl.load(dst + start + lane, mask=m)
+                y = tl.load(d, mask=m)
             if BITS == 8:
                 b = y.to(tl.int8, bitcast=True).to(tl.int32).to(tl.uint32, bitcast=True)
             elif BITS == 16:
@@ -69,12 +70,13 @@ def _programs(device: torch.device) -> int:
 
 
 def launch(pending: list[tuple[torch.Tensor, torch.Tensor, int, int]], sums: torch.Tensor) -> None:
-    """The pending copies, one launch per (source dtype, destination dtype, 16-byte alignment) group. Addresses are
+    """The pending copies, one launch per (source dtype, destination dtype, vectorizable) group. Addresses are
     element offsets from the group's first tensors (one flat address space), so a launch takes any number of
-    tensors; where every offset is a multiple of 16 bytes the kernel is told so and vectorizes."""
+    tensors; where every address is 16-byte aligned and every count a multiple of 16 bytes' elements, the kernel is
+    told so and vectorizes."""
     groups: dict[tuple, list] = {}
     for dst, src, pos, slot in pending:
-        aligned = dst.data_ptr() % 16 == 0 and src.data_ptr() % 16 == 0
+        aligned = _vectorizable(dst, src)
         groups.setdefault((src.dtype, dst.dtype, aligned), []).append((dst, src, pos, slot))
     for (_, _, aligned), rows in groups.items():
         _launch_group(rows, sums, aligned, _programs(sums.device))
@@ -97,12 +99,18 @@ def _launch_group(rows: list, sums: torch.Tensor, aligned: bool, programs: int) 
                            num_warps=WARPS)
 
 
+def _vectorizable(*tensors: torch.Tensor) -> bool:
+    """16-byte aligned, and a count of whole 16-byte vectors of the widest element (VEC's contract)."""
+    vec = max(1, 16 // max(t.element_size() for t in tensors))
+    return all(t.data_ptr() % 16 == 0 and t.numel() % vec == 0 for t in tensors)
+
+
 def checksum_tensor(values: torch.Tensor, pos: int) -> torch.Tensor:
     """The checksum of `values` (1-D, contiguous, 1-, 2- or 4-byte elements) as a 0-dim int64 device tensor,
     without a host sync."""
     out = torch.zeros(1, dtype=torch.int64, device=values.device)
     t = torch.tensor([[0, 0, values.numel(), pos, 0]], dtype=torch.int64).to(values.device)
-    vec = max(1, 16 // values.element_size()) if values.data_ptr() % 16 == 0 else 1
+    vec = max(1, 16 // values.element_size()) if _vectorizable(values) else 1
     _copy_sum[(_programs(values.device),)](values, values, t, 1, out, COPY=False, BITS=8 * values.element_size(),
                                            VEC=vec, BLOCK=BLOCK, num_warps=WARPS)
     return out[0]

@@ -107,7 +107,9 @@ KERNEL = textwrap.dedent("""
     for dt, n in ((torch.float32, 3001), (torch.float8_e4m3fn, 3001), (torch.bfloat16, 20_000)):
         x = torch.randn(n, generator=g).to(dt)  # 20,000: more whole blocks than programs, then a partial one
         out, s = torch.zeros(n, dtype=dt), torch.zeros(1, dtype=torch.int64)
-        K._launch_group([(out, x, 11, 0)], s, True, 2)
+        vec = K._vectorizable(out, x)  # VEC's contract: 16-byte starts, whole vectors (3,001 elements are not)
+        assert vec == (n % (16 // x.element_size()) == 0), dt
+        K._launch_group([(out, x, 11, 0)], s, vec, 2)
         assert torch.equal(out.view(torch.uint8), x.view(torch.uint8)), dt
         assert int(s[0]) & C.MASK64 == C.checksum(x, 11), dt
     print("kernel ok")
