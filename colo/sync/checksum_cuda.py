@@ -56,9 +56,9 @@ def _copy_sum(src_base, dst_base, table, n_pieces, sums, COPY: tl.constexpr, BIT
         tl.atomic_add(sums + slot, tl.sum(acc, axis=0))
 
 
-BLOCK = 2048  # elements per program per loop step
-WARPS = 4
-PER_SM = 4  # programs per SM in a launch: the loop strides over a piece's blocks
+BLOCK = 1024  # elements per program per loop step
+WARPS = 8
+PER_SM = 16  # programs per SM in a launch: the loop strides over a piece's blocks
 _SMS: dict[int, int] = {}  # device index -> its SM count
 
 
