@@ -84,16 +84,21 @@ def main(argv: list[str] | None = None) -> dict:
     table = torch.tensor([[i * step, i * step, step, i * step, i % 8] for i in range(parts)], dtype=torch.int64,
                          device=dev)
 
-    def timed(fn) -> float:  # seconds per call, after one warm-up call
+    def timed(fn) -> float:  # seconds per call, after one warm-up call (CUDA events on a GPU)
         fn()
-        if dev.type == "cuda":
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
+        if dev.type != "cuda":
+            t0 = time.perf_counter()
+            for _ in range(args.reps):
+                fn()
+            return (time.perf_counter() - t0) / args.reps
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
         for _ in range(args.reps):
             fn()
-        if dev.type == "cuda":
-            torch.cuda.synchronize()
-        return (time.perf_counter() - t0) / args.reps
+        end.record()
+        torch.cuda.synchronize()
+        return start.elapsed_time(end) / 1e3 / args.reps
 
     rows = []
     for sd in (torch.float32, torch.bfloat16):
