@@ -85,8 +85,9 @@ def combine(*parts: int) -> int:
 
 
 class CopySums:
-    """Per-destination checksum totals of one side of one sync. On CUDA (with Triton) copies are batched until
-    flush(); a caller must flush before the sources may change or the destinations are read by someone else."""
+    """Per-destination checksum totals of one side of one sync. On CUDA (with Triton) copies and sums are batched
+    until flush(); a caller must flush before the sources or the summed values may change, or the destinations are
+    read by someone else."""
 
     def __init__(self, device: torch.device | str) -> None:
         self.device = torch.device(device)
@@ -94,7 +95,7 @@ class CopySums:
         self.host: dict[str, int] = {}  # CPU path: totals as Python ints
         self.fused = self.device.type == "cuda" and _triton_available()
         self.sums = torch.zeros(0, dtype=torch.int64, device=self.device)  # (slots,) CUDA path
-        self.pending: list[tuple[torch.Tensor, torch.Tensor, int, int]] = []  # (dst, src, dst_offset, slot)
+        self.pending: list[tuple[torch.Tensor, torch.Tensor | None, int, int]] = []  # (dst, src, dst_offset, slot)
 
     def _slot(self, name: str) -> int:
         slot = self.slots.setdefault(name, len(self.slots))
@@ -117,10 +118,10 @@ class CopySums:
     def add(self, values: torch.Tensor, name: str, dst_offset: int) -> None:
         """The checksum of `values` (already at their destination, or packed as they will be written)."""
         slot = self._slot(name)
-        if self.fused:
-            self.sums[slot] += _checksum_tensor(values.reshape(-1), dst_offset)
-        else:
-            self.host[name] = combine(self.host.get(name, 0), checksum(values, dst_offset))
+        if self.fused and values.is_contiguous() and values.element_size() in (1, 2, 4):
+            self.pending.append((values.reshape(-1), None, int(dst_offset), slot))  # summed in place at flush()
+            return
+        self.host[name] = combine(self.host.get(name, 0), checksum(values, dst_offset))
 
     def device_total(self, name: str) -> tuple[torch.Tensor, int]:
         """(the device tensor of totals, `name`'s slot in it), for a kernel that adds its own terms
@@ -172,16 +173,6 @@ def _triton_available() -> bool:
     return True
 
 
-def _launch(pending: list[tuple[torch.Tensor, torch.Tensor, int, int]], sums: torch.Tensor) -> None:
+def _launch(pending: list[tuple[torch.Tensor, torch.Tensor | None, int, int]], sums: torch.Tensor) -> None:
     from colo.sync.checksum_cuda import launch
     launch(pending, sums)
-
-
-def _checksum_tensor(values: torch.Tensor, pos: int) -> torch.Tensor:
-    """CUDA: the checksum of `values` (1-D) as a 0-dim int64 device tensor, without a host sync where the kernel
-    takes it."""
-    if values.element_size() not in (1, 2, 4) or not values.is_contiguous():
-        c = checksum(values, pos)
-        return torch.tensor(c - (1 << 64) if c >> 63 else c, dtype=torch.int64).to(values.device)
-    from colo.sync.checksum_cuda import checksum_tensor
-    return checksum_tensor(values, pos)

@@ -7,6 +7,7 @@ the launch settings below and around them (BLOCK, WARPS, PER_SM).
 """
 from __future__ import annotations
 
+import numpy as np
 import torch
 import triton
 import triton.language as tl
@@ -63,39 +64,66 @@ _SMS: dict[int, int] = {}  # device index -> its SM count
 
 
 def _programs(device: torch.device) -> int:
+    if device.type != "cuda":  # Triton's interpreter (the CPU suite): a few programs, so that they stride
+        return 3
     index = device.index if device.index is not None else torch.cuda.current_device()
     if index not in _SMS:
         _SMS[index] = torch.cuda.get_device_properties(index).multi_processor_count
     return PER_SM * _SMS[index]
 
 
-def launch(pending: list[tuple[torch.Tensor, torch.Tensor, int, int]], sums: torch.Tensor) -> None:
-    """The pending copies, one launch per (source dtype, destination dtype, vectorizable) group. Addresses are
-    element offsets from the group's first tensors (one flat address space), so a launch takes any number of
-    tensors; where every address is 16-byte aligned and every count a multiple of 16 bytes' elements, the kernel is
-    told so and vectorizes."""
+def launch(pending: list[tuple[torch.Tensor, torch.Tensor | None, int, int]], sums: torch.Tensor) -> None:
+    """The pending pieces, one launch per (source dtype, destination dtype, copy or sum only, vectorizable) group; a
+    piece without a source is summed where it lies. Addresses are element offsets from the group's first tensors
+    (one flat address space), so a launch takes any number of tensors; where every address is 16-byte aligned and
+    every count a multiple of 16 bytes' elements, the kernel is told so and vectorizes. The groups' tables travel
+    in one pinned host-to-device copy, and nothing here waits for the device: a flush costs the host a table."""
     groups: dict[tuple, list] = {}
     for dst, src, pos, slot in pending:
-        aligned = _vectorizable(dst, src)
-        groups.setdefault((src.dtype, dst.dtype, aligned), []).append((dst, src, pos, slot))
+        key = (None if src is None else src.dtype, dst.dtype, _vectorizable(dst, *([] if src is None else [src])))
+        groups.setdefault(key, []).append((dst, src, pos, slot))
+    tables = np.concatenate([_table(rows) for rows in groups.values()])
+    table = _to_device(torch.from_numpy(tables), sums.device)
+    at, programs = 0, _programs(sums.device)
     for (_, _, aligned), rows in groups.items():
-        _launch_group(rows, sums, aligned, _programs(sums.device))
+        _run(rows, table[at: at + len(rows)], sums, aligned, programs)
+        at += len(rows)
 
 
 def _launch_group(rows: list, sums: torch.Tensor, aligned: bool, programs: int) -> None:
-    dst0, src0 = rows[0][0], rows[0][1]
+    """One group's launch with a table of its own (what launch() does per group, for the tests)."""
+    _run(rows, _to_device(torch.from_numpy(_table(rows)), sums.device), sums, aligned, programs)
+
+
+def _table(rows: list) -> np.ndarray:
+    """(P, 5) int64 per piece: source and destination element offsets from the group's first tensors, elements,
+    the checksum's position of the first element, the total's slot."""
+    dst0 = rows[0][0]
+    src0 = dst0 if rows[0][1] is None else rows[0][1]
     ds, ss = dst0.element_size(), src0.element_size()
-    table = []
-    for dst, src, pos, slot in rows:
-        if dst.numel() != src.numel():
+    d0, s0 = dst0.data_ptr(), src0.data_ptr()
+    table = np.empty((len(rows), 5), dtype=np.int64)
+    for i, (dst, src, pos, slot) in enumerate(rows):
+        if src is not None and dst.numel() != src.numel():
             raise ValueError(f"copy of {src.numel()} elements into {dst.numel()}")
-        table.append([(src.data_ptr() - src0.data_ptr()) // ss, (dst.data_ptr() - dst0.data_ptr()) // ds,
-                      dst.numel(), pos, slot])
-    t = torch.tensor(table, dtype=torch.int64)  # (P, 5)
-    if dst0.device.type == "cuda":
-        t = t.pin_memory().to(dst0.device, non_blocking=True)
+        d = dst.data_ptr()
+        table[i] = ((d if src is None else src.data_ptr()) - s0) // ss, (d - d0) // ds, dst.numel(), pos, slot
+    return table
+
+
+def _to_device(table: torch.Tensor, device: torch.device) -> torch.Tensor:
+    if device.type != "cuda":
+        return table
+    return table.pin_memory().to(device, non_blocking=True)  # torch's pinned cache keeps the host copy till done
+
+
+def _run(rows: list, table: torch.Tensor, sums: torch.Tensor, aligned: bool, programs: int) -> None:
+    dst0, src0 = rows[0][0], rows[0][1]
+    copy = src0 is not None
+    src0 = src0 if copy else dst0
+    ds, ss = dst0.element_size(), src0.element_size()
     vec = max(1, 16 // max(ds, ss)) if aligned else 1
-    _copy_sum[(programs,)](src0, dst0, t, len(rows), sums, COPY=True, BITS=8 * ds, VEC=vec, BLOCK=BLOCK,
+    _copy_sum[(programs,)](src0, dst0, table, len(rows), sums, COPY=copy, BITS=8 * ds, VEC=vec, BLOCK=BLOCK,
                            num_warps=WARPS)
 
 
@@ -103,14 +131,3 @@ def _vectorizable(*tensors: torch.Tensor) -> bool:
     """16-byte aligned, and a count of whole 16-byte vectors of the widest element (VEC's contract)."""
     vec = max(1, 16 // max(t.element_size() for t in tensors))
     return all(t.data_ptr() % 16 == 0 and t.numel() % vec == 0 for t in tensors)
-
-
-def checksum_tensor(values: torch.Tensor, pos: int) -> torch.Tensor:
-    """The checksum of `values` (1-D, contiguous, 1-, 2- or 4-byte elements) as a 0-dim int64 device tensor,
-    without a host sync."""
-    out = torch.zeros(1, dtype=torch.int64, device=values.device)
-    t = torch.tensor([[0, 0, values.numel(), pos, 0]], dtype=torch.int64).to(values.device)
-    vec = max(1, 16 // values.element_size()) if _vectorizable(values) else 1
-    _copy_sum[(_programs(values.device),)](values, values, t, 1, out, COPY=False, BITS=8 * values.element_size(),
-                                           VEC=vec, BLOCK=BLOCK, num_warps=WARPS)
-    return out[0]

@@ -104,6 +104,14 @@ KERNEL = textwrap.dedent("""
     assert torch.equal(buf[5017:5021], src[3:7])
     assert int(sums[1]) & C.MASK64 == C.checksum(src, 0)
     assert int(sums[2]) & C.MASK64 == C.checksum(src[3:7], 7)
+    # a flush's mix: copies and pieces summed where they lie (no source), aligned or not, groups in one table
+    tot = torch.zeros(3, dtype=torch.int64)
+    K.launch([(buf[8:1008], None, 0, 0), (buf[1016:5016], src[1000:5000], 1000, 0), (buf[5017:5021], None, 7, 1),
+              (buf[5024:5056], src[100:132].float(), 2, 2)], tot)
+    assert torch.equal(buf[1016:5016], src[1000:]) and torch.equal(buf[5024:5056], src[100:132])
+    assert int(tot[0]) & C.MASK64 == C.checksum(src, 0)
+    assert int(tot[1]) & C.MASK64 == C.checksum(src[3:7], 7)
+    assert int(tot[2]) & C.MASK64 == C.checksum(src[100:132], 2)
     for dt, n in ((torch.float32, 3001), (torch.float8_e4m3fn, 3001), (torch.bfloat16, 20_000)):
         x = torch.randn(n, generator=g).to(dt)  # 20,000: more whole blocks than programs, then a partial one
         out, s = torch.zeros(n, dtype=dt), torch.zeros(1, dtype=torch.int64)
@@ -119,7 +127,7 @@ KERNEL = textwrap.dedent("""
 def test_the_cuda_kernel_computes_the_torch_checksum() -> None:
     """colo.sync.checksum's Triton kernel, run by Triton's CPU interpreter (TRITON_INTERPRET=1, set before Triton is
     imported: a process of its own): the copies are exact and the sums equal the torch path's for bf16, float32 and
-    e4m3 pieces, batched and unaligned. Casts inside the kernel (float32 -> bf16) need a GPU's rounding:
+    e4m3 pieces, batched and unaligned, copied or summed where they lie. Casts inside the kernel (float32 -> bf16) need a GPU's rounding:
     tests/gpu/test_checksum_gpu.py."""
     pytest.importorskip("triton")
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
