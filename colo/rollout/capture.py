@@ -9,7 +9,9 @@ the trainer keeps its own routing there (colo.algo.replay).
 
 Two ways to the same ids:
 - GPU (vLLM 0.32): `LLM(enable_return_routed_experts=True)` records every scheduled token's top-k (before
-  EPLB mapping: logical ids) into a per-KV-slot buffer in the scheduler; CompletionOutput.routed_experts
+  EPLB mapping: logical ids) into a device buffer per step, copies it to the host, and commits each request's
+  rows on the engine core's thread (vLLM's aux-output connector: a Python pass over the batch's requests per
+  step, full KV blocks' rows kept in a host store keyed by block hash); CompletionOutput.routed_experts
   is (L-1, num_hidden_layers, K) uint8/uint16. Prefix-cached prompt tokens get the rows stored with their
   KV blocks when those were computed, i.e. by an earlier request. Those rows are only as fresh as the
   blocks: another reason the prefix cache is reset after every weight sync (colo.rollout.engine). Under
