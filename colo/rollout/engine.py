@@ -140,7 +140,10 @@ class Engine:
         """The vLLM engine for self.cfg (set up once the environment is; the test suite's warm clusters start another
         in place: tests/warm_clusters.py). How the engine's routing is captured depends on the model, so it is decided
         here, with the model."""
-        from vllm import LLM
+        from colo.host.heap import imports_frozen
+
+        with imports_frozen():  # vLLM's import and its loader's gc.collect() calls, a fifth cheaper (colo.host.heap)
+            from vllm import LLM
 
         self.model_json = read_model_json(self.cfg.model.path)
         self.routing, experts = routing_mode(self.model_json, self.device)  # None | "vllm" | "prefill"
