@@ -1,4 +1,4 @@
-"""colo's routed-expert capture on CUDA engines (rollout.routing_capture=colo): each token's top-k ids kept beside its KV.
+"""colo's routed-expert capture on CUDA engines (rollout.routing_capture=colo): top-k ids kept beside the KV.
 
     LLM(..., additional_config={CONFIG_KEY: True})      # colo.rollout.engine, before the workers build their runners
     llm.collective_rpc("colo_take_routing", args=([(internal_id, first_row, rows), ...],))   # ended requests' rows
@@ -162,8 +162,8 @@ class SlotCapture:
         before it runs again; a later finish replaces them."""
         with self.lock:
             ended = scheduler_output.finished_req_ids | (scheduler_output.preempted_req_ids or set())
-            for rid in ended if self.answers else ():
-                if not rid.startswith(REQUEST_PREFIX):
+            for rid in ended:
+                if not (self.answers and rid.startswith(REQUEST_PREFIX)):
                     continue
                 if rid in self.taken_early:
                     self.taken_early.discard(rid)
