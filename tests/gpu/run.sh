@@ -19,7 +19,8 @@
 # GPU, with per-phase times and memory (LOOP_ARGS are added to colo.launch's arguments; the run dir is
 # $RUN_ROOT/colo-loop, default /tmp, outside $OUT; its metrics.jsonl is copied to $OUT/loop-metrics.jsonl);
 # routing = test_routing_gpu.py (1 GPU: routing mismatch and log-prob gap with and without R3 on
-# qwen3-30b-a3b-L2); lora = test_lora_gpu.py (1 GPU: LoRA's merged sync, vLLM serving the adapter);
+# qwen3-30b-a3b-L2, vLLM's capture and colo's (rollout.routing_capture=colo) on one engine with CUDA graphs, their rows
+# compared); lora = test_lora_gpu.py (1 GPU: LoRA's merged sync, vLLM serving the adapter);
 # rollout = colo.bench.rollout, colo's rollout phase against vLLM alone on the same requests, its JSON line (vs_vllm,
 # where) in $OUT/rollout.json (only when named: ROLLOUT_PRESET, default qwen3-30b-a3b-L4; ROLLOUT_PROMPTS x ROLLOUT_N,
 # default 16 x 8; ROLLOUT_MAX_TOKENS, default 2048; ROLLOUT_ARGS more arguments, e.g. --toggles none, or --config
@@ -133,7 +134,7 @@ want optim && step optim 240 bash -c "'$PY' -m tools.experiments.optimizer ${OPT
 want colocated && step pytest-colocated 420 "$PY" -m pytest tests/gpu/test_colocated.py -x -q -s -p no:cacheprovider
 want ipc && step pytest-ipc 90 "$PY" -m pytest tests/gpu/test_ipc_alloc.py -x -q -s -p no:cacheprovider
 want dpep && step pytest-dpep 240 "$PY" -m pytest tests/gpu/test_dpep.py -x -q -s -p no:cacheprovider
-want routing && step pytest-routing 300 "$PY" -m pytest tests/gpu/test_routing_gpu.py -x -q -s -p no:cacheprovider
+want routing && step pytest-routing 540 "$PY" -m pytest tests/gpu/test_routing_gpu.py -x -q -s -p no:cacheprovider
 want lora && step pytest-lora 300 "$PY" -m pytest tests/gpu/test_lora_gpu.py -x -q -s -p no:cacheprovider
 # checksum = the sync's checksum kernel (tests/gpu/test_checksum_gpu.py: exactness, its cost against copy_), then
 # colo.bench.sync --checksum-ratio on CHECKSUM_ARGS (default the L4 slice, one GPU): syncs without and with it

@@ -302,6 +302,17 @@ def test_gpu_count() -> None:
     assert "placement.device=cpu" in error_of(["placement.device=cuda", "placement.num_gpus=1"])
 
 
+def test_routing_capture_colo_only_on_gpu_engines() -> None:
+    """rollout.routing_capture=colo lives in vLLM's CUDA model runner: refused on CPU with the fix, taken on GPU (a plan
+    for one: check_gpus=False), and off by default."""
+    assert C.ColoConfig().rollout.routing_capture == "vllm"
+    msg = error_of(cpu("rollout.routing_capture=colo"))
+    assert "rollout.routing_capture=colo needs GPU engines" in msg and "fix: rollout.routing_capture=vllm" in msg
+    assert "is not one of ['vllm', 'colo']" in error_of(["rollout.routing_capture=slots"], check_resources=False)
+    validate(load_config(None, ["placement.device=cuda", "placement.num_gpus=1", "rollout.routing_capture=colo"], {}),
+             check_gpus=False)
+
+
 def test_data_errors(tmp_path: Path) -> None:
     assert "does not exist" in error_of(cpu(f"data.path={tmp_path / 'x.jsonl'}"))
     assert "did you mean 'arith'" in error_of(cpu("data.eval_path=auto:arit"))
