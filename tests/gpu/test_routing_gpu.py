@@ -12,9 +12,8 @@ colo.rollout.capture_cuda, whose router hooks call vLLM's after their own); `use
 returns, and each test runs with both. 16 prompts x 4 samples at T=1; the trainer recomputes their log-probs with
 algo.routing_replay off and r3 over the same batch. Checked: the engine returns ids for every prompt and response
 token but the last (P+R-1 rows x 2 MoE layers x top-8, uint8); with r3 the log-prob gap is no larger than without.
-The `[gpu]` lines carry the figures for docs/routing.md. Greedy generations that decode the same tokens get the same
-rows from both captures, sample by sample (the captures read the same forwards' top-k ids: any difference is a
-capture's fault). And loop.mode=async's partial rollouts with R3: a request stopped mid-way keeps the rows recorded
+The `[gpu]` lines carry the figures for docs/routing.md. Two greedy calls, one per capture, give the same rows
+where their samples hold the same tokens (up to 1% of rows, for near-ties the two calls' kernels may flip). And loop.mode=async's partial rollouts with R3: a request stopped mid-way keeps the rows recorded
 for its tokens (vLLM's: read from its output processor before the abort, colo.rollout.engine_loop.stopped_rows;
 colo's: gathered from the request's blocks before any step can reuse them), its resumed segment gets its own rows
 from its last kept token on, and the two together are the rows of the whole sample; the trainer replays them.
@@ -95,10 +94,14 @@ def test_routing_mismatch_and_gap_with_and_without_r3(pair, capture: str) -> Non
 
 def test_colo_capture_gives_vllms_rows(pair) -> None:
     """The same greedy generation (8 prompts of 64 tokens and 4 of 200, 4 samples each, up to 48 new tokens: prefill
-    and CUDA-graph decode steps), rows from vLLM's capture, then from colo's. Both captures read the same forwards'
-    ids, so where the two calls decode the same tokens every row must be equal. Then colo's again with the prefix
-    cache kept: the prompts' whole blocks are hits, never forwarded again, and their rows are the ones stored with
-    those blocks by the call before: equal to its rows exactly (the rest are recomputed, in other batch shapes)."""
+    and CUDA-graph decode steps), rows from vLLM's capture, then from colo's. Two calls need not decode alike on a GPU
+    (on an H100 one sample of 48 parted at its 14th token: bf16 near-ties and kernels that are not bitwise
+    deterministic), so rows are compared where the two samples hold the same tokens: the prompt and the response up
+    to their first difference, the rows of tokens whose inputs were the same. A capture that wrote rows at the wrong
+    slots, layers or requests differs in most of them (random ids of 128 experts); the two calls' kernels may flip a
+    near-tie in the routing too, so up to 1% of the rows compared may differ. Then colo's again with the prefix cache
+    kept: the prompts' whole blocks are hits, never forwarded again, and their rows are the ones stored with those
+    blocks by the call before: equal to its rows exactly (the rest are recomputed, in other batch shapes)."""
     from colo.rollout.generation import Generation
 
     rng = np.random.default_rng(3)
@@ -108,15 +111,22 @@ def test_colo_capture_gives_vllms_rows(pair) -> None:
     for capture in ("vllm", "colo"):
         ray.get(pair["engine"].use.remote(capture))
         got[capture] = ray.get(pair["engine"].generate.remote(g))[0].unpack()
+    compared = differing = parted = 0
     for i, (v, c) in enumerate(zip(got["vllm"], got["colo"])):
-        assert v.response_ids == c.response_ids, f"sample {i}: the two calls decoded differently (not a capture fault)"
         assert c.routing is not None and c.routed_from == 0
-        assert c.routing.dtype == v.routing.dtype == np.uint8 and c.routing.shape == v.routing.shape, (
+        rows = len(c.prompt_ids) + len(c.response_ids) - 1  # every token's but the last
+        assert c.routing.dtype == v.routing.dtype == np.uint8 and c.routing.shape == (rows, 2, 8), (
             i, c.routing.shape, v.routing.shape)
-        differ = np.flatnonzero((c.routing != v.routing).any(axis=(1, 2)))
-        assert differ.size == 0, f"sample {i}: rows {differ.tolist()[:10]} of {len(c.routing)} differ"
-    print(f"[gpu] routing capture: colo's rows equal vLLM's for all {len(got['colo'])} samples, "
-          f"{sum(len(s.routing) for s in got['colo'])} rows")
+        same = next((t for t, (a, b) in enumerate(zip(v.response_ids, c.response_ids)) if a != b),
+                    min(len(v.response_ids), len(c.response_ids)))
+        parted += same < max(len(v.response_ids), len(c.response_ids))
+        n = min(len(c.prompt_ids) + same, rows, len(v.routing))  # rows of tokens both calls forwarded alike
+        compared += n
+        differing += int((c.routing[:n] != v.routing[:n]).any(axis=(1, 2)).sum())
+    print(f"[gpu] routing capture: colo's rows against vLLM's where the samples agree: {differing} of {compared} "
+          f"rows differ ({len(got['colo'])} samples, {parted} parted between the calls)")
+    assert compared > 0.5 * sum(len(s.routing) for s in got["colo"])
+    assert differing <= 0.01 * compared, f"{differing} of {compared} rows differ: a capture fault"
     cached = ray.get(pair["engine"].generate.remote(g))[0].unpack()  # colo's, the prefix cache as the call left it
     whole_blocks = 32  # of each 64-token prompt: whole blocks of 16 or 32 tokens, short of its last token
     for i, (c, h) in enumerate(zip(got["colo"], cached)):
