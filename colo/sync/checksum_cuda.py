@@ -54,7 +54,8 @@ def _copy_sum(src_base, dst_base, table, n_pieces, sums, COPY: tl.constexpr, BIT
             h = h ^ (h >> 15)
             w = (h * k2) | 1
             acc += tl.where(m, b * w, 0).to(tl.int64)
-        tl.atomic_add(sums + slot, tl.sum(acc, axis=0))
+        if pid * BLOCK < n:  # only programs that summed a block of this piece: a small piece's add is one, not
+            tl.atomic_add(sums + slot, tl.sum(acc, axis=0))  # one per program on one address
 
 
 BLOCK = 1024  # elements per program per loop step
