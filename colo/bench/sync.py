@@ -225,12 +225,14 @@ def vllm_ipc_rounds(trainers: list, engines: list, reps: int, seed: int) -> dict
 
 def checksum_rounds(trainers: list, engines: list, reps: int, colocated: bool) -> dict:
     """Ours with sync.digest off and on, alternating in ABBA order so a drift hits both; per adjacent pair the ratio
-    on / off of the wall times (colo.bench.spread). Every sync must verify; the "on" ones compare every checksum."""
+    on / off of the wall times (colo.bench.spread), and each phase's median both ways. Every sync must verify; the
+    "on" ones compare every checksum."""
     import ray
 
     from colo.bench.spread import spread
 
     times: dict[bool, list[float]] = {False: [], True: []}
+    phases: dict[bool, dict[str, list[float]]] = {False: {k: [] for k in PHASES}, True: {k: [] for k in PHASES}}
     ratios, order = [], [False, True, True, False]
     try:
         for i in range(2 * max(2, reps)):
@@ -240,12 +242,17 @@ def checksum_rounds(trainers: list, engines: list, reps: int, colocated: bool) -
             if not r["verified"]:
                 raise RuntimeError(f"a sync with sync.digest={on} did not verify: {r['errors'][:3]}")
             times[on].append(r["seconds"])
+            for k in PHASES:
+                phases[on][k].append(r[k])
             if i % 2 == 1:  # a pair: (off, on) or (on, off)
                 ratios.append(times[True][-1] / times[False][-1])
     finally:
         ray.get([t.set_digest.remote(True) for t in trainers])
     return {"off_seconds": statistics.median(times[False]), "on_seconds": statistics.median(times[True]),
-            "ratio": spread(ratios), "pairs": len(ratios), "all_off": times[False], "all_on": times[True]}
+            "ratio": spread(ratios), "pairs": len(ratios), "all_off": times[False], "all_on": times[True],
+            # where the checksum's time goes: each phase's median (max over ranks) without and with it
+            "phases_off": {k: statistics.median(v) for k, v in phases[False].items()},
+            "phases_on": {k: statistics.median(v) for k, v in phases[True].items()}}
 
 
 # -------------------------------------------------------------------------------------------- check

@@ -56,4 +56,6 @@ def test_tiny_two_ranks_check_json(tmp_path) -> None:
     c = r["checksum"]
     assert len(c["all_off"]) == len(c["all_on"]) == 4 and c["pairs"] == 4
     assert c["ratio"]["n"] == 4 and c["ratio"]["min"] <= c["ratio"]["median"] <= c["ratio"]["max"]
+    for side in ("phases_off", "phases_on"):  # where the checksum's time goes, phase by phase
+        assert set(c[side]) == {"gather_s", "pack_s", "load_s", "verify_s"} and all(v > 0 for v in c[side].values())
     assert not list(tmp_path.glob("export-*")), "the --check export must be removed"
