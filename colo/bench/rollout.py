@@ -41,6 +41,9 @@ interleaved per rep, so a drift of the machine hits them alike. The JSON line's 
 plain; `where` holds each toggle's factor (its speed over its reference, so the factors multiply: vs_vllm =
 params x scheduling x engine, params ~ logprobs x detokenize, engine = routing x wake_sleep x rest, where `rest` is
 what no toggle names: the Ray actor hop, vLLM's Ray executor, sleep mode's allocator, the worker extension).
+Each call index has prompts and a long tail of its own (both sides get the same), so best calls of the two sides can
+be calls of different length: `vs_vllm_per_call` pairs them, the ratio of each call index's throughputs, with its
+median and spread (colo.bench.spread).
 
 Arguments are parsed before torch/Ray/vLLM are imported, so --help answers at once.
 """
@@ -419,11 +422,16 @@ def throughput(cell: dict) -> dict:
     return cell["vllm"]["plain"] if "vllm" in cell else cell["colocated"]["colo"]
 
 
+def per_call(a: dict, b: dict) -> dict:
+    """A over B per call index (the same requests on both sides): the median and spread of the paired ratios."""
+    from colo.bench.spread import spread
+
+    return spread(x / y for x, y in zip(a["all_tokens_per_s"], b["all_tokens_per_s"]))
+
+
 def compare_grid(args: argparse.Namespace, argv: list[str]) -> dict:
     """--compare: the phases at every combination of the compared values (module docstring), and per key A over B."""
     import itertools
-
-    from colo.bench.spread import spread
 
     keys = list(args.compare)
     cells = []
@@ -442,7 +450,7 @@ def compare_grid(args: argparse.Namespace, argv: list[str]) -> dict:
             ratios.setdefault(key, []).append({
                 "at": {k: v for k, v in ca["settings"].items() if k != key},
                 "ratio": ta["tokens_per_s"] / tb["tokens_per_s"],
-                "per_rep": spread(x / y for x, y in zip(ta["all_tokens_per_s"], tb["all_tokens_per_s"]))})
+                "per_rep": per_call(ta, tb)})
     return {"cells": cells, "compare": ratios}
 
 
@@ -474,6 +482,7 @@ def main(argv: list[str] | None = None) -> int:
     if "colocated" in got and "vllm" in got:
         result["vs_vllm"] = got["colocated"]["colo"]["tokens_per_s"] / got["vllm"]["plain"]["tokens_per_s"]
         result["where"] = where(got["vllm"], got["colocated"])
+        result["vs_vllm_per_call"] = per_call(got["colocated"]["colo"], got["vllm"]["plain"])
     if "colocated" in got and "standalone" in got:
         result["vs_standalone"] = got["colocated"]["colo"]["tokens_per_s"] / got["standalone"]["colo"]["tokens_per_s"]
     if args.json:
@@ -488,6 +497,10 @@ def main(argv: list[str] | None = None) -> int:
         for k in ("vs_vllm", "vs_standalone"):
             if k in result:
                 print(f"{k}: {result[k]:.3f}", flush=True)
+        if "vs_vllm_per_call" in result:
+            q = result["vs_vllm_per_call"]
+            print(f"vs_vllm per call: median {q['median']:.3f} ({q['min']:.3f}-{q['max']:.3f}, {q['n']} calls)",
+                  flush=True)
         for k, v in result.get("where", {}).items():
             print(f"  {k:<11} x{v:.3f}", flush=True)
     return 0
