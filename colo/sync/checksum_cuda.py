@@ -91,11 +91,6 @@ def launch(pending: list[tuple[torch.Tensor, torch.Tensor | None, int, int]], su
         at += len(rows)
 
 
-def _launch_group(rows: list, sums: torch.Tensor, aligned: bool, programs: int) -> None:
-    """One group's launch with a table of its own (what launch() does per group, for the tests)."""
-    _run(rows, _to_device(torch.from_numpy(_table(rows)), sums.device), sums, aligned, programs)
-
-
 def _table(rows: list) -> np.ndarray:
     """(P, 5) int64 per piece: source and destination element offsets from the group's first tensors, elements,
     the checksum's position of the first element, the total's slot."""

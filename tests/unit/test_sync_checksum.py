@@ -98,8 +98,9 @@ KERNEL = textwrap.dedent("""
     buf = torch.zeros(6000, dtype=torch.bfloat16)
     sums = torch.zeros(4, dtype=torch.int64)
     # a vectorized group (16-byte starts) and an unaligned one, several pieces per launch, two destinations
-    K._launch_group([(buf[8:1008], src[0:1000], 0, 1), (buf[1016:5016], src[1000:5000], 1000, 1)], sums, True, 3)
-    K._launch_group([(buf[5017:5021], src[3:7], 7, 2)], sums, False, 3)
+    K.launch([(buf[8:1008], src[0:1000], 0, 1), (buf[1016:5016], src[1000:5000], 1000, 1),
+              (buf[5017:5021], src[3:7], 7, 2)], sums)
+    assert K._vectorizable(buf[8:1008], src[0:1000]) and not K._vectorizable(buf[5017:5021], src[3:7])
     assert torch.equal(buf[8:1008], src[:1000]) and torch.equal(buf[1016:5016], src[1000:])
     assert torch.equal(buf[5017:5021], src[3:7])
     assert int(sums[1]) & C.MASK64 == C.checksum(src, 0)
@@ -117,7 +118,7 @@ KERNEL = textwrap.dedent("""
         out, s = torch.zeros(n, dtype=dt), torch.zeros(1, dtype=torch.int64)
         vec = K._vectorizable(out, x)  # VEC's contract: 16-byte starts, whole vectors (3,001 elements are not)
         assert vec == (n % (16 // x.element_size()) == 0), dt
-        K._launch_group([(out, x, 11, 0)], s, vec, 2)
+        K.launch([(out, x, 11, 0)], s)
         assert torch.equal(out.view(torch.uint8), x.view(torch.uint8)), dt
         assert int(s[0]) & C.MASK64 == C.checksum(x, 11), dt
     print("kernel ok")
