@@ -15,26 +15,29 @@ import triton.language as tl
 
 @triton.jit
 def _copy_sum(src_base, dst_base, table, n_pieces, sums, COPY: tl.constexpr, BITS: tl.constexpr,
-              VEC: tl.constexpr, BLOCK: tl.constexpr):
+              VEC: tl.constexpr, WORDS: tl.constexpr, BLOCK: tl.constexpr):
     # table: (n_pieces, 5) int64: source element offset from src_base, destination element offset from
     # dst_base, elements, the destination index of the first element (the checksum's position), slot
-    # Index arithmetic in 32 bits: the position mix is mod 2^32 anyway, and a block's lanes and remaining count fit;
-    # only the pointers and the sum are 64-bit. Vectorized (VEC > 1: the host guarantees every offset and count of the
-    # launch is a multiple of VEC), the offsets and the mask are known to move in runs of VEC elements, so each thread
-    # loads and stores 16 bytes at once; without the hints a 2-byte load stayed 2 bytes wide (the mask's runs unknown).
+    # Index arithmetic in 32 bits where it can be: the mix is mod 2^32 anyway, and a block's lanes and remaining count
+    # fit; the pointers and the piece's first word are 64-bit. Vectorized (VEC > 1: the host guarantees every offset
+    # and count of the launch is a multiple of VEC), the offsets and the mask are known to move in runs of VEC
+    # elements, so each thread loads and stores 16 bytes at once; without the hints a 2-byte load stayed 2 bytes wide.
+    # WORDS (every piece of the launch starts on a word of its destination): a block's R = 32 / BITS neighbours are
+    # one word, assembled in registers, and the mix runs once per word; else once per element, at its word and shift.
+    R: tl.constexpr = 32 // BITS
+    W: tl.constexpr = BLOCK // R if WORDS else BLOCK  # terms per loop step
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     lane = tl.arange(0, BLOCK)
-    ulane = lane.to(tl.uint32)
-    k1 = tl.full([BLOCK], 0x9E3779B1, tl.uint32)
-    k2 = tl.full([BLOCK], 0x85EBCA77, tl.uint32)
+    k1 = tl.full([W], 0x9E3779B1, tl.uint32)
+    k2 = tl.full([W], 0x85EBCA77, tl.uint32)
     for p in range(n_pieces):
         so = tl.load(table + p * 5)
         do = tl.load(table + p * 5 + 1)
         n = tl.load(table + p * 5 + 2)
         pos = tl.load(table + p * 5 + 3)
         slot = tl.load(table + p * 5 + 4)
-        acc = tl.zeros([BLOCK], tl.int64)
+        acc = tl.zeros([W], tl.uint32)
         for start in range(pid * BLOCK, n, nprog * BLOCK):
             m = lane < tl.multiple_of(tl.minimum(n - start, BLOCK).to(tl.int32), VEC)
             d = dst_base + tl.multiple_of(do + start, VEC) + lane
@@ -45,17 +48,27 @@ def _copy_sum(src_base, dst_base, table, n_pieces, sums, COPY: tl.constexpr, BIT
             else:
                 y = tl.load(d, mask=m)
             if BITS == 8:
-                b = y.to(tl.int8, bitcast=True).to(tl.int32).to(tl.uint32, bitcast=True)
+                b = y.to(tl.int8, bitcast=True).to(tl.uint8, bitcast=True).to(tl.uint32)  # e4m3 casts only to int8
             elif BITS == 16:
-                b = y.to(tl.int16, bitcast=True).to(tl.int32).to(tl.uint32, bitcast=True)
+                b = y.to(tl.uint16, bitcast=True).to(tl.uint32)
             else:
                 b = y.to(tl.uint32, bitcast=True)
-            h = ((pos + start).to(tl.uint32) + ulane) * k1  # uint32 products wrap: mod 2^32, as the torch path's
+            b = tl.where(m, b, 0)  # a partial last word is zero-padded (an e4m3 load takes no `other`)
+            first = pos + start  # the block's first element in its destination
+            if WORDS:
+                if R > 1:
+                    shift = (tl.arange(0, R) * BITS).to(tl.uint32)
+                    b = tl.sum(tl.reshape(b, [BLOCK // R, R]) << shift[None, :], axis=1)  # disjoint bits: an or
+                j = (first // R).to(tl.uint32) + tl.arange(0, BLOCK // R).to(tl.uint32)
+            else:
+                t = (first % R).to(tl.int32) + lane  # the lane's element, counted from the word of `first`
+                b = b << ((t % R) * BITS).to(tl.uint32)
+                j = (first // R).to(tl.uint32) + (t // R).to(tl.uint32)
+            h = j * k1  # uint32 products wrap: mod 2^32, as the torch path's
             h = h ^ (h >> 15)
-            w = (h * k2) | 1
-            acc += tl.where(m, b * w, 0).to(tl.int64)
+            acc += b * ((h * k2) | 1)
         if pid * BLOCK < n:  # only programs that summed a block of this piece: a small piece's add is one, not
-            tl.atomic_add(sums + slot, tl.sum(acc, axis=0))  # one per program on one address
+            tl.atomic_add(sums + slot, tl.sum(acc, axis=0).to(tl.int64))  # one per program on one address
 
 
 BLOCK = 1024  # elements per program per loop step
@@ -74,20 +87,21 @@ def _programs(device: torch.device) -> int:
 
 
 def launch(pending: list[tuple[torch.Tensor, torch.Tensor | None, int, int]], sums: torch.Tensor) -> None:
-    """The pending pieces, one launch per (source dtype, destination dtype, copy or sum only, vectorizable) group; a
-    piece without a source is summed where it lies. Addresses are element offsets from the group's first tensors
-    (one flat address space), so a launch takes any number of tensors; where every address is 16-byte aligned and
-    every count a multiple of 16 bytes' elements, the kernel is told so and vectorizes. The groups' tables travel
-    in one pinned host-to-device copy, and nothing here waits for the device: a flush costs the host a table."""
+    """The pending pieces, one launch per (source dtype, destination dtype, copy or sum only, vectorizable, starts on a
+    word) group; a piece without a source is summed where it lies. Addresses are element offsets from the group's
+    first tensors (one flat address space), so a launch takes any number of tensors; where every address is 16-byte
+    aligned and every count a multiple of 16 bytes' elements, the kernel is told so and vectorizes. The groups'
+    tables travel in one pinned host-to-device copy, and nothing here waits for the device: a flush costs the host a table."""
     groups: dict[tuple, list] = {}
     for dst, src, pos, slot in pending:
-        key = (None if src is None else src.dtype, dst.dtype, _vectorizable(dst, *([] if src is None else [src])))
+        key = (None if src is None else src.dtype, dst.dtype, _vectorizable(dst, *([] if src is None else [src])),
+               pos % (4 // dst.element_size()) == 0)
         groups.setdefault(key, []).append((dst, src, pos, slot))
     tables = np.concatenate([_table(rows) for rows in groups.values()])
     table = _to_device(torch.from_numpy(tables), sums.device)
     at, programs = 0, _programs(sums.device)
-    for (_, _, aligned), rows in groups.items():
-        _run(rows, table[at: at + len(rows)], sums, aligned, programs)
+    for (_, _, aligned, words), rows in groups.items():
+        _run(rows, table[at: at + len(rows)], sums, aligned, words, programs)
         at += len(rows)
 
 
@@ -113,14 +127,14 @@ def _to_device(table: torch.Tensor, device: torch.device) -> torch.Tensor:
     return table.pin_memory().to(device, non_blocking=True)  # torch's pinned cache keeps the host copy till done
 
 
-def _run(rows: list, table: torch.Tensor, sums: torch.Tensor, aligned: bool, programs: int) -> None:
+def _run(rows: list, table: torch.Tensor, sums: torch.Tensor, aligned: bool, words: bool, programs: int) -> None:
     dst0, src0 = rows[0][0], rows[0][1]
     copy = src0 is not None
     src0 = src0 if copy else dst0
     ds, ss = dst0.element_size(), src0.element_size()
     vec = max(1, 16 // max(ds, ss)) if aligned else 1
-    _copy_sum[(programs,)](src0, dst0, table, len(rows), sums, COPY=copy, BITS=8 * ds, VEC=vec, BLOCK=BLOCK,
-                           num_warps=WARPS)
+    _copy_sum[(programs,)](src0, dst0, table, len(rows), sums, COPY=copy, BITS=8 * ds, VEC=vec, WORDS=words,
+                           BLOCK=BLOCK, num_warps=WARPS)
 
 
 def _vectorizable(*tensors: torch.Tensor) -> bool:

@@ -20,11 +20,12 @@ One Triton program per 128 x 128 block (strided over the grid): load the block, 
 take its amax, write the block's scale into `scales`, then write the e4m3 bytes of the block's elements that lie in
 the run [start, start + n) (a run starts and ends anywhere: the plan splits a tensor over buckets at 16-byte
 boundaries, and a block cut in two is quantized whole by both runs, each writing its own bytes) and add their
-checksum terms (colo.sync.checksum's, of the byte sign-extended) to the total. The scales then travel as the plan's
-`<name>_scale_inv` pieces, copied out of `scales` by the ordinary packing copy (4 bytes per 16,384 elements): the
-sender launches every run of a tensor before its scale pieces (Sender.pack walks the plan in order; the plan puts a
-tensor's scale after it, colo.sync.fp8.Fp8Plan.shapes), so stream order makes the copy read finished scales, and
-`uncovered_scales` checks at plan time that the runs touch every block whose scale a piece sends.
+checksum terms (colo.sync.checksum's: each byte shifted to its place in its 32-bit word, times the word's mix) to
+the total. The scales then travel as the plan's `<name>_scale_inv` pieces, copied out of `scales` by the ordinary
+packing copy (4 bytes per 16,384 elements): the sender launches every run of a tensor before its scale pieces
+(Sender.pack walks the plan in order; the plan puts a tensor's scale after it, colo.sync.fp8.Fp8Plan.shapes), so
+stream order makes the copy read finished scales, and `uncovered_scales` checks at plan time that the runs touch
+every block whose scale a piece sends.
 
 Bit for bit quantize_blocks on the same device (tests/unit/test_sync_fp8_pack.py under Triton's interpreter against
 the CPU torch path; tests/gpu/test_fp8_gpu.py against the CUDA one):
@@ -77,7 +78,7 @@ def _kernel():
         c = tl.arange(0, B)[None, :]  # (1, B)
         k1 = tl.full([B, B], 0x9E3779B1, tl.uint32)  # colo.sync.checksum's index mix
         k2 = tl.full([B, B], 0x85EBCA77, tl.uint32)
-        acc = tl.zeros([B], tl.int64)
+        acc = tl.zeros([B], tl.uint32)
         for blk in range(pid, blocks, nprog):
             gb = gb0 + blk // kb
             bj = blk % kb
@@ -110,13 +111,14 @@ def _kernel():
             run = inb & (off >= lo) & (off < lo + n)
             tl.store(out + (off - lo), code.to(tl.uint8), mask=run)
             if SUM:
-                b = ((code ^ 0x80) - 0x80).to(tl.uint32, bitcast=True)  # the byte sign-extended, as the checksum
-                h = ((pos - lo).to(tl.uint32) + off.to(tl.uint32)) * k1  # position in the destination, mod 2^32
+                i = (pos - lo) + off.to(tl.int64)  # the byte's index in the destination: its word and place
+                b = (code & 0xFF).to(tl.uint32, bitcast=True) << ((i & 3) * 8).to(tl.uint32)
+                h = (i >> 2).to(tl.uint32) * k1  # the word's mix, mod 2^32
                 h = h ^ (h >> 15)
                 w = (h * k2) | 1
-                acc += tl.sum(tl.where(run, (b * w).to(tl.int64), 0), axis=1)
+                acc += tl.sum(tl.where(run, b * w, 0), axis=1)
         if SUM:
-            tl.atomic_add(sums + slot, tl.sum(acc, axis=0))
+            tl.atomic_add(sums + slot, tl.sum(acc, axis=0).to(tl.int64))
 
     _KERNELS["quant_pack"] = _quant_pack
     return _quant_pack

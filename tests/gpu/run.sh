@@ -136,11 +136,13 @@ want ipc && step pytest-ipc 90 "$PY" -m pytest tests/gpu/test_ipc_alloc.py -x -q
 want dpep && step pytest-dpep 240 "$PY" -m pytest tests/gpu/test_dpep.py -x -q -s -p no:cacheprovider
 want routing && step pytest-routing 540 "$PY" -m pytest tests/gpu/test_routing_gpu.py -x -q -s -p no:cacheprovider
 want lora && step pytest-lora 300 "$PY" -m pytest tests/gpu/test_lora_gpu.py -x -q -s -p no:cacheprovider
-# checksum = the sync's checksum kernel (tests/gpu/test_checksum_gpu.py: exactness, its cost against copy_), then
-# colo.bench.sync --checksum-ratio on CHECKSUM_ARGS (default the L4 slice, one GPU): syncs without and with it
-# (only when named; the whole model: CHECKSUM_ARGS="--preset qwen3-30b-a3b --ranks 4" on 4 GPUs)
+# checksum = the sync's checksum kernel (tests/gpu/test_checksum_gpu.py: exactness, its cost against copy_;
+# tools.experiments.checksum_kernel: against the per-element kernel it replaced, same run), then colo.bench.sync
+# --checksum-ratio on CHECKSUM_ARGS (default the L4 slice, one GPU): syncs without and with it (only when named; the
+# whole model: CHECKSUM_ARGS="--preset qwen3-30b-a3b --ranks 4" on 4 GPUs)
 want checksum && step checksum 540 bash -c "'$PY' -m pytest --noconftest tests/gpu/test_checksum_gpu.py -q -s \
-    -p no:cacheprovider && COLO_VLLM_GPU_FRACTION=\${COLO_VLLM_GPU_FRACTION:-0.3} '$PY' -m colo.bench.sync \
+    -p no:cacheprovider && '$PY' -m tools.experiments.checksum_kernel \
+    && COLO_VLLM_GPU_FRACTION=\${COLO_VLLM_GPU_FRACTION:-0.3} '$PY' -m colo.bench.sync \
     ${CHECKSUM_ARGS:---preset qwen3-30b-a3b-L4 --ranks 1} --device cuda --reps 6 --checksum-ratio --no-vllm-ipc --json \
     | tail -n 1 > '$OUT/checksum.json'"
 # layers = the functional check on GPU (tests/gpu/test_layercheck_gpu.py: its noise on the tiny and L4 models, a

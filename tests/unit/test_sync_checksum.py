@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from colo.sync.checksum import MASK64, CopySums, checksum, combine, compare
+from colo.sync.checksum import MASK, CopySums, checksum, combine, compare
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -26,17 +26,33 @@ def _bf16(n: int, seed: int = 0) -> torch.Tensor:
 def test_pieces_in_any_order_add_up_to_the_whole() -> None:
     t = _bf16(1000)
     whole = checksum(t)
-    assert 0 <= whole <= MASK64
+    assert 0 <= whole <= MASK
     assert combine(checksum(t[300:], 300), checksum(t[:300], 0)) == whole
+    assert combine(checksum(t[301:], 301), checksum(t[:301], 0)) == whole  # a split inside a 32-bit word
+    e = torch.randn(1003).to(torch.float8_e4m3fn)  # 1-byte elements: splits at every place in a word
+    assert {combine(checksum(e[:k], 0), checksum(e[k:k + 5], k), checksum(e[k + 5:], k + 5))
+            for k in range(1, 9)} == {checksum(e)}
     sums = CopySums("cpu")
     for a, b in ((700, 1000), (0, 300), (300, 700)):  # the receiver sees buckets in any order
         sums.add(t[a:b], "x", a)
     assert compare({"x": whole}, sums.totals()) == []
 
 
+def test_a_tensor_sums_as_its_bytes_read_as_32_bit_words() -> None:
+    """The definition (module doc): the destination's bytes as little-endian words, whatever the element type."""
+    t = _bf16(1000)
+    assert checksum(t) == checksum(t.view(torch.int32)) == checksum(t.view(torch.float32))
+    assert checksum(t[:998], 0) == checksum(t[:998].view(torch.int32), 0)
+    assert checksum(t[2:], 2) == checksum(t[2:].view(torch.int32), 1)  # element 2 of bf16 is word 1
+    assert checksum(t.view(torch.int64)) == checksum(t)  # 8-byte elements: two words each
+    assert checksum(t[:999]) == checksum(torch.cat([t[:999], t.new_zeros(1)]))  # a partial last word, zero-padded
+    odd = t[1:]  # a piece whose start is not 4-byte aligned in its storage
+    assert checksum(odd, 1) == checksum(odd.clone(), 1) and checksum(odd, 1) != checksum(odd, 0)
+
+
 def test_every_single_changed_element_is_seen() -> None:
     """One element's bit pattern changed in any bit, at any position: always a different checksum (the weight of a
-    position is odd, so the product of a nonzero change and it is nonzero mod 2^32)."""
+    word is odd, and the change, shifted into its word, is nonzero below 2^32)."""
     t = _bf16(257)
     whole = checksum(t)
     bits = t.view(torch.int16)
@@ -50,6 +66,14 @@ def test_every_single_changed_element_is_seen() -> None:
         bad = f.view(torch.int32).clone()
         bad[5] ^= (1 << bit) if bit < 31 else -(1 << 31)
         assert checksum(bad.view(torch.float32)) != checksum(f), bit
+    e = torch.randn(64).to(torch.float8_e4m3fn)
+    for pos in range(4):  # each place in a word, every bit of a byte
+        for bit in range(8):
+            bad = e.view(torch.uint8).clone()
+            bad[8 + pos] ^= 1 << bit
+            assert checksum(bad.view(torch.float8_e4m3fn)) != checksum(e), (pos, bit)
+    pair = _bf16(2).view(torch.int16)  # two elements of one word swapped
+    assert checksum(pair.flip(0)) != checksum(pair) or pair[0] == pair[1]
 
 
 def test_rows_in_the_wrong_place_are_seen() -> None:
@@ -84,8 +108,8 @@ def test_copy_sums_copies_and_sums_what_it_wrote() -> None:
     got = sums.totals()
     assert torch.equal(dst[100:600], src.to(torch.bfloat16))
     assert got == {"w": checksum(src.to(torch.bfloat16), 100), "pad": 0}
-    assert compare(got, {"w": got["w"] ^ 1, "pad": 0}) == [f"w: bytes differ (checksum sent {got['w']:#018x}, "
-                                                          f"written {got['w'] ^ 1:#018x})"]
+    assert compare(got, {"w": got["w"] ^ 1, "pad": 0}) == [f"w: bytes differ (checksum sent {got['w']:#010x}, "
+                                                          f"written {got['w'] ^ 1:#010x})"]
     assert compare(got, {"w": got["w"]}) == ["pad: checksum only on the sender side"]
 
 
@@ -103,24 +127,29 @@ KERNEL = textwrap.dedent("""
     assert K._vectorizable(buf[8:1008], src[0:1000]) and not K._vectorizable(buf[5017:5021], src[3:7])
     assert torch.equal(buf[8:1008], src[:1000]) and torch.equal(buf[1016:5016], src[1000:])
     assert torch.equal(buf[5017:5021], src[3:7])
-    assert int(sums[1]) & C.MASK64 == C.checksum(src, 0)
-    assert int(sums[2]) & C.MASK64 == C.checksum(src[3:7], 7)
+    assert int(sums[1]) & C.MASK == C.checksum(src, 0)
+    assert int(sums[2]) & C.MASK == C.checksum(src[3:7], 7)
     # a flush's mix: copies and pieces summed where they lie (no source), aligned or not, groups in one table
     tot = torch.zeros(3, dtype=torch.int64)
     K.launch([(buf[8:1008], None, 0, 0), (buf[1016:5016], src[1000:5000], 1000, 0), (buf[5017:5021], None, 7, 1),
               (buf[5024:5056], src[100:132].float(), 2, 2)], tot)
     assert torch.equal(buf[1016:5016], src[1000:]) and torch.equal(buf[5024:5056], src[100:132])
-    assert int(tot[0]) & C.MASK64 == C.checksum(src, 0)
-    assert int(tot[1]) & C.MASK64 == C.checksum(src[3:7], 7)
-    assert int(tot[2]) & C.MASK64 == C.checksum(src[100:132], 2)
+    assert int(tot[0]) & C.MASK == C.checksum(src, 0)
+    assert int(tot[1]) & C.MASK == C.checksum(src[3:7], 7)
+    assert int(tot[2]) & C.MASK == C.checksum(src[100:132], 2)
     for dt, n in ((torch.float32, 3001), (torch.float8_e4m3fn, 3001), (torch.bfloat16, 20_000)):
         x = torch.randn(n, generator=g).to(dt)  # 20,000: more whole blocks than programs, then a partial one
         out, s = torch.zeros(n, dtype=dt), torch.zeros(1, dtype=torch.int64)
         vec = K._vectorizable(out, x)  # VEC's contract: 16-byte starts, whole vectors (3,001 elements are not)
         assert vec == (n % (16 // x.element_size()) == 0), dt
-        K.launch([(out, x, 11, 0)], s)
-        assert torch.equal(out.view(torch.uint8), x.view(torch.uint8)), dt
-        assert int(s[0]) & C.MASK64 == C.checksum(x, 11), dt
+        for pos in (11, 12):  # a start inside a word (a term per element) and on one (per word, a partial last)
+            s.zero_()
+            K.launch([(out, x, pos, 0)], s)
+            assert torch.equal(out.view(torch.uint8), x.view(torch.uint8)), dt
+            assert int(s[0]) & C.MASK == C.checksum(x, pos), (dt, pos)
+            s.zero_()
+            K.launch([(x, None, pos, 0)], s)
+            assert int(s[0]) & C.MASK == C.checksum(x, pos), (dt, pos, "summed where it lies")
     print("kernel ok")
 """)
 
@@ -128,7 +157,8 @@ KERNEL = textwrap.dedent("""
 def test_the_cuda_kernel_computes_the_torch_checksum() -> None:
     """colo.sync.checksum's Triton kernel, run by Triton's CPU interpreter (TRITON_INTERPRET=1, set before Triton is
     imported: a process of its own): the copies are exact and the sums equal the torch path's for bf16, float32 and
-    e4m3 pieces, batched and unaligned, copied or summed where they lie. Casts inside the kernel (float32 -> bf16) need a GPU's rounding:
+    e4m3 pieces, batched and unaligned, starting on a word or inside one, copied or summed where they lie. Casts
+    inside the kernel (float32 -> bf16) need a GPU's rounding:
     tests/gpu/test_checksum_gpu.py."""
     pytest.importorskip("triton")
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}

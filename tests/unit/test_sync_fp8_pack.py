@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 KERNEL = textwrap.dedent("""
     import torch
-    from colo.sync.checksum import MASK64, checksum
+    from colo.sync.checksum import MASK, checksum
     from colo.sync.fp8 import BLOCK, quantize_blocks, scale_shape
     from colo.sync.fp8_pack import quantize_pack
 
@@ -64,7 +64,7 @@ KERNEL = textwrap.dedent("""
         sums = torch.zeros(3, dtype=torch.int64) if summed else None
         for a, b in runs:
             quantize_pack(w, a, b - a, out[a:b], scales, via, sums, 2, 5 + a, recip=recip, programs=3)
-        return out, scales, (int(sums[2]) & MASK64 if summed else None)
+        return out, scales, (int(sums[2]) & MASK if summed else None)
 
     def cuts(numel, seed):
         r = torch.Generator().manual_seed(seed)
