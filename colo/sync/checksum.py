@@ -22,9 +22,9 @@ w(floor(i*s / 4)); an 8-byte element is two words, its low half first. Why this 
 
 On CUDA the copy and the checksum are one Triton kernel (colo.sync.checksum_cuda): the bytes are read once, as the
 copy reads them anyway, and the pieces of one batch (a bucket's run from one source group) go in one launch from a
-small table, so a sync of hundreds of pieces costs a few dozen launches. On CPU plain torch: the copy, then the checksum
-of what was written. Both compute the same integers (tests/unit/test_sync_checksum.py; tests/gpu/test_checksum_gpu.py
-on CUDA).
+small table (a batch also launches on its own past FLUSH_BYTES), so a sync of hundreds of pieces costs a few dozen
+launches. On CPU plain torch: the copy, then the checksum of what was written. Both compute the same integers
+(tests/unit/test_sync_checksum.py; tests/gpu/test_checksum_gpu.py on CUDA).
 """
 from __future__ import annotations
 
@@ -34,6 +34,10 @@ MASK = 0xFFFFFFFF  # totals are mod 2^32
 K1, K2 = 0x9E3779B1, 0x85EBCA77  # odd multipliers of the index mix (golden ratio, murmur3's fmix32)
 CHUNK = 1 << 22  # words per torch step: int64 temporaries of a 3 GB expert tensor at once would need ~25 GB
 _INT = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+# CopySums (CUDA) flushes on its own once its pending pieces hold this many destination bytes: the GPU starts on a
+# bucket's first pieces while the host prepares the rest (~1 ms of host work per 1 GB bucket otherwise left the GPU
+# idle). A launch and its table cost the host ~50-100 us, so batches stay large: a few launches per bucket.
+FLUSH_BYTES = 256 << 20
 
 
 def mix(j: torch.Tensor) -> torch.Tensor:
@@ -109,8 +113,8 @@ def combine(*parts: int) -> int:
 
 class CopySums:
     """Per-destination checksum totals of one side of one sync. On CUDA (with Triton) copies and sums are batched
-    until flush(); a caller must flush before the sources or the summed values may change, or the destinations are
-    read by someone else."""
+    until flush(), and flush on their own once the batch holds FLUSH_BYTES of destination bytes; a caller must still
+    flush before the sources or the summed values may change, or the destinations are read by someone else."""
 
     def __init__(self, device: torch.device | str) -> None:
         self.device = torch.device(device)
@@ -119,6 +123,7 @@ class CopySums:
         self.fused = self.device.type == "cuda" and _triton_available()
         self.sums = torch.zeros(0, dtype=torch.int64, device=self.device)  # (slots,) CUDA path
         self.pending: list[tuple[torch.Tensor, torch.Tensor | None, int, int]] = []  # (dst, src, dst_offset, slot)
+        self.pending_bytes = 0  # destination bytes of `pending`: past FLUSH_BYTES it flushes on its own
 
     def _slot(self, name: str) -> int:
         slot = self.slots.setdefault(name, len(self.slots))
@@ -134,6 +139,7 @@ class CopySums:
         if self.fused and dst.is_contiguous() and src.is_contiguous() and dst.element_size() in (1, 2, 4) \
                 and src.element_size() in (1, 2, 4):
             self.pending.append((dst, src.reshape(-1), int(dst_offset), slot))
+            self._pending(dst)
             return
         dst.copy_(src)
         self.add(dst, name, dst_offset)
@@ -143,8 +149,15 @@ class CopySums:
         slot = self._slot(name)
         if self.fused and values.is_contiguous() and values.element_size() in (1, 2, 4):
             self.pending.append((values.reshape(-1), None, int(dst_offset), slot))  # summed in place at flush()
+            self._pending(values)
             return
         self.host[name] = combine(self.host.get(name, 0), checksum(values, dst_offset))
+
+    def _pending(self, dst: torch.Tensor) -> None:
+        """Count a batched piece's destination bytes; past FLUSH_BYTES launch the batch now (the GPU starts on it)."""
+        self.pending_bytes += dst.numel() * dst.element_size()
+        if self.pending_bytes >= FLUSH_BYTES:
+            self.flush()
 
     def device_total(self, name: str) -> tuple[torch.Tensor, int]:
         """(the device tensor of totals, `name`'s slot in it), for a kernel that adds its own terms
@@ -164,6 +177,7 @@ class CopySums:
         if self.pending:
             _launch(self.pending, self.sums)
             self.pending = []
+        self.pending_bytes = 0
 
     def totals(self) -> dict[str, int]:
         self.flush()

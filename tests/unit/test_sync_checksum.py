@@ -164,3 +164,56 @@ def test_the_cuda_kernel_computes_the_torch_checksum() -> None:
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
     p = subprocess.run([sys.executable, "-c", KERNEL], env=env, capture_output=True, text=True, timeout=300)
     assert p.returncode == 0 and "kernel ok" in p.stdout, p.stderr[-3000:]
+
+
+AUTO_FLUSH = textwrap.dedent("""
+    import torch
+    from colo.sync import checksum as C
+
+    C.FLUSH_BYTES = 4096  # destination bytes; the pieces below are ~2 KB of bf16
+    launches = []
+    launch = C._launch
+    C._launch = lambda pending, sums: (launches.append(len(pending)), launch(pending, sums))
+    g = torch.Generator().manual_seed(0)
+    src = torch.randn(5000, generator=g).to(torch.bfloat16)
+    vals = torch.randn(80, generator=g).to(torch.bfloat16)
+    dst = torch.zeros(5000, dtype=torch.bfloat16)
+    sums = C.CopySums("cpu")
+    sums.fused = True  # the CUDA path's batching, its kernel run by Triton's interpreter
+    sums.copy(dst[:1000], src[:1000], "w", 0)
+    sums.copy(dst[1000:2000], src[1000:2000].float(), "w", 1000)  # float32 source: counted in the bf16 bytes written
+    assert len(sums.pending) == 2 and sums.pending_bytes == 4000 and launches == []
+    assert int(torch.count_nonzero(dst)) == 0  # below the threshold nothing has run yet
+    sums.copy(dst[2000:3001], src[2000:3001], "w", 2000)  # 6,002 bytes pending: launched on its own
+    assert sums.pending == [] and sums.pending_bytes == 0 and launches == [3]
+    assert torch.equal(dst[:3001], src[:3001])  # written before any explicit flush
+    sums.copy(dst[3001:], src[3001:], "w", 3001)  # 3,998 bytes, starting inside a word: waits
+    assert len(sums.pending) == 1 and int(torch.count_nonzero(dst[3001:])) == 0 and launches == [3]
+    sums.add(vals[:50], "v", 5)  # summed where it lies; 4,098 bytes with the copy: both in one launch
+    assert sums.pending == [] and sums.pending_bytes == 0 and launches == [3, 2]
+    sums.add(vals[50:], "v", 55)
+    assert len(sums.pending) == 1 and sums.pending_bytes == 60
+    sums.flush()  # the caller's flush at a bucket's end still runs what is left
+    assert sums.pending == [] and sums.pending_bytes == 0 and launches == [3, 2, 1]
+    assert torch.equal(dst, src)
+    got = sums.totals()
+    assert got == {"w": C.checksum(dst), "v": C.checksum(vals, 5)}, got
+    assert launches == [3, 2, 1]  # nothing left for totals() to launch
+    cpu = C.CopySums("cpu")  # the CPU path: no batching, the same totals
+    out = torch.zeros(5000, dtype=torch.bfloat16)
+    for a, b in ((0, 1000), (1000, 3001), (3001, 5000)):
+        cpu.copy(out[a:b], src[a:b], "w", a)
+    cpu.add(vals, "v", 5)
+    assert cpu.pending == [] and cpu.pending_bytes == 0 and torch.equal(out, src) and cpu.totals() == got
+    print("auto flush ok")
+""")
+
+
+def test_copy_sums_flushes_on_its_own_past_flush_bytes() -> None:
+    """The fused path (forced on CPU, its kernel in Triton's interpreter: a process of its own, as above) launches its
+    batch once the pending pieces hold FLUSH_BYTES of destination bytes, so a bucket's GPU work overlaps the host's
+    work on its later pieces; the copies are exact and the totals those of what was written, as with one flush."""
+    pytest.importorskip("triton")
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
+    p = subprocess.run([sys.executable, "-c", AUTO_FLUSH], env=env, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0 and "auto flush ok" in p.stdout, p.stderr[-3000:]
