@@ -55,6 +55,27 @@ def pair(tmp_path_factory: pytest.TempPathFactory):
             self.routing = capture
             self._drop_prefix_cache()
 
+        def _rpc(self, method: str, *args):
+            out = super()._rpc(method, *args)
+            if method == "colo_take_routing":  # what colo's capture answered, for the assertion messages
+                self.answered = [(rid, first, want, None if got is None else len(got))
+                                 for (rid, first, want), got in zip(args[0], out)]
+            return out
+
+        def slot_state(self) -> dict:
+            """The last take's first answers (request, first row, rows wanted, rows held) and what TP worker 0's slot
+            capture holds: whether it is bound, its rows written since start, requests kept or taken early."""
+            def state(worker) -> dict:
+                s = getattr(worker.model_runner, "_colo_slots", None)
+                if s is None:
+                    return {"bound": False, "runner": type(worker.model_runner).__module__}
+                from colo.algo.batch import no_expert
+
+                written = int((s.rows[:-1] != no_expert(s.rows.dtype)).any(dim=2).any(dim=1).sum())
+                return {"bound": True, "answers": s.answers, "kept": len(s.kept), "early": len(s.taken_early),
+                        "written": written}
+            return {"answered": getattr(self, "answered", [])[:4], "worker": self.llm.collective_rpc(state)[0]}
+
     model = make_tiny_model(tmp_path_factory.mktemp("colo-gpu") / "l2", "qwen3-30b-a3b-L2", 0)
     cfg = gpu_config(str(model), num_gpus=1, model__dummy_weights=True, placement__vllm_gpu_fraction=0.3,
                      rollout__routing_capture="colo", rollout__enforce_eager=False)  # colo's hooks inside the graphs
@@ -74,6 +95,9 @@ def test_routing_mismatch_and_gap_with_and_without_r3(pair, capture: str) -> Non
     ray.get(pair["engine"].use.remote(capture))
     arrays, _ = ray.get(pair["engine"].generate.remote(Generation.fresh(prompts, 4, 32, 1.0, 1.0, 0, True)))
     samples = arrays.unpack()
+    missing = sum(s.routing is None for s in samples)
+    assert missing == 0, (f"{missing} of {len(samples)} samples without rows from {capture}'s capture",
+                          ray.get(pair["engine"].slot_state.remote()) if capture == "colo" else None)
     for s in samples:
         ids = s.routing
         assert ids.dtype == np.uint8 and ids.shape == (64 + len(s.response_ids) - 1, 2, 8), ids.shape
