@@ -182,6 +182,12 @@ def random_adapter(model_dir: str, rank: int, out: Path) -> Path:
 
 
 def measure(args: argparse.Namespace) -> dict:
+    if args.device == "cpu":
+        # as colo's CPU engines run (colo.rollout.engine): the engine core in this process, not in two more processes
+        # (EngineCore, Worker) that import vLLM again; tests/e2e/test_bench_decode.py: 12 CPU-s instead of 44
+        from colo.bench.rollout import cpu_env
+
+        cpu_env(enforce_eager=True)
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
