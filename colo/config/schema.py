@@ -266,9 +266,9 @@ class RolloutConfig(Section):
     routing_capture: str = "vllm"
     """vllm | colo: how a GPU engine records each token's routed experts (R3, algo.routing_replay and the routing
     metrics). vllm: vLLM's own (enable_return_routed_experts: a host pass over the batch every decode step); colo:
-    colo's (colo.rollout.capture_cuda: a row per KV slot on the GPU, read once per ended request; on an H100 it gave
-    every sample its rows, which are not yet compared with vLLM's there). GPU only: CPU engines capture by a prefill
-    pass."""
+    colo's (colo.rollout.capture_cuda: a row per KV slot on the GPU, read once per ended request; experimental: on an
+    H100 its GPU test, on an engine with vLLM's capture on too, got no sample's rows, cause not found yet). GPU only:
+    CPU engines capture by a prefill pass."""
 
 
 @dataclass
