@@ -126,7 +126,10 @@ class CopySums:
         self.pending_bytes = 0  # destination bytes of `pending`: past FLUSH_BYTES it flushes on its own
 
     def _slot(self, name: str) -> int:
-        slot = self.slots.setdefault(name, len(self.slots))
+        slot = self.slots.get(name)
+        if slot is not None:
+            return slot
+        slot = self.slots[name] = len(self.slots)
         if self.fused and slot >= self.sums.numel():  # grow by doubling: slots are few (one per parameter)
             grown = torch.zeros(max(64, 2 * self.sums.numel()), dtype=torch.int64, device=self.device)
             grown[: self.sums.numel()] = self.sums
@@ -136,9 +139,9 @@ class CopySums:
     def copy(self, dst: torch.Tensor, src: torch.Tensor, name: str, dst_offset: int) -> None:
         """dst (1-D, contiguous) := src cast to dst's dtype; its checksum goes into `name`'s total."""
         slot = self._slot(name)
-        if self.fused and dst.is_contiguous() and src.is_contiguous() and dst.element_size() in (1, 2, 4) \
-                and src.element_size() in (1, 2, 4):
-            self.pending.append((dst, src.reshape(-1), int(dst_offset), slot))
+        if self.fused and dst.is_contiguous() and src.is_contiguous() and dst.dtype.itemsize in (1, 2, 4) \
+                and src.dtype.itemsize in (1, 2, 4):
+            self.pending.append((dst, src if src.dim() == 1 else src.reshape(-1), int(dst_offset), slot))
             self._pending(dst)
             return
         dst.copy_(src)
@@ -155,7 +158,7 @@ class CopySums:
 
     def _pending(self, dst: torch.Tensor) -> None:
         """Count a batched piece's destination bytes; past FLUSH_BYTES launch the batch now (the GPU starts on it)."""
-        self.pending_bytes += dst.numel() * dst.element_size()
+        self.pending_bytes += dst.numel() * dst.dtype.itemsize
         if self.pending_bytes >= FLUSH_BYTES:
             self.flush()
 

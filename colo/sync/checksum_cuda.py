@@ -91,33 +91,34 @@ def launch(pending: list[tuple[torch.Tensor, torch.Tensor | None, int, int]], su
     word) group; a piece without a source is summed where it lies. Addresses are element offsets from the group's
     first tensors (one flat address space), so a launch takes any number of tensors; where every address is 16-byte
     aligned and every count a multiple of 16 bytes' elements, the kernel is told so and vectorizes. The groups'
-    tables travel in one pinned host-to-device copy, and nothing here waits for the device: a flush costs the host a table."""
+    tables travel in one pinned host-to-device copy, and nothing here waits for the device: a flush costs the host a
+    table, built from plain integers (a row per piece: the host's share of the sync's checksum is per piece)."""
     groups: dict[tuple, list] = {}
     for dst, src, pos, slot in pending:
-        key = (None if src is None else src.dtype, dst.dtype, _vectorizable(dst, *([] if src is None else [src])),
-               pos % (4 // dst.element_size()) == 0)
-        groups.setdefault(key, []).append((dst, src, pos, slot))
+        n, d, ds = dst.numel(), dst.data_ptr(), dst.dtype.itemsize
+        if src is None:
+            s, ss = d, ds
+        elif src.numel() != n:
+            raise ValueError(f"copy of {src.numel()} elements into {n}")
+        else:
+            s, ss = src.data_ptr(), src.dtype.itemsize
+        key = (None if src is None else src.dtype, dst.dtype, _aligned(n, max(ds, ss), d, s), pos % (4 // ds) == 0)
+        groups.setdefault(key, []).append((s, d, n, pos, slot, ss, ds, dst, src))
     tables = np.concatenate([_table(rows) for rows in groups.values()])
     table = _to_device(torch.from_numpy(tables), sums.device)
     at, programs = 0, _programs(sums.device)
     for (_, _, aligned, words), rows in groups.items():
-        _run(rows, table[at: at + len(rows)], sums, aligned, words, programs)
+        _run(rows[0][7], rows[0][8], len(rows), table[at: at + len(rows)], sums, aligned, words, programs)
         at += len(rows)
 
 
 def _table(rows: list) -> np.ndarray:
     """(P, 5) int64 per piece: source and destination element offsets from the group's first tensors, elements,
     the checksum's position of the first element, the total's slot."""
-    dst0 = rows[0][0]
-    src0 = dst0 if rows[0][1] is None else rows[0][1]
-    ds, ss = dst0.element_size(), src0.element_size()
-    d0, s0 = dst0.data_ptr(), src0.data_ptr()
-    table = np.empty((len(rows), 5), dtype=np.int64)
-    for i, (dst, src, pos, slot) in enumerate(rows):
-        if src is not None and dst.numel() != src.numel():
-            raise ValueError(f"copy of {src.numel()} elements into {dst.numel()}")
-        d = dst.data_ptr()
-        table[i] = ((d if src is None else src.data_ptr()) - s0) // ss, (d - d0) // ds, dst.numel(), pos, slot
+    table = np.array([r[:5] for r in rows], dtype=np.int64)
+    s0, d0, ss, ds = rows[0][0], rows[0][1], rows[0][5], rows[0][6]
+    table[:, 0] = (table[:, 0] - s0) // ss
+    table[:, 1] = (table[:, 1] - d0) // ds
     return table
 
 
@@ -127,17 +128,17 @@ def _to_device(table: torch.Tensor, device: torch.device) -> torch.Tensor:
     return table.pin_memory().to(device, non_blocking=True)  # torch's pinned cache keeps the host copy till done
 
 
-def _run(rows: list, table: torch.Tensor, sums: torch.Tensor, aligned: bool, words: bool, programs: int) -> None:
-    dst0, src0 = rows[0][0], rows[0][1]
+def _run(dst0: torch.Tensor, src0: torch.Tensor | None, n_pieces: int, table: torch.Tensor, sums: torch.Tensor,
+         aligned: bool, words: bool, programs: int) -> None:
     copy = src0 is not None
     src0 = src0 if copy else dst0
     ds, ss = dst0.element_size(), src0.element_size()
     vec = max(1, 16 // max(ds, ss)) if aligned else 1
-    _copy_sum[(programs,)](src0, dst0, table, len(rows), sums, COPY=copy, BITS=8 * ds, VEC=vec, WORDS=words,
+    _copy_sum[(programs,)](src0, dst0, table, n_pieces, sums, COPY=copy, BITS=8 * ds, VEC=vec, WORDS=words,
                            BLOCK=BLOCK, num_warps=WARPS)
 
 
-def _vectorizable(*tensors: torch.Tensor) -> bool:
-    """16-byte aligned, and a count of whole 16-byte vectors of the widest element (VEC's contract)."""
-    vec = max(1, 16 // max(t.element_size() for t in tensors))
-    return all(t.data_ptr() % 16 == 0 and t.numel() % vec == 0 for t in tensors)
+def _aligned(n: int, widest: int, *ptrs: int) -> bool:
+    """VEC's contract: n elements, a count of whole 16-byte vectors of the widest element (of `widest` bytes), every
+    address 16-byte aligned."""
+    return n % max(1, 16 // widest) == 0 and all(p % 16 == 0 for p in ptrs)

@@ -117,6 +117,9 @@ KERNEL = textwrap.dedent("""
     import torch
     from colo.sync import checksum as C, checksum_cuda as K
 
+    def vectorizable(*ts):  # launch()'s test of VEC's contract, on tensors
+        return K._aligned(ts[0].numel(), max(t.element_size() for t in ts), *(t.data_ptr() for t in ts))
+
     g = torch.Generator().manual_seed(0)
     src = torch.randn(5000, generator=g).to(torch.bfloat16)
     buf = torch.zeros(6000, dtype=torch.bfloat16)
@@ -124,7 +127,7 @@ KERNEL = textwrap.dedent("""
     # a vectorized group (16-byte starts) and an unaligned one, several pieces per launch, two destinations
     K.launch([(buf[8:1008], src[0:1000], 0, 1), (buf[1016:5016], src[1000:5000], 1000, 1),
               (buf[5017:5021], src[3:7], 7, 2)], sums)
-    assert K._vectorizable(buf[8:1008], src[0:1000]) and not K._vectorizable(buf[5017:5021], src[3:7])
+    assert vectorizable(buf[8:1008], src[0:1000]) and not vectorizable(buf[5017:5021], src[3:7])
     assert torch.equal(buf[8:1008], src[:1000]) and torch.equal(buf[1016:5016], src[1000:])
     assert torch.equal(buf[5017:5021], src[3:7])
     assert int(sums[1]) & C.MASK == C.checksum(src, 0)
@@ -140,7 +143,7 @@ KERNEL = textwrap.dedent("""
     for dt, n in ((torch.float32, 3001), (torch.float8_e4m3fn, 3001), (torch.bfloat16, 20_000)):
         x = torch.randn(n, generator=g).to(dt)  # 20,000: more whole blocks than programs, then a partial one
         out, s = torch.zeros(n, dtype=dt), torch.zeros(1, dtype=torch.int64)
-        vec = K._vectorizable(out, x)  # VEC's contract: 16-byte starts, whole vectors (3,001 elements are not)
+        vec = vectorizable(out, x)  # VEC's contract: 16-byte starts, whole vectors (3,001 elements are not)
         assert vec == (n % (16 // x.element_size()) == 0), dt
         for pos in (11, 12):  # a start inside a word (a term per element) and on one (per word, a partial last)
             s.zero_()
