@@ -52,6 +52,7 @@ Arguments are parsed before torch/Ray/vLLM are imported, so --help answers at on
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import random
@@ -281,8 +282,10 @@ def run_vllm(args: argparse.Namespace, cfg: Any) -> dict:
 
 # ---------------------------------------------------------------------------------------------------- colo
 
-def colo_call(engines: list, args: argparse.Namespace, k: int, routing: bool) -> tuple[float, int]:
-    """Engine.generate of call k's samples through Ray, as a sync step sends them (one engine)."""
+def colo_call(engines: list, args: argparse.Namespace, k: int, routing: bool, captures: bool = True
+              ) -> tuple[float, int]:
+    """Engine.generate of call k's samples through Ray, as a sync step sends them (one engine). `captures`: the
+    engine records routing (a MoE model), so a call that asks for it must get every sample's rows."""
     import ray
 
     from colo.rollout.generation import Generation
@@ -292,7 +295,12 @@ def colo_call(engines: list, args: argparse.Namespace, k: int, routing: bool) ->
     t = time.perf_counter()
     arrays, _ = ray.get(engines[0].generate.remote(g))
     dt = time.perf_counter() - t
-    got = [len(s.response_ids) for s in arrays.unpack()]
+    samples = arrays.unpack()
+    short = sum(s.complete_routing() is None for s in samples) if routing and captures else 0
+    if short:  # a capture that kept nothing would be timed as free
+        raise RuntimeError(f"colo's engine returned {short} of {len(samples)} samples without every routing row "
+                           "asked for: this rollout.routing_capture kept none, so its speed is no measurement")
+    got = [len(s.response_ids) for s in samples]
     if got != [length for _, _, length in reqs]:
         raise RuntimeError(f"colo's engine generated {sum(got)} tokens, vLLM's requests impose "
                            f"{sum(r[2] for r in reqs)} (the two sides' lengths must be the same requests')")
@@ -331,11 +339,13 @@ def run_colo(args: argparse.Namespace, cfg: Any, phase: str) -> dict:
         model = LengthModel.of(args.lengths)
         ray.get([e.set_lengths.remote(model.kind, model.rho) for e in engines])
         out["start_s"] = time.perf_counter() - t0
-        out["moe_configs"] = ray.get(engines[0].ready.remote())["moe_configs"]  # the same tiles as the vllm phase's?
+        info = ray.get(engines[0].ready.remote())
+        out["moe_configs"], out["routing_capture"] = info["moe_configs"], info["routing"]  # tiles: the vllm phase's?
+        call = functools.partial(colo_call, engines, args, captures=info["routing"] is not None)
         runs: dict[str, list] = {"colo": [], **({"no_routing": []} if "routing" in args.toggles else {})}
         if phase == "colocated" and "wake_sleep" in args.toggles:  # the engine as it started, before any cycle
-            colo_call(engines, args, 0, True)  # warm-up
-            runs["before_cycle"] = [colo_call(engines, args, k, True) for k in range(1, args.reps + 1)]
+            call(0, True)  # warm-up
+            runs["before_cycle"] = [call(k, True) for k in range(1, args.reps + 1)]
         if phase == "colocated":
             t = time.perf_counter()
             ray.get([e.sleep.remote(2) for e in engines])
@@ -345,11 +355,11 @@ def run_colo(args: argparse.Namespace, cfg: Any, phase: str) -> dict:
             ray.get([e.wake_up.remote(["kv_cache", "scheduling"]) for e in engines])
             out.update(weight_cycle_s=time.perf_counter() - t, sync_verified=all(r["verified"] for r in reports),
                        memory_after_offload=ray.get(c.trainers[0].memory.remote()))
-        colo_call(engines, args, 0, True)  # warm-up (after the cycle too: the same footing as before it)
+        call(0, True)  # warm-up (after the cycle too: the same footing as before it)
         for k in range(1, args.reps + 1):
-            runs["colo"].append(colo_call(engines, args, k, True))
+            runs["colo"].append(call(k, True))
             if "no_routing" in runs:
-                runs["no_routing"].append(colo_call(engines, args, k, False))
+                runs["no_routing"].append(call(k, False))
         out.update({v: best(r) for v, r in runs.items() if r})
     finally:
         ray.shutdown()

@@ -272,7 +272,8 @@ class Engine:
     # ------------------------------------------------------------------------------------------ info
 
     def ready(self) -> dict:
-        """Rank, versions, where this engine runs; on GPU the worker's device UUID for the rank check."""
+        """Rank, versions, where this engine runs, how it records routing (None: a dense model); on GPU the worker's
+        device UUID for the rank check."""
         import psutil
 
         out = {"rank": self.rank, "dp_size": self.dp_size, "tp_size": self.tp_size, "device": self.device,
@@ -281,7 +282,7 @@ class Engine:
                "node_ip": ray.util.get_node_ip_address(), "ray_gpu_ids": self.ray_gpu_ids,
                "cpu_cores": self.cores, "start_s": round(self.start_s, 3),
                "rss_mb": round(psutil.Process().memory_info().rss / 2**20), "device_uuid": None,
-               "scheduler": self.scheduler, "moe_configs": self.moe_configs}
+               "scheduler": self.scheduler, "moe_configs": self.moe_configs, "routing": self.routing}
         if self.device == "cuda":
             out["device_uuid"] = self.describe()["device_uuid"]
         return out

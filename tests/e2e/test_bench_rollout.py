@@ -27,6 +27,7 @@ def test_bench_rollout_against_vllm_alone_on_cpu(tmp_path) -> None:
     assert math.isclose(where["params"] * where["scheduling"] * where["engine"], out["vs_vllm_best"], rel_tol=1e-9)
     assert math.isclose(where["routing"] * where["wake_sleep"] * where["rest"], where["engine"], rel_tol=1e-9)
     assert colo["sync_verified"] is True and all(v > 0 for v in where.values())
+    assert colo["routing_capture"] == "prefill"  # CPU's capture: every routing call's samples had all their rows
     paired = out["vs_vllm_per_call"]  # the same call index on both sides: the same requests
     assert paired["n"] == len(colo["colo"]["all_tokens_per_s"]) == len(vllm["plain"]["all_tokens_per_s"]) == 1
     assert math.isclose(paired["median"], colo["colo"]["all_tokens_per_s"][0] / vllm["plain"]["all_tokens_per_s"][0])
