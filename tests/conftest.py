@@ -555,12 +555,17 @@ def warm_modules() -> Path:
     """A folder of this test process that its shared Ray's workers (the warm clusters' trainers and engines) have on
     their PYTHONPATH, and this process on sys.path: a test writes a module there that a warm job's engines import
     (an `algo.environment`), which a folder of its own could not give actors started before it. Names must be
-    unique per test (a module once imported stays imported in a warm actor)."""
+    unique per test (a module once imported stays imported in a warm actor). Put back on sys.path on every call: the
+    first call may come inside a test that prepended a folder of its own (monkeypatch.syspath_prepend, the failure
+    tests' reward modules), whose teardown restores sys.path as it was before, without this folder."""
+    import importlib
     import tempfile
 
     if not _MODULES:
         _MODULES.append(Path(tempfile.mkdtemp(prefix="colo-test-modules-")))
+    if str(_MODULES[0]) not in sys.path:
         sys.path.insert(0, str(_MODULES[0]))
+        importlib.invalidate_caches()
     return _MODULES[0]
 
 

@@ -15,6 +15,12 @@ build the model, optimizer and vLLM engine again for its config, its run dir and
 shape starts a cluster of its own (tests/conftest.py `run_job`). That a reconfigured cluster computes what a fresh
 process does is tests/e2e/test_multinode.py's check: its warm reference equals its two-node process run.
 
+A job that an engine ended (it died, raised or stopped: the failure tests) leaves its trainers whole: the engine is
+ended and its cluster kept, and the next job of the shape gets a new engine process in its place beside the others
+reconfigured (WarmClusters.release, `replace` of reconfigure). A fresh two-pair cluster costs ~35 CPU-s more than one
+new engine (both trainers' and the other engine's processes and imports). Anything less certain (a trainer failed,
+an actor does not answer at once, another error) stops the whole cluster as before.
+
 CPU only, engines of one process each (colocated, or disaggregated with rollout.tp_size=1: its weight group is
 formed again for the new engines); any other job is refused before anything starts.
 """
@@ -24,14 +30,16 @@ import contextlib
 import gc
 import os
 import signal
+import sys
 import time
 from typing import Any
 
 import ray
 import torch
 
-from colo.cluster.liveness import Liveness
-from colo.cluster.actors import ActorDied, ActorError, Cluster, connect_weight_group, engine_name, gather, start_cluster
+from colo.cluster.liveness import HEARTBEAT_GROUP, Liveness
+from colo.cluster.actors import (ActorDied, ActorError, ActorStalled, Cluster, connect_weight_group, engine_name,
+                                 gather, leave, start_cluster)
 from colo.cluster.placement import PlacementPlan
 from colo.config import ColoConfig, ConfigError, check_resolved, from_dict, to_dict
 from colo.host.shm import sweep
@@ -110,7 +118,10 @@ class WarmClusters:
     def __init__(self) -> None:
         self._idle: dict[tuple, Cluster] = {}
         self._shape: dict[int, tuple] = {}  # id(cluster) -> its shape
+        self._suffix: dict[int, str] = {}  # id(cluster) -> its actors' name suffix
+        self._replace: dict[int, list[int]] = {}  # id(cluster) -> engines a failure ended: the next job starts them
         self._started = 0
+        self._new_engines = 0  # engines started in place of ended ones (their names: colo-engine-<e>-warm<n>-r<k>)
         self.reused = 0  # jobs that ran on a warm cluster (tests read it)
 
     def check(self, cfg: ColoConfig) -> None:
@@ -122,40 +133,47 @@ class WarmClusters:
                               "its own job (python -m colo.launch)")
 
     def acquire(self, cfg: ColoConfig, plan: PlacementPlan) -> Cluster:
-        """The job's cluster: the idle one of its shape, reconfigured for it, else a new one (idle clusters of other
-        shapes are stopped first while Ray lacks the GPUs it needs)."""
+        """The job's cluster: the idle one of its shape, reconfigured for it (with new engines where a failure ended
+        some), else a new one (idle clusters of other shapes are stopped first while Ray lacks the GPUs it needs)."""
         self.check(cfg)
         key = shape(cfg)
         c = self._idle.pop(key, None)
         if c is not None:
             try:
-                c = reconfigure(c, cfg)
+                replace = self._replace.pop(id(c), [])
+                names = {}
+                for e in replace:
+                    self._new_engines += 1
+                    names[e] = f"colo-engine-{e}{self._suffix[id(c)]}-r{self._new_engines}"
+                c = reconfigure(c, cfg, names)
                 self.reused += 1
                 return c
             except (ActorDied, ActorError):  # a process of it is gone or broken: a new cluster instead
-                stop_cluster(c)
+                self._stop(c)
         self._make_room(plan)
         self._started += 1
-        c = start_cluster(cfg, plan, trainer_cls=WarmTrainer, engine_cls=WarmEngine,
-                          name_suffix=f"-warm{self._started}")
-        self._shape[id(c)] = key
+        suffix = f"-warm{self._started}"
+        c = start_cluster(cfg, plan, trainer_cls=WarmTrainer, engine_cls=WarmEngine, name_suffix=suffix)
+        self._shape[id(c)], self._suffix[id(c)] = key, suffix
         return c
 
     def release(self, c: Cluster | None, healthy: bool, stop: Any = None) -> None:
-        """After a job: a healthy cluster waits for the next job of its shape; one whose actor died or raised is
-        stopped (its state is not trusted). Ray keeps running."""
+        """After a job: a healthy cluster waits for the next job of its shape. One that an engine ended keeps its
+        trainers and other engines, the engine is ended (ended_engines); any other unhealthy one is stopped (its
+        state is not trusted). Ray keeps running."""
         if c is None:
             return
         try:
             key = self._shape[id(c)]
             if not healthy:
-                self._shape.pop(id(c))
-                stop_cluster(c)
-                return
+                ended = ended_engines(c, sys.exc_info()[1])
+                if ended is None:
+                    self._stop(c)
+                    return
+                self._replace[id(c)] = ended
             old = self._idle.pop(key, None)
             if old is not None and old is not c:
-                self._shape.pop(id(old), None)
-                stop_cluster(old)
+                self._stop(old)
             self._idle[key] = c
         except Exception as err:  # noqa: BLE001 (the job's outcome stands; its cluster is lost to reuse)
             print(f"colo: could not return the cluster to the warm clusters: {err}", flush=True)
@@ -163,8 +181,13 @@ class WarmClusters:
     def close(self) -> None:
         """Stop every idle cluster: its actors' own shutdown (sync buffers, vLLM), then their processes and groups."""
         while self._idle:
-            stop_cluster(self._idle.pop(next(iter(self._idle))))
+            self._stop(self._idle.pop(next(iter(self._idle))))
         self._shape.clear()
+
+    def _stop(self, c: Cluster) -> None:
+        for book in (self._shape, self._suffix, self._replace):
+            book.pop(id(c), None)
+        stop_cluster(c)
 
     def _make_room(self, plan: PlacementPlan, timeout_s: float = 30.0) -> None:
         """Stop idle clusters, the oldest first, until Ray has the GPUs and CPUs of the plan's placement groups (a
@@ -177,18 +200,88 @@ class WarmClusters:
 
         deadline = time.monotonic() + timeout_s
         while self._idle and short():
-            stop_cluster(self._idle.pop(next(iter(self._idle))))
+            self._stop(self._idle.pop(next(iter(self._idle))))
             while short() and time.monotonic() < deadline:
                 time.sleep(0.2)  # Ray frees a removed group's resources a moment later
 
 
-def reconfigure(c: Cluster, cfg: ColoConfig) -> Cluster:
+ANSWER_S = 10.0  # how long ended_engines waits for the other actors of a failed job's cluster to answer
+
+
+def _pid(actor: Any) -> int:
+    return os.getpid()
+
+
+def ended_engines(c: Cluster, err: BaseException | None) -> list[int] | None:
+    """After a job that failed (release runs inside colo.runlife.RunLife.__exit__, so sys.exc_info() holds what ended
+    it): the engines it names are ended here and their indices returned, for the next job to start anew; None where
+    the whole cluster must go. Kept only when the failure is an engine's (colo.cluster.actors: ActorDied, ActorError,
+    ActorStalled naming engines only, as the run's end named them) and every other actor answers a call within
+    ANSWER_S: an actor's calls run one at a time outside the heartbeats, so a trainer that answers is inside no
+    call, no collective of its process group waits on a peer, and the next job's reconfigure rebuilds its model,
+    optimizer and sync buffers as after a healthy job. A trainer's failure, a lost node, a timeout: None."""
+    if not isinstance(err, (ActorDied, ActorError, ActorStalled)):
+        return None
+    names = {engine_name(e, c.colocated): e for e in range(len(c.engines))}
+
+    def engine(name: str) -> int | None:  # "engine DP rank 1", "engine 0 (seen by trainer rank 0 during the ...)"
+        return next((e for n, e in names.items() if name == n or name.startswith(f"{n} (seen by ")), None)
+
+    culprits = [engine(n) for n in {err.name, *c.lost}]
+    if not culprits or None in culprits:
+        return None
+    ended = sorted(set(culprits))
+    others = [a for name, a in c.actors() if name not in {engine_name(e, c.colocated) for e in ended}]
+    refs = [a.__ray_call__.remote(_pid) for a in others]
+    done, pending = ray.wait(refs, num_returns=len(refs), timeout=ANSWER_S)
+    if pending:
+        leave(refs)  # collected once they end (colo.cluster.actors.leave): Ray prints an unread failure
+        return None
+    try:
+        ray.get(done)
+    except Exception:  # noqa: BLE001 (an actor died on the way out)
+        return None
+    for e in ended:  # its own shutdown first where it still answers (vLLM's engine core), as stop_cluster does
+        name, a = engine_name(e, c.colocated), c.engines[e]
+        pid = c.liveness.pids.pop(name, None)
+        if name in c.lost and pid is not None:  # stopped (SIGSTOP) or stuck: it takes no part in its shutdown
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        else:
+            ref = a.shutdown.remote()
+            with contextlib.suppress(Exception):
+                ray.get(ref, timeout=ANSWER_S)
+        with contextlib.suppress(Exception):
+            ray.kill(a, no_restart=True)
+    # gone: a stop_cluster before the next job (close, _make_room) calls nothing on them and kills no stale pid
+    c.lost[:] = [engine_name(e, c.colocated) for e in ended]
+    return ended
+
+
+def new_engine(c: Cluster, e: int, cfg: ColoConfig, name: str) -> Any:
+    """A WarmEngine actor for engine e of `c`, as start_cluster makes it on CPU: in e's placement group with its
+    logical GPU (colocated: the vLLM fraction; disaggregated: one), no CPUs of its own, the heartbeat group. The DP
+    master address and port are read only on CUDA, which warm clusters do not run (WarmClusters.check)."""
+    from colo.cluster.placement import scheduling
+
+    pg = c.placement_groups[e if c.colocated else len(c.trainers) + e]
+    gpus = float(cfg.placement.vllm_gpu_fraction) if c.colocated else 1
+    actor = ray.remote(concurrency_groups={HEARTBEAT_GROUP: 1})(WarmEngine)
+    return actor.options(num_gpus=gpus, num_cpus=0, name=name, scheduling_strategy=scheduling(pg)).remote(
+        to_dict(cfg), e, len(c.engines), 0)
+
+
+def reconfigure(c: Cluster, cfg: ColoConfig, replace: dict[int, str] | None = None) -> Cluster:
     """Every trainer and engine of `c` on `cfg` (a job of the same shape): all calls issued before any is awaited,
-    ranks checked as start_cluster checks them; c.setup says what it took."""
+    ranks checked as start_cluster checks them; c.setup says what it took. `replace`: engine index -> the actor
+    name of a new engine started for `cfg` in place of one a failure ended (WarmClusters.release)."""
     t0 = time.perf_counter()
     d = to_dict(cfg)
+    replace = replace or {}
     trefs = [t.reconfigure.remote(d) for t in c.trainers]
-    erefs = [e.reconfigure.remote(d) for e in c.engines]
+    for e, name in replace.items():
+        c.engines[e] = new_engine(c, e, cfg, name)
+    erefs = [e.ready.remote() if k in replace else e.reconfigure.remote(d) for k, e in enumerate(c.engines)]
     setups = gather(trefs, [f"trainer rank {r}" for r in range(len(trefs))])
     t_train = time.perf_counter() - t0
     readies = gather(erefs, [engine_name(e, c.colocated) for e in range(len(erefs))])
@@ -205,6 +298,8 @@ def reconfigure(c: Cluster, cfg: ColoConfig) -> Cluster:
     c.lost.clear()  # in place: the liveness records into the same list
     c.liveness = Liveness(cfg.run.heartbeat_s, cfg.run.stall_s, lost=c.lost,  # this job's settings, nothing measured
                           pids=c.liveness.pids, watched=c.liveness.watched, ping_every_s=c.liveness.ping_every_s)
+    if replace:  # the new engines' pids, by which a stopped one is killed (as start_cluster notes every actor's)
+        c.liveness.note_pids([(engine_name(e, c.colocated), c.engines[e]) for e in replace])
     return c
 
 

@@ -48,7 +48,7 @@ def test_a_breaking_environment_ends_its_samples_and_the_run_goes_on(tmp_path: P
     assert step["sync/verified"] is True  # the rest of the step went on
 
 
-@pytest.mark.ends_cluster  # the engine raised: its warm cluster is stopped after the job (tests/warm_clusters.py)
+@pytest.mark.ends_cluster  # the engine raised: it is ended after the job (tests/warm_clusters.py)
 def test_env_errors_fail_ends_the_run_with_one_line(tmp_path: Path, warm_jobs) -> None:
     """algo.env_errors=fail, on this process's warm clusters (conftest run_job): the module goes where their
     engines import from (conftest warm_modules), under a name of this test's own. Until 2026-11-27 a second joined

@@ -1,8 +1,8 @@
 """An engine that stops responding mid-run (SIGSTOP; on a GPU a stuck CUDA kernel or NCCL call looks the same to the
 driver): the run waited without a word, for ever (and went on after SIGCONT). Now it ends within run.heartbeat_s
 with one `colo: error:` line naming the engine, a checkpoint of the last finished step and the resume command, and
-the resume goes on to the end. On this process's warm clusters (conftest run_job): the stopped engine's cluster is
-ended after the run, the resume starts a new one. How slow, stopped and stuck are told apart, on plain actors:
+the resume goes on to the end. On this process's warm clusters (conftest run_job): the stopped engine is killed after
+the run, the resume gets a new one beside the same trainer. How slow, stopped and stuck are told apart, on plain actors:
 tests/integration/test_faults_liveness.py."""
 from __future__ import annotations
 

@@ -14,9 +14,10 @@
   culprit in one `colo: error:` line (traceback in <run.dir>/error.log), and keeps what it can; a whole run
   killed with `kill -9` leaves shared memory that its `--resume` sweeps.
 The failure runs use a small job (2 warm-up steps, 4 prompts x 4 samples): start-up dominates (~30 s as a process
-of its own). They run on the session's warm clusters (conftest run_job; a dead or raising actor's cluster is stopped
-and the next job starts a new one), their actors found and killed by pid; only the kill -9 of a whole run stays a
-process of its own. Measured alone (2-core EPYC with AVX512-BF16, 2026-11-26): the reward error and the three
+of its own). They run on the session's warm clusters (conftest run_job; a dead trainer's cluster is stopped and the
+next job starts a new one; a dead or raising engine is ended and the next job of its shape gets a new engine beside
+the same trainers: tests/warm_clusters.py), their actors found and killed by pid; only the kill -9 of a whole run
+stays a process of its own. Measured alone (2-core EPYC with AVX512-BF16, 2026-11-26): the reward error and the three
 deaths took 65 s and 107 CPU-s on warm clusters, 82 s and 116 CPU-s as processes of their own.
 """
 from __future__ import annotations
@@ -310,7 +311,7 @@ def test_reward_error_names_function_and_sample_checkpoints_exits_1(warm_rewards
 
 @pytest.mark.ends_cluster
 def test_engine_death_names_rank_and_checkpoints(warm_rewards: tuple[str, Path], warm_jobs) -> None:
-    module, run_dir = warm_rewards  # on warm clusters: the dead engine's cluster is stopped, a new one serves the next
+    module, run_dir = warm_rewards  # on warm clusters: the next two-pair job gets a new engine 1 beside the trainers
     r = _warm_fail_run(warm_jobs, run_dir, f"algo.rewards=[{module}:kill_engine_1]")
     assert "colo: error: engine DP rank 1 died" in r.stderr, _tail(r)
     # step 0's checkpoint is saved (that such a checkpoint resumes to the end is the next test's)
@@ -328,7 +329,7 @@ def test_engine_error_then_a_killed_resume_then_resume_to_the_end(warm_rewards: 
        ever remove it;
     3. `--resume` again removes those segments and finishes the run, in a fresh process whose terminal (Ray
        starting in it) stays quiet and ends with the summary.
-    Launch 1 runs on this process's warm clusters (the raising engine's cluster is stopped after it); launches 2
+    Launch 1 runs on this process's warm clusters (the raising engine is ended after it); launches 2
     and 3 are processes of their own: only a whole process tree can be killed so, and launch 3 shows the terminal
     of `python -m colo.launch` as a newcomer sees it (the session's default job runs warm)."""
     module, run_dir = warm_rewards
