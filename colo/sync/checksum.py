@@ -36,7 +36,7 @@ CHUNK = 1 << 22  # words per torch step: int64 temporaries of a 3 GB expert tens
 _INT = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 # CopySums (CUDA) flushes on its own once its pending pieces hold this many destination bytes: the GPU starts on a
 # bucket's first pieces while the host prepares the rest (~1 ms of host work per 1 GB bucket otherwise left the GPU
-# idle). A launch and its table cost the host ~50-100 us, so batches stay large: a few launches per bucket.
+# idle). Each launch costs the host a table and a Triton launch, so batches stay large: a few launches per bucket.
 FLUSH_BYTES = 256 << 20
 
 
