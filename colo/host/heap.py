@@ -5,8 +5,9 @@
 
 Why: importing vLLM creates about 600,000 tracked objects, and the collector's full passes over a growing heap
 cost a fifth of the import (paused, then one pass and the freeze: 0.80x its CPU-seconds on a 2-core EPYC,
-tools/experiments/import_gc.py, docs/benchmarks.md). vLLM's model loader then calls gc.collect() twice per engine start, each a pass over the whole
-heap again (~1 CPU-s together) unless what the imports made is frozen (gc.freeze: kept out of every later pass).
+tools/experiments/import_gc.py, docs/benchmarks.md). vLLM's model loader then calls gc.collect() twice per engine
+start, each a pass over the whole heap again (~1 CPU-s together) unless what the imports made is frozen (gc.freeze:
+kept out of every later pass).
 Objects created later, such as the loader's transient tensors, are still collected as before. One pass runs before
 the freeze, so the imports' own garbage is not kept; the heap is unfrozen at exit, so the interpreter's last
 collection still finalizes it (nanobind, under Triton, reports its objects as leaked otherwise).

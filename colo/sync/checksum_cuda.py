@@ -7,6 +7,8 @@ the launch settings below and around them (BLOCK, WARPS, PER_SM).
 """
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import numpy as np
 import torch
 import triton
@@ -93,7 +95,7 @@ def launch(pending: list[tuple[torch.Tensor, torch.Tensor | None, int, int]], su
     aligned and every count a multiple of 16 bytes' elements, the kernel is told so and vectorizes. The groups'
     tables travel in one pinned host-to-device copy, and nothing here waits for the device: a flush costs the host a
     table, built from plain integers (a row per piece: the host's share of the sync's checksum is per piece)."""
-    groups: dict[tuple, list] = {}
+    groups: dict[tuple, _Group] = {}
     for dst, src, pos, slot in pending:
         n, d, ds = dst.numel(), dst.data_ptr(), dst.dtype.itemsize
         if src is None:
@@ -103,23 +105,34 @@ def launch(pending: list[tuple[torch.Tensor, torch.Tensor | None, int, int]], su
         else:
             s, ss = src.data_ptr(), src.dtype.itemsize
         key = (None if src is None else src.dtype, dst.dtype, _aligned(n, max(ds, ss), d, s), pos % (4 // ds) == 0)
-        groups.setdefault(key, []).append((s, d, n, pos, slot, ss, ds, dst, src))
-    tables = np.concatenate([_table(rows) for rows in groups.values()])
+        group = groups.get(key)
+        if group is None:
+            group = groups[key] = _Group(dst, src)
+        group.rows.append((s, d, n, pos, slot))
+    tables = np.concatenate([g.table() for g in groups.values()])
     table = _to_device(torch.from_numpy(tables), sums.device)
     at, programs = 0, _programs(sums.device)
-    for (_, _, aligned, words), rows in groups.items():
-        _run(rows[0][7], rows[0][8], len(rows), table[at: at + len(rows)], sums, aligned, words, programs)
-        at += len(rows)
+    for (_, _, aligned, words), g in groups.items():
+        _run(g.dst, g.src, len(g.rows), table[at: at + len(g.rows)], sums, aligned, words, programs)
+        at += len(g.rows)
 
 
-def _table(rows: list) -> np.ndarray:
-    """(P, 5) int64 per piece: source and destination element offsets from the group's first tensors, elements,
-    the checksum's position of the first element, the total's slot."""
-    table = np.array([r[:5] for r in rows], dtype=np.int64)
-    s0, d0, ss, ds = rows[0][0], rows[0][1], rows[0][5], rows[0][6]
-    table[:, 0] = (table[:, 0] - s0) // ss
-    table[:, 1] = (table[:, 1] - d0) // ds
-    return table
+@dataclass
+class _Group:
+    """One launch's pieces: its first tensors (the kernel's base pointers), a row of integers per piece (source and
+    destination addresses, elements, the checksum's position of the first element, the total's slot)."""
+
+    dst: torch.Tensor
+    src: torch.Tensor | None
+    rows: list[tuple[int, int, int, int, int]] = field(default_factory=list)
+
+    def table(self) -> np.ndarray:
+        """(P, 5) int64: the rows with addresses made element offsets from the first tensors'."""
+        table = np.array(self.rows, dtype=np.int64)
+        s0, d0 = self.rows[0][:2]
+        table[:, 0] = (table[:, 0] - s0) // (self.dst if self.src is None else self.src).dtype.itemsize
+        table[:, 1] = (table[:, 1] - d0) // self.dst.dtype.itemsize
+        return table
 
 
 def _to_device(table: torch.Tensor, device: torch.device) -> torch.Tensor:

@@ -13,10 +13,11 @@ returns, and each test runs with both. 16 prompts x 4 samples at T=1; the traine
 algo.routing_replay off and r3 over the same batch. Checked: the engine returns ids for every prompt and response
 token but the last (P+R-1 rows x 2 MoE layers x top-8, uint8); with r3 the log-prob gap is no larger than without.
 The `[gpu]` lines carry the figures for docs/routing.md. Two greedy calls, one per capture, give the same rows
-where their samples hold the same tokens (up to 1% of rows, for near-ties the two calls' kernels may flip). And loop.mode=async's partial rollouts with R3: a request stopped mid-way keeps the rows recorded
-for its tokens (vLLM's: read from its output processor before the abort, colo.rollout.engine_loop.stopped_rows;
-colo's: gathered from the request's blocks before any step can reuse them), its resumed segment gets its own rows
-from its last kept token on, and the two together are the rows of the whole sample; the trainer replays them.
+where their samples hold the same tokens (up to 1% of rows, for near-ties the two calls' kernels may flip). And
+loop.mode=async's partial rollouts with R3: a request stopped mid-way keeps the rows recorded for its tokens
+(vLLM's: read from its output processor before the abort, colo.rollout.engine_loop.stopped_rows; colo's: gathered
+from the request's blocks before any step can reuse them), its resumed segment gets its own rows from its last kept
+token on, and the two together are the rows of the whole sample; the trainer replays them.
 """
 from __future__ import annotations
 
