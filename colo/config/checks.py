@@ -19,7 +19,7 @@ from typing import Any
 from colo.config.loading import hub_download, resolve_device, resolve_run_dir
 from colo.config.quantization import check_quantization
 from colo.config.schema import AUTO, CHOICES, LOGGERS, ColoConfig, ConfigError, default_value, did_you_mean
-from colo.config.weights import check_weights
+from colo.config.weights import check_context_length, check_weights
 from colo.models.archs import ARCHS, REPLAY_ARCHS, architecture, num_experts  # light: data only, no torch
 
 GiB = 2**30
@@ -64,6 +64,7 @@ def validate(cfg: ColoConfig, *, check_resources: bool = True, check_gpus: bool 
                           "engines only (a carried conversation's routing is not read from the GPU engines' capture); "
                           "fix: algo.routing_replay=off, loop.mode=sync, or drop algo.environment")
     check_weights(cfg)
+    check_context_length(cfg, model)
     for key in ("data.path", "data.eval_path"):
         _check_data(cfg, key)
     _check_rewards(cfg)

@@ -117,3 +117,57 @@ def check_model_readable(path: str, weights: bool = True) -> None:
 def _one_line(e: BaseException) -> str:
     what = " ".join(str(e).split())  # one line, however many lines transformers wrote
     return f"{type(e).__name__}: " + (what if len(what) <= 240 else what[:237] + "...")
+
+
+# vLLM 0.32's keys for a model's context (vllm/transformers_utils/model_arch_config_convertor.py: the smallest wins)
+# and the RoPE types whose max_position_embeddings is already scaled (vllm/config/model.py, _get_and_verify_max_len)
+CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length", "max_target_positions",
+                "max_sequence_length", "max_seq_length", "seq_len")
+PRESCALED_ROPE = ("su", "longrope", "llama3", "yarn", "deepseek_yarn", "deepseek_llama_scaling")
+
+
+def model_context(model: dict, tokenizer_config: dict | None = None) -> tuple[float, str] | None:
+    """The longest max_model_len vLLM accepts for this config.json (and tokenizer_config.json), with the key it comes
+    from; None where vLLM would accept any (no key, or `model_max_length`, which vLLM lets a user exceed up to)."""
+    text = model.get("text_config") or model
+    if text.get("model_max_length") or model.get("model_max_length"):
+        return None
+    found = [(text[k], k) for k in CONTEXT_KEYS if isinstance(text.get(k), (int, float))]
+    if not found:
+        return None
+    length, key = min(found)
+    rope = text.get("rope_parameters") or text.get("rope_scaling")
+    ropes = [rope] if isinstance(rope, dict) and ("rope_type" in rope or "type" in rope or "factor" in rope) else (
+        [r for r in rope.values() if isinstance(r, dict)] if isinstance(rope, dict) else [])
+    factor = 1.0
+    if "gemma3" not in str(text.get("model_type", model.get("model_type", ""))):
+        for r in ropes:
+            if r.get("rope_type", r.get("type")) not in PRESCALED_ROPE and isinstance(r.get("factor"), (int, float)):
+                factor = float(r["factor"])
+    length *= factor
+    limit = (tokenizer_config or {}).get("model_max_length")
+    if isinstance(limit, (int, float)) and limit < length:
+        return float(limit), "model_max_length in tokenizer_config.json"
+    return float(length), key + (f" x RoPE factor {factor:g}" if factor != 1.0 else "")
+
+
+def check_context_length(cfg: ColoConfig, model: dict) -> None:
+    """rollout.max_model_len past the model's context is refused here, not by vLLM inside every engine after Ray
+    started ("User-specified max_model_len ... is greater than the derived max_model_len"). Honours vLLM's own way
+    round it, VLLM_ALLOW_LONG_MAX_MODEL_LEN=1."""
+    import os
+
+    local = Path(cfg.model.path).expanduser()
+    tok = local / "tokenizer_config.json"
+    try:
+        tokenizer = json.loads(tok.read_text()) if not cfg.model.path.startswith(AUTO) and tok.is_file() else None
+    except (OSError, ValueError):
+        tokenizer = None  # check_model_readable names an unreadable tokenizer
+    context = model_context(model, tokenizer if isinstance(tokenizer, dict) else None)
+    want = cfg.rollout.max_model_len
+    if context is None or want <= context[0] or os.environ.get("VLLM_ALLOW_LONG_MAX_MODEL_LEN", "") in ("1", "true"):
+        return
+    length, key = int(context[0]), context[1]
+    raise ConfigError(f"rollout.max_model_len={want} is longer than the model's context ({key}: {length} in "
+                      f"model.path={cfg.model.path}), which vLLM refuses; fix: rollout.max_model_len={length} (and "
+                      f"rollout.max_tokens below it), or VLLM_ALLOW_LONG_MAX_MODEL_LEN=1 if the model truly handles more")

@@ -37,7 +37,7 @@ from pathlib import Path
 from colo.models import build
 
 MARKER = "colo_preset.json"
-_FORMAT_VERSION = 2  # bump when the bytes a preset produces change, so stale dirs are rebuilt
+_FORMAT_VERSION = 3  # bump when the bytes a preset produces change, so stale dirs are rebuilt
 
 _QWEN3_30B_A3B = dict(
     architectures=["Qwen3MoeForCausalLM"],
@@ -86,7 +86,7 @@ PRESETS: dict[str, dict] = {
         moe_intermediate_size=64,
         num_experts=8,
         num_experts_per_tok=2,
-        max_position_embeddings=1024,
+        max_position_embeddings=2048,  # rollout.max_model_len's default fits (colo.config.weights.check_context_length)
     ),
     # the tiny model with the tool tokenizer (<tool_call> tokens, calc conversations in its BPE corpus)
     "tiny-tools": dict(),
@@ -105,7 +105,7 @@ PRESETS: dict[str, dict] = {
         moe_intermediate_size=128,
         num_experts=8,
         num_experts_per_tok=2,
-        max_position_embeddings=1024,
+        max_position_embeddings=2048,  # rollout.max_model_len's default fits (colo.config.weights.check_context_length)
     ),
     "qwen3-30b-a3b": dict(_QWEN3_30B_A3B),
     "qwen3-30b-a3b-L12": dict(_QWEN3_30B_A3B, num_hidden_layers=12, max_window_layers=12),

@@ -75,6 +75,37 @@ def test_a_checkpoint_without_a_tokenizer_is_refused(tiny: Path, tmp_path: Path)
     assert "has no tokenizer" in refusal(check_model_readable, str(ckpt))
 
 
+def test_a_max_model_len_past_the_context_is_refused(tiny: Path, tmp_path: Path, monkeypatch) -> None:
+    """vLLM refused it inside every engine after Ray started ("engine DP rank 0 died", 24 s in): validate() names
+    the key and the length that fits. RoPE scaling lengthens the context as vLLM counts it (linear: times its factor;
+    YaRN's max_position_embeddings is already scaled), a tokenizer's model_max_length shortens it, and vLLM's own
+    override is honoured."""
+    from colo.config.weights import model_context
+
+    def validate_at(ckpt: Path, length: int) -> None:
+        validate(load_config(None, ["placement.device=cpu", "placement.num_gpus=1", f"model.path={ckpt}",
+                                    f"rollout.max_model_len={length}", "rollout.max_tokens=64"], {}))
+
+    validate_at(tiny, 2048)  # the presets' context: rollout.max_model_len's default fits
+    ckpt = copy_of(tiny, tmp_path, max_position_embeddings=1024)
+    validate_at(ckpt, 1024)
+    msg = refusal(validate_at, ckpt, 2048)
+    assert "rollout.max_model_len=2048 is longer than the model's context (max_position_embeddings: 1024" in msg, msg
+    assert "fix: rollout.max_model_len=1024" in msg, msg
+    monkeypatch.setenv("VLLM_ALLOW_LONG_MAX_MODEL_LEN", "1")
+    validate_at(ckpt, 2048)
+    monkeypatch.delenv("VLLM_ALLOW_LONG_MAX_MODEL_LEN")
+    base = {"max_position_embeddings": 1024}
+    assert model_context({**base, "rope_scaling": {"rope_type": "linear", "factor": 4.0}}) == (
+        4096.0, "max_position_embeddings x RoPE factor 4")
+    assert model_context({**base, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}})[0] == 1024.0
+    assert model_context({**base, "seq_length": 512})[0] == 512.0
+    assert model_context({"text_config": base})[0] == 1024.0
+    assert model_context(base, {"model_max_length": 256}) == (256.0, "model_max_length in tokenizer_config.json")
+    assert model_context({**base, "model_max_length": 4096}) is None  # vLLM lets a user go past the key up to it
+    assert model_context({"hidden_size": 8}) is None
+
+
 def data_error(path: Path, *extra: str) -> str:
     return refusal(validate, load_config(None, ["placement.device=cpu", f"data.path={path}", *extra], {}),
                    check_resources=True, check_gpus=False)
