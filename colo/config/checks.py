@@ -113,6 +113,10 @@ def _check_values(cfg: ColoConfig) -> None:
     if cfg.rollout.n < 2:  # the group is the baseline: one sample is its own mean, so every advantage is 0
         raise ConfigError(f"rollout.n={cfg.rollout.n}: group-relative advantages need at least 2 samples per prompt "
                           "(with 1, every advantage is 0 and nothing trains); fix: rollout.n=8 (or any n >= 2)")
+    if cfg.rollout.temperature == 0:  # greedy: a group's samples are one answer n times, so again every advantage is 0
+        raise ConfigError("rollout.temperature=0 samples every prompt's group greedily, n copies of one answer: every "
+                          "group-relative advantage is 0 and nothing trains (loss and grad_norm 0 on every step); the "
+                          "greedy eval (eval/reward) runs anyway; fix: rollout.temperature=1.0")
     _check_placement_mode(cfg)
     _check_async(cfg)
     _check_loggers(cfg.run.loggers)

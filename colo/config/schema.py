@@ -218,7 +218,7 @@ class RolloutConfig(Section):
     max_model_len: int = 2048
     """vLLM max_model_len: prompt + response tokens."""
     temperature: float = 1.0
-    """Sampling temperature."""
+    """Sampling temperature, above 0 (at 0 a group is one greedy answer n times: every advantage 0, nothing trains)."""
     top_p: float = 1.0
     """Nucleus sampling threshold. Only 1.0 is accepted: vLLM's log-probs under top_p < 1 are renormalized
     over the nucleus, which the trainer's full-softmax recompute does not reproduce (docs/loss.md)."""

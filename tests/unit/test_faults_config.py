@@ -21,6 +21,14 @@ def test_group_of_one_is_refused() -> None:
     validate(load_config(None, ["placement.device=cpu", "rollout.n=2"], {}), check_resources=False)
 
 
+def test_greedy_sampling_is_refused() -> None:
+    """rollout.temperature=0: a group is one greedy answer n times, so every advantage is 0 (a 4-step job ran
+    with loss and grad_norm 0 on every step, and said nothing)."""
+    msg = config_error(["rollout.temperature=0"])
+    assert msg.startswith("rollout.temperature=0 samples") and "fix: rollout.temperature=1.0" in msg, msg
+    validate(load_config(None, ["placement.device=cpu", "rollout.temperature=0.6"], {}), check_resources=False)
+
+
 def test_late_bad_byte_names_file_and_line(tmp_path) -> None:
     """A Latin-1 byte on line 2000 of a JSONL file (past the first decode chunk): the file and the line."""
     from colo.data.prompts import read_rows
