@@ -1,4 +1,4 @@
-"""Reward functions: built-ins and user functions by "module:function", run batched.
+"""Reward functions: built-ins and user functions by "module:function" or "file.py:function", run batched.
 
 Every reward function has one batched signature
 
@@ -37,12 +37,15 @@ from __future__ import annotations
 import importlib
 import inspect
 import math
+import os
 import re
 import signal
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 from colo.algo import math_reward
 from colo.run.signals import stop_signalled
@@ -136,22 +139,46 @@ BUILTINS: dict[str, RewardFn] = {"exact_match": exact_match, "numeric": numeric,
 
 
 def resolve(name: str) -> RewardFn:
-    """A built-in name or "package.module:function" -> the callable. Raises ValueError naming it."""
+    """A built-in name, "package.module:function" or "path/to/file.py:function" -> the callable. Raises ValueError
+    naming it."""
     if ":" not in name:
         if name not in BUILTINS:
             raise ValueError(f"unknown reward function {name!r}: built-ins are {sorted(BUILTINS)}, "
-                             "user functions are given as 'module:function'")
+                             "user functions are given as 'module:function' or 'path/to/file.py:function'")
         return BUILTINS[name]
-    mod_name, _, attr = name.partition(":")
+    mod_name, _, attr = name.rpartition(":")
     try:
-        mod = importlib.import_module(mod_name)
+        mod = _load_file(mod_name) if mod_name.endswith(".py") else importlib.import_module(mod_name)
     except Exception as e:  # ImportError, or the module itself failing at import time
-        raise ValueError(f"reward function {name!r}: cannot import module {mod_name!r}: "
-                         f"{type(e).__name__}: {e}") from e
+        raise ValueError(f"reward function {name!r}: cannot import {'file' if mod_name.endswith('.py') else 'module'} "
+                         f"{mod_name!r}: {type(e).__name__}: {e}") from e
     fn = getattr(mod, attr, None)
     if not callable(fn):
         raise ValueError(f"reward function {name!r}: module {mod_name!r} has no callable {attr!r}")
     return fn
+
+
+def _load_file(path: str) -> Any:
+    """A reward module given by its file (verl's custom_reward_function.path, a script beside the config): loaded
+    once per absolute path under a name of its own, so two files called rewards.py do not shadow each other."""
+    import hashlib
+    import importlib.util
+    import sys
+
+    file = Path(path).expanduser().resolve()
+    if not file.is_file():
+        raise FileNotFoundError(f"no such file (from {os.getcwd()})")
+    name = f"colo_reward_file_{file.stem}_{hashlib.sha1(str(file).encode()).hexdigest()[:8]}"
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, file)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module  # dataclasses and pickling look their module up by name
+        try:
+            spec.loader.exec_module(module)
+        except BaseException:
+            del sys.modules[name]
+            raise
+    return sys.modules[name]
 
 
 @dataclass

@@ -476,8 +476,8 @@ def _check_rewards(cfg: ColoConfig) -> None:
         try:
             resolve_reward(name)
         except ValueError as e:
-            raise ConfigError(f"algo.rewards: {e}; fix: algo.rewards=[exact_match] or a "
-                              "module:function importable from here") from e
+            raise ConfigError(f"algo.rewards: {e}; fix: algo.rewards=[exact_match], a module:function importable "
+                              "from here, or path/to/file.py:function") from e
 
 
 def _check_turns(cfg: ColoConfig) -> None:

@@ -240,9 +240,15 @@ def _first_line(e: BaseException) -> str:
 # --------------------------------------------------------------------------------------- resolve
 
 
+def _absolute_file(reward: str) -> str:
+    """"rewards.py:fn" -> "/abs/rewards.py:fn"; a module or a built-in as it is."""
+    where, _, attr = reward.rpartition(":")
+    return f"{Path(where).expanduser().resolve()}:{attr}" if where.endswith(".py") else reward
+
+
 def resolve_paths(cfg: ColoConfig) -> ColoConfig:
-    """A copy with concrete places: run.dir ("{time}" filled in), model.path and the data paths, all absolute
-    (actors may chdir).
+    """A copy with concrete places: run.dir ("{time}" filled in), model.path, the data paths and reward files, all
+    absolute (actors may chdir).
 
     auto: model/data paths become where the run dir's creation generates them (<run.dir>/model,
     <run.dir>/data/<task>_{train,eval}.jsonl, colo.materialize). A Hub id becomes its snapshot in the local HF cache,
@@ -261,6 +267,7 @@ def resolve_paths(cfg: ColoConfig) -> ColoConfig:
             out.model.path = hub_download(cfg.model.path, config_only=True)
         except ConfigError:
             pass  # colo.config.checks.model_config_json planned it from colo's copy, and said so
+    out.algo.rewards = [_absolute_file(name) for name in cfg.algo.rewards]  # a resume may start elsewhere
     for key, split in (("path", "train"), ("eval_path", "eval")):
         value = getattr(cfg.data, key)
         if value and value.startswith(AUTO):

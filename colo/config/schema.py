@@ -298,10 +298,12 @@ class AlgoConfig(Section):
     overlong_penalty: float = 1.0
     """algo.overlong=penalty: the reward penalty of a response at rollout.max_tokens."""
     rewards: list[str] = field(default_factory=lambda: ["exact_match"])
-    """Reward functions, summed: built-ins (exact_match, numeric, format) or "module:function"."""
+    """Reward functions, summed: built-ins (exact_match, numeric, format, math), "module:function" or
+    "path/to/file.py:function" (a file relative to where colo.launch runs)."""
     reward_timeout_s: float = 600.0
-    """Longest a call of a user reward function ("module:function") may take, seconds; past it the run ends with
-    one `colo: error:` line naming the function (and the last trained step saved). Built-ins bound themselves."""
+    """Longest a call of a user reward function ("module:function", "file.py:function") may take, seconds; past it
+    the run ends with one `colo: error:` line naming the function (and the last trained step saved). Built-ins bound
+    themselves."""
     routing_replay: str = "off"
     """off | r3: rollout routing replay. r3: the trainer's MoE layers use the experts the engine chose for
     each token (log-prob recompute and training); the weights still come from the trainer's router. Either

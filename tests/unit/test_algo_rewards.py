@@ -109,6 +109,30 @@ def test_resolution_errors_name_the_function(user_mod):
     assert resolve("numeric") is numeric
 
 
+def test_a_reward_given_by_its_file(tmp_path, monkeypatch):
+    """"rewards.py:fn", as verl's custom_reward_function.path has it: refused until 2026-12-08 ("No module named
+    '/tmp/x/rewards'"). Relative to where colo.launch runs, made absolute for the run's saved config (a resume may
+    start elsewhere); two files of one name stay two modules."""
+    from colo.config import load_config, resolve_paths
+
+    for sub, value in (("a", 1.0), ("b", 2.0)):
+        (tmp_path / sub).mkdir()
+        (tmp_path / sub / "rewards.py").write_text(f"def fn(responses, answers, prompts):\n"
+                                                   f"    return [{value}] * len(responses)\n")
+    monkeypatch.chdir(tmp_path)
+    a, b = resolve("a/rewards.py:fn"), resolve(f"{tmp_path}/b/rewards.py:fn")
+    assert (a(["x"], [""], [""]), b(["x"], [""], [""])) == ([1.0], [2.0])
+    assert resolve(f"{tmp_path}/a/rewards.py:fn") is a  # loaded once per file
+    assert RewardRunner(["a/rewards.py:fn", "exact_match"])(["x"], ["y"], ["p"]) == [1.0]
+    with pytest.raises(ValueError, match=r"cannot import file 'c/rewards.py': FileNotFoundError: no such file"):
+        resolve("c/rewards.py:fn")
+    with pytest.raises(ValueError, match="no callable 'other'"):
+        resolve("a/rewards.py:other")
+    cfg = load_config(None, ["placement.device=cpu", "algo.rewards=[a/rewards.py:fn,exact_match,json:loads]",
+                             f"run.dir={tmp_path}/run"], {})
+    assert resolve_paths(cfg).algo.rewards == [f"{tmp_path}/a/rewards.py:fn", "exact_match", "json:loads"]
+
+
 def test_raising_reward_names_function_and_sample(user_mod):
     runner = RewardRunner(["numeric", f"{user_mod}:picky"])
     with pytest.raises(RewardError) as ei:
