@@ -398,7 +398,7 @@ def _check_data(cfg: ColoConfig, key: str) -> None:
                               f"{did_you_mean(value[len(AUTO):], list(TASKS))}; fix: one of "
                               f"{[AUTO + t for t in TASKS]}")
         return
-    from colo.data.prompts import FILE_SUFFIXES, DataSource, dataset_columns  # light: datasets only when used
+    from colo.data.prompts import FILE_SUFFIXES, DataSource, as_prompt, dataset_columns  # light: no datasets yet
 
     source = DataSource.parse(value)
     if source.kind == "hub":
@@ -445,11 +445,21 @@ def _check_data(cfg: ColoConfig, key: str) -> None:
         import pyarrow as pa
 
         kind = schema.field(cfg.data.prompt_key).type
-        if not (pa.types.is_string(kind) or pa.types.is_large_string(kind)):
+        if not (pa.types.is_string(kind) or pa.types.is_large_string(kind) or _messages_type(kind)):
             raise ConfigError(_not_text(key, value, cfg.data.prompt_key, f"{kind} values"))
-    elif not isinstance(first[cfg.data.prompt_key], str):
+    elif as_prompt(first[cfg.data.prompt_key]) is None:
         raise ConfigError(_not_text(key, value, cfg.data.prompt_key,
                                     f"{_a(type(first[cfg.data.prompt_key]).__name__)} in its first row"))
+
+
+def _messages_type(kind: Any) -> bool:
+    """A Parquet column of chat messages: list<struct<role: string, content: string, ...>>."""
+    import pyarrow as pa
+
+    if not (pa.types.is_list(kind) or pa.types.is_large_list(kind)) or not pa.types.is_struct(kind.value_type):
+        return False
+    names = {kind.value_type.field(i).name: kind.value_type.field(i).type for i in range(kind.value_type.num_fields)}
+    return all(k in names and pa.types.is_string(names[k]) for k in ("role", "content"))
 
 
 def _a(noun: str) -> str:
@@ -457,15 +467,17 @@ def _a(noun: str) -> str:
 
 
 def _not_text(key: str, value: str, prompt_key: str, what: str) -> str:
-    return (f"{key}={value}: the prompt column '{prompt_key}' holds {what}, not text (the run would train on "
-            f"prompts like '1000'); fix: data.prompt_key= the column that holds the prompts, or make it a string "
-            f"column (e.g. df['{prompt_key}'] = df['{prompt_key}'].astype(str) if those are the prompts)")
+    return (f"{key}={value}: the prompt column '{prompt_key}' holds {what}, not text or chat messages (the run "
+            f"would train on prompts like '1000'); fix: data.prompt_key= the column that holds the prompts, or make "
+            f"it a string column (e.g. df['{prompt_key}'] = df['{prompt_key}'].astype(str) if those are the prompts)")
 
 
 def _check_fields(cfg: ColoConfig, key: str, value: str, fields: set[str]) -> None:
-    missing = [k for k in (cfg.data.prompt_key, cfg.data.answer_key) if k not in fields]
+    from colo.data.prompts import column
+
+    missing = [k for k in (cfg.data.prompt_key, cfg.data.answer_key) if k not in fields and column(k) not in fields]
     if missing:
-        raise ConfigError(f"{key}={value}: the first row has no field {missing[0]!r} (has "
+        raise ConfigError(f"{key}={value}: the first row has no field {column(missing[0])!r} (has "
                           f"{sorted(fields)}); fix: data.prompt_key=/data.answer_key= to name them")
 
 

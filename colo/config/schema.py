@@ -363,9 +363,10 @@ class DataConfig(Section):
     eval_path: Optional[str] = None
     """Held-out prompts for eval (same formats as path; auto:<task> = its eval split); null: no eval."""
     prompt_key: str = "prompt"
-    """Field holding the prompt text."""
+    """Field holding the prompt: text, or chat messages ([{"role", "content"}, ...], verl's and TRL's format)."""
     answer_key: str = "answer"
-    """Field holding the reference answer given to the reward functions."""
+    """Field holding the reference answer given to the reward functions; dots name a nested field (verl's
+    reward_model.ground_truth)."""
     prompts_per_step: int = 16
     """Prompts per RL step (each sampled rollout.n times)."""
     chat_template: bool = True

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from colo.algo.batch import pad_rows
-from colo.data.prompts import PromptDataset, encode_prompt, load_tokenizer
+from colo.data.prompts import PromptDataset, as_prompt, encode_prompt, load_tokenizer, prompt_row
 from colo.data.tasks import completion, sft_examples
 from colo.config import ColoConfig, ConfigError, model_config_json
 
@@ -73,7 +73,7 @@ class RunInputs:
 
                 self._worker = EnvWorker(self.environment, self.tokenizer, self.system_prompt, self.chat_template,
                                          self.unsafe_tools)
-            rows = [{"prompt": p, "answer": a} for p, a in todo]
+            rows = [prompt_row(p, a) for p, a in todo]
             self._demos.update(zip(todo, self._worker.demonstrations(rows)))
         return [self._demos[p] for p in pairs]
 
@@ -148,8 +148,9 @@ def preview_prompt(cfg: ColoConfig) -> str:
 
         prompt = generate(cfg.data.path[len(AUTO):], 1, 0, cfg.run.seed)[0][0][0]
     else:
-        rows = read_rows(cfg.data.path, [cfg.data.prompt_key, cfg.data.answer_key], cache_only=True)
-        prompt = str(rows[0][cfg.data.prompt_key])
+        rows = read_rows(cfg.data.path, [cfg.data.prompt_key, cfg.data.answer_key], cache_only=True,
+                         text=[cfg.data.prompt_key])
+        prompt = as_prompt(rows[0][cfg.data.prompt_key])
     chat = uses_chat_template(cfg, tok)
     text, ids = encode_prompt(tok, prompt, chat, cfg.data.system_prompt)
     how = "in the tokenizer's chat template" if chat else "raw text (no chat template)"

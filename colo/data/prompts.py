@@ -9,12 +9,19 @@ Sources (`data.path`, `data.eval_path`; DataSource.parse):
 
     ds = PromptDataset("arith_train.jsonl", "prompt", "answer", tokenizer, chat_template=False, seed=0)
     batch = ds.next_batch(8)     # [{"prompt_ids": [int], "prompt_text": str, "answer": str, "prompt": str}] * 8
+                                 # (+ "messages": [{"role", "content"}] for a chat-format prompt)
     state = ds.state_dict()      # {"epoch", "pos", "seed", "num_rows"}: store it in the checkpoint
     ds.load_state_dict(state)    # the next next_batch() continues exactly where the saved one left off
 
 Order: epoch e visits every row once in a permutation drawn from Random(f"{seed}:{e}"), so the
 order depends only on (seed, epoch), not on batch sizes or on how often the run was resumed. A batch
 that reaches the end of an epoch continues into the next one (no short or dropped batches).
+
+A prompt is text, or chat messages (`[{"role": "user", "content": "..."}, ...]`: verl's and TRL's conversational
+`prompt` column), rendered with the tokenizer's chat template (data.system_prompt goes first where they have no
+system message). The text rewards and environments see is a text prompt itself, or the messages' last user turn;
+an environment also gets the messages (row["messages"]). data.answer_key may name a field inside a column with
+dots (verl's `reward_model.ground_truth`).
 
 Rows are validated when the file is read, so a bad row fails at start-up with the file, row number
 and missing field, not hours later when a shuffle happens to reach it.
@@ -33,6 +40,61 @@ from typing import Any
 
 FILE_SUFFIXES = (".jsonl", ".json", ".ndjson", ".parquet")  # .json is JSON lines
 _REPO_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
+
+Prompt = str | tuple[tuple[str, str], ...]  # text, or chat messages as (role, content) pairs: hashable, one order
+
+
+def as_prompt(value: Any) -> Prompt | None:
+    """A row's prompt field as text or messages; None where it is neither (a number, a dict, a list of strings)."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, (list, tuple)) and value and all(
+            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+            for m in value):
+        return tuple((m["role"], m["content"]) for m in value)
+    return None
+
+
+def messages(prompt: Prompt) -> list[dict[str, str]]:
+    """Chat messages of a prompt: a text prompt is one user message."""
+    if isinstance(prompt, str):
+        return [{"role": "user", "content": prompt}]
+    return [{"role": role, "content": content} for role, content in prompt]
+
+
+def question(prompt: Prompt) -> str:
+    """The text rewards and environments get: a text prompt, or the messages' last user turn (else the last)."""
+    if isinstance(prompt, str):
+        return prompt
+    return next((content for role, content in reversed(prompt) if role == "user"), prompt[-1][1])
+
+
+def prompt_row(prompt: Prompt, answer: str) -> dict[str, Any]:
+    """{"prompt": its text, "answer"}, and "messages" for a chat-format prompt (environments start from them)."""
+    row: dict[str, Any] = {"answer": answer, "prompt": question(prompt)}
+    if not isinstance(prompt, str):
+        row["messages"] = messages(prompt)
+    return row
+
+
+def row_prompt(row: dict) -> Prompt:
+    """The prompt a prompt_row was made from."""
+    return as_prompt(row["messages"]) if "messages" in row else row["prompt"]
+
+
+def column(key: str) -> str:
+    """The column a data key reads: "reward_model.ground_truth" -> "reward_model"."""
+    return key.split(".", 1)[0]
+
+
+def field_of(row: dict, key: str) -> Any:
+    """row[key], where dots walk into nested fields (None where a level is missing)."""
+    if key in row:  # a column whose name has a dot
+        return row[key]
+    value: Any = row
+    for part in key.split("."):
+        value = value.get(part) if isinstance(value, dict) else None
+    return value
 
 
 @dataclass(frozen=True)
@@ -136,16 +198,17 @@ def _load_from_cache(source: DataSource) -> Any:
 def read_rows(path: str | os.PathLike, required: Sequence[str], cache_only: bool = False,
               text: Sequence[str] = ()) -> list[dict[str, Any]]:
     """All rows of a .jsonl/.json-lines or .parquet file, or of a Hugging Face dataset (DataSource);
-    every row must have every `required` field, and the `text` fields (the prompt) must be strings.
-    cache_only: a Hub dataset only from the local cache."""
+    every row must have every `required` field (dots: a nested one), and the `text` fields (the prompt) must be
+    text or chat messages (as_prompt). cache_only: a Hub dataset only from the local cache."""
     source = DataSource.parse(str(path))
     if source.kind != "file":
         ds = _open_dataset(source, cache_only)
-        missing = [k for k in required if k not in ds.column_names]
+        missing = [k for k in required if column(k) not in ds.column_names]
         if missing:
-            raise ValueError(f"{source.spec()}: no column {missing[0]!r} (columns: {sorted(ds.column_names)}); "
-                             "fix: data.prompt_key=/data.answer_key= to name them")
-        rows = ds.select_columns(list(required)).to_list()  # only the two columns: datasets can be wide
+            raise ValueError(f"{source.spec()}: no column {column(missing[0])!r} (columns: "
+                             f"{sorted(ds.column_names)}); fix: data.prompt_key=/data.answer_key= to name them")
+        wanted = list(dict.fromkeys(column(k) for k in required))
+        rows = ds.select_columns(wanted).to_list()  # only those columns: datasets can be wide
         return _check_rows(rows, [f"row {i}" for i in range(len(rows))], required, source.spec(), text)
     path = Path(path)
     if not path.exists():
@@ -185,19 +248,19 @@ def _check_rows(rows: list[dict], where: list[str], required: Sequence[str], nam
                 text: Sequence[str] = ()) -> list[dict]:
     for row, at in zip(rows, where):
         for key in required:
-            if row.get(key) is None:  # Parquet and datasets fill absent values with None: missing too
+            if field_of(row, key) is None:  # Parquet and datasets fill absent values with None: missing too
                 raise ValueError(f"{name}: {at}: missing field {key!r} (row has fields {sorted(row)})")
         for key in text:
-            if not isinstance(row[key], str):
+            if as_prompt(row[key]) is None:
                 raise ValueError(f"{name}: {at}: field {key!r} is {type(row[key]).__name__} {str(row[key])[:40]}, "
-                                 f"not text; fix: data.prompt_key= the field that holds the prompts, or write them "
-                                 "as strings")
+                                 f"not text or chat messages; fix: data.prompt_key= the field that holds the prompts, "
+                                 "or write them as strings or as [{\"role\": \"user\", \"content\": ...}] lists")
     if not rows:
         raise ValueError(f"{name}: no rows (the file is empty); fix: a file with one row per prompt")
     return rows
 
 
-def check_prompt_lengths(prompts: Sequence[str], tokenizer: Any, chat_template: bool, system_prompt: str | None,
+def check_prompt_lengths(prompts: Sequence[Prompt], tokenizer: Any, chat_template: bool, system_prompt: str | None,
                          max_model_len: int, max_tokens: int, name: str) -> None:
     """Every prompt, as the engine will get it, must leave rollout.max_tokens of rollout.max_model_len for its
     response: vLLM refuses a longer prompt only at the first rollout (after the warm-up), and a prompt that
@@ -246,19 +309,24 @@ def load_tokenizer(path: str | os.PathLike, **kwargs: Any) -> Any:
     return AutoTokenizer.from_pretrained(path, **kwargs)
 
 
-def encode_prompt(tokenizer: Any, prompt: str, chat_template: bool,
+def encode_prompt(tokenizer: Any, prompt: Prompt, chat_template: bool,
                   system_prompt: str | None = None) -> tuple[str, list[int]]:
     """(text the model sees, its token ids): the chat template applied when enabled, with the system
-    prompt as its first message when given. Rollout prompts and the warm-up's supervised examples both go
-    through here, so they are tokenized identically."""
+    prompt as its first message when given (and the prompt's messages have none). Rollout prompts and the
+    warm-up's supervised examples both go through here, so they are tokenized identically."""
     if not chat_template:
         if system_prompt:  # colo.data.inputs refuses this combination before anything starts
             raise ValueError("a system prompt needs a chat template")
+        if not isinstance(prompt, str):
+            raise ValueError("chat-format prompts (role/content messages) need the tokenizer's chat template, and "
+                             "data.chat_template is false or the tokenizer has none; fix: data.chat_template=true "
+                             "with a chat model, or text prompts")
         text = prompt
     else:
-        system = [{"role": "system", "content": system_prompt}] if system_prompt else []
-        text = tokenizer.apply_chat_template(system + [{"role": "user", "content": prompt}],
-                                             add_generation_prompt=True, tokenize=False)
+        chat = messages(prompt)
+        system = [{"role": "system", "content": system_prompt}] if system_prompt and not any(
+            m["role"] == "system" for m in chat) else []
+        text = tokenizer.apply_chat_template(system + chat, add_generation_prompt=True, tokenize=False)
     # A rendered chat template already carries any BOS; a raw prompt gets the tokenizer's specials.
     return text, list(tokenizer(text, add_special_tokens=not chat_template)["input_ids"])
 
@@ -278,8 +346,8 @@ class PromptDataset:
             raise ValueError(f"chat_template=True but tokenizer {tokenizer.name_or_path!r} has no chat template")
         self.path = str(path)  # a file, or a dataset source spec (DataSource)
         rows = read_rows(self.path, [prompt_key, answer_key], text=[prompt_key])
-        self.prompts = [str(r[prompt_key]) for r in rows]
-        self.answers = [str(r[answer_key]) for r in rows]
+        self.prompts: list[Prompt] = [as_prompt(r[prompt_key]) for r in rows]
+        self.answers = [str(field_of(r, answer_key)) for r in rows]
         self.tokenizer = tokenizer
         self.chat_template = chat_template
         self.system_prompt = system_prompt
@@ -299,7 +367,7 @@ class PromptDataset:
 
     def item(self, i: int) -> dict[str, Any]:
         text, ids = encode_prompt(self.tokenizer, self.prompts[i], self.chat_template, self.system_prompt)
-        return {"prompt_ids": ids, "prompt_text": text, "answer": self.answers[i], "prompt": self.prompts[i]}
+        return {"prompt_ids": ids, "prompt_text": text, **prompt_row(self.prompts[i], self.answers[i])}
 
     def _epoch_order(self, epoch: int) -> list[int]:
         if self._order_epoch != epoch:

@@ -127,10 +127,12 @@ def make_task(name: str, out_dir: str | os.PathLike, n_train: int = N_TRAIN, n_e
 
 def sft_examples(path: str | os.PathLike, prompt_key: str = "prompt",
                  answer_key: str = "answer") -> list[Example]:
-    """(prompt, answer) pairs from a task file (JSONL or Parquet) for the supervised warm-up."""
-    from colo.data.prompts import read_rows
+    """(prompt, answer) pairs from a task file (JSONL or Parquet) for the supervised warm-up; a prompt is text or
+    chat messages (colo.data.prompts.Prompt)."""
+    from colo.data.prompts import as_prompt, field_of, read_rows
 
-    return [(str(r[prompt_key]), str(r[answer_key])) for r in read_rows(path, [prompt_key, answer_key])]
+    return [(as_prompt(r[prompt_key]), str(field_of(r, answer_key)))
+            for r in read_rows(path, [prompt_key, answer_key], text=[prompt_key])]
 
 
 def main(argv: list[str] | None = None) -> None:

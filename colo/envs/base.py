@@ -56,7 +56,10 @@ class Environment:
 
     def reset(self, row: dict) -> Prompt:
         """The first prompt: chat messages (rendered with the chat template and its generation prompt) or token
-        ids (used as they are). Default: the row's prompt as one user message."""
+        ids (used as they are). Default: the row's messages (a chat-format data row), else its prompt as one user
+        message."""
+        if row.get("messages"):
+            return [dict(m) for m in row["messages"]]
         return [{"role": "user", "content": str(row["prompt"])}]
 
     def step(self, turn: Turn) -> Step | tuple:

@@ -175,6 +175,52 @@ def test_chat_template_and_system_prompt(tok) -> None:
         uses_chat_template(cfg, base)
 
 
+def test_chat_format_prompts_and_nested_answers_as_verl_writes_them(tmp_path: Path, tok) -> None:
+    """verl's GSM8K parquet: `prompt` a list of {role, content} messages, the answer in reward_model.ground_truth.
+    Refused until 2026-12-08 ("holds a list ... not text"). The messages go through the chat template (a system
+    message of their own keeps data.system_prompt out), rewards and environments get the last user turn as the
+    prompt, environments also the messages; the warm-up renders them as the rollouts do."""
+    from colo.config import ConfigError, load_config, validate
+    from colo.data.inputs import preview_prompt
+    from colo.data.prompts import encode_prompt
+    from colo.envs.base import Environment
+
+    system = {"role": "system", "content": "Answer with the number."}
+    rows = [{"data_source": "arith", "prompt": [system, {"role": "user", "content": f"Question: {i}+1=? Answer:"}],
+             "reward_model": {"style": "rule", "ground_truth": str(i + 1)}, "extra_info": {"index": i}}
+            for i in range(6)]
+    _write_parquet(tmp_path / "verl.parquet", rows)
+    (tmp_path / "msgs.jsonl").write_text("".join(json.dumps({"messages": r["prompt"][1:], "answer": str(i + 1)}) + "\n"
+                                                 for i, r in enumerate(rows)))
+    ds = PromptDataset(tmp_path / "verl.parquet", "prompt", "reward_model.ground_truth", tok, chat_template=True,
+                       shuffle=False, system_prompt="ignored: the messages have their own")
+    item = ds.next_batch(1)[0]
+    assert item["prompt_text"] == ("<|im_start|>system\nAnswer with the number.<|im_end|>\n<|im_start|>user\n"
+                                   "Question: 0+1=? Answer:<|im_end|>\n<|im_start|>assistant\n")
+    assert tok.decode(item["prompt_ids"]) == item["prompt_text"]
+    assert (item["prompt"], item["answer"], item["messages"]) == ("Question: 0+1=? Answer:", "1", rows[0]["prompt"])
+    assert Environment().reset(item) == rows[0]["prompt"]  # the default first turn: the row's own messages
+    flat = PromptDataset(tmp_path / "msgs.jsonl", "messages", "answer", tok, chat_template=True, shuffle=False,
+                         system_prompt="Answer briefly.").item(0)  # no system message of their own: it goes first
+    assert flat["prompt_text"].startswith("<|im_start|>system\nAnswer briefly.<|im_end|>\n<|im_start|>user\nQuestion")
+    pairs = sft_examples(tmp_path / "verl.parquet", "prompt", "reward_model.ground_truth")
+    assert encode_prompt(tok, pairs[0][0], True) == (item["prompt_text"], item["prompt_ids"]) and pairs[0][1] == "1"
+    with pytest.raises(ValueError, match="chat-format prompts .* need the tokenizer's chat template"):
+        PromptDataset(tmp_path / "verl.parquet", "prompt", "reward_model.ground_truth", tok).item(0)
+    # the config checks and --dry-run see the same, before anything starts
+    overrides = [f"data.path={tmp_path}/verl.parquet", "data.eval_path=null", f"run.dir={tmp_path}/r",
+                 "data.answer_key=reward_model.ground_truth"]
+    cfg = load_config(None, overrides, {})
+    validate(cfg)
+    assert repr(item["prompt_text"]) in preview_prompt(cfg)
+    _write_parquet(tmp_path / "bad.parquet", [{"prompt": ["just", "strings"], "answer": "1"}])
+    with pytest.raises(ConfigError, match="holds list<element: string> values, not text or chat messages"):
+        validate(load_config(None, [f"data.path={tmp_path}/bad.parquet", "data.eval_path=null",
+                                    f"run.dir={tmp_path}/r"], {}))
+    with pytest.raises(ValueError, match=r"row 0: missing field 'reward_model.truth'"):
+        read_rows(tmp_path / "verl.parquet", ["prompt", "reward_model.truth"])
+
+
 def test_load_tokenizer_is_autotokenizers_without_its_imports(tmp_path: Path) -> None:
     """load_tokenizer gives what AutoTokenizer gives for a generic fast tokenizer, under the name transformers 5
     writes and the one colo's tiny models write (4.x's), without importing transformers' auto classes and

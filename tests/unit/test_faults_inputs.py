@@ -139,7 +139,7 @@ def test_a_prompt_column_that_is_not_text_is_refused(tmp_path: Path) -> None:
     jsonl.write_text('{"prompt": "fine", "answer": "1"}\n{"prompt": 7, "answer": "2"}\n')
     from colo.data.prompts import read_rows
 
-    with pytest.raises(ValueError, match=r"row 1 \(line 2\): field 'prompt' is int 7, not text; fix: "):
+    with pytest.raises(ValueError, match=r"row 1 \(line 2\): field 'prompt' is int 7, not text or chat messages; fix: "):
         read_rows(jsonl, ["prompt", "answer"], text=["prompt"])
     first = tmp_path / "first.jsonl"
     first.write_text('{"prompt": 7, "answer": "2"}\n')
