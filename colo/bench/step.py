@@ -300,16 +300,13 @@ def summarize(steps: list[dict], cfg: Any, config_json: dict, gpus: int, device_
         # optimizer step, no batch building): what the model's kernels achieve
         "compute_mfu": flops / compute_s / (peak * gpus) if peak else None,
         "padding_fraction": 1.0 - total("train/real_tokens") / max(total("train/token_slots"), 1.0),
-        "phases": phases,
-        "logprob_peak_gb": max(peaks) if peaks else None,
-        "logprob_pass_gb": max(own) if own else None,
-        "alloc_retries": int(total("bench/alloc_retries")),
+        "phases": phases, "logprob_peak_gb": max(peaks) if peaks else None,
+        "logprob_pass_gb": max(own) if own else None, "alloc_retries": int(total("bench/alloc_retries")),
         "update_reserved_gb": max((m["bench/update_reserved_gb"] for m in steps
                                    if m["bench/update_reserved_gb"] is not None), default=None),
         "tokens_per_step": total("bench/tokens") / len(steps),
         "response_len_mean": sum(m["response_len/mean"] for m in steps) / len(steps),
-        "truncated_frac": sum(m["response/truncated_frac"] for m in steps) / len(steps),
-        "steps": len(steps),
+        "truncated_frac": sum(m["response/truncated_frac"] for m in steps) / len(steps), "steps": len(steps),
         # the sync as the loop ran it (LoRA: the merged W + s B A), every one verified, and each phase's memory
         # (loop.memory_stats: the whole device's use and the trainer's peak, GiB) at its highest over the steps
         "weight_sync": {"seconds": total("sync/seconds") / len(steps), "bytes": steps[-1].get("sync/bytes"),

@@ -363,8 +363,7 @@ class Trainer:
         """Copy the policy's shards into the reference model (no collectives: both are sharded alike).
 
         The KL term pulls toward the policy RL started from. That is the policy after the SFT warm-up,
-        not model.path: a reference rebuilt from disk would pull the policy back to before the warm-up.
-        """
+        not model.path: a reference rebuilt from disk would pull the policy back to before the warm-up."""
         for (name, p), (ref_name, r) in zip(self.model.named_parameters(), self.ref_model.named_parameters()):
             assert name == ref_name, (name, ref_name)
             (r.to_local() if hasattr(r, "to_local") else r).copy_(p.to_local() if hasattr(p, "to_local") else p)
