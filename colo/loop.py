@@ -64,6 +64,7 @@ from colo.cluster.probing import check_probe
 from colo.cluster.sides import PlacementSide, side_for
 from colo.config import ColoConfig, check_resolved, to_dict
 from colo.data.inputs import RunInputs, open_inputs
+from colo.data.prompts import pad_id
 from colo.host.shm import sweep
 from colo.rollout.generation import generate
 from colo.rollout.sample import Sample
@@ -177,7 +178,7 @@ def rl_step(step: int, job: Job, stop: StopSignals | None = None) -> dict:
         side.onload()
         # timing/batch_s, a part of timing/train_s: the driver's share of the train phase, on one thread (torch_threads)
         with t("batch", part=True), torch_threads(1):
-            batch = build_batch(got.samples, adv, pad_id=job.inputs.tokenizer.pad_token_id,
+            batch = build_batch(got.samples, adv, pad_id=pad_id(job.inputs.tokenizer),
                                 mask_truncated=cfg.algo.overlong == "filter")
             shards = shard_batch(batch, len(c.trainers))
         train = c.trainer_group.train_step(shards)[0]  # metrics are already all-reduced over ranks

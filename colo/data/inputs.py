@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from colo.algo.batch import pad_rows
-from colo.data.prompts import PromptDataset, as_prompt, encode_prompt, load_tokenizer, prompt_row
+from colo.data.prompts import PromptDataset, as_prompt, encode_prompt, load_tokenizer, pad_id, prompt_row
 from colo.data.tasks import completion, sft_examples
 from colo.config import ColoConfig, ConfigError, model_config_json
 
@@ -56,7 +56,7 @@ class RunInputs:
             prompts.append(p)
             responses.append(r)
             masks.append(1)
-        batch = pad_rows(prompts, responses, masks, pad_id=tok.pad_token_id)  # right-padded, loss on r
+        batch = pad_rows(prompts, responses, masks, pad_id=pad_id(tok))  # right-padded, loss on r
         return {key: batch[key] for key in ("input_ids", "attention_mask", "loss_mask")}  # (B, T) each
 
     def _demonstrations(self, pairs: list[tuple[str, str]]) -> list[dict | None]:

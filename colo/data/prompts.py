@@ -309,6 +309,15 @@ def load_tokenizer(path: str | os.PathLike, **kwargs: Any) -> Any:
     return AutoTokenizer.from_pretrained(path, **kwargs)
 
 
+def pad_id(tokenizer: Any) -> int:
+    """The id a padded position holds (masked out of attention and loss: any valid id will do): the tokenizer's pad
+    token, else its end of sequence (Llama 3's and many base models' tokenizers define no pad token), else 0."""
+    for value in (tokenizer.pad_token_id, tokenizer.eos_token_id):
+        if isinstance(value, int):
+            return value
+    return 0
+
+
 def encode_prompt(tokenizer: Any, prompt: Prompt, chat_template: bool,
                   system_prompt: str | None = None) -> tuple[str, list[int]]:
     """(text the model sees, its token ids): the chat template applied when enabled, with the system

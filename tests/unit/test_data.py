@@ -221,6 +221,21 @@ def test_chat_format_prompts_and_nested_answers_as_verl_writes_them(tmp_path: Pa
         read_rows(tmp_path / "verl.parquet", ["prompt", "reward_model.truth"])
 
 
+def test_a_tokenizer_without_a_pad_token_pads_with_its_eos(tmp_path: Path) -> None:
+    """Llama 3's and many base models' tokenizers define no pad token: the warm-up's first batch died in
+    torch.full(..., None) after Ray had started. Padded positions are masked, so the end-of-sequence id serves."""
+    from colo.data.inputs import RunInputs
+    from colo.data.prompts import pad_id
+    from colo.models.tokenizer import build_tokenizer
+
+    tok = build_tokenizer(512)
+    tok.pad_token = None
+    assert tok.pad_token_id is None and pad_id(tok) == tok.eos_token_id == 2
+    inputs = RunInputs(tmp_path, tok, None, [], [("Question: 1+2=? Answer:", "3"), ("Question: 11+2=? Answer:", "13")])
+    batch = inputs.sft_batch(4, 0)
+    assert batch["input_ids"].shape[0] == 4 and bool((batch["input_ids"][batch["attention_mask"] == 0] == 2).all())
+
+
 def test_load_tokenizer_is_autotokenizers_without_its_imports(tmp_path: Path) -> None:
     """load_tokenizer gives what AutoTokenizer gives for a generic fast tokenizer, under the name transformers 5
     writes and the one colo's tiny models write (4.x's), without importing transformers' auto classes and
