@@ -173,6 +173,10 @@ def not_a_dataset(folder: Path) -> str:
     """What to say about a data.path folder that datasets' load_from_disk does not take, with the fix."""
     files = sorted(p.name for p in folder.iterdir() if p.is_file() and not p.name.startswith("."))
     data = [f for f in files if Path(f).suffix in FILE_SUFFIXES]
+    if not data:  # a Hub download (huggingface-cli download --repo-type dataset): data/train-00000-of-00001.parquet
+        data = sorted(str(p.relative_to(folder)) for p in folder.rglob("*") if p.suffix in FILE_SUFFIXES
+                      and p.is_file() and not any(x.startswith(".") for x in p.relative_to(folder).parts))
+        files = files + data
     held = f"it holds {', '.join(files[:4])}{', ...' if len(files) > 4 else ''}" if files else "it is empty"
     one = (f"point data.path at one file (e.g. data.path={folder / data[0]})" + (
         ", or join them into one JSONL or Parquet file" if len(data) > 1 else "")) if data else \

@@ -155,6 +155,14 @@ def test_a_folder_of_mixed_files_gets_a_fix(tmp_path: Path) -> None:
     msg = data_error(folder)
     assert "not a dataset written by datasets' save_to_disk" in msg and "it holds a.jsonl, b.parquet, notes.txt" in msg
     assert f"fix: point data.path at one file (e.g. data.path={folder / 'a.jsonl'}), or join them into one" in msg
+    hub = tmp_path / "gsm8k"  # as huggingface-cli download --repo-type dataset lays it out: said "it is empty"
+    (hub / "main").mkdir(parents=True)
+    (hub / "README.md").write_text("# card")
+    for split in ("test", "train"):
+        (hub / "main" / f"{split}-00000-of-00001.parquet").write_bytes(b"PAR1")
+    msg = data_error(hub)
+    assert "it holds README.md, main/test-00000-of-00001.parquet, main/train-00000-of-00001.parquet" in msg, msg
+    assert f"(e.g. data.path={hub / 'main' / 'test-00000-of-00001.parquet'})" in msg, msg
 
 
 def test_the_length_check_counts_the_environments_first_turn(tmp_path: Path) -> None:
