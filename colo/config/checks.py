@@ -398,7 +398,7 @@ def _check_data(cfg: ColoConfig, key: str) -> None:
                               f"{did_you_mean(value[len(AUTO):], list(TASKS))}; fix: one of "
                               f"{[AUTO + t for t in TASKS]}")
         return
-    from colo.data.prompts import FILE_SUFFIXES, DataSource, as_prompt, dataset_columns  # light: no datasets yet
+    from colo.data.prompts import FILE_SUFFIXES, DataSource, as_prompt, check_rows, dataset_columns  # light
 
     source = DataSource.parse(value)
     if source.kind == "hub":
@@ -447,9 +447,16 @@ def _check_data(cfg: ColoConfig, key: str) -> None:
         kind = schema.field(cfg.data.prompt_key).type
         if not (pa.types.is_string(kind) or pa.types.is_large_string(kind) or _messages_type(kind)):
             raise ConfigError(_not_text(key, value, cfg.data.prompt_key, f"{kind} values"))
+        import pyarrow.parquet as pq
+
+        first = next(pq.ParquetFile(path).iter_batches(batch_size=1)).to_pylist()[0]
     elif as_prompt(first[cfg.data.prompt_key]) is None:
         raise ConfigError(_not_text(key, value, cfg.data.prompt_key,
                                     f"{_a(type(first[cfg.data.prompt_key]).__name__)} in its first row"))
+    try:  # the first row as read_rows reads every row at launch: a nested answer field named whole, say
+        check_rows([first], ["row 0"], [cfg.data.prompt_key, cfg.data.answer_key], value, [cfg.data.prompt_key])
+    except ValueError as e:
+        raise ConfigError(f"{key}={e}") from e
 
 
 def _messages_type(kind: Any) -> bool:

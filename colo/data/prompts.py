@@ -213,7 +213,7 @@ def read_rows(path: str | os.PathLike, required: Sequence[str], cache_only: bool
                              f"{sorted(ds.column_names)}); fix: data.prompt_key=/data.answer_key= to name them")
         wanted = list(dict.fromkeys(column(k) for k in required))
         rows = ds.select_columns(wanted).to_list()  # only those columns: datasets can be wide
-        return _check_rows(rows, [f"row {i}" for i in range(len(rows))], required, source.spec(), text)
+        return check_rows(rows, [f"row {i}" for i in range(len(rows))], required, source.spec(), text)
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"data file not found: {path}")
@@ -245,11 +245,13 @@ def read_rows(path: str | os.PathLike, required: Sequence[str], cache_only: bool
                 where.append(f"row {len(rows) - 1} (line {lineno})")
     else:
         raise ValueError(f"{path}: unsupported data format {path.suffix!r}; use .jsonl or .parquet")
-    return _check_rows(rows, where, required, str(path), text)
+    return check_rows(rows, where, required, str(path), text)
 
 
-def _check_rows(rows: list[dict], where: list[str], required: Sequence[str], name: str,
-                text: Sequence[str] = ()) -> list[dict]:
+def check_rows(rows: list[dict], where: list[str], required: Sequence[str], name: str,
+               text: Sequence[str] = ()) -> list[dict]:
+    """Every row has its `required` fields, its `text` fields (the prompt) are text or chat messages and the others
+    (the answer) one value each; raises ValueError naming the first row that does not (`where`: each row's place)."""
     for row, at in zip(rows, where):
         for key in required:
             if field_of(row, key) is None:  # Parquet and datasets fill absent values with None: missing too
@@ -259,9 +261,27 @@ def _check_rows(rows: list[dict], where: list[str], required: Sequence[str], nam
                 raise ValueError(f"{name}: {at}: field {key!r} is {type(row[key]).__name__} {str(row[key])[:40]}, "
                                  f"not text or chat messages; fix: data.prompt_key= the field that holds the prompts, "
                                  "or write them as strings or as [{\"role\": \"user\", \"content\": ...}] lists")
+        for key in (k for k in required if k not in text):  # the answer: rewards compare it as text
+            value = field_of(row, key)
+            if isinstance(value, dict):
+                raise ValueError(f"{name}: {at}: field {key!r} holds fields {sorted(value)}, not an answer (rewards "
+                                 f"would compare against its text and score 0); fix: data.answer_key={key}."
+                                 f"{_likely(value)} (dots name a nested field)")
+            if isinstance(value, (list, tuple)):
+                raise ValueError(f"{name}: {at}: field {key!r} is a list {str(value)[:40]}, not one answer (rewards "
+                                 "compare against text and would score its repr); fix: data.answer_key= a field with "
+                                 "one answer per row")
     if not rows:
         raise ValueError(f"{name}: no rows (the file is empty); fix: a file with one row per prompt")
     return rows
+
+
+def _likely(fields: dict) -> str:
+    """The nested field an answer most likely is (verl: ground_truth)."""
+    for name in ("ground_truth", "answer", "solution", "target"):
+        if name in fields:
+            return name
+    return sorted(fields)[0]
 
 
 def check_prompt_lengths(prompts: Sequence[Prompt], tokenizer: Any, chat_template: bool, system_prompt: str | None,

@@ -219,6 +219,14 @@ def test_chat_format_prompts_and_nested_answers_as_verl_writes_them(tmp_path: Pa
                                     f"run.dir={tmp_path}/r"], {}))
     with pytest.raises(ValueError, match=r"row 0: missing field 'reward_model.truth'"):
         read_rows(tmp_path / "verl.parquet", ["prompt", "reward_model.truth"])
+    # the answer's column named whole: every reward would score its text, 0, and nothing would say so
+    whole = load_config(None, [*overrides[:-1], "data.answer_key=reward_model"], {})
+    with pytest.raises(ConfigError, match=r"row 0: field 'reward_model' holds fields \['ground_truth', 'style'\], "
+                                          r"not an answer .* fix: data.answer_key=reward_model.ground_truth"):
+        validate(whole)
+    (tmp_path / "aliases.jsonl").write_text(json.dumps({"prompt": "Capital of France?", "answer": ["Paris", "paris"]}))
+    with pytest.raises(ValueError, match=r"row 0 \(line 1\): field 'answer' is a list \['Paris', 'paris'\], not one"):
+        PromptDataset(tmp_path / "aliases.jsonl", "prompt", "answer", tok)
 
 
 def test_a_tokenizer_without_a_pad_token_pads_with_its_eos(tmp_path: Path) -> None:
