@@ -129,7 +129,7 @@ def check_user_data(cfg: ColoConfig, resolved: ColoConfig) -> None:
     message may not fit). A system prompt needs a chat template: checked here too, with the checkpoint's tokenizer."""
     from colo import config
     from colo.data.inputs import check_first_turns, uses_chat_template
-    from colo.data.prompts import as_prompt, check_prompt_lengths, field_of, prompt_row, read_rows, row_prompt
+    from colo.data.prompts import check_prompt_lengths, prompt_row, read_examples
     from colo.data.tasks import task_rows
     from colo.envs.base import EnvError
 
@@ -143,17 +143,17 @@ def check_user_data(cfg: ColoConfig, resolved: ColoConfig) -> None:
         try:
             if value.startswith(config.AUTO):
                 rows = task_rows(value[len(config.AUTO):], "eval" if key == "eval_path" else "train", cfg.run.seed)
+                examples = [(r["prompt"], r["answer"]) for r in rows]
             else:
-                keys = [cfg.data.prompt_key, cfg.data.answer_key]
-                rows = [prompt_row(as_prompt(r[keys[0]]), str(field_of(r, keys[1])))
-                        for r in read_rows(path, keys, text=keys[:1])]
+                examples = read_examples(path, cfg.data.prompt_key, cfg.data.answer_key)
+                rows = [prompt_row(p, a) for p, a in examples]
             if tok is None:
                 tok = driver_tokenizer(cfg, resolved)
                 chat = uses_chat_template(cfg, tok)
             if key == "eval_path":  # only the first data.eval_size rows are used
-                rows = rows[:cfg.data.eval_size]
+                rows, examples = rows[:cfg.data.eval_size], examples[:cfg.data.eval_size]
             if not cfg.algo.environment:
-                check_prompt_lengths([row_prompt(r) for r in rows], tok, chat, cfg.data.system_prompt,
+                check_prompt_lengths([p for p, _ in examples], tok, chat, cfg.data.system_prompt,
                                      cfg.rollout.max_model_len, cfg.rollout.max_tokens, path)
         except (OSError, ValueError) as e:  # read_rows names the file, the row and the field
             raise config.ConfigError(f"data: {e}") from e

@@ -398,7 +398,7 @@ def _check_data(cfg: ColoConfig, key: str) -> None:
                               f"{did_you_mean(value[len(AUTO):], list(TASKS))}; fix: one of "
                               f"{[AUTO + t for t in TASKS]}")
         return
-    from colo.data.prompts import FILE_SUFFIXES, DataSource, as_prompt, check_rows, dataset_columns  # light
+    from colo.data.prompts import FILE_SUFFIXES, DataSource, as_prompt, check_rows, column, dataset_columns  # light
 
     source = DataSource.parse(value)
     if source.kind == "hub":
@@ -449,7 +449,8 @@ def _check_data(cfg: ColoConfig, key: str) -> None:
             raise ConfigError(_not_text(key, value, cfg.data.prompt_key, f"{kind} values"))
         import pyarrow.parquet as pq
 
-        first = next(pq.ParquetFile(path).iter_batches(batch_size=1)).to_pylist()[0]
+        wanted = list(dict.fromkeys(column(k) for k in (cfg.data.prompt_key, cfg.data.answer_key)))
+        first = next(pq.ParquetFile(path).iter_batches(batch_size=1, columns=wanted)).to_pylist()[0]
     elif as_prompt(first[cfg.data.prompt_key]) is None:
         raise ConfigError(_not_text(key, value, cfg.data.prompt_key,
                                     f"{_a(type(first[cfg.data.prompt_key]).__name__)} in its first row"))

@@ -77,11 +77,6 @@ def prompt_row(prompt: Prompt, answer: str) -> dict[str, Any]:
     return row
 
 
-def row_prompt(row: dict) -> Prompt:
-    """The prompt a prompt_row was made from."""
-    return as_prompt(row["messages"]) if "messages" in row else row["prompt"]
-
-
 def column(key: str) -> str:
     """The column a data key reads: "reward_model.ground_truth" -> "reward_model"."""
     return key.split(".", 1)[0]
@@ -248,6 +243,13 @@ def read_rows(path: str | os.PathLike, required: Sequence[str], cache_only: bool
     return check_rows(rows, where, required, str(path), text)
 
 
+def read_examples(path: str | os.PathLike, prompt_key: str, answer_key: str,
+                  cache_only: bool = False) -> list[tuple[Prompt, str]]:
+    """(prompt, answer) of every row (read_rows, checked): the prompt text or messages, the answer as text."""
+    rows = read_rows(path, [prompt_key, answer_key], cache_only, text=[prompt_key])
+    return [(as_prompt(r[prompt_key]), str(field_of(r, answer_key))) for r in rows]
+
+
 def check_rows(rows: list[dict], where: list[str], required: Sequence[str], name: str,
                text: Sequence[str] = ()) -> list[dict]:
     """Every row has its `required` fields, its `text` fields (the prompt) are text or chat messages and the others
@@ -378,9 +380,9 @@ class PromptDataset:
         if chat_template and not getattr(tokenizer, "chat_template", None):
             raise ValueError(f"chat_template=True but tokenizer {tokenizer.name_or_path!r} has no chat template")
         self.path = str(path)  # a file, or a dataset source spec (DataSource)
-        rows = read_rows(self.path, [prompt_key, answer_key], text=[prompt_key])
-        self.prompts: list[Prompt] = [as_prompt(r[prompt_key]) for r in rows]
-        self.answers = [str(field_of(r, answer_key)) for r in rows]
+        examples = read_examples(self.path, prompt_key, answer_key)
+        self.prompts: list[Prompt] = [p for p, _ in examples]
+        self.answers = [a for _, a in examples]
         self.tokenizer = tokenizer
         self.chat_template = chat_template
         self.system_prompt = system_prompt

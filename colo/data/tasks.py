@@ -129,10 +129,9 @@ def sft_examples(path: str | os.PathLike, prompt_key: str = "prompt",
                  answer_key: str = "answer") -> list[Example]:
     """(prompt, answer) pairs from a task file (JSONL or Parquet) for the supervised warm-up; a prompt is text or
     chat messages (colo.data.prompts.Prompt)."""
-    from colo.data.prompts import as_prompt, field_of, read_rows
+    from colo.data.prompts import read_examples
 
-    return [(as_prompt(r[prompt_key]), str(field_of(r, answer_key)))
-            for r in read_rows(path, [prompt_key, answer_key], text=[prompt_key])]
+    return read_examples(path, prompt_key, answer_key)
 
 
 def main(argv: list[str] | None = None) -> None:
